@@ -1,0 +1,61 @@
+//! Collective communication between tensor-parallel ranks.
+//!
+//! Every call takes a deadline: a collective that cannot complete in time returns
+//! [`Error::Timeout`](crate::Error::Timeout) naming the rank and the step instead of waiting forever.
+
+use crate::{Error, Result, Tensor};
+use std::fmt::Debug;
+use std::time::Duration;
+
+/// A communicator among `world_size` ranks.
+pub trait Comm: Send + Sync + Debug {
+    /// This rank's index.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// Sums `tensor` element-wise over all ranks, in place. `step` names the caller's step for
+    /// error messages.
+    fn all_reduce_sum(&self, tensor: &mut Tensor, step: &str, deadline: Duration) -> Result<()>;
+    /// Concatenates every rank's `input` along the outermost dimension into `output`.
+    fn all_gather(&self, input: &Tensor, output: &mut Tensor, step: &str, deadline: Duration) -> Result<()>;
+    /// Copies `tensor` from rank `root` to all ranks.
+    fn broadcast(&self, tensor: &mut Tensor, root: usize, step: &str, deadline: Duration) -> Result<()>;
+    /// Waits until every rank reaches this point.
+    fn barrier(&self, step: &str, deadline: Duration) -> Result<()>;
+}
+
+/// The communicator of a single rank: every collective is the identity.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SingleRank;
+
+impl Comm for SingleRank {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn all_reduce_sum(&self, _tensor: &mut Tensor, _step: &str, _deadline: Duration) -> Result<()> {
+        Ok(())
+    }
+    fn all_gather(&self, input: &Tensor, output: &mut Tensor, step: &str, _deadline: Duration) -> Result<()> {
+        if input.desc() != output.desc() {
+            return Err(Error::shape(format!("all_gather in {step}"), input.desc(), output.desc()));
+        }
+        let src = input.buffer().host_bytes().ok_or_else(|| Error::Unsupported("single-rank all_gather of device memory".into()))?;
+        let n = input.desc().bytes();
+        let src = src[..n].to_vec();
+        let dst = output.buffer_mut().host_bytes_mut().ok_or_else(|| Error::Unsupported("single-rank all_gather of device memory".into()))?;
+        dst[..n].copy_from_slice(&src);
+        Ok(())
+    }
+    fn broadcast(&self, _tensor: &mut Tensor, root: usize, step: &str, _deadline: Duration) -> Result<()> {
+        if root != 0 {
+            return Err(Error::invalid(format!("broadcast in {step}: root {root} but the world has one rank")));
+        }
+        Ok(())
+    }
+    fn barrier(&self, _step: &str, _deadline: Duration) -> Result<()> {
+        Ok(())
+    }
+}

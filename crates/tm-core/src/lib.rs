@@ -1,0 +1,33 @@
+//! tm-core: the vocabulary every other tm crate speaks.
+//!
+//! - [`dtype`]: element types (f32, f16, bf16, i8, u8, i32, packed int4).
+//! - [`tensor`]: tensor descriptors and device tensors that own their memory.
+//! - [`device`] and [`alloc`]: the `Device` and `Allocator` traits; memory is handed out as owning
+//!   RAII [`alloc::Buffer`]s tied to their allocator.
+//! - [`comm`]: the `Comm` trait for collectives with deadlines, and the single-rank implementation.
+//! - [`ops`]: the kernel-ops interface the model is written against (one kernel per call).
+//! - [`quant`]: the group-wise int4/int8 weight layout shared by importers and kernels.
+//! - [`rope`]: rotary-embedding frequencies for every scaling type the models use.
+//! - [`sampling`]: sampling parameters and the host reference sampler.
+//! - [`host_memory`]: what the host really has free (MemAvailable, cgroup limits).
+//! - [`error`]: the error type.
+
+pub mod alloc;
+pub mod comm;
+pub mod device;
+pub mod dtype;
+pub mod error;
+pub mod host_memory;
+pub mod ops;
+pub mod quant;
+pub mod rope;
+pub mod sampling;
+pub mod tensor;
+
+pub use alloc::{Allocator, Buffer};
+pub use comm::{Comm, SingleRank};
+pub use device::{Device, DeviceKind, MemoryInfo};
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use ops::Ops;
+pub use tensor::{Tensor, TensorDesc};

@@ -1,0 +1,140 @@
+//! The kernel-ops interface the model is written against.
+//!
+//! One method is one kernel launch. Activations are row-major `[tokens, features]` tensors in the
+//! backend's [`Ops::activation_dtype`]; small per-step inputs (token ids, positions, slot mapping,
+//! block tables) are passed as host slices and uploaded by the backend as it needs.
+//!
+//! The KV cache of a layer is two tensors `[num_blocks, block_size, kv_heads, head_dim]`. A
+//! token's slot is `block * block_size + offset`; a sequence's block table lists its blocks in
+//! order, so attention reads keys and values through it (paged attention).
+
+use crate::quant::Weight;
+use crate::rope::RopeFreqs;
+use crate::sampling::{apply_penalties, sample_from_logits, Rng, SamplingParams};
+use crate::{Allocator, DType, Device, Error, Result, Tensor, TensorDesc};
+use std::sync::Arc;
+
+/// One sequence's part of a flat batch, as attention sees it.
+#[derive(Clone, Debug)]
+pub struct SeqAttention<'a> {
+    /// Index of this sequence's first query token in the batch.
+    pub query_start: usize,
+    /// Number of query tokens (the prefill chunk length, or 1 when decoding).
+    pub query_len: usize,
+    /// Tokens in the cache for this sequence, this step's included. The query tokens are the
+    /// last `query_len` of them.
+    pub context_len: usize,
+    /// Blocks holding the sequence's keys and values, in order.
+    pub block_table: &'a [u32],
+}
+
+/// Everything attention needs about the batch.
+#[derive(Clone, Debug)]
+pub struct AttentionMeta<'a> {
+    /// The sequences of the batch, in batch order.
+    pub seqs: &'a [SeqAttention<'a>],
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Multiplier on q·k (usually `1/sqrt(head_dim)`).
+    pub scale: f32,
+    /// Attend only to the last `w` positions, if set.
+    pub sliding_window: Option<usize>,
+}
+
+/// What the sampler needs for one sequence.
+#[derive(Debug)]
+pub struct SampleRequest<'a> {
+    /// Sampling parameters.
+    pub params: &'a SamplingParams,
+    /// Prompt tokens (for the repetition penalty).
+    pub prompt: &'a [u32],
+    /// Tokens generated so far.
+    pub output: &'a [u32],
+    /// The sequence's random stream.
+    pub rng: &'a mut Rng,
+}
+
+/// The kernels a backend provides. Every method checks shapes and returns an error rather than
+/// panicking.
+pub trait Ops: Send + Sync + std::fmt::Debug {
+    /// The device the kernels run on.
+    fn device(&self) -> Arc<dyn Device>;
+    /// The allocator tensors come from.
+    fn allocator(&self) -> &Arc<dyn Allocator>;
+    /// The dtype of activations (hidden states, q/k/v, logits) on this backend.
+    fn activation_dtype(&self) -> DType;
+    /// The dtype this backend stores a dense weight of `src` dtype in.
+    fn weight_dtype(&self, src: DType) -> DType;
+
+    /// A zero-filled tensor. `phase` names what it is for (weights, kv cache, workspace).
+    fn zeros(&self, desc: TensorDesc, phase: &str) -> Result<Tensor> {
+        Tensor::zeros(self.allocator(), desc, phase)
+    }
+    /// Copies host bytes (already in `dst`'s dtype) into `dst`.
+    fn upload(&self, dst: &mut Tensor, src: &[u8]) -> Result<()>;
+    /// Copies `src` into host bytes (in `src`'s dtype).
+    fn download(&self, src: &Tensor, dst: &mut [u8]) -> Result<()>;
+    /// Makes a dense weight tensor from host bytes of dtype `src_dtype`, converting to
+    /// [`Ops::weight_dtype`].
+    fn load_dense(&self, src_dtype: DType, shape: &[usize], src: &[u8], phase: &str) -> Result<Tensor>;
+
+    /// `out[t] = table[ids[t]]`.
+    fn embedding(&self, table: &Weight, ids: &[u32], out: &mut Tensor) -> Result<()>;
+    /// RMSNorm over rows of `weight.numel()` features: `out = x / rms(x) * weight`.
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()>;
+    /// Fused residual add and RMSNorm: `residual += x; out = rms_norm(residual)`.
+    fn add_rms_norm(&self, x: &Tensor, residual: &mut Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()>;
+    /// `out = x W^T (+ bias)` for `x: [n, cols]`, `W: [rows, cols]`, `out: [n, rows]`.
+    fn matmul(&self, x: &Tensor, w: &Weight, bias: Option<&Tensor>, out: &mut Tensor) -> Result<()>;
+    /// Rotates `x: [tokens, heads * head_dim]` in place; `head_dim = 2 * inv_freq.len()`.
+    fn rope(&self, x: &mut Tensor, positions: &[u32], freqs: &RopeFreqs) -> Result<()>;
+    /// `out = silu(gate) * up`.
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()>;
+    /// `x += y`.
+    fn add_in_place(&self, x: &mut Tensor, y: &Tensor) -> Result<()>;
+    /// Writes `k, v: [tokens, kv_heads * head_dim]` into the caches at `slot_mapping[t]`.
+    fn write_kv(&self, k: &Tensor, v: &Tensor, k_cache: &mut Tensor, v_cache: &mut Tensor, slot_mapping: &[u32]) -> Result<()>;
+    /// Causal paged attention: `q: [tokens, heads * head_dim]` → `out` of the same shape. Query
+    /// heads are grouped onto KV heads (GQA).
+    fn attention(&self, q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMeta<'_>, out: &mut Tensor) -> Result<()>;
+    /// `out[i] = x[rows[i]]`.
+    fn gather_rows(&self, x: &Tensor, rows: &[u32], out: &mut Tensor) -> Result<()>;
+
+    /// Draws one token per row of `logits: [n, vocab]`. The default downloads the logits and
+    /// runs the host sampler; GPU backends override it to sample on the device.
+    fn sample(&self, logits: &Tensor, requests: &mut [SampleRequest<'_>]) -> Result<Vec<u32>> {
+        let shape = logits.shape();
+        if shape.len() != 2 || shape[0] != requests.len() {
+            return Err(Error::shape("sample", format!("[{}, vocab]", requests.len()), shape));
+        }
+        let all = self.download_f32(logits)?;
+        let vocab = shape[1];
+        let mut scratch = Vec::new();
+        let mut row = Vec::with_capacity(vocab);
+        let mut tokens = Vec::with_capacity(requests.len());
+        for (i, req) in requests.iter_mut().enumerate() {
+            row.clear();
+            row.extend_from_slice(&all[i * vocab..(i + 1) * vocab]);
+            apply_penalties(&mut row, req.params, req.prompt, req.output);
+            tokens.push(sample_from_logits(&row, req.params, req.rng, &mut scratch));
+        }
+        Ok(tokens)
+    }
+
+    /// Downloads a float tensor as f32.
+    fn download_f32(&self, src: &Tensor) -> Result<Vec<f32>> {
+        let mut bytes = vec![0u8; src.desc().bytes()];
+        self.download(src, &mut bytes)?;
+        to_f32(src.dtype(), &bytes)
+    }
+}
+
+/// Converts host bytes of a float dtype to f32.
+pub fn to_f32(dtype: DType, bytes: &[u8]) -> Result<Vec<f32>> {
+    Ok(match dtype {
+        DType::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(bytes),
+        DType::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        DType::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        other => return Err(Error::DType { op: "to_f32".into(), expected: "a float dtype".into(), got: other.to_string() }),
+    })
+}

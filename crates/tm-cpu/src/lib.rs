@@ -1,0 +1,1 @@
+//! tm-cpu: the CPU reference backend.
