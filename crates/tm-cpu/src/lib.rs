@@ -1,1 +1,293 @@
 //! tm-cpu: the CPU reference backend.
+//!
+//! Implements tm-core's `Device`, `Allocator` and `Ops` on the host: rayon for parallelism,
+//! faer for f32 matrix products, dequantize-on-the-fly kernels for int4/int8 weights. Every
+//! other backend is tested op by op against it. Activations and dense weights are f32 (f16/bf16
+//! weights are widened once, at load).
+
+pub mod allocator;
+pub mod attention;
+pub mod device;
+pub mod matmul;
+pub mod norm;
+pub mod rope;
+
+pub use allocator::CpuAllocator;
+pub use device::CpuDevice;
+
+use std::sync::Arc;
+use tm_core::ops::{to_f32, AttentionMeta};
+use tm_core::quant::Weight;
+use tm_core::rope::RopeFreqs;
+use tm_core::{Allocator, DType, Device, Error, Ops, Result, Tensor};
+
+/// The CPU backend.
+#[derive(Debug)]
+pub struct CpuBackend {
+    allocator: Arc<dyn Allocator>,
+}
+
+impl CpuBackend {
+    /// A backend with an uncapped allocator.
+    pub fn new() -> Self {
+        CpuBackend { allocator: Arc::new(CpuAllocator::new()) }
+    }
+
+    /// A backend whose allocator refuses to hold more than `cap` bytes.
+    pub fn with_memory_cap(cap: u64) -> Self {
+        CpuBackend { allocator: Arc::new(CpuAllocator::with_cap(Some(cap))) }
+    }
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn f32s<'a>(t: &'a Tensor, what: &str) -> Result<&'a [f32]> {
+    t.expect_dtype(what, DType::F32)?;
+    t.host::<f32>()
+}
+
+fn f32s_mut<'a>(t: &'a mut Tensor, what: &str) -> Result<&'a mut [f32]> {
+    t.expect_dtype(what, DType::F32)?;
+    t.host_mut::<f32>()
+}
+
+fn same_numel(op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.numel() != b.numel() {
+        return Err(Error::shape(op, a.shape(), b.shape()));
+    }
+    Ok(())
+}
+
+/// Rows of a `[rows, features]` activation, checking the feature count.
+fn rows_of(op: &str, t: &Tensor, features: usize) -> Result<usize> {
+    if features == 0 || t.numel() % features != 0 {
+        return Err(Error::shape(op, format!("[_, {features}]"), t.shape()));
+    }
+    Ok(t.numel() / features)
+}
+
+impl Ops for CpuBackend {
+    fn device(&self) -> Arc<dyn Device> {
+        self.allocator.device()
+    }
+    fn allocator(&self) -> &Arc<dyn Allocator> {
+        &self.allocator
+    }
+    fn activation_dtype(&self) -> DType {
+        DType::F32
+    }
+    fn weight_dtype(&self, src: DType) -> DType {
+        if src.is_float() {
+            DType::F32
+        } else {
+            src
+        }
+    }
+
+    fn upload(&self, dst: &mut Tensor, src: &[u8]) -> Result<()> {
+        let n = dst.desc().bytes();
+        if src.len() != n {
+            return Err(Error::shape("upload", format!("{n} bytes"), format!("{} bytes", src.len())));
+        }
+        let bytes = dst.buffer_mut().host_bytes_mut().ok_or_else(|| Error::Unsupported("cpu upload".into()))?;
+        bytes[..n].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download(&self, src: &Tensor, dst: &mut [u8]) -> Result<()> {
+        let n = src.desc().bytes();
+        let bytes = src.buffer().host_bytes().ok_or_else(|| Error::Unsupported("cpu download".into()))?;
+        if dst.len() != n {
+            return Err(Error::shape("download", format!("{n} bytes"), format!("{} bytes", dst.len())));
+        }
+        dst.copy_from_slice(&bytes[..n]);
+        Ok(())
+    }
+
+    fn load_dense(&self, src_dtype: DType, shape: &[usize], src: &[u8], phase: &str) -> Result<Tensor> {
+        let desc = tm_core::TensorDesc::new(src_dtype, shape);
+        if src.len() != desc.bytes() {
+            return Err(Error::shape("load_dense", format!("{} bytes for {shape:?} {src_dtype}", desc.bytes()), src.len()));
+        }
+        let target = self.weight_dtype(src_dtype);
+        let mut t = self.zeros(tm_core::TensorDesc::new(target, shape), phase)?;
+        if target == src_dtype {
+            self.upload(&mut t, src)?;
+        } else {
+            let v = to_f32(src_dtype, src)?;
+            t.host_mut::<f32>()?.copy_from_slice(&v);
+        }
+        Ok(t)
+    }
+
+    fn embedding(&self, table: &Weight, ids: &[u32], out: &mut Tensor) -> Result<()> {
+        let (vocab, hidden) = table.dims();
+        if out.numel() != ids.len() * hidden {
+            return Err(Error::shape("embedding output", [ids.len(), hidden], out.shape()));
+        }
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(Error::invalid(format!("token id {bad} is outside the vocabulary of {vocab}")));
+        }
+        let o = f32s_mut(out, "embedding output")?;
+        for (row, &id) in o.chunks_mut(hidden).zip(ids) {
+            matmul::weight_row(table, id as usize, row)?;
+        }
+        Ok(())
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
+        same_numel("rms_norm", x, out)?;
+        rows_of("rms_norm", x, weight.numel())?;
+        norm::rms_norm(f32s(x, "rms_norm input")?, f32s(weight, "rms_norm weight")?, eps, f32s_mut(out, "rms_norm output")?);
+        Ok(())
+    }
+
+    fn add_rms_norm(&self, x: &Tensor, residual: &mut Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
+        same_numel("add_rms_norm", x, out)?;
+        same_numel("add_rms_norm", x, residual)?;
+        rows_of("add_rms_norm", x, weight.numel())?;
+        norm::add_rms_norm(
+            f32s(x, "add_rms_norm input")?,
+            f32s_mut(residual, "residual")?,
+            f32s(weight, "rms_norm weight")?,
+            eps,
+            f32s_mut(out, "add_rms_norm output")?,
+        );
+        Ok(())
+    }
+
+    fn matmul(&self, x: &Tensor, w: &Weight, bias: Option<&Tensor>, out: &mut Tensor) -> Result<()> {
+        let (rows, cols) = w.dims();
+        let n = rows_of("matmul input", x, cols)?;
+        if out.numel() != n * rows {
+            return Err(Error::shape("matmul output", [n, rows], out.shape()));
+        }
+        let xs = f32s(x, "matmul input")?;
+        let os = f32s_mut(out, "matmul output")?;
+        matmul::matmul(xs, n, w, os)?;
+        if let Some(b) = bias {
+            let b = f32s(b, "bias")?;
+            if b.len() != rows {
+                return Err(Error::shape("bias", [rows], [b.len()]));
+            }
+            for row in os.chunks_mut(rows) {
+                for (o, bi) in row.iter_mut().zip(b) {
+                    *o += bi;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn rope(&self, x: &mut Tensor, positions: &[u32], freqs: &RopeFreqs) -> Result<()> {
+        let head_dim = 2 * freqs.inv_freq.len();
+        let tokens = positions.len();
+        if tokens == 0 || x.numel() % (tokens * head_dim.max(1)) != 0 {
+            return Err(Error::shape("rope", format!("[{tokens}, heads * {head_dim}]"), x.shape()));
+        }
+        rope::rope(f32s_mut(x, "rope input")?, head_dim, positions, freqs);
+        Ok(())
+    }
+
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
+        same_numel("silu_mul", gate, up)?;
+        same_numel("silu_mul", gate, out)?;
+        let (g, u) = (f32s(gate, "gate")?, f32s(up, "up")?);
+        use rayon::prelude::*;
+        f32s_mut(out, "silu_mul output")?.par_iter_mut().zip(g.par_iter().zip(u)).for_each(|(o, (g, u))| {
+            *o = g / (1.0 + (-g).exp()) * u;
+        });
+        Ok(())
+    }
+
+    fn add_in_place(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
+        same_numel("add_in_place", x, y)?;
+        let ys = f32s(y, "addend")?;
+        for (a, b) in f32s_mut(x, "add_in_place")?.iter_mut().zip(ys) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    fn write_kv(&self, k: &Tensor, v: &Tensor, k_cache: &mut Tensor, v_cache: &mut Tensor, slot_mapping: &[u32]) -> Result<()> {
+        same_numel("write_kv", k, v)?;
+        let shape = k_cache.shape().to_vec();
+        if shape.len() != 4 || v_cache.shape() != shape.as_slice() {
+            return Err(Error::shape("kv cache", "[blocks, block_size, kv_heads, head_dim]", shape));
+        }
+        let width = shape[2] * shape[3];
+        let slots = shape[0] * shape[1];
+        if k.numel() != slot_mapping.len() * width {
+            return Err(Error::shape("write_kv", [slot_mapping.len(), width], k.shape()));
+        }
+        if let Some(&bad) = slot_mapping.iter().find(|&&s| s as usize >= slots) {
+            return Err(Error::invalid(format!("kv slot {bad} is outside the cache of {slots} slots")));
+        }
+        let (ks, vs) = (f32s(k, "k")?, f32s(v, "v")?);
+        for (cache, src) in [(f32s_mut(k_cache, "k cache")?, ks), (f32s_mut(v_cache, "v cache")?, vs)] {
+            for (t, &slot) in slot_mapping.iter().enumerate() {
+                let s = slot as usize * width;
+                cache[s..s + width].copy_from_slice(&src[t * width..(t + 1) * width]);
+            }
+        }
+        Ok(())
+    }
+
+    fn attention(&self, q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMeta<'_>, out: &mut Tensor) -> Result<()> {
+        same_numel("attention", q, out)?;
+        let shape = k_cache.shape();
+        if shape.len() != 4 || v_cache.shape() != shape || shape[1] != meta.block_size {
+            return Err(Error::shape("attention kv cache", format!("[blocks, {}, kv_heads, head_dim]", meta.block_size), shape));
+        }
+        let (blocks, kv_heads, head_dim) = (shape[0], shape[2], shape[3]);
+        let tokens: usize = meta.seqs.iter().map(|s| s.query_len).sum();
+        if tokens == 0 || q.numel() % (tokens * head_dim) != 0 {
+            return Err(Error::shape("attention q", format!("[{tokens}, heads * {head_dim}]"), q.shape()));
+        }
+        let heads = q.numel() / (tokens * head_dim);
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(Error::invalid(format!("{heads} query heads cannot be grouped onto {kv_heads} kv heads")));
+        }
+        let mut next = 0;
+        for s in meta.seqs {
+            let blocks_needed = s.context_len.div_ceil(meta.block_size);
+            if s.query_start != next || s.query_len > s.context_len || s.block_table.len() < blocks_needed {
+                return Err(Error::invalid(format!("bad attention metadata for a sequence: {s:?}")));
+            }
+            if let Some(&b) = s.block_table[..blocks_needed].iter().find(|&&b| b as usize >= blocks) {
+                return Err(Error::invalid(format!("block {b} is outside the cache of {blocks} blocks")));
+            }
+            next += s.query_len;
+        }
+        attention::paged_attention(
+            f32s(q, "q")?,
+            f32s(k_cache, "k cache")?,
+            f32s(v_cache, "v cache")?,
+            meta,
+            attention::AttnDims { heads, kv_heads, head_dim },
+            f32s_mut(out, "attention output")?,
+        );
+        Ok(())
+    }
+
+    fn gather_rows(&self, x: &Tensor, rows: &[u32], out: &mut Tensor) -> Result<()> {
+        let n_rows = x.shape().first().copied().unwrap_or(0);
+        let width = if n_rows == 0 { 0 } else { x.numel() / n_rows };
+        if out.numel() != rows.len() * width {
+            return Err(Error::shape("gather_rows output", [rows.len(), width], out.shape()));
+        }
+        if let Some(&bad) = rows.iter().find(|&&r| r as usize >= n_rows) {
+            return Err(Error::invalid(format!("row {bad} is outside a tensor of {n_rows} rows")));
+        }
+        let xs = f32s(x, "gather_rows input")?;
+        let os = f32s_mut(out, "gather_rows output")?;
+        for (o, &r) in os.chunks_mut(width).zip(rows) {
+            o.copy_from_slice(&xs[r as usize * width..(r as usize + 1) * width]);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,67 @@
+//! Matrix products `out = x W^T`: faer for dense f32 weights, dequantize-on-the-fly kernels for
+//! int4/int8 groups.
+
+use faer::{Accum, MatMut, MatRef, Par};
+use half::f16;
+use tm_core::quant::{int4_position, QuantWeight, Weight};
+use tm_core::{DType, Error, Result};
+
+/// `out[n, rows] = x[n, cols] · W^T`.
+pub fn matmul(x: &[f32], n: usize, w: &Weight, out: &mut [f32]) -> Result<()> {
+    match w {
+        Weight::Dense(t) => {
+            t.expect_dtype("dense weight", DType::F32)?;
+            let (rows, cols) = w.dims();
+            let wd = t.host::<f32>()?;
+            let lhs = MatRef::from_row_major_slice(x, n, cols);
+            let rhs = MatRef::from_row_major_slice(wd, rows, cols).transpose();
+            let dst = MatMut::from_row_major_slice_mut(out, n, rows);
+            faer::linalg::matmul::matmul(dst, Accum::Replace, lhs, rhs, 1.0f32, Par::rayon(0));
+            Ok(())
+        }
+        Weight::Int4(_) | Weight::Int8(_) => Err(Error::Unsupported("quantized matmul on the cpu".into())),
+    }
+}
+
+/// Writes row `r` of a weight matrix, dequantized to f32, into `out` (used by the embedding).
+pub fn weight_row(w: &Weight, r: usize, out: &mut [f32]) -> Result<()> {
+    let (_, cols) = w.dims();
+    match w {
+        Weight::Dense(t) => {
+            out.copy_from_slice(&t.host::<f32>()?[r * cols..(r + 1) * cols]);
+        }
+        Weight::Int4(q) => {
+            let (packed, scales, mins) = quant_parts(q)?;
+            let mins = mins.ok_or_else(|| Error::invalid("int4 weight without mins"))?;
+            let row = &packed[r * cols / 2..(r + 1) * cols / 2];
+            let groups = cols / q.group_size;
+            for (c, o) in out.iter_mut().enumerate() {
+                let (byte, high) = int4_position(c);
+                let v = if high { row[byte] >> 4 } else { row[byte] & 15 };
+                let g = r * groups + c / q.group_size;
+                *o = v as f32 * scales[g].to_f32() + mins[g].to_f32();
+            }
+        }
+        Weight::Int8(q) => {
+            let (packed, scales, _) = quant_parts(q)?;
+            let groups = cols / q.group_size;
+            for (c, o) in out.iter_mut().enumerate() {
+                let v = packed[r * cols + c] as i8;
+                *o = v as f32 * scales[r * groups + c / q.group_size].to_f32();
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Host views of a quantized weight's parts.
+pub fn quant_parts(q: &QuantWeight) -> Result<(&[u8], &[f16], Option<&[f16]>)> {
+    let packed = q.packed.buffer().host_bytes().ok_or_else(|| Error::Unsupported("quantized weight not on the host".into()))?;
+    let packed = &packed[..q.packed.desc().bytes()];
+    let scales = q.scales.host::<f16>()?;
+    let mins = match &q.mins {
+        Some(m) => Some(m.host::<f16>()?),
+        None => None,
+    };
+    Ok((packed, scales, mins))
+}

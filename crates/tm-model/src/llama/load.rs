@@ -1,0 +1,173 @@
+//! Loading Llama-family weights from a [`TensorSource`] onto a backend.
+//!
+//! Hugging Face names are the canonical ones. InternLM2 checkpoints are mapped onto them:
+//! `tok_embeddings` → `embed_tokens`, `attention.wo` → `self_attn.o_proj`, `feed_forward.w1/w3/w2`
+//! → `mlp.gate/up/down_proj`, `attention_norm`/`ffn_norm` → `input/post_attention_layernorm`,
+//! `output` → `lm_head`, and the packed `attention.wqkv` is split into q, k and v: its rows are
+//! grouped per KV head, each group holding `heads/kv_heads` query heads, then one key head, then
+//! one value head (`head_dim` rows each).
+
+use super::LayerWeights;
+use crate::config::{Arch, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::weights::{Encoding, TensorRef, TensorSource};
+use tm_core::quant::Weight;
+use tm_core::{Ops, Tensor};
+
+/// Loads tensors by their Hugging Face names, translating for the architecture.
+pub(super) struct Loader<'a> {
+    pub ops: &'a dyn Ops,
+    pub src: &'a dyn TensorSource,
+    pub cfg: &'a ModelConfig,
+    /// Called with the bytes of each tensor loaded (for progress bars).
+    pub on_tensor: &'a mut dyn FnMut(u64),
+}
+
+fn internlm2_name(hf: &str) -> String {
+    hf.replace("model.embed_tokens", "model.tok_embeddings")
+        .replace("self_attn.o_proj", "attention.wo")
+        .replace("mlp.gate_proj", "feed_forward.w1")
+        .replace("mlp.up_proj", "feed_forward.w3")
+        .replace("mlp.down_proj", "feed_forward.w2")
+        .replace("input_layernorm", "attention_norm")
+        .replace("post_attention_layernorm", "ffn_norm")
+        .replace("lm_head", "output")
+}
+
+impl<'a> Loader<'a> {
+    fn get(&self, hf_name: &str) -> Result<TensorRef<'a>> {
+        let src: &'a dyn TensorSource = self.src;
+        match self.cfg.arch {
+            Arch::InternLM2 => src.tensor(&internlm2_name(hf_name)),
+            _ => src.tensor(hf_name),
+        }
+    }
+
+    fn check_shape(t: &TensorRef<'_>, expected: &[usize]) -> Result<()> {
+        if t.shape != expected {
+            return Err(ModelError::TensorShape {
+                name: t.name.clone(),
+                path: t.file.to_path_buf(),
+                expected: expected.to_vec(),
+                got: t.shape.clone(),
+                dtype: format!("{:?}", t.encoding),
+            });
+        }
+        Ok(())
+    }
+
+    /// A matrix `[rows, cols]`.
+    pub fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+        let t = self.get(name)?;
+        Self::check_shape(&t, &[rows, cols])?;
+        let w = tensor_to_weight(self.ops, &t)?;
+        (self.on_tensor)(t.bytes.len() as u64);
+        Ok(w)
+    }
+
+    /// A vector of `len` (norm weights, biases), stored as the backend's activation dtype.
+    pub fn vector(&mut self, name: &str, len: usize) -> Result<Tensor> {
+        let t = self.get(name)?;
+        Self::check_shape(&t, &[len])?;
+        let Encoding::Plain(dtype) = t.encoding else {
+            return Err(ModelError::format(t.file, format!("tensor `{name}` must be a float vector, found {:?}", t.encoding)));
+        };
+        let v = self.ops.load_dense(dtype, &[len], t.bytes, "weights")?;
+        (self.on_tensor)(t.bytes.len() as u64);
+        Ok(v)
+    }
+
+    /// Whether a tensor exists (under the architecture's naming).
+    pub fn has(&self, name: &str) -> bool {
+        match self.cfg.arch {
+            Arch::InternLM2 => self.src.contains(&internlm2_name(name)),
+            _ => self.src.contains(name),
+        }
+    }
+
+    /// q, k and v projections of layer `i`.
+    fn qkv(&mut self, i: usize) -> Result<(Weight, Weight, Weight)> {
+        let c = self.cfg;
+        let p = format!("model.layers.{i}.self_attn");
+        if c.arch != Arch::InternLM2 {
+            return Ok((
+                self.matrix(&format!("{p}.q_proj.weight"), c.q_dim(), c.hidden_size)?,
+                self.matrix(&format!("{p}.k_proj.weight"), c.kv_dim(), c.hidden_size)?,
+                self.matrix(&format!("{p}.v_proj.weight"), c.kv_dim(), c.hidden_size)?,
+            ));
+        }
+        let name = format!("model.layers.{i}.attention.wqkv.weight");
+        let src: &'a dyn TensorSource = self.src;
+        let t = src.tensor(&name)?;
+        Self::check_shape(&t, &[c.q_dim() + 2 * c.kv_dim(), c.hidden_size])?;
+        let Encoding::Plain(dtype) = t.encoding else {
+            return Err(ModelError::format(t.file, format!("`{name}`: quantized wqkv is not supported")));
+        };
+        let row_bytes = dtype.storage_bytes(c.hidden_size);
+        let head_bytes = row_bytes * c.head_dim;
+        let group = c.num_heads / c.num_kv_heads;
+        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        for (g, chunk) in t.bytes.chunks(head_bytes * (group + 2)).enumerate() {
+            if chunk.len() != head_bytes * (group + 2) {
+                return Err(ModelError::format(t.file, format!("`{name}`: kv group {g} is truncated")));
+            }
+            q.extend_from_slice(&chunk[..group * head_bytes]);
+            k.extend_from_slice(&chunk[group * head_bytes..(group + 1) * head_bytes]);
+            v.extend_from_slice(&chunk[(group + 1) * head_bytes..]);
+        }
+        let load = |bytes: &[u8], rows| self.ops.load_dense(dtype, &[rows, c.hidden_size], bytes, "weights");
+        let out = (
+            Weight::Dense(load(&q, c.q_dim())?),
+            Weight::Dense(load(&k, c.kv_dim())?),
+            Weight::Dense(load(&v, c.kv_dim())?),
+        );
+        (self.on_tensor)(t.bytes.len() as u64);
+        Ok(out)
+    }
+
+    /// Every weight of layer `i`.
+    pub fn layer(&mut self, i: usize) -> Result<LayerWeights> {
+        let c = self.cfg;
+        let p = format!("model.layers.{i}");
+        let (q, k, v) = self.qkv(i)?;
+        let bias = |l: &mut Self, n: &str, len| -> Result<Option<Tensor>> {
+            if c.qkv_bias {
+                Ok(Some(l.vector(&format!("{p}.self_attn.{n}.bias"), len)?))
+            } else {
+                Ok(None)
+            }
+        };
+        let qkv_bias = (bias(self, "q_proj", c.q_dim())?, bias(self, "k_proj", c.kv_dim())?, bias(self, "v_proj", c.kv_dim())?);
+        let qk_norm = if c.qk_norm {
+            Some((
+                self.vector(&format!("{p}.self_attn.q_norm.weight"), c.head_dim)?,
+                self.vector(&format!("{p}.self_attn.k_norm.weight"), c.head_dim)?,
+            ))
+        } else {
+            None
+        };
+        Ok(LayerWeights {
+            attn_norm: self.vector(&format!("{p}.input_layernorm.weight"), c.hidden_size)?,
+            q,
+            k,
+            v,
+            qkv_bias,
+            qk_norm,
+            o: self.matrix(&format!("{p}.self_attn.o_proj.weight"), c.hidden_size, c.q_dim())?,
+            mlp_norm: self.vector(&format!("{p}.post_attention_layernorm.weight"), c.hidden_size)?,
+            gate: self.matrix(&format!("{p}.mlp.gate_proj.weight"), c.intermediate_size, c.hidden_size)?,
+            up: self.matrix(&format!("{p}.mlp.up_proj.weight"), c.intermediate_size, c.hidden_size)?,
+            down: self.matrix(&format!("{p}.mlp.down_proj.weight"), c.hidden_size, c.intermediate_size)?,
+        })
+    }
+}
+
+/// Turns a checkpoint tensor into a backend weight: dense floats widened or kept as the backend
+/// prefers, GGUF blocks imported into tm's int4/int8 layout without expanding.
+pub fn tensor_to_weight(ops: &dyn Ops, t: &TensorRef<'_>) -> Result<Weight> {
+    match t.encoding {
+        Encoding::Plain(d) if d.is_float() => Ok(Weight::Dense(ops.load_dense(d, &t.shape, t.bytes, "weights")?)),
+        Encoding::Plain(d) => Err(ModelError::format(t.file, format!("tensor `{}` has dtype {d}, expected a float type", t.name))),
+        Encoding::Q4_0 | Encoding::Q4_1 | Encoding::Q8_0 => crate::llama::quant_load::import_gguf_weight(ops, t),
+    }
+}
