@@ -1,1 +1,58 @@
-fn main() {}
+//! `tm-cli`: chat with, generate from, serve and inspect models.
+//!
+//! Generated text goes to stdout; logs, progress and statistics go to stderr.
+
+mod chat;
+mod common;
+mod generate;
+
+use clap::{Parser, Subcommand};
+
+/// tm: an LLM inference engine.
+#[derive(Parser, Debug)]
+#[command(name = "tm-cli", version, about)]
+struct Cli {
+    /// Log more (same as RUST_LOG=debug).
+    #[arg(long, short, global = true)]
+    verbose: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Generate a completion for one prompt.
+    Generate(generate::GenerateArgs),
+    /// Interactive multi-turn chat (one user turn per line when stdin is not a terminal).
+    Chat(chat::ChatArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let filter = if cli.verbose {
+        tracing_subscriber::EnvFilter::new("debug")
+    } else {
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"))
+    };
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let result = match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Chat(a) => chat::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {}", describe(&e));
+        std::process::exit(1);
+    }
+}
+
+/// The error and its causes, skipping causes whose text the message already contains.
+fn describe(e: &anyhow::Error) -> String {
+    let mut msg = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !msg.contains(&c) {
+            msg = format!("{msg}: {c}");
+        }
+    }
+    msg
+}

@@ -10,6 +10,7 @@ pub mod attention;
 pub mod device;
 pub mod matmul;
 pub mod norm;
+pub mod quant_matmul;
 pub mod rope;
 
 pub use allocator::CpuAllocator;

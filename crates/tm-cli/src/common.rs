@@ -1,0 +1,132 @@
+//! What the commands share: model and backend options, model resolution and loading, sampling
+//! flags.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+use tm_core::sampling::SamplingParams;
+use tm_core::Ops;
+use tm_cpu::CpuBackend;
+use tm_model::loader::{load, LoadedModel};
+
+/// Which backend runs the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendChoice {
+    /// The best available (today: the CPU; GPU backends come later).
+    Auto,
+    /// The CPU reference backend.
+    Cpu,
+}
+
+/// Options naming the model and where it runs.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// A Hugging Face model directory or a .gguf file (default: the built-in SmolLM2-135M-Instruct).
+    #[arg(long, short)]
+    pub model: Option<PathBuf>,
+    /// Backend.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+    /// Longest sequence (prompt plus output) in tokens.
+    #[arg(long, default_value_t = 4096)]
+    pub max_len: usize,
+    /// Tokens per KV-cache block.
+    #[arg(long, default_value_t = 64)]
+    pub block_size: usize,
+}
+
+/// Sampling flags.
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.7)]
+    pub temperature: f32,
+    /// Nucleus sampling threshold.
+    #[arg(long, default_value_t = 0.9)]
+    pub top_p: f32,
+    /// Keep only the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Drop tokens less likely than min-p times the best (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Repetition penalty (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Random seed; the same seed gives the same text.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl SamplingArgs {
+    /// Validated sampling parameters.
+    pub fn params(&self) -> Result<SamplingParams> {
+        let p = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+            ..SamplingParams::default()
+        };
+        p.validate()?;
+        if self.max_tokens == 0 {
+            bail!("--max-tokens must be at least 1");
+        }
+        Ok(p)
+    }
+}
+
+/// The model path: `--model`, or the default model (downloaded on first use).
+pub fn resolve_model(args: &ModelArgs) -> Result<PathBuf> {
+    match &args.model {
+        Some(p) => Ok(p.clone()),
+        None => {
+            let path = tm_model::default_model::default_model_path(&mut |msg| eprintln!("{msg}"))?;
+            tracing::info!("using the default model {}", path.display());
+            Ok(path)
+        }
+    }
+}
+
+/// The backend for `choice`.
+pub fn backend(choice: BackendChoice) -> Box<dyn Ops> {
+    match choice {
+        BackendChoice::Auto | BackendChoice::Cpu => Box::new(CpuBackend::new()),
+    }
+}
+
+/// Loads the model with a progress bar on stderr.
+pub fn load_model(args: &ModelArgs, ops: &dyn Ops) -> Result<LoadedModel> {
+    let path = resolve_model(args)?;
+    if args.block_size == 0 || args.max_len == 0 {
+        bail!("--block-size and --max-len must be positive");
+    }
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("loading {msg} [{bar:30}] {bytes}/{total_bytes}")
+            .map(|s| s.progress_chars("=> "))
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message(path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
+    let loaded = load(&path, ops, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    })
+    .with_context(|| format!("loading {}", path.display()))?;
+    bar.finish_and_clear();
+    tracing::info!(
+        "loaded {} ({:?}, {} layers, {:.1} MB of weights on {})",
+        loaded.name,
+        loaded.model.config.arch,
+        loaded.model.config.num_layers,
+        loaded.model.weight_bytes() as f64 / 1e6,
+        ops.device().name()
+    );
+    Ok(loaded)
+}
