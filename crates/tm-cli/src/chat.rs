@@ -29,7 +29,8 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let m = load_model(&args.model, ops.as_ref())?;
     let tok = &m.tokenizer;
     let mut session = Session::new(&m.model, ops.as_ref(), args.model.max_len, args.model.block_size)?;
-    let opts = GenerateOptions { max_tokens: args.sampling.max_tokens, sampling: params, stop_ids: tok.eos_ids().to_vec() };
+    let opts =
+        GenerateOptions { max_tokens: args.sampling.max_tokens, sampling: params, stop_ids: tok.eos_ids().to_vec() };
     let interactive = std::io::stdin().is_terminal();
     let mut messages: Vec<ChatMessage> = args.system.iter().map(|s| ChatMessage::new("system", s)).collect();
     if interactive {
@@ -54,13 +55,15 @@ pub fn run(args: ChatArgs) -> Result<()> {
             continue;
         }
         messages.push(ChatMessage::new("user", text));
-        let rendered = m.template.render(&messages, true, tok.bos_token().unwrap_or(""), tok.eos_token().unwrap_or(""))?;
+        let rendered =
+            m.template.render(&messages, true, tok.bos_token().unwrap_or(""), tok.eos_token().unwrap_or(""))?;
         let mut ids = tok.encode(&rendered, false)?;
         // Keep the conversation inside the context: drop the oldest turns first.
         while ids.len() + opts.max_tokens.min(256) >= session.max_len() && messages.len() > 1 {
             let first_non_system = messages.iter().position(|m| m.role != "system").unwrap_or(0);
             messages.remove(first_non_system);
-            let rendered = m.template.render(&messages, true, tok.bos_token().unwrap_or(""), tok.eos_token().unwrap_or(""))?;
+            let rendered =
+                m.template.render(&messages, true, tok.bos_token().unwrap_or(""), tok.eos_token().unwrap_or(""))?;
             ids = tok.encode(&rendered, false)?;
         }
         let mut decoder = IncrementalDecoder::new(true);

@@ -45,7 +45,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         tok.encode(&args.prompt, true)?
     };
     let mut session = Session::new(&m.model, ops.as_ref(), args.model.max_len, args.model.block_size)?;
-    let opts = GenerateOptions { max_tokens: args.sampling.max_tokens, sampling: params, stop_ids: tok.eos_ids().to_vec() };
+    let opts =
+        GenerateOptions { max_tokens: args.sampling.max_tokens, sampling: params, stop_ids: tok.eos_ids().to_vec() };
     let mut decoder = IncrementalDecoder::new(true);
     let mut out = std::io::stdout().lock();
     let mut failure = None;

@@ -42,10 +42,16 @@ impl Comm for SingleRank {
         if input.desc() != output.desc() {
             return Err(Error::shape(format!("all_gather in {step}"), input.desc(), output.desc()));
         }
-        let src = input.buffer().host_bytes().ok_or_else(|| Error::Unsupported("single-rank all_gather of device memory".into()))?;
+        let src = input
+            .buffer()
+            .host_bytes()
+            .ok_or_else(|| Error::Unsupported("single-rank all_gather of device memory".into()))?;
         let n = input.desc().bytes();
         let src = src[..n].to_vec();
-        let dst = output.buffer_mut().host_bytes_mut().ok_or_else(|| Error::Unsupported("single-rank all_gather of device memory".into()))?;
+        let dst = output
+            .buffer_mut()
+            .host_bytes_mut()
+            .ok_or_else(|| Error::Unsupported("single-rank all_gather of device memory".into()))?;
         dst[..n].copy_from_slice(&src);
         Ok(())
     }

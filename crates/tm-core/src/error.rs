@@ -9,7 +9,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// An allocation did not fit. Names the phase, the bytes asked for and what was free.
-    #[error("out of memory on {device} while allocating {phase}: asked for {requested} bytes, {free} bytes free{hint}")]
+    #[error(
+        "out of memory on {device} while allocating {phase}: asked for {requested} bytes, {free} bytes free{hint}"
+    )]
     OutOfMemory {
         /// Device the allocation was for.
         device: String,

@@ -83,7 +83,14 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
     /// RMSNorm over rows of `weight.numel()` features: `out = x / rms(x) * weight`.
     fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()>;
     /// Fused residual add and RMSNorm: `residual += x; out = rms_norm(residual)`.
-    fn add_rms_norm(&self, x: &Tensor, residual: &mut Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()>;
+    fn add_rms_norm(
+        &self,
+        x: &Tensor,
+        residual: &mut Tensor,
+        weight: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+    ) -> Result<()>;
     /// `out = x W^T (+ bias)` for `x: [n, cols]`, `W: [rows, cols]`, `out: [n, rows]`.
     fn matmul(&self, x: &Tensor, w: &Weight, bias: Option<&Tensor>, out: &mut Tensor) -> Result<()>;
     /// Rotates `x: [tokens, heads * head_dim]` in place; `head_dim = 2 * inv_freq.len()`.
@@ -93,10 +100,24 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
     /// `x += y`.
     fn add_in_place(&self, x: &mut Tensor, y: &Tensor) -> Result<()>;
     /// Writes `k, v: [tokens, kv_heads * head_dim]` into the caches at `slot_mapping[t]`.
-    fn write_kv(&self, k: &Tensor, v: &Tensor, k_cache: &mut Tensor, v_cache: &mut Tensor, slot_mapping: &[u32]) -> Result<()>;
+    fn write_kv(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+        slot_mapping: &[u32],
+    ) -> Result<()>;
     /// Causal paged attention: `q: [tokens, heads * head_dim]` → `out` of the same shape. Query
     /// heads are grouped onto KV heads (GQA).
-    fn attention(&self, q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMeta<'_>, out: &mut Tensor) -> Result<()>;
+    fn attention(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        meta: &AttentionMeta<'_>,
+        out: &mut Tensor,
+    ) -> Result<()>;
     /// `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Tensor, rows: &[u32], out: &mut Tensor) -> Result<()>;
 
@@ -135,6 +156,8 @@ pub fn to_f32(dtype: DType, bytes: &[u8]) -> Result<Vec<f32>> {
         DType::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(bytes),
         DType::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
         DType::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        other => return Err(Error::DType { op: "to_f32".into(), expected: "a float dtype".into(), got: other.to_string() }),
+        other => {
+            return Err(Error::DType { op: "to_f32".into(), expected: "a float dtype".into(), got: other.to_string() })
+        }
     })
 }

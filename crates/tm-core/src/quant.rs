@@ -70,7 +70,7 @@ impl Weight {
 impl QuantWeight {
     /// Checks that the parts have the shapes and dtypes of the layout.
     pub fn validate(&self, int4: bool) -> Result<()> {
-        if self.group_size == 0 || self.group_size % 32 != 0 || self.cols % self.group_size != 0 {
+        if self.group_size == 0 || !self.group_size.is_multiple_of(32) || !self.cols.is_multiple_of(self.group_size) {
             return Err(Error::invalid(format!(
                 "group size {} must be a multiple of 32 dividing {} columns",
                 self.group_size, self.cols

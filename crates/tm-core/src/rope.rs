@@ -110,7 +110,7 @@ fn yarn_get_mscale(scale: f64, mscale: f64) -> f64 {
 impl RopeConfig {
     /// Checks parameters.
     pub fn validate(&self) -> Result<()> {
-        if self.dim == 0 || self.dim % 2 != 0 {
+        if self.dim == 0 || !self.dim.is_multiple_of(2) {
             return Err(Error::invalid(format!("rotary dimension {} must be even and positive", self.dim)));
         }
         if self.base <= 0.0 {

@@ -138,7 +138,12 @@ pub fn argmax(values: &[f32]) -> u32 {
 
 /// Draws one token from `logits` (penalties already applied). `scratch` is reused between
 /// calls so sampling allocates nothing per token once warm.
-pub fn sample_from_logits(logits: &[f32], params: &SamplingParams, rng: &mut Rng, scratch: &mut Vec<(f32, u32)>) -> u32 {
+pub fn sample_from_logits(
+    logits: &[f32],
+    params: &SamplingParams,
+    rng: &mut Rng,
+    scratch: &mut Vec<(f32, u32)>,
+) -> u32 {
     if params.temperature == 0.0 || logits.is_empty() {
         return argmax(logits);
     }

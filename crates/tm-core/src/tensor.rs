@@ -102,7 +102,11 @@ impl Tensor {
     /// Checks the dtype, naming `what` in the error.
     pub fn expect_dtype(&self, what: &str, dtype: DType) -> Result<()> {
         if self.desc.dtype != dtype {
-            return Err(Error::DType { op: what.into(), expected: dtype.to_string(), got: self.desc.dtype.to_string() });
+            return Err(Error::DType {
+                op: what.into(),
+                expected: dtype.to_string(),
+                got: self.desc.dtype.to_string(),
+            });
         }
         Ok(())
     }
@@ -110,7 +114,8 @@ impl Tensor {
     /// Host view as `T`, when the memory is host-accessible and `T` matches the element size.
     pub fn host<T: bytemuck::Pod>(&self) -> Result<&[T]> {
         let n = self.desc.bytes();
-        let bytes = self.buffer.host_bytes().ok_or_else(|| Error::Unsupported("tensor is not host-accessible".into()))?;
+        let bytes =
+            self.buffer.host_bytes().ok_or_else(|| Error::Unsupported("tensor is not host-accessible".into()))?;
         bytemuck::try_cast_slice(&bytes[..n]).map_err(|e| Error::invalid(format!("host view of {:?}: {e}", self.desc)))
     }
 
@@ -118,7 +123,8 @@ impl Tensor {
     pub fn host_mut<T: bytemuck::Pod>(&mut self) -> Result<&mut [T]> {
         let n = self.desc.bytes();
         let desc = self.desc.clone();
-        let bytes = self.buffer.host_bytes_mut().ok_or_else(|| Error::Unsupported("tensor is not host-accessible".into()))?;
+        let bytes =
+            self.buffer.host_bytes_mut().ok_or_else(|| Error::Unsupported("tensor is not host-accessible".into()))?;
         bytemuck::try_cast_slice_mut(&mut bytes[..n]).map_err(|e| Error::invalid(format!("host view of {desc:?}: {e}")))
     }
 }

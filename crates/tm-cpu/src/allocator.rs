@@ -38,7 +38,8 @@ impl CpuAllocator {
     }
 
     fn layout(bytes: usize) -> Result<Layout> {
-        Layout::from_size_align(bytes.max(1), ALIGN).map_err(|e| Error::invalid(format!("allocation of {bytes} bytes: {e}")))
+        Layout::from_size_align(bytes.max(1), ALIGN)
+            .map_err(|e| Error::invalid(format!("allocation of {bytes} bytes: {e}")))
     }
 }
 
@@ -85,7 +86,10 @@ impl Allocator for CpuAllocator {
     fn free_raw(&self, raw: RawAllocation) -> Result<()> {
         if raw.owner() != self.id {
             // Leaking is the safe answer to a block that is not ours.
-            return Err(Error::invalid(format!("block of {} bytes freed by an allocator that did not make it", raw.bytes())));
+            return Err(Error::invalid(format!(
+                "block of {} bytes freed by an allocator that did not make it",
+                raw.bytes()
+            )));
         }
         let layout = Self::layout(raw.bytes())?;
         // SAFETY: the block was made by `alloc_zeroed` with this layout and is freed once
@@ -96,7 +100,11 @@ impl Allocator for CpuAllocator {
     }
     fn copy_raw(&self, src: &RawAllocation, dst: &RawAllocation, bytes: usize) -> Result<()> {
         if bytes > src.bytes() || bytes > dst.bytes() {
-            return Err(Error::invalid(format!("copy of {bytes} bytes between blocks of {} and {}", src.bytes(), dst.bytes())));
+            return Err(Error::invalid(format!(
+                "copy of {bytes} bytes between blocks of {} and {}",
+                src.bytes(),
+                dst.bytes()
+            )));
         }
         // SAFETY: both blocks are live host allocations of at least `bytes` bytes and distinct.
         unsafe { std::ptr::copy_nonoverlapping(src.addr() as *const u8, dst.addr() as *mut u8, bytes) };

@@ -17,7 +17,14 @@ pub struct AttnDims {
 /// `out[t, h] = softmax(q[t, h] · K^T * scale) V` over the sequence's cached positions up to
 /// and including the token's own. `k_cache`/`v_cache` are `[blocks, block_size, kv_heads,
 /// head_dim]`.
-pub fn paged_attention(q: &[f32], k_cache: &[f32], v_cache: &[f32], meta: &AttentionMeta<'_>, dims: AttnDims, out: &mut [f32]) {
+pub fn paged_attention(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    meta: &AttentionMeta<'_>,
+    dims: AttnDims,
+    out: &mut [f32],
+) {
     let AttnDims { heads, kv_heads, head_dim } = dims;
     let group = heads / kv_heads;
     let bs = meta.block_size;

@@ -65,7 +65,7 @@ fn same_numel(op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
 
 /// Rows of a `[rows, features]` activation, checking the feature count.
 fn rows_of(op: &str, t: &Tensor, features: usize) -> Result<usize> {
-    if features == 0 || t.numel() % features != 0 {
+    if features == 0 || !t.numel().is_multiple_of(features) {
         return Err(Error::shape(op, format!("[_, {features}]"), t.shape()));
     }
     Ok(t.numel() / features)
@@ -112,7 +112,11 @@ impl Ops for CpuBackend {
     fn load_dense(&self, src_dtype: DType, shape: &[usize], src: &[u8], phase: &str) -> Result<Tensor> {
         let desc = tm_core::TensorDesc::new(src_dtype, shape);
         if src.len() != desc.bytes() {
-            return Err(Error::shape("load_dense", format!("{} bytes for {shape:?} {src_dtype}", desc.bytes()), src.len()));
+            return Err(Error::shape(
+                "load_dense",
+                format!("{} bytes for {shape:?} {src_dtype}", desc.bytes()),
+                src.len(),
+            ));
         }
         let target = self.weight_dtype(src_dtype);
         let mut t = self.zeros(tm_core::TensorDesc::new(target, shape), phase)?;
@@ -143,11 +147,23 @@ impl Ops for CpuBackend {
     fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
         same_numel("rms_norm", x, out)?;
         rows_of("rms_norm", x, weight.numel())?;
-        norm::rms_norm(f32s(x, "rms_norm input")?, f32s(weight, "rms_norm weight")?, eps, f32s_mut(out, "rms_norm output")?);
+        norm::rms_norm(
+            f32s(x, "rms_norm input")?,
+            f32s(weight, "rms_norm weight")?,
+            eps,
+            f32s_mut(out, "rms_norm output")?,
+        );
         Ok(())
     }
 
-    fn add_rms_norm(&self, x: &Tensor, residual: &mut Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
+    fn add_rms_norm(
+        &self,
+        x: &Tensor,
+        residual: &mut Tensor,
+        weight: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+    ) -> Result<()> {
         same_numel("add_rms_norm", x, out)?;
         same_numel("add_rms_norm", x, residual)?;
         rows_of("add_rms_norm", x, weight.numel())?;
@@ -187,7 +203,7 @@ impl Ops for CpuBackend {
     fn rope(&self, x: &mut Tensor, positions: &[u32], freqs: &RopeFreqs) -> Result<()> {
         let head_dim = 2 * freqs.inv_freq.len();
         let tokens = positions.len();
-        if tokens == 0 || x.numel() % (tokens * head_dim.max(1)) != 0 {
+        if tokens == 0 || !x.numel().is_multiple_of(tokens * head_dim.max(1)) {
             return Err(Error::shape("rope", format!("[{tokens}, heads * {head_dim}]"), x.shape()));
         }
         rope::rope(f32s_mut(x, "rope input")?, head_dim, positions, freqs);
@@ -214,7 +230,14 @@ impl Ops for CpuBackend {
         Ok(())
     }
 
-    fn write_kv(&self, k: &Tensor, v: &Tensor, k_cache: &mut Tensor, v_cache: &mut Tensor, slot_mapping: &[u32]) -> Result<()> {
+    fn write_kv(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+        slot_mapping: &[u32],
+    ) -> Result<()> {
         same_numel("write_kv", k, v)?;
         let shape = k_cache.shape().to_vec();
         if shape.len() != 4 || v_cache.shape() != shape.as_slice() {
@@ -238,19 +261,30 @@ impl Ops for CpuBackend {
         Ok(())
     }
 
-    fn attention(&self, q: &Tensor, k_cache: &Tensor, v_cache: &Tensor, meta: &AttentionMeta<'_>, out: &mut Tensor) -> Result<()> {
+    fn attention(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        meta: &AttentionMeta<'_>,
+        out: &mut Tensor,
+    ) -> Result<()> {
         same_numel("attention", q, out)?;
         let shape = k_cache.shape();
         if shape.len() != 4 || v_cache.shape() != shape || shape[1] != meta.block_size {
-            return Err(Error::shape("attention kv cache", format!("[blocks, {}, kv_heads, head_dim]", meta.block_size), shape));
+            return Err(Error::shape(
+                "attention kv cache",
+                format!("[blocks, {}, kv_heads, head_dim]", meta.block_size),
+                shape,
+            ));
         }
         let (blocks, kv_heads, head_dim) = (shape[0], shape[2], shape[3]);
         let tokens: usize = meta.seqs.iter().map(|s| s.query_len).sum();
-        if tokens == 0 || q.numel() % (tokens * head_dim) != 0 {
+        if tokens == 0 || !q.numel().is_multiple_of(tokens * head_dim) {
             return Err(Error::shape("attention q", format!("[{tokens}, heads * {head_dim}]"), q.shape()));
         }
         let heads = q.numel() / (tokens * head_dim);
-        if kv_heads == 0 || heads % kv_heads != 0 {
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(Error::invalid(format!("{heads} query heads cannot be grouped onto {kv_heads} kv heads")));
         }
         let mut next = 0;

@@ -56,7 +56,8 @@ pub fn weight_row(w: &Weight, r: usize, out: &mut [f32]) -> Result<()> {
 
 /// Host views of a quantized weight's parts.
 pub fn quant_parts(q: &QuantWeight) -> Result<(&[u8], &[f16], Option<&[f16]>)> {
-    let packed = q.packed.buffer().host_bytes().ok_or_else(|| Error::Unsupported("quantized weight not on the host".into()))?;
+    let packed =
+        q.packed.buffer().host_bytes().ok_or_else(|| Error::Unsupported("quantized weight not on the host".into()))?;
     let packed = &packed[..q.packed.desc().bytes()];
     let scales = q.scales.host::<f16>()?;
     let mins = match &q.mins {

@@ -81,7 +81,8 @@ impl ModelConfig {
     pub fn from_dir(dir: &Path) -> Result<ModelConfig> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
-        let json: Value = serde_json::from_str(&text).map_err(|e| ModelError::format(&path, format!("invalid JSON: {e}")))?;
+        let json: Value =
+            serde_json::from_str(&text).map_err(|e| ModelError::format(&path, format!("invalid JSON: {e}")))?;
         Self::from_json(&json, &path)
     }
 
@@ -113,12 +114,17 @@ impl ModelConfig {
         let num_heads = usize_field("num_attention_heads")?;
         let num_kv_heads = opt_usize("num_key_value_heads").unwrap_or(num_heads);
         if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-            return Err(field_err("num_key_value_heads", &format!("{num_heads} heads cannot be grouped onto {num_kv_heads} kv heads")));
+            return Err(field_err(
+                "num_key_value_heads",
+                &format!("{num_heads} heads cannot be grouped onto {num_kv_heads} kv heads"),
+            ));
         }
         let head_dim = match opt_usize("head_dim") {
             Some(d) => d,
             None if hidden_size % num_heads == 0 => hidden_size / num_heads,
-            None => return Err(field_err("head_dim", "missing and hidden_size is not divisible by num_attention_heads")),
+            None => {
+                return Err(field_err("head_dim", "missing and hidden_size is not divisible by num_attention_heads"))
+            }
         };
         let max_position_embeddings = opt_usize("max_position_embeddings").unwrap_or(4096);
         let rope = parse_rope(j, head_dim, max_position_embeddings).map_err(|m| field_err("rope_scaling", &m))?;
@@ -191,10 +197,8 @@ fn parse_rope(j: &Value, head_dim: usize, max_pos: usize) -> std::result::Result
         .or_else(|| params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64))
         .unwrap_or(10000.0);
     let f = |key: &str| scaling.and_then(|s| s.get(key)).and_then(Value::as_f64);
-    let kind = scaling
-        .and_then(|s| s.get("rope_type").or_else(|| s.get("type")))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
+    let kind =
+        scaling.and_then(|s| s.get("rope_type").or_else(|| s.get("type"))).and_then(Value::as_str).unwrap_or("default");
     let factor = || f("factor").ok_or_else(|| format!("rope type `{kind}` needs `factor`"));
     let original = |default: usize| f("original_max_position_embeddings").map_or(default, |v| v as usize);
     let scaling = match kind {
@@ -221,7 +225,9 @@ fn parse_rope(j: &Value, head_dim: usize, max_pos: usize) -> std::result::Result
                 truncate: scaling.and_then(|s| s.get("truncate")).and_then(Value::as_bool).unwrap_or(true),
             }
         }
-        other => return Err(format!("rope type `{other}` is not supported (default, linear, dynamic, llama3, yarn are)")),
+        other => {
+            return Err(format!("rope type `{other}` is not supported (default, linear, dynamic, llama3, yarn are)"))
+        }
     };
     let dim = match f("partial_rotary_factor") {
         Some(p) if p != 1.0 => return Err(format!("partial_rotary_factor {p} is not supported")),

@@ -118,7 +118,8 @@ impl<'m> Session<'m> {
         if end > self.max_len {
             return Err(ModelError::InvalidInput(format!(
                 "the sequence would be {end} tokens but the context holds {} (raise --max-len, up to the model's {})",
-                self.max_len, self.model.config.context_length()
+                self.max_len,
+                self.model.config.context_length()
             )));
         }
         let bs = self.kv.block_size;
@@ -128,9 +129,11 @@ impl<'m> Session<'m> {
         }
         let positions: Vec<u32> = (start as u32..end as u32).collect();
         let slots: Vec<u32> = (start..end).map(|p| self.block_table[p / bs] * bs as u32 + (p % bs) as u32).collect();
-        let seqs = [SeqAttention { query_start: 0, query_len: new.len(), context_len: end, block_table: &self.block_table }];
+        let seqs =
+            [SeqAttention { query_start: 0, query_len: new.len(), context_len: end, block_table: &self.block_table }];
         let rows: Vec<u32> = if all_logits { (0..new.len() as u32).collect() } else { vec![new.len() as u32 - 1] };
-        let step = StepInput { tokens: new, positions: &positions, slot_mapping: &slots, seqs: &seqs, logit_rows: &rows };
+        let step =
+            StepInput { tokens: new, positions: &positions, slot_mapping: &slots, seqs: &seqs, logit_rows: &rows };
         self.tokens.extend_from_slice(new);
         match self.model.forward(self.ops, &mut self.kv, &step, &mut self.ws) {
             Ok(logits) => Ok(logits),

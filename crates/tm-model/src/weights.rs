@@ -88,7 +88,10 @@ fn open_shard(path: &Path) -> Result<Shard> {
         let (start, end) = info.data_offsets;
         let ok = data_start.checked_add(end).is_some_and(|e| e <= mmap.len()) && start <= end;
         if !ok {
-            return Err(ModelError::format(path, format!("tensor `{name}` extends past the end of the file (truncated?)")));
+            return Err(ModelError::format(
+                path,
+                format!("tensor `{name}` extends past the end of the file (truncated?)"),
+            ));
         }
         let Some(dtype) = map_dtype(info.dtype) else {
             tracing::debug!("{}: skipping tensor {name} of unsupported dtype {:?}", path.display(), info.dtype);
@@ -96,7 +99,10 @@ fn open_shard(path: &Path) -> Result<Shard> {
         };
         let numel: usize = info.shape.iter().product();
         if dtype.storage_bytes(numel) != end - start {
-            return Err(ModelError::format(path, format!("tensor `{name}`: {} bytes for shape {:?}", end - start, info.shape)));
+            return Err(ModelError::format(
+                path,
+                format!("tensor `{name}`: {} bytes for shape {:?}", end - start, info.shape),
+            ));
         }
         tensors.insert(name, (dtype, info.shape.clone(), start, end));
     }
@@ -109,8 +115,8 @@ impl SafetensorsCheckpoint {
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path).map_err(|e| ModelError::io(&index_path, e))?;
-            let json: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| ModelError::format(&index_path, format!("invalid JSON: {e}")))?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::format(&index_path, format!("invalid JSON: {e}")))?;
             let map = json
                 .get("weight_map")
                 .and_then(|m| m.as_object())

@@ -70,7 +70,10 @@ impl<'a> Loader<'a> {
         let t = self.get(name)?;
         Self::check_shape(&t, &[len])?;
         let Encoding::Plain(dtype) = t.encoding else {
-            return Err(ModelError::format(t.file, format!("tensor `{name}` must be a float vector, found {:?}", t.encoding)));
+            return Err(ModelError::format(
+                t.file,
+                format!("tensor `{name}` must be a float vector, found {:?}", t.encoding),
+            ));
         };
         let v = self.ops.load_dense(dtype, &[len], t.bytes, "weights")?;
         (self.on_tensor)(t.bytes.len() as u64);
@@ -137,7 +140,8 @@ impl<'a> Loader<'a> {
                 Ok(None)
             }
         };
-        let qkv_bias = (bias(self, "q_proj", c.q_dim())?, bias(self, "k_proj", c.kv_dim())?, bias(self, "v_proj", c.kv_dim())?);
+        let qkv_bias =
+            (bias(self, "q_proj", c.q_dim())?, bias(self, "k_proj", c.kv_dim())?, bias(self, "v_proj", c.kv_dim())?);
         let qk_norm = if c.qk_norm {
             Some((
                 self.vector(&format!("{p}.self_attn.q_norm.weight"), c.head_dim)?,
@@ -167,7 +171,9 @@ impl<'a> Loader<'a> {
 pub fn tensor_to_weight(ops: &dyn Ops, t: &TensorRef<'_>) -> Result<Weight> {
     match t.encoding {
         Encoding::Plain(d) if d.is_float() => Ok(Weight::Dense(ops.load_dense(d, &t.shape, t.bytes, "weights")?)),
-        Encoding::Plain(d) => Err(ModelError::format(t.file, format!("tensor `{}` has dtype {d}, expected a float type", t.name))),
+        Encoding::Plain(d) => {
+            Err(ModelError::format(t.file, format!("tensor `{}` has dtype {d}, expected a float type", t.name)))
+        }
         Encoding::Q4_0 | Encoding::Q4_1 | Encoding::Q8_0 => crate::llama::quant_load::import_gguf_weight(ops, t),
     }
 }

@@ -76,7 +76,12 @@ pub struct LlamaModel {
 impl LlamaModel {
     /// Loads every weight from `src` onto the backend. `on_tensor` is called with the stored
     /// bytes of each tensor as it is loaded.
-    pub fn load(ops: &dyn Ops, src: &dyn TensorSource, config: ModelConfig, on_tensor: &mut dyn FnMut(u64)) -> Result<Self> {
+    pub fn load(
+        ops: &dyn Ops,
+        src: &dyn TensorSource,
+        config: ModelConfig,
+        on_tensor: &mut dyn FnMut(u64),
+    ) -> Result<Self> {
         let c = config.clone();
         let mut l = load::Loader { ops, src, cfg: &c, on_tensor };
         let embed = l.matrix("model.embed_tokens.weight", c.vocab_size, c.hidden_size)?;
@@ -105,13 +110,22 @@ impl LlamaModel {
         let layers: usize = self
             .layers
             .iter()
-            .map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].iter().map(|w| w.bytes()).sum::<usize>() + norms(l))
+            .map(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].iter().map(|w| w.bytes()).sum::<usize>() + norms(l)
+            })
             .sum();
-        (self.embed.bytes() + layers + self.final_norm.desc().bytes() + self.lm_head.as_ref().map_or(0, Weight::bytes)) as u64
+        (self.embed.bytes() + layers + self.final_norm.desc().bytes() + self.lm_head.as_ref().map_or(0, Weight::bytes))
+            as u64
     }
 
     /// Runs one step and returns the logits `[logit_rows.len(), vocab]` (a view into `ws`).
-    pub fn forward<'w>(&self, ops: &dyn Ops, kv: &mut KvCache, step: &StepInput<'_>, ws: &'w mut Workspace) -> Result<&'w Tensor> {
+    pub fn forward<'w>(
+        &self,
+        ops: &dyn Ops,
+        kv: &mut KvCache,
+        step: &StepInput<'_>,
+        ws: &'w mut Workspace,
+    ) -> Result<&'w Tensor> {
         let c = &self.config;
         let n = step.tokens.len();
         if n == 0 || step.positions.len() != n || step.slot_mapping.len() != n {

@@ -29,7 +29,10 @@ impl Checkpoint {
     /// Opens a model directory or `.gguf` file without loading weights.
     pub fn open(path: &Path) -> Result<Checkpoint> {
         if !path.exists() {
-            return Err(ModelError::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory")));
+            return Err(ModelError::io(
+                path,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
+            ));
         }
         if path.is_dir() {
             let config = ModelConfig::from_dir(path)?;
