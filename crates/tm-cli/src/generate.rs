@@ -44,6 +44,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     } else {
         tok.encode(&args.prompt, true)?
     };
+    tracing::debug!("prompt: {} tokens: {:?}", prompt_ids.len(), prompt_ids);
     let mut session = Session::new(&m.model, ops.as_ref(), args.model.max_len, args.model.block_size)?;
     let opts =
         GenerateOptions { max_tokens: args.sampling.max_tokens, sampling: params, stop_ids: tok.eos_ids().to_vec() };

@@ -5,6 +5,7 @@ use faer::{Accum, MatMut, MatRef, Par};
 use half::f16;
 use tm_core::quant::{int4_position, QuantWeight, Weight};
 use tm_core::{DType, Error, Result};
+use tm_quant::HostQuantView;
 
 /// `out[n, rows] = x[n, cols] · W^T`.
 pub fn matmul(x: &[f32], n: usize, w: &Weight, out: &mut [f32]) -> Result<()> {
@@ -19,7 +20,16 @@ pub fn matmul(x: &[f32], n: usize, w: &Weight, out: &mut [f32]) -> Result<()> {
             faer::linalg::matmul::matmul(dst, Accum::Replace, lhs, rhs, 1.0f32, Par::rayon(0));
             Ok(())
         }
-        Weight::Int4(_) | Weight::Int8(_) => Err(Error::Unsupported("quantized matmul on the cpu".into())),
+        Weight::Int4(q) => {
+            let (packed, scales, mins) = quant_parts(q)?;
+            let view = HostQuantView::new(q.rows, q.cols, q.group_size, packed, scales, mins)?;
+            crate::quant_matmul::matmul_int4_exact(x, n, &view, out)
+        }
+        Weight::Int8(q) => {
+            let (packed, scales, _) = quant_parts(q)?;
+            let view = HostQuantView::new(q.rows, q.cols, q.group_size, packed, scales, None)?;
+            crate::quant_matmul::matmul_int8_exact(x, n, &view, out)
+        }
     }
 }
 

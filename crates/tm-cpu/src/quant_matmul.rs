@@ -81,9 +81,7 @@ impl Isa {
 
 #[cfg(target_arch = "x86_64")]
 fn avx2_available() -> bool {
-    is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -98,16 +96,10 @@ pub fn matmul_int4(x: &[f32], n: usize, w: &HostQuantView<'_>, out: &mut [f32]) 
 }
 
 /// [`matmul_int4`] with a chosen instruction set (errors if the CPU lacks it).
-pub fn matmul_int4_with(
-    isa: Isa,
-    x: &[f32],
-    n: usize,
-    w: &HostQuantView<'_>,
-    out: &mut [f32],
-) -> Result<()> {
+pub fn matmul_int4_with(isa: Isa, x: &[f32], n: usize, w: &HostQuantView<'_>, out: &mut [f32]) -> Result<()> {
     let sh = check(isa, x, n, w, out, QuantKind::Int4)?;
     with_acts(|acts| {
-        acts.quantize(isa, x, &sh);
+        acts.quantize(isa, x, &sh, if isa == Isa::Avx2 { Layout::Pairs } else { Layout::Plain });
         run(isa, &sh, w, acts, out, Kernel::Int4);
     });
     Ok(())
@@ -120,16 +112,10 @@ pub fn matmul_int8(x: &[f32], n: usize, w: &HostQuantView<'_>, out: &mut [f32]) 
 }
 
 /// [`matmul_int8`] with a chosen instruction set (errors if the CPU lacks it).
-pub fn matmul_int8_with(
-    isa: Isa,
-    x: &[f32],
-    n: usize,
-    w: &HostQuantView<'_>,
-    out: &mut [f32],
-) -> Result<()> {
+pub fn matmul_int8_with(isa: Isa, x: &[f32], n: usize, w: &HostQuantView<'_>, out: &mut [f32]) -> Result<()> {
     let sh = check(isa, x, n, w, out, QuantKind::Int8)?;
     with_acts(|acts| {
-        acts.quantize(isa, x, &sh);
+        acts.quantize(isa, x, &sh, Layout::Plain);
         run(isa, &sh, w, acts, out, Kernel::Int8);
     });
     Ok(())
@@ -137,23 +123,12 @@ pub fn matmul_int8_with(
 
 /// `out[n, rows] = x[n, cols] · Wᵀ` for an int4 `W` with f32 activations: each weight block is
 /// dequantized in registers and multiplied with f32 FMA. Errors when shapes or parts do not fit.
-pub fn matmul_int4_exact(
-    x: &[f32],
-    n: usize,
-    w: &HostQuantView<'_>,
-    out: &mut [f32],
-) -> Result<()> {
+pub fn matmul_int4_exact(x: &[f32], n: usize, w: &HostQuantView<'_>, out: &mut [f32]) -> Result<()> {
     matmul_int4_exact_with(Isa::best(), x, n, w, out)
 }
 
 /// [`matmul_int4_exact`] with a chosen instruction set (errors if the CPU lacks it).
-pub fn matmul_int4_exact_with(
-    isa: Isa,
-    x: &[f32],
-    n: usize,
-    w: &HostQuantView<'_>,
-    out: &mut [f32],
-) -> Result<()> {
+pub fn matmul_int4_exact_with(isa: Isa, x: &[f32], n: usize, w: &HostQuantView<'_>, out: &mut [f32]) -> Result<()> {
     let sh = check(isa, x, n, w, out, QuantKind::Int4)?;
     run_exact(isa, &sh, w, x, out, Kernel::Int4);
     Ok(())
@@ -161,23 +136,12 @@ pub fn matmul_int4_exact_with(
 
 /// `out[n, rows] = x[n, cols] · Wᵀ` for an int8 `W` with f32 activations (see
 /// [`matmul_int4_exact`]).
-pub fn matmul_int8_exact(
-    x: &[f32],
-    n: usize,
-    w: &HostQuantView<'_>,
-    out: &mut [f32],
-) -> Result<()> {
+pub fn matmul_int8_exact(x: &[f32], n: usize, w: &HostQuantView<'_>, out: &mut [f32]) -> Result<()> {
     matmul_int8_exact_with(Isa::best(), x, n, w, out)
 }
 
 /// [`matmul_int8_exact`] with a chosen instruction set (errors if the CPU lacks it).
-pub fn matmul_int8_exact_with(
-    isa: Isa,
-    x: &[f32],
-    n: usize,
-    w: &HostQuantView<'_>,
-    out: &mut [f32],
-) -> Result<()> {
+pub fn matmul_int8_exact_with(isa: Isa, x: &[f32], n: usize, w: &HostQuantView<'_>, out: &mut [f32]) -> Result<()> {
     let sh = check(isa, x, n, w, out, QuantKind::Int8)?;
     run_exact(isa, &sh, w, x, out, Kernel::Int8);
     Ok(())
@@ -208,65 +172,48 @@ struct Shape {
     bpg: usize,
 }
 
-fn check(
-    isa: Isa,
-    x: &[f32],
-    n: usize,
-    w: &HostQuantView<'_>,
-    out: &[f32],
-    kind: QuantKind,
-) -> Result<Shape> {
+fn check(isa: Isa, x: &[f32], n: usize, w: &HostQuantView<'_>, out: &[f32], kind: QuantKind) -> Result<Shape> {
     if !isa.available() {
-        return Err(Error::Unsupported(format!(
-            "quantized matmul: {isa:?} is not available on this CPU"
-        )));
+        return Err(Error::Unsupported(format!("quantized matmul: {isa:?} is not available on this CPU")));
     }
     match kind {
         QuantKind::Int4 => w.expect_int4()?,
         QuantKind::Int8 => w.expect_int8()?,
     }
-    let xs = n
-        .checked_mul(w.cols)
-        .ok_or_else(|| Error::invalid("quantized matmul: n * cols overflows"))?;
+    let xs = n.checked_mul(w.cols).ok_or_else(|| Error::invalid("quantized matmul: n * cols overflows"))?;
     if x.len() != xs {
-        return Err(Error::shape(
-            "quantized matmul input x",
-            [n, w.cols],
-            x.len(),
-        ));
+        return Err(Error::shape("quantized matmul input x", [n, w.cols], x.len()));
     }
-    let os = n
-        .checked_mul(w.rows)
-        .ok_or_else(|| Error::invalid("quantized matmul: n * rows overflows"))?;
+    let os = n.checked_mul(w.rows).ok_or_else(|| Error::invalid("quantized matmul: n * rows overflows"))?;
     if out.len() != os {
-        return Err(Error::shape(
-            "quantized matmul output",
-            [n, w.rows],
-            out.len(),
-        ));
+        return Err(Error::shape("quantized matmul output", [n, w.rows], out.len()));
     }
     let nb = w.cols / BLOCK;
     let groups = w.cols / w.group_size;
-    Ok(Shape {
-        n,
-        rows: w.rows,
-        cols: w.cols,
-        nb,
-        nbp: nb.div_ceil(8) * 8,
-        groups,
-        bpg: w.group_size / BLOCK,
-    })
+    Ok(Shape { n, rows: w.rows, cols: w.cols, nb, nbp: nb.div_ceil(8) * 8, groups, bpg: w.group_size / BLOCK })
 }
 
 /// Activations quantized to int8 per 32-block.
 #[derive(Default)]
 struct Acts {
-    /// `[n, cols]` int8 values.
+    /// `[n, cols]` int8 values, in [`Layout`] order.
     qs: Vec<i8>,
     /// `[n, nbp]` block scales `d_x` (zero past `nb`).
     d: Vec<f32>,
     /// `[n, nbp]` `d_x · Σ q_x` per block (zero past `nb`).
     s: Vec<f32>,
+}
+
+/// Byte order of the quantized activations within a row.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Layout {
+    /// Block `b` at `32 b`, columns in order.
+    Plain,
+    /// Blocks `2p` and `2p + 1` (A and B) interleaved in 16-byte halves at `64 p`:
+    /// `A[0..16], B[0..16], A[16..32], B[16..32]` — the order of the low and high nibbles of the
+    /// 32 weight bytes of the two blocks, so one 32-byte weight load serves both blocks. A last odd
+    /// block is plain.
+    Pairs,
 }
 
 thread_local! {
@@ -283,8 +230,18 @@ fn with_acts<R>(f: impl FnOnce(&mut Acts) -> R) -> R {
     r
 }
 
+/// Offsets of the low and high 16 columns of block `b` (of `nb`) within a quantized row.
+fn block_offsets(layout: Layout, b: usize, nb: usize) -> (usize, usize) {
+    if layout == Layout::Pairs && (b | 1) < nb {
+        let base = (b & !1) * BLOCK + (b & 1) * 16;
+        (base, base + 32)
+    } else {
+        (b * BLOCK, b * BLOCK + 16)
+    }
+}
+
 impl Acts {
-    fn quantize(&mut self, isa: Isa, x: &[f32], sh: &Shape) {
+    fn quantize(&mut self, isa: Isa, x: &[f32], sh: &Shape, layout: Layout) {
         fn reset<T: Copy + Default>(v: &mut Vec<T>, len: usize) {
             v.clear();
             v.resize(len, T::default());
@@ -295,13 +252,15 @@ impl Acts {
         if sh.cols == 0 {
             return;
         }
-        let one_row = |(((xr, qr), dr), sr): (((&[f32], &mut [i8]), &mut [f32]), &mut [f32])| {
-            for (b, (xb, qb)) in xr
-                .chunks_exact(BLOCK)
-                .zip(qr.chunks_exact_mut(BLOCK))
-                .enumerate()
-            {
-                let (d, sum) = quantize_block(isa, xb.try_into().unwrap(), qb.try_into().unwrap());
+        let nb = sh.nb;
+        type RowParts<'a> = (((&'a [f32], &'a mut [i8]), &'a mut [f32]), &'a mut [f32]);
+        let one_row = |(((xr, qr), dr), sr): RowParts<'_>| {
+            for (b, xb) in xr.chunks_exact(BLOCK).enumerate() {
+                let mut q = [0i8; BLOCK];
+                let (d, sum) = quantize_block(isa, xb.try_into().unwrap_or(&[0.0; BLOCK]), &mut q);
+                let (lo, hi) = block_offsets(layout, b, nb);
+                qr[lo..lo + 16].copy_from_slice(&q[..16]);
+                qr[hi..hi + 16].copy_from_slice(&q[16..]);
                 dr[b] = d;
                 sr[b] = d * sum as f32;
             }
@@ -335,11 +294,7 @@ fn quantize_block(isa: Isa, x: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> (f32, i32)
 
 fn quantize_block_scalar(x: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> (f32, i32) {
     let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-    let d = if x.iter().any(|v| v.is_nan()) {
-        f32::NAN
-    } else {
-        amax / 127.0
-    };
+    let d = if x.iter().any(|v| v.is_nan()) { f32::NAN } else { amax / 127.0 };
     let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
     let mut sum = 0i32;
     for (qi, &v) in q.iter_mut().zip(x) {
@@ -365,23 +320,22 @@ impl OutPtr {
     }
 }
 
-/// Calls `f` on chunks of `0..rows`, in parallel when the work is large enough.
+/// Calls `f` on chunks of `0..rows` (multiples of 4 rows but the last), in parallel when the
+/// work is large enough.
 fn for_row_chunks(rows: usize, macs_per_row: usize, f: impl Fn(Range<usize>) + Sync) {
     let threads = rayon::current_num_threads();
-    if threads <= 1 || rows < 2 || rows.saturating_mul(macs_per_row) < PAR_MIN_MACS {
+    if threads <= 1 || rows < 8 || rows.saturating_mul(macs_per_row) < PAR_MIN_MACS {
         f(0..rows);
         return;
     }
-    let chunks = (threads * 4).min(rows);
-    let per = rows.div_ceil(chunks);
-    (0..rows.div_ceil(per))
-        .into_par_iter()
-        .for_each(|c| f(c * per..((c + 1) * per).min(rows)));
+    let chunks = (threads * 4).min(rows / 4);
+    let per = rows.div_ceil(chunks).next_multiple_of(4);
+    (0..rows.div_ceil(per)).into_par_iter().for_each(|c| f(c * per..((c + 1) * per).min(rows)));
 }
 
 /// Weight rows per L1 tile.
 fn tile_rows(row_bytes: usize) -> usize {
-    (L1_TILE_BYTES / row_bytes.max(1)).max(1)
+    (L1_TILE_BYTES / row_bytes.max(1)).max(4) / 4 * 4
 }
 
 fn run(isa: Isa, sh: &Shape, w: &HostQuantView<'_>, acts: &Acts, out: &mut [f32], kernel: Kernel) {
@@ -399,14 +353,7 @@ fn run(isa: Isa, sh: &Shape, w: &HostQuantView<'_>, acts: &Acts, out: &mut [f32]
             let mut j = 0;
             while j < sh.n {
                 let na = (sh.n - j).min(MAX_NA);
-                for r in t0..t1 {
-                    let res = row_dot(isa, &sh, w, acts, r, j, na, kernel);
-                    for (t, &v) in res[..na].iter().enumerate() {
-                        // SAFETY: `(j + t) * rows + r < n * rows` = the checked output length, and
-                        // row `r` belongs to this chunk only.
-                        unsafe { out.write((j + t) * sh.rows + r, v) };
-                    }
-                }
+                rows_dot(isa, &sh, w, acts, t0..t1, j, na, kernel, out);
                 j += na;
             }
             t0 = t1;
@@ -414,34 +361,45 @@ fn run(isa: Isa, sh: &Shape, w: &HostQuantView<'_>, acts: &Acts, out: &mut [f32]
     });
 }
 
-/// Dots of weight row `r` with activation rows `j..j + na` (`na <= MAX_NA`).
+/// Writes `out[j + t][r]` for `r` in `rows`, `t < na` (`na <= MAX_NA`).
 #[allow(clippy::too_many_arguments)]
-fn row_dot(
+fn rows_dot(
     isa: Isa,
     sh: &Shape,
     w: &HostQuantView<'_>,
     acts: &Acts,
-    r: usize,
+    rows: Range<usize>,
     j: usize,
     na: usize,
     kernel: Kernel,
-) -> [f32; MAX_NA] {
+    out: OutPtr,
+) {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
         // SAFETY: the CPU has AVX2/FMA/F16C (checked), and `check` validated every length the
-        // kernels index with: packed/scales/mins against `rows`, `cols`, `group_size`, and the
-        // activation buffers were sized from the same shape.
-        return unsafe { avx2::row_dot(sh, w, acts, r, j, na, kernel) };
+        // kernels index with: packed/scales/mins against `rows`, `cols`, `group_size`; the
+        // activation buffers were sized from the same shape (in `Layout::Pairs` for int4); `rows`
+        // and `j..j + na` are in range and the output rows are this chunk's only.
+        unsafe {
+            match kernel {
+                Kernel::Int4 => avx2::int4_rows(sh, w, acts, rows, j, na, out),
+                Kernel::Int8 => avx2::int8_rows(sh, w, acts, rows, j, na, out),
+            }
+        }
+        return;
     }
     let _ = isa;
-    let mut res = [0.0; MAX_NA];
-    for (t, v) in res[..na].iter_mut().enumerate() {
-        *v = match kernel {
-            Kernel::Int4 => scalar_int4_row(sh, w, acts, r, j + t),
-            Kernel::Int8 => scalar_int8_row(sh, w, acts, r, j + t),
-        };
+    for r in rows {
+        for t in 0..na {
+            let v = match kernel {
+                Kernel::Int4 => scalar_int4_row(sh, w, acts, r, j + t),
+                Kernel::Int8 => scalar_int8_row(sh, w, acts, r, j + t),
+            };
+            // SAFETY: `(j + t) * rows + r < n * rows`, the checked output length; row `r` is
+            // written by this chunk only.
+            unsafe { out.write((j + t) * sh.rows + r, v) };
+        }
     }
-    res
 }
 
 fn scalar_int4_row(sh: &Shape, w: &HostQuantView<'_>, acts: &Acts, r: usize, j: usize) -> f32 {
@@ -453,10 +411,7 @@ fn scalar_int4_row(sh: &Shape, w: &HostQuantView<'_>, acts: &Acts, r: usize, j: 
     let (mut acc, mut macc) = (0.0f32, 0.0f32);
     for b in 0..sh.nb {
         let g = b / sh.bpg;
-        let (wb, xb) = (
-            &wrow[b * 16..b * 16 + 16],
-            &qx[b * BLOCK..b * BLOCK + BLOCK],
-        );
+        let (wb, xb) = (&wrow[b * 16..b * 16 + 16], &qx[b * BLOCK..b * BLOCK + BLOCK]);
         let mut dot = 0i32;
         for i in 0..16 {
             dot += (wb[i] & 0x0F) as i32 * xb[i] as i32 + (wb[i] >> 4) as i32 * xb[i + 16] as i32;
@@ -474,28 +429,14 @@ fn scalar_int8_row(sh: &Shape, w: &HostQuantView<'_>, acts: &Acts, r: usize, j: 
     let d = &acts.d[j * sh.nbp..];
     let mut acc = 0.0f32;
     for b in 0..sh.nb {
-        let (wb, xb) = (
-            &wrow[b * BLOCK..(b + 1) * BLOCK],
-            &qx[b * BLOCK..(b + 1) * BLOCK],
-        );
-        let dot: i32 = wb
-            .iter()
-            .zip(xb)
-            .map(|(&a, &b)| (a as i8) as i32 * b as i32)
-            .sum();
+        let (wb, xb) = (&wrow[b * BLOCK..(b + 1) * BLOCK], &qx[b * BLOCK..(b + 1) * BLOCK]);
+        let dot: i32 = wb.iter().zip(xb).map(|(&a, &b)| (a as i8) as i32 * b as i32).sum();
         acc += dot as f32 * (scales[b / sh.bpg].to_f32() * d[b]);
     }
     acc
 }
 
-fn run_exact(
-    isa: Isa,
-    sh: &Shape,
-    w: &HostQuantView<'_>,
-    x: &[f32],
-    out: &mut [f32],
-    kernel: Kernel,
-) {
+fn run_exact(isa: Isa, sh: &Shape, w: &HostQuantView<'_>, x: &[f32], out: &mut [f32], kernel: Kernel) {
     let out = OutPtr(out.as_mut_ptr());
     let row_bytes = match kernel {
         Kernel::Int4 => sh.cols / 2,
@@ -520,14 +461,7 @@ fn run_exact(
     });
 }
 
-fn exact_row(
-    isa: Isa,
-    sh: &Shape,
-    w: &HostQuantView<'_>,
-    x: &[f32],
-    r: usize,
-    kernel: Kernel,
-) -> f32 {
+fn exact_row(isa: Isa, sh: &Shape, w: &HostQuantView<'_>, x: &[f32], r: usize, kernel: Kernel) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
         // SAFETY: CPU features checked; `x` has `cols` elements and `check` validated the weight.
@@ -578,7 +512,9 @@ impl Shape {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{Acts, HostQuantView, Kernel, Shape, BLOCK, MAX_NA};
+    use std::ops::Range;
+
+    use super::{Acts, HostQuantView, OutPtr, Shape, BLOCK};
 
     /// `-1` lanes then `0` lanes: `LANE_MASK[8 - k..]` keeps the first `k` lanes.
     static LANE_MASK: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
@@ -601,36 +537,21 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn quantize_block(x: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> (f32, i32) {
         let p = x.as_ptr();
-        let v = [
-            _mm256_loadu_ps(p),
-            _mm256_loadu_ps(p.add(8)),
-            _mm256_loadu_ps(p.add(16)),
-            _mm256_loadu_ps(p.add(24)),
-        ];
+        let v = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24))];
         let sign = _mm256_set1_ps(-0.0);
         let a = _mm256_max_ps(
             _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
         );
         let nan = _mm256_or_ps(
-            _mm256_or_ps(
-                _mm256_cmp_ps::<_CMP_UNORD_Q>(v[0], v[0]),
-                _mm256_cmp_ps::<_CMP_UNORD_Q>(v[1], v[1]),
-            ),
-            _mm256_or_ps(
-                _mm256_cmp_ps::<_CMP_UNORD_Q>(v[2], v[2]),
-                _mm256_cmp_ps::<_CMP_UNORD_Q>(v[3], v[3]),
-            ),
+            _mm256_or_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(v[0], v[0]), _mm256_cmp_ps::<_CMP_UNORD_Q>(v[1], v[1])),
+            _mm256_or_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(v[2], v[2]), _mm256_cmp_ps::<_CMP_UNORD_Q>(v[3], v[3])),
         );
         let m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
         let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         let m = _mm_max_ss(m, _mm_movehdup_ps(m));
         let amax = _mm_cvtss_f32(m);
-        let d = if _mm256_movemask_ps(nan) != 0 {
-            f32::NAN
-        } else {
-            amax / 127.0
-        };
+        let d = if _mm256_movemask_ps(nan) != 0 { f32::NAN } else { amax / 127.0 };
         let id = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
         const RN: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
         let i0 = _mm256_cvtps_epi32(_mm256_round_ps::<RN>(_mm256_mul_ps(v[0], id)));
@@ -642,14 +563,8 @@ mod avx2 {
         let p8 = _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(q.as_mut_ptr().cast(), p8);
         // Sum the stored (saturated) values so that the sum always matches `q`.
-        let wide = _mm256_madd_epi16(
-            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(p8)),
-            _mm256_set1_epi16(1),
-        );
-        let wide2 = _mm256_madd_epi16(
-            _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(p8)),
-            _mm256_set1_epi16(1),
-        );
+        let wide = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(p8)), _mm256_set1_epi16(1));
+        let wide2 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(p8)), _mm256_set1_epi16(1));
         let s = _mm256_add_epi32(wide, wide2);
         let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
@@ -723,33 +638,6 @@ mod avx2 {
         _mm256_loadu_ps(t.as_ptr())
     }
 
-    /// AVX2 version of `super::row_dot`.
-    ///
-    /// # Safety
-    /// AVX2/FMA/F16C present; `w` validated for `sh`; `acts` quantized for `sh`; `r < rows`,
-    /// `j + na <= n`, `na <= MAX_NA`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn row_dot(
-        sh: &Shape,
-        w: &HostQuantView<'_>,
-        acts: &Acts,
-        r: usize,
-        j: usize,
-        na: usize,
-        kernel: Kernel,
-    ) -> [f32; MAX_NA] {
-        match (kernel, na) {
-            (Kernel::Int4, 1) => int4_row::<1>(sh, w, acts, r, j),
-            (Kernel::Int4, 2) => int4_row::<2>(sh, w, acts, r, j),
-            (Kernel::Int4, 3) => int4_row::<3>(sh, w, acts, r, j),
-            (Kernel::Int4, _) => int4_row::<4>(sh, w, acts, r, j),
-            (Kernel::Int8, 1) => int8_row::<1>(sh, w, acts, r, j),
-            (Kernel::Int8, 2) => int8_row::<2>(sh, w, acts, r, j),
-            (Kernel::Int8, 3) => int8_row::<3>(sh, w, acts, r, j),
-            (Kernel::Int8, _) => int8_row::<4>(sh, w, acts, r, j),
-        }
-    }
-
     fn spread(bpg: usize) -> Spread {
         if bpg.is_power_of_two() {
             Spread::Pow2(bpg.trailing_zeros())
@@ -758,23 +646,130 @@ mod avx2 {
         }
     }
 
-    /// Int4 weight row `r` against activation rows `j..j + NA`.
+    fn prefetch_rows() -> usize {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static PF: AtomicUsize = AtomicUsize::new(usize::MAX);
+        let v = PF.load(Ordering::Relaxed);
+        if v != usize::MAX {
+            return v;
+        }
+        let v = std::env::var("TM_QPF").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+        PF.store(v, Ordering::Relaxed);
+        v
+    }
+
+    /// Prefetches the packed bytes, scales and mins of rows `r..r + count` into L1 (addresses past
+    /// the end are harmless: prefetches never fault).
+    #[inline(always)]
+    unsafe fn prefetch_rows_ahead(w: &HostQuantView<'_>, r: usize, count: usize, row_bytes: usize, groups: usize) {
+        let lines = |base: *const u8, start: usize, len: usize| {
+            let mut off = start;
+            while off < start + len {
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(off).cast());
+                off += 64;
+            }
+        };
+        lines(w.packed.as_ptr(), r * row_bytes, count * row_bytes);
+        lines(w.scales.as_ptr().cast(), r * groups * 2, count * groups * 2);
+        if let Some(m) = w.mins {
+            lines(m.as_ptr().cast(), r * groups * 2, count * groups * 2);
+        }
+    }
+
+    /// Writes the `R x NA` results of a tile into `out[j + t][r0 + i]`.
+    #[inline(always)]
+    unsafe fn write_tile<const R: usize, const NA: usize>(
+        acc: &[[__m256; NA]; R],
+        out: OutPtr,
+        rows: usize,
+        r0: usize,
+        j: usize,
+    ) {
+        for (i, a) in acc.iter().enumerate() {
+            for (t, v) in a.iter().enumerate() {
+                out.write((j + t) * rows + r0 + i, hsum(*v));
+            }
+        }
+    }
+
+    /// Int4 rows `rows` against activation rows `j..j + na`, written to `out`.
+    ///
+    /// # Safety
+    /// AVX2/FMA/F16C present; `w` validated int4 for `sh`; `acts` quantized for `sh` in
+    /// `Layout::Pairs`; `rows.end <= sh.rows`, `j + na <= sh.n`, `na <= MAX_NA`; nobody else
+    /// writes these output rows meanwhile.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int4_row<const NA: usize>(
+    pub(super) unsafe fn int4_rows(
         sh: &Shape,
         w: &HostQuantView<'_>,
         acts: &Acts,
-        r: usize,
+        rows: Range<usize>,
         j: usize,
-    ) -> [f32; MAX_NA] {
+        na: usize,
+        out: OutPtr,
+    ) {
+        // Four independent accumulators per tile hide the FMA latency.
+        match na {
+            1 => int4_rows_tiled::<4, 1>(sh, w, acts, rows, j, out),
+            2 => int4_rows_tiled::<2, 2>(sh, w, acts, rows, j, out),
+            3 => int4_rows_tiled::<1, 3>(sh, w, acts, rows, j, out),
+            _ => int4_rows_tiled::<1, 4>(sh, w, acts, rows, j, out),
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn int4_rows_tiled<const R: usize, const NA: usize>(
+        sh: &Shape,
+        w: &HostQuantView<'_>,
+        acts: &Acts,
+        rows: Range<usize>,
+        j: usize,
+        out: OutPtr,
+    ) {
+        let mut r = rows.start;
+        let pf = prefetch_rows();
+        while r + R <= rows.end {
+            if pf > 0 {
+                prefetch_rows_ahead(w, r + pf * R, R, sh.cols / 2, sh.groups);
+            }
+            let acc = int4_tile::<R, NA>(sh, w, acts, r, j);
+            write_tile(&acc, out, sh.rows, r, j);
+            r += R;
+        }
+        while r < rows.end {
+            let acc = int4_tile::<1, NA>(sh, w, acts, r, j);
+            write_tile(&acc, out, sh.rows, r, j);
+            r += 1;
+        }
+    }
+
+    /// Index vectors that spread lanes `2q` and `2q + 1` of a factor octet over the low and
+    /// high 128-bit halves (the two blocks of pair `q`).
+    static PAIR_IDX: [[i32; 8]; 4] =
+        [[0, 0, 0, 0, 1, 1, 1, 1], [2, 2, 2, 2, 3, 3, 3, 3], [4, 4, 4, 4, 5, 5, 5, 5], [6, 6, 6, 6, 7, 7, 7, 7]];
+
+    /// Weight rows `r0..r0 + R` against activation rows `j..j + NA`: the per-lane partial sums
+    /// (summed horizontally by the caller).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn int4_tile<const R: usize, const NA: usize>(
+        sh: &Shape,
+        w: &HostQuantView<'_>,
+        acts: &Acts,
+        r0: usize,
+        j: usize,
+    ) -> [[__m256; NA]; R] {
         let nb = sh.nb;
-        let wrow = w.packed.as_ptr().add(r * sh.cols / 2);
         let sc = w.scales.as_ptr().cast::<u16>();
-        let mins = w.mins.unwrap_or_default();
-        let mn = mins.as_ptr().cast::<u16>();
+        let mn = w.mins.unwrap_or_default().as_ptr().cast::<u16>();
         let len = w.scales.len();
-        let goff = r * sh.groups;
         let spread = spread(sh.bpg);
+        let mut wrow = [std::ptr::null::<u8>(); R];
+        let mut goff = [0usize; R];
+        for i in 0..R {
+            wrow[i] = w.packed.as_ptr().add((r0 + i) * sh.cols / 2);
+            goff[i] = (r0 + i) * sh.groups;
+        }
         let mut qx = [std::ptr::null::<i8>(); NA];
         let mut dx = [std::ptr::null::<f32>(); NA];
         let mut sx = [std::ptr::null::<f32>(); NA];
@@ -784,73 +779,149 @@ mod avx2 {
             sx[t] = acts.s.as_ptr().add((j + t) * sh.nbp);
         }
         let low = _mm256_set1_epi8(0x0F);
-        let shift = _mm256_setr_epi64x(0, 0, 4, 4);
         let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); NA];
-        let mut macc = [_mm256_setzero_ps(); NA];
+        let mut acc = [[_mm256_setzero_ps(); NA]; R];
         let mut b0 = 0;
         while b0 < nb {
             let kend = (nb - b0).min(8);
             let mask = _mm256_loadu_ps(LANE_MASK.as_ptr().add(8 - kend).cast());
-            let sv = octet_f16(sc, len, goff, b0, kend, sh.bpg, spread, mask);
-            let mv = octet_f16(mn, len, goff, b0, kend, sh.bpg, spread, mask);
-            let mut fac = [[0.0f32; 8]; NA];
-            for t in 0..NA {
-                _mm256_storeu_ps(
-                    fac[t].as_mut_ptr(),
-                    _mm256_mul_ps(sv, _mm256_loadu_ps(dx[t].add(b0))),
-                );
-                macc[t] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx[t].add(b0)), macc[t]);
-            }
-            let block = |k: usize, acc: &mut [__m256; NA]| {
-                let b = b0 + k;
-                // Low nibbles are columns 0..16, high nibbles 16..32: one 16-byte load in both
-                // halves, the upper half shifted right by 4, then masked.
-                let raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(wrow.add(b * 16).cast()));
-                let wq = _mm256_and_si256(_mm256_srlv_epi64(raw, shift), low);
+            // Per (row, activation row): the 8 block factors scale_w * d_x, and the min term
+            // min_w * s_x of the 8 blocks folded straight into the accumulator lanes.
+            let mut fac = [[_mm256_setzero_ps(); NA]; R];
+            for i in 0..R {
+                let sv = octet_f16(sc, len, goff[i], b0, kend, sh.bpg, spread, mask);
+                let mv = octet_f16(mn, len, goff[i], b0, kend, sh.bpg, spread, mask);
                 for t in 0..NA {
-                    let xq = _mm256_loadu_si256(qx[t].add(b * BLOCK).cast());
-                    let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones);
-                    acc[t] = _mm256_fmadd_ps(
-                        _mm256_cvtepi32_ps(dot),
-                        _mm256_broadcast_ss(&fac[t][k]),
-                        acc[t],
-                    );
+                    fac[i][t] = _mm256_mul_ps(sv, _mm256_loadu_ps(dx[t].add(b0)));
+                    acc[i][t] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx[t].add(b0)), acc[i][t]);
+                }
+            }
+            // Pairs of blocks: 32 weight bytes hold both blocks; low nibbles are the low 16
+            // columns of each, high nibbles the high 16, matching the `Layout::Pairs` activations.
+            // Pair sums of maddubs stay below 2 * 2 * 15 * 127 < i16::MAX.
+            let pair = |q: usize, acc: &mut [[__m256; NA]; R]| {
+                let b = b0 + 2 * q;
+                let idx = _mm256_loadu_si256(PAIR_IDX[q].as_ptr().cast());
+                let mut xl = [_mm256_setzero_si256(); NA];
+                let mut xh = [_mm256_setzero_si256(); NA];
+                for t in 0..NA {
+                    xl[t] = _mm256_loadu_si256(qx[t].add(b * BLOCK).cast());
+                    xh[t] = _mm256_loadu_si256(qx[t].add(b * BLOCK + 32).cast());
+                }
+                for i in 0..R {
+                    let v = _mm256_loadu_si256(wrow[i].add(b * 16).cast());
+                    let lo = _mm256_and_si256(v, low);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                    for t in 0..NA {
+                        let s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl[t]), _mm256_maddubs_epi16(hi, xh[t]));
+                        let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                        let f = _mm256_permutevar8x32_ps(fac[i][t], idx);
+                        acc[i][t] = _mm256_fmadd_ps(dot, f, acc[i][t]);
+                    }
                 }
             };
             if kend == 8 {
-                for k in 0..8 {
-                    block(k, &mut acc);
+                for q in 0..4 {
+                    pair(q, &mut acc);
                 }
             } else {
-                for k in 0..kend {
-                    block(k, &mut acc);
+                for q in 0..kend / 2 {
+                    pair(q, &mut acc);
+                }
+                if kend % 2 == 1 {
+                    // The row's last block, unpaired: plain activation layout.
+                    let k = kend - 1;
+                    let b = b0 + k;
+                    let shift = _mm256_setr_epi64x(0, 0, 4, 4);
+                    let idx = _mm256_set1_epi32(k as i32);
+                    for i in 0..R {
+                        let raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(wrow[i].add(b * 16).cast()));
+                        let wq = _mm256_and_si256(_mm256_srlv_epi64(raw, shift), low);
+                        for t in 0..NA {
+                            let xq = _mm256_loadu_si256(qx[t].add(b * BLOCK).cast());
+                            let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones);
+                            let f = _mm256_permutevar8x32_ps(fac[i][t], idx);
+                            acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[i][t]);
+                        }
+                    }
                 }
             }
             b0 += 8;
         }
-        let mut res = [0.0; MAX_NA];
-        for t in 0..NA {
-            res[t] = hsum(_mm256_add_ps(acc[t], macc[t]));
-        }
-        res
+        acc
     }
 
-    /// Int8 weight row `r` against activation rows `j..j + NA`.
+    /// Int8 rows `rows` against activation rows `j..j + na`, written to `out`.
+    ///
+    /// # Safety
+    /// As [`int4_rows`], for an int8 weight and `Layout::Plain` activations.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn int8_row<const NA: usize>(
+    pub(super) unsafe fn int8_rows(
         sh: &Shape,
         w: &HostQuantView<'_>,
         acts: &Acts,
-        r: usize,
+        rows: Range<usize>,
         j: usize,
-    ) -> [f32; MAX_NA] {
+        na: usize,
+        out: OutPtr,
+    ) {
+        match na {
+            1 => int8_rows_tiled::<4, 1>(sh, w, acts, rows, j, out),
+            2 => int8_rows_tiled::<2, 2>(sh, w, acts, rows, j, out),
+            3 => int8_rows_tiled::<1, 3>(sh, w, acts, rows, j, out),
+            _ => int8_rows_tiled::<1, 4>(sh, w, acts, rows, j, out),
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn int8_rows_tiled<const R: usize, const NA: usize>(
+        sh: &Shape,
+        w: &HostQuantView<'_>,
+        acts: &Acts,
+        rows: Range<usize>,
+        j: usize,
+        out: OutPtr,
+    ) {
+        let mut r = rows.start;
+        let pf = prefetch_rows();
+        while r + R <= rows.end {
+            if pf > 0 {
+                prefetch_rows_ahead(w, r + pf * R, R, sh.cols, sh.groups);
+            }
+            let acc = int8_tile::<R, NA>(sh, w, acts, r, j);
+            write_tile(&acc, out, sh.rows, r, j);
+            r += R;
+        }
+        while r < rows.end {
+            let acc = int8_tile::<1, NA>(sh, w, acts, r, j);
+            write_tile(&acc, out, sh.rows, r, j);
+            r += 1;
+        }
+    }
+
+    /// Index vectors broadcasting lane `k` of a factor octet.
+    static LANE_IDX: [[i32; 8]; 8] = [[0; 8], [1; 8], [2; 8], [3; 8], [4; 8], [5; 8], [6; 8], [7; 8]];
+
+    /// Int8 weight rows `r0..r0 + R` against activation rows `j..j + NA`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn int8_tile<const R: usize, const NA: usize>(
+        sh: &Shape,
+        w: &HostQuantView<'_>,
+        acts: &Acts,
+        r0: usize,
+        j: usize,
+    ) -> [[__m256; NA]; R] {
         let nb = sh.nb;
-        let wrow = w.packed.as_ptr().add(r * sh.cols);
         let sc = w.scales.as_ptr().cast::<u16>();
         let len = w.scales.len();
-        let goff = r * sh.groups;
         let spread = spread(sh.bpg);
+        let mut wrow = [std::ptr::null::<u8>(); R];
+        let mut goff = [0usize; R];
+        for i in 0..R {
+            wrow[i] = w.packed.as_ptr().add((r0 + i) * sh.cols);
+            goff[i] = (r0 + i) * sh.groups;
+        }
         let mut qx = [std::ptr::null::<i8>(); NA];
         let mut dx = [std::ptr::null::<f32>(); NA];
         for t in 0..NA {
@@ -858,36 +929,35 @@ mod avx2 {
             dx[t] = acts.d.as_ptr().add((j + t) * sh.nbp);
         }
         let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); NA];
+        let mut acc = [[_mm256_setzero_ps(); NA]; R];
         let mut b0 = 0;
         while b0 < nb {
             let kend = (nb - b0).min(8);
             let mask = _mm256_loadu_ps(LANE_MASK.as_ptr().add(8 - kend).cast());
-            let sv = octet_f16(sc, len, goff, b0, kend, sh.bpg, spread, mask);
-            let mut fac = [[0.0f32; 8]; NA];
-            for t in 0..NA {
-                _mm256_storeu_ps(
-                    fac[t].as_mut_ptr(),
-                    _mm256_mul_ps(sv, _mm256_loadu_ps(dx[t].add(b0))),
-                );
-            }
-            let block = |k: usize, acc: &mut [__m256; NA]| {
-                let b = b0 + k;
-                let wv = _mm256_loadu_si256(wrow.add(b * BLOCK).cast());
-                // maddubs wants unsigned × signed: |w| × (x with w's sign). |w| <= 128 and
-                // |x| <= 127, so the pair sums stay below i16::MAX.
-                let wabs = _mm256_sign_epi8(wv, wv);
+            let mut fac = [[_mm256_setzero_ps(); NA]; R];
+            for i in 0..R {
+                let sv = octet_f16(sc, len, goff[i], b0, kend, sh.bpg, spread, mask);
                 for t in 0..NA {
-                    let xq = _mm256_loadu_si256(qx[t].add(b * BLOCK).cast());
-                    let dot = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xq, wv)),
-                        ones,
-                    );
-                    acc[t] = _mm256_fmadd_ps(
-                        _mm256_cvtepi32_ps(dot),
-                        _mm256_broadcast_ss(&fac[t][k]),
-                        acc[t],
-                    );
+                    fac[i][t] = _mm256_mul_ps(sv, _mm256_loadu_ps(dx[t].add(b0)));
+                }
+            }
+            let block = |k: usize, acc: &mut [[__m256; NA]; R]| {
+                let b = b0 + k;
+                let idx = _mm256_loadu_si256(LANE_IDX[k].as_ptr().cast());
+                let mut xq = [_mm256_setzero_si256(); NA];
+                for t in 0..NA {
+                    xq[t] = _mm256_loadu_si256(qx[t].add(b * BLOCK).cast());
+                }
+                for i in 0..R {
+                    let wv = _mm256_loadu_si256(wrow[i].add(b * BLOCK).cast());
+                    // maddubs wants unsigned x signed: |w| x (x with w's sign). |w| <= 128 and
+                    // |x| <= 127, so the pair sums stay below i16::MAX.
+                    let wabs = _mm256_sign_epi8(wv, wv);
+                    for t in 0..NA {
+                        let p = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xq[t], wv));
+                        let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+                        acc[i][t] = _mm256_fmadd_ps(dot, _mm256_permutevar8x32_ps(fac[i][t], idx), acc[i][t]);
+                    }
                 }
             };
             if kend == 8 {
@@ -901,11 +971,7 @@ mod avx2 {
             }
             b0 += 8;
         }
-        let mut res = [0.0; MAX_NA];
-        for t in 0..NA {
-            res[t] = hsum(acc[t]);
-        }
-        res
+        acc
     }
 
     /// Exact int4 row: dequantizes each block to f32 in registers (`q * scale + min`, the same
@@ -914,20 +980,10 @@ mod avx2 {
     /// # Safety
     /// AVX2/FMA/F16C present; `w` validated for `sh`; `x.len() == cols`; `r < rows`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn exact_int4_row(
-        sh: &Shape,
-        w: &HostQuantView<'_>,
-        x: &[f32],
-        r: usize,
-    ) -> f32 {
+    pub(super) unsafe fn exact_int4_row(sh: &Shape, w: &HostQuantView<'_>, x: &[f32], r: usize) -> f32 {
         let wrow = w.packed.as_ptr().add(r * sh.cols / 2);
         let sc = w.scales.as_ptr().cast::<u16>().add(r * sh.groups);
-        let mn = w
-            .mins
-            .unwrap_or_default()
-            .as_ptr()
-            .cast::<u16>()
-            .add(r * sh.groups);
+        let mn = w.mins.unwrap_or_default().as_ptr().cast::<u16>().add(r * sh.groups);
         let xp = x.as_ptr();
         let low = _mm_set1_epi8(0x0F);
         let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
@@ -957,12 +1013,7 @@ mod avx2 {
     /// # Safety
     /// As for [`exact_int4_row`].
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn exact_int8_row(
-        sh: &Shape,
-        w: &HostQuantView<'_>,
-        x: &[f32],
-        r: usize,
-    ) -> f32 {
+    pub(super) unsafe fn exact_int8_row(sh: &Shape, w: &HostQuantView<'_>, x: &[f32], r: usize) -> f32 {
         let wrow = w.packed.as_ptr().add(r * sh.cols);
         let sc = w.scales.as_ptr().cast::<u16>().add(r * sh.groups);
         let xp = x.as_ptr();
@@ -1012,9 +1063,7 @@ mod tests {
         let mut out = vec![0.0; n * rows];
         for j in 0..n {
             for r in 0..rows {
-                let s: f64 = (0..cols)
-                    .map(|c| x[j * cols + c] as f64 * w[r * cols + c] as f64)
-                    .sum();
+                let s: f64 = (0..cols).map(|c| x[j * cols + c] as f64 * w[r * cols + c] as f64).sum();
                 out[j * rows + r] = s as f32;
             }
         }
@@ -1045,10 +1094,7 @@ mod tests {
     }
 
     fn isas() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2]
-            .into_iter()
-            .filter(|i| i.available())
-            .collect()
+        [Isa::Scalar, Isa::Avx2].into_iter().filter(|i| i.available()).collect()
     }
 
     type Mm = fn(Isa, &[f32], usize, &HostQuantView<'_>, &mut [f32]) -> Result<()>;
@@ -1154,25 +1200,12 @@ mod tests {
                 cols,
                 group_size: gs,
                 packed: (0..rows * cols / 2).map(|_| rng.byte()).collect(),
-                scales: (0..rows * groups)
-                    .map(|_| f16::from_f32(rng.next() * 0.05))
-                    .collect(),
-                mins: Some(
-                    (0..rows * groups)
-                        .map(|_| f16::from_f32(rng.next() * 0.4))
-                        .collect(),
-                ),
+                scales: (0..rows * groups).map(|_| f16::from_f32(rng.next() * 0.05)).collect(),
+                mins: Some((0..rows * groups).map(|_| f16::from_f32(rng.next() * 0.4)).collect()),
             };
             for n in [1, 7] {
                 let x = rng.vec(n * cols, 0.0);
-                check_all(
-                    &q,
-                    n,
-                    &x,
-                    matmul_int4_with,
-                    matmul_int4_exact_with,
-                    &format!("raw int4 {rows}x{cols}/{gs}"),
-                );
+                check_all(&q, n, &x, matmul_int4_with, matmul_int4_exact_with, &format!("raw int4 {rows}x{cols}/{gs}"));
             }
         }
     }
@@ -1205,9 +1238,7 @@ mod tests {
             .collect();
         cases.push([0.0; BLOCK]);
         let mut ties = [0.0f32; BLOCK];
-        ties.iter_mut()
-            .enumerate()
-            .for_each(|(i, v)| *v = (i as f32 - 16.0) * 0.5);
+        ties.iter_mut().enumerate().for_each(|(i, v)| *v = (i as f32 - 16.0) * 0.5);
         ties[0] = 127.0;
         cases.push(ties);
         for c in &cases {
@@ -1234,14 +1265,7 @@ mod tests {
         matmul_int4(&[0.5; 128], 2, &q.view(), &mut out).unwrap();
         let q = quantize_int4(&[0.5; 64], 1, 64, 32).unwrap();
         matmul_int4(&[], 0, &q.view(), &mut out).unwrap();
-        let q = HostQuant {
-            rows: 3,
-            cols: 0,
-            group_size: 32,
-            packed: vec![],
-            scales: vec![],
-            mins: Some(vec![]),
-        };
+        let q = HostQuant { rows: 3, cols: 0, group_size: 32, packed: vec![], scales: vec![], mins: Some(vec![]) };
         let mut out = vec![1.0; 6];
         matmul_int4(&[], 2, &q.view(), &mut out).unwrap();
         assert_eq!(out, vec![0.0; 6]);
@@ -1282,17 +1306,9 @@ mod tests {
             rows,
             cols,
             group_size: 32,
-            packed: (0..rows * cols / if int4 { 2 } else { 1 })
-                .map(|_| rng.byte())
-                .collect(),
-            scales: (0..rows * groups)
-                .map(|_| f16::from_f32(0.01 + 0.01 * rng.next()))
-                .collect(),
-            mins: int4.then(|| {
-                (0..rows * groups)
-                    .map(|_| f16::from_f32(-0.08 + 0.01 * rng.next()))
-                    .collect()
-            }),
+            packed: (0..rows * cols / if int4 { 2 } else { 1 }).map(|_| rng.byte()).collect(),
+            scales: (0..rows * groups).map(|_| f16::from_f32(0.01 + 0.01 * rng.next())).collect(),
+            mins: int4.then(|| (0..rows * groups).map(|_| f16::from_f32(-0.08 + 0.01 * rng.next())).collect()),
         }
     }
 
@@ -1315,20 +1331,12 @@ mod tests {
             (inter, hidden),
             (hidden, inter),
         ];
-        let model: Vec<Vec<HostQuant>> = (0..layers)
-            .map(|_| {
-                shapes
-                    .iter()
-                    .map(|&(r, c)| raw_weight(&mut rng, r, c, true))
-                    .collect()
-            })
-            .collect();
+        let model: Vec<Vec<HostQuant>> =
+            (0..layers).map(|_| shapes.iter().map(|&(r, c)| raw_weight(&mut rng, r, c, true)).collect()).collect();
         let head = raw_weight(&mut rng, vocab, hidden, false);
         let layer_macs: usize = shapes.iter().map(|&(r, c)| r * c).sum();
         let (body_macs, head_macs) = (layer_macs * layers, vocab * hidden);
-        let bytes = |q: &HostQuant| {
-            q.packed.len() + 2 * q.scales.len() + q.mins.as_ref().map_or(0, |m| 2 * m.len())
-        };
+        let bytes = |q: &HostQuant| q.packed.len() + 2 * q.scales.len() + q.mins.as_ref().map_or(0, |m| 2 * m.len());
         let body_bytes: usize = model.iter().flatten().map(bytes).sum();
         let head_bytes = bytes(&head);
         println!(
@@ -1339,12 +1347,11 @@ mod tests {
             head_bytes as f64 / 1e6
         );
         type F = fn(&[f32], usize, &HostQuantView<'_>, &mut [f32]) -> Result<()>;
-        let paths: [(&str, F, F); 2] = [
-            ("int8-act", matmul_int4, matmul_int8),
-            ("exact-f32", matmul_int4_exact, matmul_int8_exact),
-        ];
-        for (name, f4, f8) in paths {
-            for n in [1usize, 16, 64] {
+        let paths: [(&str, F, F); 2] =
+            [("int8-act", matmul_int4, matmul_int8), ("exact-f32", matmul_int4_exact, matmul_int8_exact)];
+        let quick = std::env::var_os("TM_QBENCH_QUICK").is_some();
+        for (name, f4, f8) in paths.into_iter().take(if quick { 1 } else { 2 }) {
+            for n in if quick { vec![1usize] } else { vec![1, 16, 64] } {
                 let x_h = rng.vec(n * inter, 0.0);
                 let mut out_h = vec![0.0; n * inter];
                 let mut logits = vec![0.0; n * vocab];
@@ -1357,9 +1364,8 @@ mod tests {
                     f8(&x_h[..n * hidden], n, &head.view(), logits).unwrap();
                 };
                 token(&mut out_h, &mut logits);
-                let reps = if n == 1 { 40 } else { (400 / n).max(3) };
-                let (mut body_t, mut head_t) = (f64::MAX, f64::MAX);
-                let t_all = Instant::now();
+                let reps = if n == 1 { 100 } else { (800 / n).max(3) };
+                let mut times = Vec::with_capacity(reps);
                 for _ in 0..reps {
                     let t0 = Instant::now();
                     for layer in &model {
@@ -1369,26 +1375,108 @@ mod tests {
                     }
                     let t1 = Instant::now();
                     f8(&x_h[..n * hidden], n, &head.view(), &mut logits).unwrap();
-                    body_t = body_t.min((t1 - t0).as_secs_f64());
-                    head_t = head_t.min(t1.elapsed().as_secs_f64());
+                    times.push(((t1 - t0).as_secs_f64(), t1.elapsed().as_secs_f64()));
                 }
-                let mean = t_all.elapsed().as_secs_f64() / reps as f64;
-                let best = body_t + head_t;
+                let median = |mut v: Vec<f64>| {
+                    v.sort_by(f64::total_cmp);
+                    v[v.len() / 2]
+                };
+                let body_t = median(times.iter().map(|t| t.0).collect());
+                let head_t = median(times.iter().map(|t| t.1).collect());
+                let total = median(times.iter().map(|t| t.0 + t.1).collect());
+                let best = times.iter().map(|t| t.0 + t.1).fold(f64::MAX, f64::min);
                 let gflops = |macs: usize, t: f64| 2.0 * (macs * n) as f64 / t / 1e9;
                 println!(
-                    "{name:9} n={n:3}: best {:7.2} ms/step (body {:6.2} ms {:5.1} GFLOP/s {:5.1} GB/s; head {:5.2} ms {:5.1} GFLOP/s {:5.1} GB/s) \
-                     mean {:7.2} ms -> {:7.1} tok/s best, {:7.1} tok/s mean",
-                    best * 1e3,
+                    "{name:9} n={n:3}: median {:7.2} ms/step = {:6.1} tok/s (best {:6.1} tok/s); body {:6.2} ms \
+                     {:5.1} GFLOP/s {:5.1} GB/s; head {:5.2} ms {:5.1} GFLOP/s {:5.1} GB/s",
+                    total * 1e3,
+                    n as f64 / total,
+                    n as f64 / best,
                     body_t * 1e3,
                     gflops(body_macs, body_t),
                     body_bytes as f64 / body_t / 1e9,
                     head_t * 1e3,
                     gflops(head_macs, head_t),
                     head_bytes as f64 / head_t / 1e9,
-                    mean * 1e3,
-                    n as f64 / best,
-                    n as f64 / mean,
                 );
+            }
+        }
+    }
+
+    #[test]
+    #[ignore]
+    fn exp_per_type() {
+        use std::time::Instant;
+        let (hidden, inter, layers) = (576, 1536, 30);
+        let mut rng = Rng(5);
+        let shapes = [
+            (576, hidden),
+            (192, hidden),
+            (192, hidden),
+            (hidden, 576),
+            (inter, hidden),
+            (inter, hidden),
+            (hidden, inter),
+        ];
+        let model: Vec<Vec<HostQuant>> =
+            (0..layers).map(|_| shapes.iter().map(|&(r, c)| raw_weight(&mut rng, r, c, true)).collect()).collect();
+        let x = rng.vec(inter, 0.0);
+        let mut out = vec![0.0; inter];
+        let mut tt = [0f64; 7];
+        for rep in 0..60 {
+            for layer in &model {
+                for (k, q) in layer.iter().enumerate() {
+                    let t = Instant::now();
+                    matmul_int4(&x[..q.cols], 1, &q.view(), &mut out[..q.rows]).unwrap();
+                    if rep >= 10 {
+                        tt[k] += t.elapsed().as_secs_f64();
+                    }
+                }
+            }
+        }
+        for k in 0..7 {
+            let (r, c) = shapes[k];
+            let per = tt[k] / 50.0 / 30.0;
+            println!("{r}x{c}: {:.2} us/call, {:.1} GB/s", per * 1e6, (r * c * 5 / 8) as f64 / per / 1e9);
+        }
+    }
+
+    /// Single matrices at n = 1, hot in cache, on 1 and 2 threads:
+    /// `cargo test --release -p tm-cpu --lib quant_matmul::tests::bench_hot -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn bench_hot_single_matrices() {
+        use std::time::Instant;
+        let mut rng = Rng(5);
+        for &(rows, cols, int4) in
+            &[(1536usize, 576usize, true), (576, 1536, true), (192, 576, true), (8192, 576, true), (8192, 576, false)]
+        {
+            let q = raw_weight(&mut rng, rows, cols, int4);
+            let bytes = q.packed.len() + 2 * q.scales.len() + q.mins.as_ref().map_or(0, |m| 2 * m.len());
+            let x = rng.vec(cols, 0.0);
+            let mut out = vec![0.0; rows];
+            for threads in [1usize, 2] {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                pool.install(|| {
+                    let f = if int4 { matmul_int4 } else { matmul_int8 };
+                    let reps = 2000;
+                    for _ in 0..10 {
+                        f(&x, 1, &q.view(), &mut out).unwrap();
+                    }
+                    let t = Instant::now();
+                    for _ in 0..reps {
+                        f(&x, 1, &q.view(), &mut out).unwrap();
+                    }
+                    let dt = t.elapsed().as_secs_f64() / reps as f64;
+                    println!(
+                        "{} {rows}x{cols} {threads}t: {:7.2} us, {:.2} ns/block, {:5.1} GB/s, {:5.1} GFLOP/s",
+                        if int4 { "int4" } else { "int8" },
+                        dt * 1e6,
+                        dt * 1e9 / (rows * cols / 32) as f64,
+                        bytes as f64 / dt / 1e9,
+                        2.0 * (rows * cols) as f64 / dt / 1e9
+                    );
+                });
             }
         }
     }

@@ -39,10 +39,7 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A message with the given role and content.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage { role: role.into(), content: content.into() }
     }
 }
 
@@ -83,8 +80,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, rewrite_generation_tags(source))
-            .map_err(template_error)?;
+        env.add_template_owned(TEMPLATE_NAME, rewrite_generation_tags(source)).map_err(template_error)?;
         Ok(ChatTemplate { env })
     }
 
@@ -132,28 +128,19 @@ impl ChatTemplate {
             bos_token => bos_token,
             eos_token => eos_token,
         };
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(template_error)?;
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(template_error)?;
         template.render(ctx).map_err(template_error)
     }
 }
 
 /// `raise_exception(msg)`: fails the render with `msg`.
 fn raise_exception(msg: String) -> std::result::Result<Value, minijinja::Error> {
-    Err(minijinja::Error::new(
-        ErrorKind::InvalidOperation,
-        format!("raise_exception: {msg}"),
-    ))
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("raise_exception: {msg}")))
 }
 
 /// `strftime_now(fmt)`: the current UTC time formatted with a subset of C's strftime.
 fn strftime_now(fmt: String) -> std::result::Result<String, minijinja::Error> {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     strftime(&fmt, secs as i64)
 }
 
@@ -171,15 +158,7 @@ const MONTHS: [&str; 12] = [
     "November",
     "December",
 ];
-const WEEKDAYS: [&str; 7] = [
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-    "Sunday",
-];
+const WEEKDAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
 
 /// (year, month 1-12, day 1-31) of a day count since 1970-01-01 (Howard Hinnant's algorithm).
 fn civil_from_days(days: i64) -> (i64, u32, u32) {
@@ -272,11 +251,7 @@ fn strftime(fmt: &str, unix_secs: i64) -> std::result::Result<String, minijinja:
 /// `tojson(indent=None)` as transformers defines it: `json.dumps(value, ensure_ascii=False,
 /// indent=indent)`, i.e. `", "`/`": "` separators on one line, or `","` plus newlines with
 /// `indent`; nothing is HTML-escaped.
-fn tojson(
-    value: &Value,
-    indent: Option<Value>,
-    kwargs: Kwargs,
-) -> std::result::Result<Value, minijinja::Error> {
+fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Error> {
     let indent = match indent {
         Some(v) => Some(v),
         None => kwargs.get::<Option<Value>>("indent")?,
@@ -288,12 +263,10 @@ fn tojson(
     let indent = match indent {
         None => None,
         Some(v) if v.is_none() || v.is_undefined() => None,
-        Some(v) => Some(usize::try_from(v).map_err(|_| {
-            minijinja::Error::new(
-                ErrorKind::InvalidOperation,
-                "tojson: indent must be an integer",
-            )
-        })?),
+        Some(v) => Some(
+            usize::try_from(v)
+                .map_err(|_| minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: indent must be an integer"))?,
+        ),
     };
     let mut out = String::new();
     write_json(&mut out, value, indent, 0, sort_keys.unwrap_or(false))?;
@@ -449,10 +422,7 @@ mod tests {
     use super::*;
 
     fn msgs() -> Vec<ChatMessage> {
-        vec![
-            ChatMessage::new("system", "Be brief."),
-            ChatMessage::new("user", "Hi 🙂"),
-        ]
+        vec![ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi 🙂")]
     }
 
     #[test]
@@ -463,25 +433,18 @@ mod tests {
 
     #[test]
     fn chatml_renders() {
-        let out = ChatTemplate::chatml()
-            .render(&msgs(), true, "", "")
-            .unwrap();
+        let out = ChatTemplate::chatml().render(&msgs(), true, "", "").unwrap();
         assert_eq!(
             out,
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 🙂<|im_end|>\n<|im_start|>assistant\n"
         );
-        let out = ChatTemplate::chatml()
-            .render(&msgs(), false, "", "")
-            .unwrap();
+        let out = ChatTemplate::chatml().render(&msgs(), false, "", "").unwrap();
         assert!(out.ends_with("<|im_end|>\n"));
     }
 
     #[test]
     fn raise_exception_message_is_visible() {
-        let t = ChatTemplate::new(
-            "{{ raise_exception('Roles must alternate, got ' + messages[0].role) }}",
-        )
-        .unwrap();
+        let t = ChatTemplate::new("{{ raise_exception('Roles must alternate, got ' + messages[0].role) }}").unwrap();
         let err = t.render(&msgs(), true, "", "").unwrap_err();
         assert!(matches!(err, ModelError::Template(_)));
         let s = err.to_string();
@@ -497,50 +460,36 @@ mod tests {
     #[test]
     fn trim_and_lstrip_blocks() {
         let src = "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}\n";
-        let out = ChatTemplate::new(src)
-            .unwrap()
-            .render(&msgs(), false, "", "")
-            .unwrap();
+        let out = ChatTemplate::new(src).unwrap().render(&msgs(), false, "", "").unwrap();
         assert_eq!(out, "[Hi 🙂]\n");
     }
 
     #[test]
     fn bos_eos_and_pycompat() {
         let src = "{{ bos_token }}{% for m in messages %}{{ m['content'].strip().upper() }}|{{ m.role.startswith('sys') }}{{ eos_token }}{% endfor %}{% if add_generation_prompt %}GO{% endif %}";
-        let out = ChatTemplate::new(src)
-            .unwrap()
-            .render(&msgs(), true, "<s>", "</s>")
-            .unwrap();
+        let out = ChatTemplate::new(src).unwrap().render(&msgs(), true, "<s>", "</s>").unwrap();
         assert_eq!(out, "<s>BE BRIEF.|True</s>HI 🙂|False</s>GO");
     }
 
     #[test]
     fn loop_controls_and_namespace() {
         let src = "{% set ns = namespace(n=0) %}{% for m in messages %}{% if loop.first %}{% continue %}{% endif %}{% set ns.n = ns.n + 1 %}{{ m.role }}{% endfor %}{{ ns.n }}";
-        let out = ChatTemplate::new(src)
-            .unwrap()
-            .render(&msgs(), true, "", "")
-            .unwrap();
+        let out = ChatTemplate::new(src).unwrap().render(&msgs(), true, "", "").unwrap();
         assert_eq!(out, "user1");
     }
 
     #[test]
     fn tojson_like_python() {
-        let src = "{{ {'a': [1, 2.5, 'x<y>'], 'b': none, 'c': true} | tojson }}|{{ [1, {'k': 'é'}] | tojson(indent=2) }}";
-        let out = ChatTemplate::new(src)
-            .unwrap()
-            .render(&[], false, "", "")
-            .unwrap();
+        let src =
+            "{{ {'a': [1, 2.5, 'x<y>'], 'b': none, 'c': true} | tojson }}|{{ [1, {'k': 'é'}] | tojson(indent=2) }}";
+        let out = ChatTemplate::new(src).unwrap().render(&[], false, "", "").unwrap();
         assert_eq!(out, "{\"a\": [1, 2.5, \"x<y>\"], \"b\": null, \"c\": true}|[\n  1,\n  {\n    \"k\": \"é\"\n  }\n]");
     }
 
     #[test]
     fn generation_tags_are_accepted() {
         let src = "{% for m in messages %}{%- generation -%} {{ m.role }} {%- endgeneration %}{% endfor %}";
-        let out = ChatTemplate::new(src)
-            .unwrap()
-            .render(&msgs(), false, "", "")
-            .unwrap();
+        let out = ChatTemplate::new(src).unwrap().render(&msgs(), false, "", "").unwrap();
         assert_eq!(out, "systemuser");
     }
 
@@ -549,21 +498,12 @@ mod tests {
         // 2024-07-26 13:05:09 UTC, a Friday.
         let t = 1_722_000_000 - 1_722_000_000 % 86_400 + 13 * 3600 + 5 * 60 + 9;
         assert_eq!(strftime("%d %b %Y", t).unwrap(), "26 Jul 2024");
-        assert_eq!(
-            strftime("%Y-%m-%d %H:%M:%S", t).unwrap(),
-            "2024-07-26 13:05:09"
-        );
-        assert_eq!(
-            strftime("%B %-d, %A %a %j %y %%", t).unwrap(),
-            "July 26, Friday Fri 208 24 %"
-        );
+        assert_eq!(strftime("%Y-%m-%d %H:%M:%S", t).unwrap(), "2024-07-26 13:05:09");
+        assert_eq!(strftime("%B %-d, %A %a %j %y %%", t).unwrap(), "July 26, Friday Fri 208 24 %");
         assert_eq!(strftime("%d %B %Y", 0).unwrap(), "01 January 1970");
         assert_eq!(strftime("%Y-%m-%d", 951_782_400).unwrap(), "2000-02-29");
         assert!(strftime("%Q", 0).is_err());
-        let out = ChatTemplate::new("{{ strftime_now('%Y') }}")
-            .unwrap()
-            .render(&[], false, "", "")
-            .unwrap();
+        let out = ChatTemplate::new("{{ strftime_now('%Y') }}").unwrap().render(&[], false, "", "").unwrap();
         assert!(out.len() == 4 && out.starts_with('2'), "{out}");
     }
 
@@ -571,9 +511,6 @@ mod tests {
     fn chat_message_serde() {
         let m: ChatMessage = serde_json::from_str(r#"{"role":"user","content":"hi"}"#).unwrap();
         assert_eq!(m, ChatMessage::new("user", "hi"));
-        assert_eq!(
-            serde_json::to_string(&m).unwrap(),
-            r#"{"role":"user","content":"hi"}"#
-        );
+        assert_eq!(serde_json::to_string(&m).unwrap(), r#"{"role":"user","content":"hi"}"#);
     }
 }

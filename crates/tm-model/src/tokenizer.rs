@@ -47,9 +47,9 @@ impl std::fmt::Debug for Tokenizer {
 /// Reads and parses an optional JSON file: `Ok(None)` when it does not exist.
 fn read_optional_json(path: &Path) -> Result<Option<Json>> {
     match std::fs::read(path) {
-        Ok(bytes) => serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| ModelError::format(path, format!("invalid JSON: {e}"))),
+        Ok(bytes) => {
+            serde_json::from_slice(&bytes).map(Some).map_err(|e| ModelError::format(path, format!("invalid JSON: {e}")))
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(ModelError::io(path, e)),
     }
@@ -69,21 +69,15 @@ fn special_token_string(value: Option<&Json>) -> Option<String> {
 fn token_id_list(config: &Json, key: &str, path: &Path) -> Result<Vec<u32>> {
     let mut out = Vec::new();
     let mut push = |v: &Json| -> Result<()> {
-        let id = v
-            .as_u64()
-            .and_then(|id| u32::try_from(id).ok())
-            .ok_or_else(|| ModelError::Config {
-                path: path.to_path_buf(),
-                field: key.to_owned(),
-                message: format!("expected a token id (non-negative integer), got {v}"),
-            })?;
+        let id = v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| ModelError::Config {
+            path: path.to_path_buf(),
+            field: key.to_owned(),
+            message: format!("expected a token id (non-negative integer), got {v}"),
+        })?;
         out.push(id);
         Ok(())
     };
-    for cfg in [Some(config), config.get("text_config")]
-        .into_iter()
-        .flatten()
-    {
+    for cfg in [Some(config), config.get("text_config")].into_iter().flatten() {
         match cfg.get(key) {
             None | Some(Json::Null) => {}
             Some(Json::Array(items)) => {
@@ -103,11 +97,7 @@ fn chat_template_field(value: Option<&Json>) -> Option<String> {
     match value? {
         Json::String(s) => Some(s.clone()),
         Json::Array(items) => {
-            let template_of = |item: &Json| {
-                item.get("template")
-                    .and_then(Json::as_str)
-                    .map(str::to_owned)
-            };
+            let template_of = |item: &Json| item.get("template").and_then(Json::as_str).map(str::to_owned);
             items
                 .iter()
                 .find(|item| item.get("name").and_then(Json::as_str) == Some("default"))
@@ -140,20 +130,15 @@ impl Tokenizer {
     /// Truncation and padding stored in `tokenizer.json` are disabled, as transformers does.
     pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
         let tokenizer_path = dir.join("tokenizer.json");
-        let bytes =
-            std::fs::read(&tokenizer_path).map_err(|e| ModelError::io(&tokenizer_path, e))?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
-            ModelError::format(&tokenizer_path, format!("not a valid tokenizer: {e}"))
-        })?;
+        let bytes = std::fs::read(&tokenizer_path).map_err(|e| ModelError::io(&tokenizer_path, e))?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
+            .map_err(|e| ModelError::format(&tokenizer_path, format!("not a valid tokenizer: {e}")))?;
 
         let config_path = dir.join("tokenizer_config.json");
         let tok_config = read_optional_json(&config_path)?.unwrap_or(Json::Null);
         let bos_token = special_token_string(tok_config.get("bos_token"));
         let eos_token = special_token_string(tok_config.get("eos_token"));
-        let add_bos = tok_config
-            .get("add_bos_token")
-            .and_then(Json::as_bool)
-            .unwrap_or(false);
+        let add_bos = tok_config.get("add_bos_token").and_then(Json::as_bool).unwrap_or(false);
         let mut chat_template = chat_template_field(tok_config.get("chat_template"));
         if chat_template.is_none() {
             let jinja_path = dir.join("chat_template.jinja");
@@ -168,10 +153,7 @@ impl Tokenizer {
             let token = token.as_deref()?;
             let id = inner.token_to_id(token);
             if id.is_none() {
-                tracing::warn!(
-                    "{}: {field} `{token}` is not in the vocabulary; ignored",
-                    config_path.display()
-                );
+                tracing::warn!("{}: {field} `{token}` is not in the vocabulary; ignored", config_path.display());
             }
             id
         };
@@ -189,10 +171,7 @@ impl Tokenizer {
 
         // The token strings come back from the ids (the configured `eos_token` is the first
         // EOS id when it is in the vocabulary).
-        Ok(
-            Tokenizer::from_parts(inner, bos_id, eos_ids, add_bos)
-                .with_chat_template(chat_template),
-        )
+        Ok(Tokenizer::from_parts(inner, bos_id, eos_ids, add_bos).with_chat_template(chat_template))
     }
 
     /// Wraps a [`tokenizers::Tokenizer`] built elsewhere (for instance from GGUF metadata).
@@ -220,10 +199,7 @@ impl Tokenizer {
             }
         }
         let post_adds_bos = match bos {
-            Some(b) => inner
-                .encode("", true)
-                .map(|enc| enc.get_ids().first() == Some(&b))
-                .unwrap_or(false),
+            Some(b) => inner.encode("", true).map(|enc| enc.get_ids().first() == Some(&b)).unwrap_or(false),
             None => false,
         };
         let bos_token = bos.and_then(|id| inner.id_to_token(id));
@@ -255,10 +231,7 @@ impl Tokenizer {
     /// [`Tokenizer::from_parts`]) are added; special tokens written inside `text` are always
     /// recognised. The ids are what transformers' `tokenizer(text, add_special_tokens=...)` gives.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, add_special)
-            .map_err(|e| tokenizer_error("encoding failed", e))?;
+        let enc = self.inner.encode(text, add_special).map_err(|e| tokenizer_error("encoding failed", e))?;
         let mut ids = enc.get_ids().to_vec();
         if add_special && self.add_bos && !self.post_adds_bos {
             if let Some(bos) = self.bos_id {
@@ -273,9 +246,7 @@ impl Tokenizer {
     /// Decodes `ids` into text; with `skip_special`, special tokens are left out. Byte sequences
     /// that are not valid UTF-8 come out as U+FFFD. Unknown ids are ignored.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner
-            .decode(ids, skip_special)
-            .map_err(|e| tokenizer_error("decoding failed", e))
+        self.inner.decode(ids, skip_special).map_err(|e| tokenizer_error("decoding failed", e))
     }
 
     /// The vocabulary entry of `id` (the raw token, e.g. `Ġthe` or `▁the`), if it exists.
@@ -290,9 +261,7 @@ impl Tokenizer {
 
     /// Whether `id` is a special added token (skipped by `decode(.., skip_special = true)`).
     pub fn is_special(&self, id: u32) -> bool {
-        self.inner
-            .id_to_token(id)
-            .is_some_and(|t| self.inner.get_added_vocabulary().is_special_token(&t))
+        self.inner.id_to_token(id).is_some_and(|t| self.inner.get_added_vocabulary().is_special_token(&t))
     }
 
     /// Number of tokens, added tokens included (transformers' `len(tokenizer)`).
@@ -366,13 +335,7 @@ impl IncrementalDecoder {
     /// A decoder for a sequence whose text starts with the first pushed id. With
     /// `skip_special`, special tokens produce no text.
     pub fn new(skip_special: bool) -> IncrementalDecoder {
-        IncrementalDecoder {
-            ids: Vec::new(),
-            prefix_offset: 0,
-            read_offset: 0,
-            pending_emitted: 0,
-            skip_special,
-        }
+        IncrementalDecoder { ids: Vec::new(), prefix_offset: 0, read_offset: 0, pending_emitted: 0, skip_special }
     }
 
     /// A decoder for text generated after `prompt`: the last few prompt ids are kept as
@@ -381,22 +344,13 @@ impl IncrementalDecoder {
     pub fn with_prompt(prompt: &[u32], skip_special: bool) -> IncrementalDecoder {
         let ids = prompt[prompt.len().saturating_sub(PROMPT_CONTEXT)..].to_vec();
         let read_offset = ids.len();
-        IncrementalDecoder {
-            ids,
-            prefix_offset: 0,
-            read_offset,
-            pending_emitted: 0,
-            skip_special,
-        }
+        IncrementalDecoder { ids, prefix_offset: 0, read_offset, pending_emitted: 0, skip_special }
     }
 
     /// Appends `id` and returns the text it completes (possibly empty).
     pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
-        let prefix_text = tok.decode(
-            &self.ids[self.prefix_offset..self.read_offset],
-            self.skip_special,
-        )?;
+        let prefix_text = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
         let new_text = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
         let added = added_text(&prefix_text, &new_text);
         if added.is_empty() {
@@ -422,10 +376,7 @@ impl IncrementalDecoder {
         if self.read_offset == self.ids.len() {
             return Ok(String::new());
         }
-        let prefix_text = tok.decode(
-            &self.ids[self.prefix_offset..self.read_offset],
-            self.skip_special,
-        )?;
+        let prefix_text = tok.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special)?;
         let new_text = tok.decode(&self.ids[self.prefix_offset..], self.skip_special)?;
         let added = added_text(&prefix_text, &new_text);
         let out = added.get(self.pending_emitted..).unwrap_or("").to_owned();
@@ -517,15 +468,11 @@ mod tests {
 
     /// GPT-2-style byte-level BPE with no merges: one token per byte.
     fn byte_level() -> tokenizers::Tokenizer {
-        let mut alphabet: Vec<char> = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet()
-            .into_iter()
-            .collect();
+        let mut alphabet: Vec<char> =
+            tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet().into_iter().collect();
         alphabet.sort();
-        let vocab: serde_json::Map<String, Json> = alphabet
-            .iter()
-            .enumerate()
-            .map(|(i, c)| (c.to_string(), json!(i)))
-            .collect();
+        let vocab: serde_json::Map<String, Json> =
+            alphabet.iter().enumerate().map(|(i, c)| (c.to_string(), json!(i))).collect();
         let spec = json!({
             "version": "1.0", "truncation": null, "padding": null,
             "added_tokens": [added(256, "<|end|>")],
@@ -547,13 +494,8 @@ mod tests {
         pieces
     }
 
-    const TEXTS: &[&str] = &[
-        "hi there",
-        "hi 日本語 and 🙂👍🏽 emoji",
-        " leading space and  double",
-        "é (e\u{301}) 한국어 🧪‍🔬",
-        "\n\ttabs\n",
-    ];
+    const TEXTS: &[&str] =
+        &["hi there", "hi 日本語 and 🙂👍🏽 emoji", " leading space and  double", "é (e\u{301}) 한국어 🧪‍🔬", "\n\ttabs\n"];
 
     #[test]
     fn is_send_sync() {
@@ -602,14 +544,8 @@ mod tests {
         // With BOS and EOS, skipping specials.
         let mut ids = tok.encode("hi 日本", true).unwrap();
         ids.push(2);
-        assert_eq!(
-            stream(&tok, &ids, true).concat(),
-            tok.decode(&ids, true).unwrap()
-        );
-        assert_eq!(
-            stream(&tok, &ids, false).concat(),
-            tok.decode(&ids, false).unwrap()
-        );
+        assert_eq!(stream(&tok, &ids, true).concat(), tok.decode(&ids, true).unwrap());
+        assert_eq!(stream(&tok, &ids, false).concat(), tok.decode(&ids, false).unwrap());
     }
 
     #[test]
@@ -656,25 +592,9 @@ mod tests {
         let mut cases: Vec<Vec<u32>> = Vec::new();
         let cont = byte_ids("é")[1];
         cases.push([vec![cont], byte_ids("ab")].concat());
-        cases.push(
-            [
-                byte_ids("x"),
-                smile[..2].to_vec(),
-                byte_ids("yz"),
-                smile.clone(),
-            ]
-            .concat(),
-        );
+        cases.push([byte_ids("x"), smile[..2].to_vec(), byte_ids("yz"), smile.clone()].concat());
         cases.push([byte_ids("tail "), smile[..3].to_vec()].concat());
-        cases.push(
-            [
-                smile[..1].to_vec(),
-                smile[..1].to_vec(),
-                smile.clone(),
-                vec![256],
-            ]
-            .concat(),
-        );
+        cases.push([smile[..1].to_vec(), smile[..1].to_vec(), smile.clone(), vec![256]].concat());
         for ids in cases {
             for skip in [false, true] {
                 let full = tok.decode(&ids, skip).unwrap();
@@ -697,16 +617,8 @@ mod tests {
             .to_string(),
         )
         .unwrap();
-        std::fs::write(
-            dir.join("generation_config.json"),
-            r#"{"eos_token_id": [5, 2]}"#,
-        )
-        .unwrap();
-        std::fs::write(
-            dir.join("config.json"),
-            r#"{"eos_token_id": 7, "bos_token_id": 1}"#,
-        )
-        .unwrap();
+        std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [5, 2]}"#).unwrap();
+        std::fs::write(dir.join("config.json"), r#"{"eos_token_id": 7, "bos_token_id": 1}"#).unwrap();
         let tok = Tokenizer::from_dir(&dir).unwrap();
         assert_eq!(tok.eos_ids(), &[2, 5, 7]);
         assert_eq!(tok.bos_id(), Some(1));
@@ -717,11 +629,7 @@ mod tests {
         assert_eq!(tok.encode("hi", true).unwrap()[0], 1);
         assert!(tok.is_special(1) && !tok.is_special(300));
 
-        std::fs::write(
-            dir.join("generation_config.json"),
-            r#"{"eos_token_id": "x"}"#,
-        )
-        .unwrap();
+        std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": "x"}"#).unwrap();
         let err = Tokenizer::from_dir(&dir).unwrap_err();
         assert!(err.to_string().contains("generation_config.json"), "{err}");
         std::fs::write(dir.join("generation_config.json"), "{").unwrap();
@@ -730,11 +638,7 @@ mod tests {
 
         std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
         let err = Tokenizer::from_dir(&dir).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains(&dir.join("tokenizer.json").display().to_string()),
-            "{err}"
-        );
+        assert!(err.to_string().contains(&dir.join("tokenizer.json").display().to_string()), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

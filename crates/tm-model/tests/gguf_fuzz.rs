@@ -26,25 +26,13 @@ fn all_types_metadata() -> Vec<(&'static str, GgufValue)> {
         ("test.f64", GgufValue::F64(-2.25e300)),
         ("test.empty_string", GgufValue::String(String::new())),
         ("test.str_array", GgufValue::string_array(["a", "b c", ""])),
-        (
-            "test.i32_array",
-            GgufValue::array(
-                GgufValueType::I32,
-                vec![GgufValue::I32(1), GgufValue::I32(-3)],
-            ),
-        ),
-        (
-            "test.empty_array",
-            GgufValue::array(GgufValueType::F32, vec![]),
-        ),
+        ("test.i32_array", GgufValue::array(GgufValueType::I32, vec![GgufValue::I32(1), GgufValue::I32(-3)])),
+        ("test.empty_array", GgufValue::array(GgufValueType::F32, vec![])),
         (
             "test.nested",
             GgufValue::array(
                 GgufValueType::Array,
-                vec![
-                    GgufValue::array(GgufValueType::I16, vec![GgufValue::I16(7)]),
-                    GgufValue::string_array(["x"]),
-                ],
+                vec![GgufValue::array(GgufValueType::I16, vec![GgufValue::I16(7)]), GgufValue::string_array(["x"])],
             ),
         ),
     ]
@@ -62,11 +50,7 @@ fn sample_writer() -> GgufWriter {
     for (k, v) in all_types_metadata() {
         w.add_metadata(k, v);
     }
-    w.add_f32_tensor(
-        "a.weight",
-        &[4, 2],
-        &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
-    );
+    w.add_f32_tensor("a.weight", &[4, 2], &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]);
     let mut q = q4_0_block(0.5);
     q.extend(q4_0_block(-1.0));
     w.add_tensor("b.q4_0", &[32, 2], GgmlType::Q4_0, q);
@@ -118,58 +102,25 @@ fn typed_getters_convert_and_name_the_key() {
     assert_eq!(f.get::<f64>("test.f64").expect("f64"), -2.25e300);
     assert!(f.get_bool("test.bool").expect("bool"));
     assert_eq!(f.get_str("test.string").expect("str"), "héllo wörld ✓");
-    assert_eq!(
-        f.get_str_array("test.str_array").expect("strs"),
-        ["a", "b c", ""]
-    );
+    assert_eq!(f.get_str_array("test.str_array").expect("strs"), ["a", "b c", ""]);
     assert_eq!(f.get_i32_array("test.i32_array").expect("i32s"), [1, -3]);
-    assert_eq!(
-        f.get_f32_array("test.empty_array").expect("empty"),
-        Vec::<f32>::new()
-    );
+    assert_eq!(f.get_f32_array("test.empty_array").expect("empty"), Vec::<f32>::new());
     assert_eq!(f.architecture().expect("arch"), "llama");
     assert_eq!(f.arch_key("block_count").expect("key"), "llama.block_count");
     assert_eq!(f.get_opt::<u32>("no.such.key").expect("opt"), None);
     assert_eq!(f.get_str_opt("no.such.key").expect("opt"), None);
 
-    let missing = f
-        .get_u32("llama.block_count")
-        .expect_err("missing")
-        .to_string();
-    assert!(
-        missing.contains("`llama.block_count` is missing"),
-        "{missing}"
-    );
-    let wrong = f
-        .get_u32("test.string")
-        .expect_err("wrong type")
-        .to_string();
-    assert!(
-        wrong.contains("`test.string`") && wrong.contains("expected u32"),
-        "{wrong}"
-    );
+    let missing = f.get_u32("llama.block_count").expect_err("missing").to_string();
+    assert!(missing.contains("`llama.block_count` is missing"), "{missing}");
+    let wrong = f.get_u32("test.string").expect_err("wrong type").to_string();
+    assert!(wrong.contains("`test.string`") && wrong.contains("expected u32"), "{wrong}");
     let range = f.get_u32("test.i32").expect_err("negative").to_string();
-    assert!(
-        range.contains("`test.i32`") && range.contains("-2000000000"),
-        "{range}"
-    );
+    assert!(range.contains("`test.i32`") && range.contains("-2000000000"), "{range}");
     let not_str = f.get_str("test.u8").expect_err("not a string").to_string();
-    assert!(
-        not_str.contains("`test.u8`") && not_str.contains("expected string"),
-        "{not_str}"
-    );
-    let arr = f
-        .get_str_array("test.i32_array")
-        .expect_err("not strings")
-        .to_string();
-    assert!(
-        arr.contains("`test.i32_array`") && arr.contains("array of string"),
-        "{arr}"
-    );
-    let arr = f
-        .get_u32_array("test.i32_array")
-        .expect_err("negative item")
-        .to_string();
+    assert!(not_str.contains("`test.u8`") && not_str.contains("expected string"), "{not_str}");
+    let arr = f.get_str_array("test.i32_array").expect_err("not strings").to_string();
+    assert!(arr.contains("`test.i32_array`") && arr.contains("array of string"), "{arr}");
+    let arr = f.get_u32_array("test.i32_array").expect_err("negative item").to_string();
     assert!(arr.contains("array of u32"), "{arr}");
 }
 
@@ -184,10 +135,7 @@ fn tensor_infos_and_data() {
     assert_eq!(a.byte_size(), 32);
     assert_eq!(a.ggml_type(), GgmlType::F32);
     let data = f.tensor_data("a.weight").expect("data");
-    let values: Vec<f32> = data
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
+    let values: Vec<f32> = data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     assert_eq!(values, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]);
 
     let b = f.tensor("b.q4_0").expect("b");
@@ -196,10 +144,7 @@ fn tensor_infos_and_data() {
     q.extend(q4_0_block(-1.0));
     assert_eq!(f.tensor_data("b.q4_0").expect("data"), &q[..]);
     assert_eq!(f.tensor("c.q8_0").expect("c").byte_size(), 34 * 2);
-    assert_eq!(
-        f.tensor_data("c.q8_0").expect("c"),
-        &(0..68u8).collect::<Vec<_>>()[..]
-    );
+    assert_eq!(f.tensor_data("c.q8_0").expect("c"), &(0..68u8).collect::<Vec<_>>()[..]);
     assert_eq!(f.tensor_data("d.f16").expect("d"), [1, 2, 3, 4, 5, 6]);
     for t in f.tensors() {
         assert_eq!(t.offset() % 32, 0, "{}", t.name());
@@ -219,18 +164,13 @@ fn open_memory_maps_a_file() {
     assert_eq!(f.path(), path);
     assert_eq!(f.tensors().len(), 4);
     assert_eq!(f.tensor_data("d.f16").expect("d"), [1, 2, 3, 4, 5, 6]);
-    assert_eq!(
-        f.bytes().len() as u64,
-        std::fs::metadata(&path).expect("meta").len()
-    );
+    assert_eq!(f.bytes().len() as u64, std::fs::metadata(&path).expect("meta").len());
 
     let small = dir.join("small.gguf");
     std::fs::write(&small, b"GGUF").expect("write");
     let e = GgufFile::open(&small).expect_err("small").to_string();
     assert!(e.contains("only 4 bytes"), "{e}");
-    let e = GgufFile::open(dir.join("does-not-exist.gguf"))
-        .expect_err("missing")
-        .to_string();
+    let e = GgufFile::open(dir.join("does-not-exist.gguf")).expect_err("missing").to_string();
     assert!(e.contains("does-not-exist.gguf"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -250,10 +190,7 @@ fn custom_alignment_is_respected() {
     let mut w = GgufWriter::new();
     w.add_metadata("general.alignment", GgufValue::U32(48));
     let e = parse_err(&w.to_bytes());
-    assert!(
-        e.contains("general.alignment must be a power of two"),
-        "{e}"
-    );
+    assert!(e.contains("general.alignment must be a power of two"), "{e}");
 }
 
 #[test]
@@ -283,34 +220,20 @@ fn truncation_names_what_was_cut() {
     let mut w = GgufWriter::new();
     w.add_metadata("general.architecture", GgufValue::String("llama".into()));
     w.add_metadata("llama.block_count", GgufValue::U32(30));
-    w.add_metadata(
-        "tokenizer.ggml.tokens",
-        GgufValue::string_array(["hello", "world"]),
-    );
+    w.add_metadata("tokenizer.ggml.tokens", GgufValue::string_array(["hello", "world"]));
     w.add_f32_tensor("blk.0.attn_norm.weight", &[4], &[1.0; 4]);
     let bytes = w.to_bytes();
-    let find = |needle: &[u8]| {
-        bytes
-            .windows(needle.len())
-            .position(|w| w == needle)
-            .expect("needle")
-    };
+    let find = |needle: &[u8]| bytes.windows(needle.len()).position(|w| w == needle).expect("needle");
 
     // Inside the u32 value of llama.block_count.
     let at = find(b"llama.block_count") + "llama.block_count".len() + 4 + 2;
     let e = parse_err(&bytes[..at]);
-    assert!(
-        e.contains("truncated") && e.contains("metadata key `llama.block_count`"),
-        "{e}"
-    );
+    assert!(e.contains("truncated") && e.contains("metadata key `llama.block_count`"), "{e}");
 
     // Inside the second token string.
     let at = find(b"world") + 2;
     let e = parse_err(&bytes[..at]);
-    assert!(
-        e.contains("item 1 of the value of metadata key `tokenizer.ggml.tokens`"),
-        "{e}"
-    );
+    assert!(e.contains("item 1 of the value of metadata key `tokenizer.ggml.tokens`"), "{e}");
 
     // Inside the tensor info, after the name.
     let at = find(b"blk.0.attn_norm.weight") + "blk.0.attn_norm.weight".len() + 4 + 3;
@@ -319,10 +242,7 @@ fn truncation_names_what_was_cut() {
 
     // Inside the tensor data.
     let e = parse_err(&bytes[..bytes.len() - 1]);
-    assert!(
-        e.contains("tensor `blk.0.attn_norm.weight`") && e.contains("extends past the end"),
-        "{e}"
-    );
+    assert!(e.contains("tensor `blk.0.attn_norm.weight`") && e.contains("extends past the end"), "{e}");
 
     // Cutting the header itself.
     assert!(parse_err(&bytes[..10]).contains("the tensor count"));
@@ -335,19 +255,13 @@ fn corrupt_headers_give_clear_errors() {
     let mut w = GgufWriter::new();
     w.add_tensor_raw("weird", &[4], 4, vec![0; 16]);
     let e = parse_err(&w.to_bytes());
-    assert!(
-        e.contains("tensor `weird` has unknown ggml type id 4"),
-        "{e}"
-    );
+    assert!(e.contains("tensor `weird` has unknown ggml type id 4"), "{e}");
 
     // Innermost dim not a multiple of the block size.
     let mut w = GgufWriter::new();
     w.add_tensor("q", &[48, 2], GgmlType::Q4_1, vec![0; 80]);
     let e = parse_err(&w.to_bytes());
-    assert!(
-        e.contains("tensor `q`") && e.contains("block size 32"),
-        "{e}"
-    );
+    assert!(e.contains("tensor `q`") && e.contains("block size 32"), "{e}");
 
     // Too many dims.
     let mut w = GgufWriter::new();
@@ -368,10 +282,7 @@ fn corrupt_headers_give_clear_errors() {
     let mut w = GgufWriter::new();
     w.add_tensor("short", &[8], GgmlType::F32, vec![0; 16]);
     let e = parse_err(&w.to_bytes());
-    assert!(
-        e.contains("tensor `short`") && e.contains("32 bytes"),
-        "{e}"
-    );
+    assert!(e.contains("tensor `short`") && e.contains("32 bytes"), "{e}");
 
     // Invalid bool byte.
     let mut w = GgufWriter::new();
@@ -406,10 +317,7 @@ fn huge_counts_and_lengths_are_rejected_without_allocating() {
     let len_at = value_at("tokenizer.ggml.tokens") + 4; // after the item type
     b[len_at..len_at + 8].copy_from_slice(&(1u64 << 60).to_le_bytes());
     let e = parse_err(&b);
-    assert!(
-        e.contains("array of 1152921504606846976 string items"),
-        "{e}"
-    );
+    assert!(e.contains("array of 1152921504606846976 string items"), "{e}");
 
     // A string claiming 2^63 bytes.
     let mut w = GgufWriter::new();
@@ -418,10 +326,7 @@ fn huge_counts_and_lengths_are_rejected_without_allocating() {
     let len_at = value_at("s");
     b[len_at..len_at + 8].copy_from_slice(&(1u64 << 63).to_le_bytes());
     let e = parse_err(&b);
-    assert!(
-        e.contains("metadata key `s`") && e.contains("length 9223372036854775808"),
-        "{e}"
-    );
+    assert!(e.contains("metadata key `s`") && e.contains("length 9223372036854775808"), "{e}");
 
     // A tensor whose element count overflows.
     let mut w = GgufWriter::new();
@@ -493,19 +398,14 @@ fn any_value() -> impl Strategy<Value = GgufValue> {
         any::<i16>().prop_map(GgufValue::I16),
         any::<u32>().prop_map(GgufValue::U32),
         any::<i32>().prop_map(GgufValue::I32),
-        any::<f32>()
-            .prop_filter("not NaN", |x| !x.is_nan())
-            .prop_map(GgufValue::F32),
+        any::<f32>().prop_filter("not NaN", |x| !x.is_nan()).prop_map(GgufValue::F32),
         any::<bool>().prop_map(GgufValue::Bool),
         ".{0,40}".prop_map(GgufValue::String),
         any::<u64>().prop_map(GgufValue::U64),
         any::<i64>().prop_map(GgufValue::I64),
-        any::<f64>()
-            .prop_filter("not NaN", |x| !x.is_nan())
-            .prop_map(GgufValue::F64),
+        any::<f64>().prop_filter("not NaN", |x| !x.is_nan()).prop_map(GgufValue::F64),
         leaf_array(),
-        prop::collection::vec(leaf_array(), 0..4)
-            .prop_map(|v| GgufValue::array(GgufValueType::Array, v)),
+        prop::collection::vec(leaf_array(), 0..4).prop_map(|v| GgufValue::array(GgufValueType::Array, v)),
     ]
 }
 

@@ -6,9 +6,7 @@ use tm_model::gguf::{GgufFile, GgufValue, GgufValueType};
 
 /// GPT-2's byte-to-unicode table: the character each byte is written as in byte-level vocabs.
 fn byte_char(b: u8) -> char {
-    let printable = |b: u8| {
-        (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b)
-    };
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
     if printable(b) {
         return char::from(b);
     }
@@ -17,9 +15,7 @@ fn byte_char(b: u8) -> char {
 }
 
 const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
-const MERGES: [&str; 10] = [
-    "h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2",
-];
+const MERGES: [&str; 10] = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2"];
 
 /// A byte-level BPE vocabulary: 3 control tokens, 256 byte symbols, the merge results, and a
 /// user-defined `<tool>` token.
@@ -40,18 +36,12 @@ fn gpt2_writer(pre: Option<&str>) -> GgufWriter {
     w.add_metadata("tokenizer.ggml.tokens", GgufValue::string_array(tokens));
     w.add_metadata(
         "tokenizer.ggml.token_type",
-        GgufValue::array(
-            GgufValueType::I32,
-            types.into_iter().map(GgufValue::I32).collect(),
-        ),
+        GgufValue::array(GgufValueType::I32, types.into_iter().map(GgufValue::I32).collect()),
     );
     w.add_metadata("tokenizer.ggml.merges", GgufValue::string_array(MERGES));
     w.add_metadata("tokenizer.ggml.bos_token_id", GgufValue::U32(1));
     w.add_metadata("tokenizer.ggml.eos_token_id", GgufValue::U32(2));
-    w.add_metadata(
-        "tokenizer.chat_template",
-        GgufValue::String("{{ messages }}".into()),
-    );
+    w.add_metadata("tokenizer.chat_template", GgufValue::String("{{ messages }}".into()));
     w
 }
 
@@ -60,8 +50,7 @@ fn open(w: &GgufWriter) -> GgufFile {
 }
 
 fn id(tok: &tokenizers::Tokenizer, text: &str) -> u32 {
-    tok.token_to_id(text)
-        .unwrap_or_else(|| panic!("no token {text:?}"))
+    tok.token_to_id(text).unwrap_or_else(|| panic!("no token {text:?}"))
 }
 
 fn encode(tok: &tokenizers::Tokenizer, text: &str) -> Vec<u32> {
@@ -70,8 +59,7 @@ fn encode(tok: &tokenizers::Tokenizer, text: &str) -> Vec<u32> {
 
 #[test]
 fn byte_level_bpe_encodes_and_decodes() {
-    let (tok, info) =
-        hf_tokenizer_from_gguf(&open(&gpt2_writer(Some("smollm")))).expect("tokenizer");
+    let (tok, info) = hf_tokenizer_from_gguf(&open(&gpt2_writer(Some("smollm")))).expect("tokenizer");
     let ids = encode(&tok, "hello world");
     assert_eq!(ids, [id(&tok, "hello"), id(&tok, "Ġworld")]);
     assert_eq!(tok.decode(&ids, false).expect("decode"), "hello world");
@@ -89,22 +77,12 @@ fn byte_level_bpe_encodes_and_decodes() {
 
     // Non-ASCII text goes through bytes and back.
     let text = "naïve — 日本 😀";
-    assert_eq!(
-        tok.decode(&encode(&tok, text), false).expect("decode"),
-        text
-    );
+    assert_eq!(tok.decode(&encode(&tok, text), false).expect("decode"), text);
 
     assert_eq!(info.model, "gpt2");
     assert_eq!(info.pre.as_deref(), Some("smollm"));
-    assert_eq!(
-        (info.bos_id, info.eos_ids.clone(), info.add_bos),
-        (Some(1), vec![2], false)
-    );
-    assert_eq!(
-        info.implied_eog_ids,
-        [0],
-        "<|endoftext|> is an end-of-generation token in llama.cpp"
-    );
+    assert_eq!((info.bos_id, info.eos_ids.clone(), info.add_bos), (Some(1), vec![2], false));
+    assert_eq!(info.implied_eog_ids, [0], "<|endoftext|> is an end-of-generation token in llama.cpp");
     assert_eq!(info.chat_template.as_deref(), Some("{{ messages }}"));
     assert_eq!(info.vocab_size, 3 + 256 + MERGES.len() + 1);
 }
@@ -114,22 +92,14 @@ fn pre_type_decides_how_digits_split() {
     let (smol, _) = hf_tokenizer_from_gguf(&open(&gpt2_writer(Some("smollm")))).expect("smollm");
     let one = id(&smol, "1");
     let two = id(&smol, "2");
-    assert_eq!(
-        encode(&smol, "12"),
-        [one, two],
-        "smollm splits digits one by one"
-    );
+    assert_eq!(encode(&smol, "12"), [one, two], "smollm splits digits one by one");
     let (gpt2, _) = hf_tokenizer_from_gguf(&open(&gpt2_writer(Some("gpt2")))).expect("gpt2");
     assert_eq!(encode(&gpt2, "12"), [id(&gpt2, "12")]);
     let (qwen, _) = hf_tokenizer_from_gguf(&open(&gpt2_writer(Some("qwen2")))).expect("qwen2");
     assert_eq!(encode(&qwen, "12"), [one, two]);
-    let (llama3, info) =
-        hf_tokenizer_from_gguf(&open(&gpt2_writer(Some("llama-bpe")))).expect("llama3");
+    let (llama3, info) = hf_tokenizer_from_gguf(&open(&gpt2_writer(Some("llama-bpe")))).expect("llama3");
     assert_eq!(encode(&llama3, "12"), [id(&llama3, "12")]);
-    assert!(
-        info.add_bos,
-        "Llama-3 style vocabularies add BOS by default"
-    );
+    assert!(info.add_bos, "Llama-3 style vocabularies add BOS by default");
     let (_, info) = hf_tokenizer_from_gguf(&open(&gpt2_writer(None))).expect("default");
     assert_eq!(info.pre, None);
 }
@@ -148,55 +118,30 @@ fn metadata_overrides_and_eos_ids() {
 
 #[test]
 fn unsupported_inputs_are_clear_errors() {
-    let e = hf_tokenizer_from_gguf(&open(&gpt2_writer(Some("no-such-pre"))))
-        .expect_err("pre")
-        .to_string();
-    assert!(
-        e.contains("tokenizer.ggml.pre `no-such-pre` is not supported"),
-        "{e}"
-    );
+    let e = hf_tokenizer_from_gguf(&open(&gpt2_writer(Some("no-such-pre")))).expect_err("pre").to_string();
+    assert!(e.contains("tokenizer.ggml.pre `no-such-pre` is not supported"), "{e}");
 
     let mut w = GgufWriter::new();
     w.add_metadata("tokenizer.ggml.model", GgufValue::String("bert".into()));
     w.add_metadata("tokenizer.ggml.tokens", GgufValue::string_array(["a"]));
-    let e = hf_tokenizer_from_gguf(&open(&w))
-        .expect_err("model")
-        .to_string();
-    assert!(
-        e.contains("tokenizer.ggml.model `bert` is not supported"),
-        "{e}"
-    );
+    let e = hf_tokenizer_from_gguf(&open(&w)).expect_err("model").to_string();
+    assert!(e.contains("tokenizer.ggml.model `bert` is not supported"), "{e}");
 
     let mut w = GgufWriter::new();
     w.add_metadata("tokenizer.ggml.model", GgufValue::String("gpt2".into()));
-    let e = hf_tokenizer_from_gguf(&open(&w))
-        .expect_err("tokens")
-        .to_string();
+    let e = hf_tokenizer_from_gguf(&open(&w)).expect_err("tokens").to_string();
     assert!(e.contains("`tokenizer.ggml.tokens` is missing"), "{e}");
 
     let mut w = gpt2_writer(Some("gpt2"));
-    w.add_metadata(
-        "tokenizer.ggml.token_type",
-        GgufValue::array(GgufValueType::I32, vec![GgufValue::I32(1)]),
-    );
-    let e = GgufFile::from_bytes(w.to_bytes(), "tok.gguf")
-        .expect_err("duplicate key")
-        .to_string();
+    w.add_metadata("tokenizer.ggml.token_type", GgufValue::array(GgufValueType::I32, vec![GgufValue::I32(1)]));
+    let e = GgufFile::from_bytes(w.to_bytes(), "tok.gguf").expect_err("duplicate key").to_string();
     assert!(e.contains("appears twice"), "{e}");
 
     let mut w = GgufWriter::new();
     w.add_metadata("tokenizer.ggml.model", GgufValue::String("gpt2".into()));
-    w.add_metadata(
-        "tokenizer.ggml.tokens",
-        GgufValue::string_array(["a", "b", "a"]),
-    );
-    w.add_metadata(
-        "tokenizer.ggml.merges",
-        GgufValue::string_array(Vec::<String>::new()),
-    );
-    let e = hf_tokenizer_from_gguf(&open(&w))
-        .expect_err("duplicate token")
-        .to_string();
+    w.add_metadata("tokenizer.ggml.tokens", GgufValue::string_array(["a", "b", "a"]));
+    w.add_metadata("tokenizer.ggml.merges", GgufValue::string_array(Vec::<String>::new()));
+    let e = hf_tokenizer_from_gguf(&open(&w)).expect_err("duplicate token").to_string();
     assert!(e.contains("appears twice in tokenizer.ggml.tokens"), "{e}");
 }
 
@@ -235,17 +180,11 @@ fn spm_writer() -> GgufWriter {
     w.add_metadata("tokenizer.ggml.tokens", GgufValue::string_array(tokens));
     w.add_metadata(
         "tokenizer.ggml.scores",
-        GgufValue::array(
-            GgufValueType::F32,
-            scores.into_iter().map(GgufValue::F32).collect(),
-        ),
+        GgufValue::array(GgufValueType::F32, scores.into_iter().map(GgufValue::F32).collect()),
     );
     w.add_metadata(
         "tokenizer.ggml.token_type",
-        GgufValue::array(
-            GgufValueType::I32,
-            types.into_iter().map(GgufValue::I32).collect(),
-        ),
+        GgufValue::array(GgufValueType::I32, types.into_iter().map(GgufValue::I32).collect()),
     );
     w
 }
@@ -256,24 +195,15 @@ fn sentencepiece_merges_by_score_with_byte_fallback() {
     let hello = id(&tok, "▁hello");
     assert_eq!(encode(&tok, "hello"), [hello]);
     assert_eq!(encode(&tok, "hello hello"), [hello, hello]);
-    assert_eq!(
-        tok.decode(&[hello, hello], false).expect("decode"),
-        "hello hello"
-    );
+    assert_eq!(tok.decode(&[hello, hello], false).expect("decode"), "hello hello");
 
     // "é" is not in the vocabulary: its UTF-8 bytes are used.
     let ids = encode(&tok, "hé");
-    assert_eq!(
-        ids,
-        [id(&tok, "▁h"), id(&tok, "<0xC3>"), id(&tok, "<0xA9>")]
-    );
+    assert_eq!(ids, [id(&tok, "▁h"), id(&tok, "<0xC3>"), id(&tok, "<0xA9>")]);
     assert_eq!(tok.decode(&ids, false).expect("decode"), "hé");
 
     // Control tokens are matched in the text; a space is prefixed to each text run like llama.cpp.
     assert_eq!(encode(&tok, "<s>hello"), [1, hello]);
 
-    assert_eq!(
-        (info.bos_id, info.eos_ids.clone(), info.unk_id, info.add_bos),
-        (Some(1), vec![2], Some(0), true)
-    );
+    assert_eq!((info.bos_id, info.eos_ids.clone(), info.unk_id, info.add_bos), (Some(1), vec![2], Some(0), true));
 }

@@ -30,17 +30,11 @@ fn read_json(path: &Path) -> Json {
 }
 
 fn ids(v: &Json) -> Vec<u32> {
-    v.as_array()
-        .expect("id list")
-        .iter()
-        .map(|x| u32::try_from(x.as_u64().expect("id")).expect("u32 id"))
-        .collect()
+    v.as_array().expect("id list").iter().map(|x| u32::try_from(x.as_u64().expect("id")).expect("u32 id")).collect()
 }
 
 fn name(dir: &Path) -> String {
-    dir.file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default()
+    dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
 fn stream_decode(tok: &Tokenizer, ids: &[u32], skip_special: bool) -> String {
@@ -58,44 +52,22 @@ fn tokenizer_cases_match_transformers() {
     for dir in fixture_dirs() {
         let tok = Tokenizer::from_dir(&dir).unwrap();
         let reference = read_json(&dir.join("reference.json"));
-        let cases = reference["tokenizer_cases"]
-            .as_array()
-            .expect("tokenizer_cases");
+        let cases = reference["tokenizer_cases"].as_array().expect("tokenizer_cases");
         assert!(!cases.is_empty());
         for case in cases {
             let text = case["text"].as_str().unwrap();
             let want = ids(&case["ids"]);
             let ctx = format!("{} {text:?}", name(&dir));
             assert_eq!(tok.encode(text, true).unwrap(), want, "encode {ctx}");
-            assert_eq!(
-                tok.decode(&want, false).unwrap(),
-                case["decoded"].as_str().unwrap(),
-                "decode {ctx}"
-            );
+            assert_eq!(tok.decode(&want, false).unwrap(), case["decoded"].as_str().unwrap(), "decode {ctx}");
             if let Some(no_special) = case.get("ids_no_special") {
-                assert_eq!(
-                    tok.encode(text, false).unwrap(),
-                    ids(no_special),
-                    "encode no special {ctx}"
-                );
+                assert_eq!(tok.encode(text, false).unwrap(), ids(no_special), "encode no special {ctx}");
             }
             if let Some(skipped) = case.get("decoded_skip_special").and_then(Json::as_str) {
-                assert_eq!(
-                    tok.decode(&want, true).unwrap(),
-                    skipped,
-                    "decode skip special {ctx}"
-                );
-                assert_eq!(
-                    stream_decode(&tok, &want, true),
-                    skipped,
-                    "stream skip special {ctx}"
-                );
+                assert_eq!(tok.decode(&want, true).unwrap(), skipped, "decode skip special {ctx}");
+                assert_eq!(stream_decode(&tok, &want, true), skipped, "stream skip special {ctx}");
             }
-            assert_eq!(
-                stream_decode(&tok, &want, false),
-                tok.decode(&want, false).unwrap(),
-                "stream {ctx}"
-            );
+            assert_eq!(stream_decode(&tok, &want, false), tok.decode(&want, false).unwrap(), "stream {ctx}");
             checked += 1;
         }
     }
@@ -129,11 +101,7 @@ fn prompts_encode_and_stream_decode() {
                 out += &dec.finish(&tok).unwrap();
                 let prompt_text = tok.decode(&want, false).unwrap();
                 let all_text = tok.decode(&all, false).unwrap();
-                assert_eq!(
-                    format!("{prompt_text}{out}"),
-                    all_text,
-                    "greedy stream {ctx}"
-                );
+                assert_eq!(format!("{prompt_text}{out}"), all_text, "greedy stream {ctx}");
             }
             checked += 1;
         }
@@ -149,37 +117,15 @@ fn chat_rendering_matches_transformers() {
         let reference = read_json(&dir.join("reference.json"));
         let chat = &reference["chat"];
         let messages: Vec<ChatMessage> = serde_json::from_value(chat["messages"].clone()).unwrap();
-        let add_generation_prompt = chat
-            .get("add_generation_prompt")
-            .and_then(Json::as_bool)
-            .unwrap_or(true);
+        let add_generation_prompt = chat.get("add_generation_prompt").and_then(Json::as_bool).unwrap_or(true);
         let template = ChatTemplate::for_tokenizer(&tok).unwrap();
-        assert!(
-            tok.chat_template().is_some(),
-            "{} has a chat template",
-            name(&dir)
-        );
+        assert!(tok.chat_template().is_some(), "{} has a chat template", name(&dir));
         let rendered = template
-            .render(
-                &messages,
-                add_generation_prompt,
-                tok.bos_token().unwrap_or(""),
-                tok.eos_token().unwrap_or(""),
-            )
+            .render(&messages, add_generation_prompt, tok.bos_token().unwrap_or(""), tok.eos_token().unwrap_or(""))
             .unwrap();
-        assert_eq!(
-            rendered,
-            chat["rendered"].as_str().unwrap(),
-            "{}",
-            name(&dir)
-        );
+        assert_eq!(rendered, chat["rendered"].as_str().unwrap(), "{}", name(&dir));
         if let Some(want) = chat.get("rendered_ids_no_special") {
-            assert_eq!(
-                tok.encode(&rendered, false).unwrap(),
-                ids(want),
-                "{} rendered ids",
-                name(&dir)
-            );
+            assert_eq!(tok.encode(&rendered, false).unwrap(), ids(want), "{} rendered ids", name(&dir));
         }
         checked += 1;
     }
@@ -201,12 +147,7 @@ fn eos_ids_include_generation_config() {
             v => vec![u32::try_from(v.as_u64().unwrap()).unwrap()],
         };
         for id in want {
-            assert!(
-                tok.is_eos(id),
-                "{}: eos {id} missing from {:?}",
-                name(&dir),
-                tok.eos_ids()
-            );
+            assert!(tok.is_eos(id), "{}: eos {id} missing from {:?}", name(&dir), tok.eos_ids());
         }
         // The tokenizer_config eos token is in the set too.
         let eos = tok.eos_token().expect("eos token");
@@ -227,20 +168,14 @@ fn chat_template_raise_exception_surfaces_message() {
             continue;
         }
         let template = ChatTemplate::new(source).unwrap();
-        let err = template
-            .render(&[ChatMessage::new("wizard", "hi")], true, "", "")
-            .expect_err("unknown role must fail");
+        let err =
+            template.render(&[ChatMessage::new("wizard", "hi")], true, "", "").expect_err("unknown role must fail");
         assert!(matches!(err, ModelError::Template(_)), "{err}");
         assert!(err.to_string().contains("Unknown role: wizard"), "{err}");
     }
-    let template =
-        ChatTemplate::new("{{ raise_exception('Conversation roles must alternate') }}").unwrap();
+    let template = ChatTemplate::new("{{ raise_exception('Conversation roles must alternate') }}").unwrap();
     let err = template.render(&[], false, "", "").unwrap_err();
-    assert!(
-        err.to_string()
-            .contains("Conversation roles must alternate"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("Conversation roles must alternate"), "{err}");
 }
 
 #[test]

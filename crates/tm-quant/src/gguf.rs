@@ -68,7 +68,7 @@ impl GgufType {
 
     /// Bytes a `[rows, cols]` tensor of this type takes, checking `cols` is a multiple of 32.
     pub fn tensor_bytes(self, rows: usize, cols: usize) -> Result<usize> {
-        if cols % BLOCK != 0 {
+        if !cols.is_multiple_of(BLOCK) {
             return Err(Error::invalid(format!(
                 "{}: {cols} columns (ne[0]) is not a multiple of {BLOCK}",
                 self.name()
@@ -187,7 +187,7 @@ pub fn import_q8_0(rows: usize, cols: usize, bytes: &[u8]) -> Result<HostQuant> 
 /// of the tm layout: a second path for testing the import. Returns 32 values per block.
 pub fn dequantize_gguf_reference(ty: GgufType, bytes: &[u8]) -> Result<Vec<f32>> {
     let bb = ty.block_bytes();
-    if bytes.len() % bb != 0 {
+    if !bytes.len().is_multiple_of(bb) {
         return Err(Error::invalid(format!(
             "{}: {} bytes is not a whole number of {bb}-byte blocks",
             ty.name(),

@@ -211,7 +211,7 @@ impl<'a> HostQuantView<'a> {
 
 /// Checks `group_size` is a non-zero multiple of 32 that divides `cols`.
 pub fn validate_dims(rows: usize, cols: usize, group_size: usize) -> Result<()> {
-    if group_size == 0 || group_size % BLOCK != 0 || cols % group_size != 0 {
+    if group_size == 0 || !group_size.is_multiple_of(BLOCK) || !cols.is_multiple_of(group_size) {
         return Err(Error::invalid(format!(
             "group size {group_size} must be a non-zero multiple of {BLOCK} dividing {cols} columns \
              (matrix of {rows} rows)"

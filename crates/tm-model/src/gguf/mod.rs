@@ -19,9 +19,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-pub use parse::{
-    parse, GgufHeader, GgufTensorInfo, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_DEPTH, MAX_DIMS,
-};
+pub use parse::{parse, GgufHeader, GgufTensorInfo, DEFAULT_ALIGNMENT, GGUF_MAGIC, MAX_ARRAY_DEPTH, MAX_DIMS};
 pub use types::GgmlType;
 pub use value::{FromGgufValue, GgufValue, GgufValueType};
 
@@ -94,18 +92,8 @@ impl GgufFile {
 
     fn from_storage(path: PathBuf, storage: Storage) -> Result<GgufFile> {
         let header = parse(storage.bytes(), &path)?;
-        let index = header
-            .tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.name().to_owned(), i))
-            .collect();
-        Ok(GgufFile {
-            path,
-            header,
-            index,
-            storage,
-        })
+        let index = header.tensors.iter().enumerate().map(|(i, t)| (t.name().to_owned(), i)).collect();
+        Ok(GgufFile { path, header, index, storage })
     }
 
     /// The file's path.
@@ -156,9 +144,7 @@ impl GgufFile {
     /// A metadata value converted to `T`; the error names the key when it is missing or has the
     /// wrong type (integers convert when they fit, see [`FromGgufValue`]).
     pub fn get<T: FromGgufValue>(&self, key: &str) -> Result<T> {
-        self.get_opt(key)?.ok_or_else(|| {
-            ModelError::format(&self.path, format!("metadata key `{key}` is missing"))
-        })
+        self.get_opt(key)?.ok_or_else(|| ModelError::format(&self.path, format!("metadata key `{key}` is missing")))
     }
 
     /// Like [`get`](Self::get), but `Ok(None)` when the key is missing (a value of the wrong type
@@ -166,20 +152,12 @@ impl GgufFile {
     pub fn get_opt<T: FromGgufValue>(&self, key: &str) -> Result<Option<T>> {
         match self.header.metadata.get(key) {
             None => Ok(None),
-            Some(v) => T::from_gguf_value(v)
-                .map(Some)
-                .ok_or_else(|| self.wrong_type(key, v, &T::expected())),
+            Some(v) => T::from_gguf_value(v).map(Some).ok_or_else(|| self.wrong_type(key, v, &T::expected())),
         }
     }
 
     fn wrong_type(&self, key: &str, value: &GgufValue, expected: &str) -> ModelError {
-        ModelError::format(
-            &self.path,
-            format!(
-                "metadata key `{key}` is {}, expected {expected}",
-                value.describe()
-            ),
-        )
+        ModelError::format(&self.path, format!("metadata key `{key}` is {}, expected {expected}", value.describe()))
     }
 
     /// A `u32` metadata value (any integer type in range).
@@ -209,27 +187,21 @@ impl GgufFile {
 
     /// A `string` metadata value, borrowed.
     pub fn get_str(&self, key: &str) -> Result<&str> {
-        self.get_str_opt(key)?.ok_or_else(|| {
-            ModelError::format(&self.path, format!("metadata key `{key}` is missing"))
-        })
+        self.get_str_opt(key)?.ok_or_else(|| ModelError::format(&self.path, format!("metadata key `{key}` is missing")))
     }
 
     /// A `string` metadata value, or `Ok(None)` when the key is missing.
     pub fn get_str_opt(&self, key: &str) -> Result<Option<&str>> {
         match self.header.metadata.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_str()
-                .map(Some)
-                .ok_or_else(|| self.wrong_type(key, v, "string")),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| self.wrong_type(key, v, "string")),
         }
     }
 
     /// An array of strings, borrowed.
     pub fn get_str_array(&self, key: &str) -> Result<Vec<&str>> {
-        self.get_str_array_opt(key)?.ok_or_else(|| {
-            ModelError::format(&self.path, format!("metadata key `{key}` is missing"))
-        })
+        self.get_str_array_opt(key)?
+            .ok_or_else(|| ModelError::format(&self.path, format!("metadata key `{key}` is missing")))
     }
 
     /// An array of strings, or `Ok(None)` when the key is missing.
@@ -238,12 +210,7 @@ impl GgufFile {
             None => Ok(None),
             Some(v) => v
                 .as_array()
-                .and_then(|items| {
-                    items
-                        .iter()
-                        .map(GgufValue::as_str)
-                        .collect::<Option<Vec<_>>>()
-                })
+                .and_then(|items| items.iter().map(GgufValue::as_str).collect::<Option<Vec<_>>>())
                 .map(Some)
                 .ok_or_else(|| self.wrong_type(key, v, "array of string")),
         }
@@ -277,18 +244,13 @@ impl GgufFile {
 
     /// A tensor's info, if present.
     pub fn tensor_info(&self, name: &str) -> Option<&GgufTensorInfo> {
-        self.index
-            .get(name)
-            .and_then(|&i| self.header.tensors.get(i))
+        self.index.get(name).and_then(|&i| self.header.tensors.get(i))
     }
 
     /// A tensor's info, or [`ModelError::MissingTensor`].
     pub fn tensor(&self, name: &str) -> Result<&GgufTensorInfo> {
         self.tensor_info(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_owned(),
-                path: self.path.clone(),
-            })
+            .ok_or_else(|| ModelError::MissingTensor { name: name.to_owned(), path: self.path.clone() })
     }
 
     /// The exact bytes of a tensor's data (`byte_size()` bytes; bounds were checked at open).
@@ -297,11 +259,6 @@ impl GgufFile {
         self.header
             .tensor_range(info)
             .and_then(|r| self.storage.bytes().get(r))
-            .ok_or_else(|| {
-                ModelError::format(
-                    &self.path,
-                    format!("tensor `{name}` extends past the end of the file"),
-                )
-            })
+            .ok_or_else(|| ModelError::format(&self.path, format!("tensor `{name}` extends past the end of the file")))
     }
 }

@@ -55,11 +55,7 @@ impl GgufTensorInfo {
     /// `[cols, rows]` matrix has shape `[rows, cols]`. A tensor with no dims has shape `[]`.
     pub fn shape(&self) -> Vec<usize> {
         // Each dim divides n_elements (or n_elements is 0 and the dim was checked to fit usize).
-        self.dims
-            .iter()
-            .rev()
-            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
-            .collect()
+        self.dims.iter().rev().map(|&d| usize::try_from(d).unwrap_or(usize::MAX)).collect()
     }
 
     /// The element type.
@@ -101,9 +97,7 @@ pub struct GgufHeader {
 impl GgufHeader {
     /// The file byte range `start..end` holding a tensor's data.
     pub fn tensor_range(&self, info: &GgufTensorInfo) -> Option<std::ops::Range<usize>> {
-        let start = u64::try_from(self.data_offset)
-            .ok()?
-            .checked_add(info.offset)?;
+        let start = u64::try_from(self.data_offset).ok()?.checked_add(info.offset)?;
         let start = usize::try_from(start).ok()?;
         let end = start.checked_add(info.byte_size)?;
         Some(start..end)
@@ -118,16 +112,10 @@ impl GgufHeader {
 /// whole number of blocks, offset aligned) and that every tensor's data lies inside `bytes`.
 /// Never panics, whatever the bytes.
 pub fn parse(bytes: &[u8], path: &Path) -> Result<GgufHeader> {
-    let mut r = Reader {
-        bytes,
-        pos: 0,
-        path,
-    };
+    let mut r = Reader { bytes, pos: 0, path };
     let magic = r.take(4, || "the magic".into())?;
     if magic != GGUF_MAGIC {
-        return Err(r.err(format!(
-            "not a GGUF file: it starts with {magic:02x?}, expected the magic \"GGUF\""
-        )));
+        return Err(r.err(format!("not a GGUF file: it starts with {magic:02x?}, expected the magic \"GGUF\"")));
     }
     let version = r.u32(|| "the version".into())?;
     match version {
@@ -138,10 +126,12 @@ pub fn parse(bytes: &[u8], path: &Path) -> Result<GgufHeader> {
                  re-convert the model with a current llama.cpp",
             ))
         }
-        v if (1..=3).contains(&v.swap_bytes()) => return Err(r.err(format!(
-            "this is a big-endian GGUF file (version {}); only little-endian files are supported",
-            v.swap_bytes()
-        ))),
+        v if (1..=3).contains(&v.swap_bytes()) => {
+            return Err(r.err(format!(
+                "this is a big-endian GGUF file (version {}); only little-endian files are supported",
+                v.swap_bytes()
+            )))
+        }
         v => return Err(r.err(format!("unsupported GGUF version {v} (supported: 2 and 3)"))),
     }
     let tensor_count = r.u64(|| "the tensor count".into())?;
@@ -166,12 +156,7 @@ pub fn parse(bytes: &[u8], path: &Path) -> Result<GgufHeader> {
         None => DEFAULT_ALIGNMENT,
         Some(v) => match v.as_u32() {
             Some(a) if a.is_power_of_two() => u64::from(a),
-            _ => {
-                return Err(r.err(format!(
-                    "general.alignment must be a power of two, found {}",
-                    v.describe()
-                )))
-            }
+            _ => return Err(r.err(format!("general.alignment must be a power of two, found {}", v.describe()))),
         },
     };
 
@@ -188,13 +173,7 @@ pub fn parse(bytes: &[u8], path: &Path) -> Result<GgufHeader> {
     let data_offset = align_up(r.pos as u64, alignment)
         .and_then(|o| usize::try_from(o).ok())
         .ok_or_else(|| r.err("the data section offset overflows"))?;
-    let header = GgufHeader {
-        version,
-        metadata,
-        tensors,
-        alignment,
-        data_offset,
-    };
+    let header = GgufHeader { version, metadata, tensors, alignment, data_offset };
     for info in &header.tensors {
         let range = header.tensor_range(info);
         match range {
@@ -319,12 +298,7 @@ impl<'a> Reader<'a> {
         })
     }
 
-    fn value(
-        &mut self,
-        ty: GgufValueType,
-        depth: usize,
-        what: &dyn Fn() -> String,
-    ) -> Result<GgufValue> {
+    fn value(&mut self, ty: GgufValueType, depth: usize, what: &dyn Fn() -> String) -> Result<GgufValue> {
         Ok(match ty {
             GgufValueType::U8 => GgufValue::U8(self.array::<1>(what)?[0]),
             GgufValueType::I8 => GgufValue::I8(i8::from_le_bytes(self.array(what)?)),
@@ -350,18 +324,11 @@ impl<'a> Reader<'a> {
             GgufValueType::String => GgufValue::String(self.string(what)?),
             GgufValueType::Array => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(self.err(format!(
-                        "{} nests arrays more than {MAX_ARRAY_DEPTH} levels deep",
-                        what()
-                    )));
+                    return Err(self.err(format!("{} nests arrays more than {MAX_ARRAY_DEPTH} levels deep", what())));
                 }
                 let tag = self.u32(|| format!("the item type of {}", what()))?;
-                let item_type = GgufValueType::from_tag(tag).ok_or_else(|| {
-                    self.err(format!(
-                        "{} is an array of unknown value type {tag}",
-                        what()
-                    ))
-                })?;
+                let item_type = GgufValueType::from_tag(tag)
+                    .ok_or_else(|| self.err(format!("{} is an array of unknown value type {tag}", what())))?;
                 let count = self.u64(|| format!("the length of {}", what()))?;
                 let min = item_type.min_encoded_size() as u64;
                 let n = self.fits(count, min).ok_or_else(|| {
@@ -389,36 +356,23 @@ impl<'a> Reader<'a> {
         let n_dims = usize::try_from(n_dims)
             .ok()
             .filter(|&n| n <= MAX_DIMS)
-            .ok_or_else(|| {
-                self.err(format!(
-                    "tensor `{name}` has {n_dims} dimensions (at most {MAX_DIMS} allowed)"
-                ))
-            })?;
+            .ok_or_else(|| self.err(format!("tensor `{name}` has {n_dims} dimensions (at most {MAX_DIMS} allowed)")))?;
         let mut dims = Vec::with_capacity(n_dims);
         for d in 0..n_dims {
             dims.push(self.u64(|| format!("dimension {d} of tensor `{name}`"))?);
         }
         let type_id = self.u32(|| format!("the type of tensor `{name}`"))?;
-        let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| {
-            self.err(format!(
-                "tensor `{name}` has unknown ggml type id {type_id}"
-            ))
-        })?;
+        let ggml_type = GgmlType::from_id(type_id)
+            .ok_or_else(|| self.err(format!("tensor `{name}` has unknown ggml type id {type_id}")))?;
         let offset = self.u64(|| format!("the data offset of tensor `{name}`"))?;
 
         let mut n_elements: u64 = 1;
         for &d in &dims {
             if d > i64::MAX as u64 || usize::try_from(d).is_err() {
-                return Err(self.err(format!(
-                    "tensor `{name}` has an impossible dimension {d} ({})",
-                    fmt_dims(&dims)
-                )));
+                return Err(self.err(format!("tensor `{name}` has an impossible dimension {d} ({})", fmt_dims(&dims))));
             }
             n_elements = n_elements.checked_mul(d).ok_or_else(|| {
-                self.err(format!(
-                    "tensor `{name}` has too many elements ({} overflows)",
-                    fmt_dims(&dims)
-                ))
+                self.err(format!("tensor `{name}` has too many elements ({} overflows)", fmt_dims(&dims)))
             })?;
         }
         let inner = dims.first().copied().unwrap_or(1);
@@ -432,26 +386,14 @@ impl<'a> Reader<'a> {
         let byte_size = ggml_type
             .bytes_for(n_elements)
             .and_then(|b| usize::try_from(b).ok())
-            .ok_or_else(|| {
-                self.err(format!(
-                    "tensor `{name}` ({ggml_type}, {}) is too large",
-                    fmt_dims(&dims)
-                ))
-            })?;
-        let n_elements = usize::try_from(n_elements)
-            .map_err(|_| self.err(format!("tensor `{name}` has too many elements")))?;
+            .ok_or_else(|| self.err(format!("tensor `{name}` ({ggml_type}, {}) is too large", fmt_dims(&dims))))?;
+        let n_elements =
+            usize::try_from(n_elements).map_err(|_| self.err(format!("tensor `{name}` has too many elements")))?;
         if offset % alignment != 0 {
             return Err(self.err(format!(
                 "tensor `{name}` has data offset {offset}, not a multiple of the alignment {alignment}"
             )));
         }
-        Ok(GgufTensorInfo {
-            name,
-            dims,
-            ggml_type,
-            offset,
-            n_elements,
-            byte_size,
-        })
+        Ok(GgufTensorInfo { name, dims, ggml_type, offset, n_elements, byte_size })
     }
 }

@@ -28,22 +28,20 @@ use tokenizers::normalizers::{Prepend, Replace, Sequence as NormalizerSequence};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::{
-    AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior,
-};
+use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 use super::GgufFile;
 use crate::error::{ModelError, Result};
 
 /// GPT-2's pre-tokenizer regex (also what `ByteLevel(use_regex = true)` uses).
-pub const GPT2_REGEX: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+pub const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
 /// Llama 3's pre-tokenizer regex (numbers in runs of up to three digits).
 pub const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// Qwen2's pre-tokenizer regex (every digit on its own).
-pub const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+pub const QWEN2_REGEX: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// The `tokenizer.ggml.pre` values [`hf_tokenizer_from_gguf`] understands.
 pub const SUPPORTED_PRE_TYPES: &[&str] = &[
@@ -91,16 +89,8 @@ mod token_type {
 }
 
 /// Token texts llama.cpp treats as end-of-generation when they are control tokens.
-const EOG_TEXTS: &[&str] = &[
-    "<|eot_id|>",
-    "<|im_end|>",
-    "<|end|>",
-    "<end_of_turn>",
-    "<|endoftext|>",
-    "<|eom_id|>",
-    "<EOT>",
-    "_<EOT>",
-];
+const EOG_TEXTS: &[&str] =
+    &["<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>"];
 
 /// What a GGUF file says about using its tokenizer, besides the vocabulary itself.
 #[derive(Clone, Debug, PartialEq)]
@@ -134,9 +124,7 @@ pub struct GgufTokenizerInfo {
 
 /// Builds the tokenizer described by `file`'s `tokenizer.ggml.*` metadata (see the module docs),
 /// and returns it with the BOS/EOS/template information the caller needs.
-pub fn hf_tokenizer_from_gguf(
-    file: &GgufFile,
-) -> Result<(tokenizers::Tokenizer, GgufTokenizerInfo)> {
+pub fn hf_tokenizer_from_gguf(file: &GgufFile) -> Result<(tokenizers::Tokenizer, GgufTokenizerInfo)> {
     let model = file.get_str("tokenizer.ggml.model")?.to_owned();
     let tokens = file.get_str_array("tokenizer.ggml.tokens")?;
     let vocab_size = tokens.len();
@@ -155,41 +143,24 @@ pub fn hf_tokenizer_from_gguf(
             ));
         }
     }
-    let token_type = |i: usize| {
-        types
-            .as_ref()
-            .and_then(|t| t.get(i).copied())
-            .unwrap_or(token_type::NORMAL)
-    };
+    let token_type = |i: usize| types.as_ref().and_then(|t| t.get(i).copied()).unwrap_or(token_type::NORMAL);
     let pre = file.get_str_opt("tokenizer.ggml.pre")?.map(str::to_owned);
 
     // Token texts; empty ones get a placeholder like llama.cpp does, duplicates are an error.
     let texts: Vec<String> = tokens
         .iter()
         .enumerate()
-        .map(|(i, t)| {
-            if t.is_empty() {
-                format!("[EMPTY_{i}]")
-            } else {
-                (*t).to_owned()
-            }
-        })
+        .map(|(i, t)| if t.is_empty() { format!("[EMPTY_{i}]") } else { (*t).to_owned() })
         .collect();
     let mut vocab = Vocab::default();
     for (i, t) in texts.iter().enumerate() {
-        let id = u32::try_from(i)
-            .map_err(|_| fmt_err(file, "the vocabulary has more than 2^32 tokens"))?;
+        let id = u32::try_from(i).map_err(|_| fmt_err(file, "the vocabulary has more than 2^32 tokens"))?;
         if vocab.insert(t.clone(), id).is_some() {
-            return Err(fmt_err(
-                file,
-                format!("token {t:?} appears twice in tokenizer.ggml.tokens (again at id {i})"),
-            ));
+            return Err(fmt_err(file, format!("token {t:?} appears twice in tokenizer.ggml.tokens (again at id {i})")));
         }
     }
 
-    let (mut tokenizer, default_add_bos, default_bos, default_eos, default_unk) = match model
-        .as_str()
-    {
+    let (mut tokenizer, default_add_bos, default_bos, default_eos, default_unk) = match model.as_str() {
         "gpt2" => {
             let (pre_tokenizer, llama3_like) = gpt2_pre_tokenizer(file, pre.as_deref())?;
             let merges = file
@@ -198,10 +169,7 @@ pub fn hf_tokenizer_from_gguf(
                 .enumerate()
                 .map(|(i, m)| {
                     split_merge(m).ok_or_else(|| {
-                        fmt_err(
-                            file,
-                            format!("tokenizer.ggml.merges[{i}] = {m:?} is not \"left right\""),
-                        )
+                        fmt_err(file, format!("tokenizer.ggml.merges[{i}] = {m:?} is not \"left right\""))
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
@@ -220,47 +188,37 @@ pub fn hf_tokenizer_from_gguf(
                 None => None,
                 Some(_) => Some(file.get_f32_array("tokenizer.ggml.scores")?),
             };
-            let scores = scores.ok_or_else(|| fmt_err(file, "metadata key `tokenizer.ggml.scores` is missing (needed for a \"llama\" tokenizer)"))?;
+            let scores = scores.ok_or_else(|| {
+                fmt_err(file, "metadata key `tokenizer.ggml.scores` is missing (needed for a \"llama\" tokenizer)")
+            })?;
             if scores.len() != vocab_size {
-                return Err(fmt_err(file, format!("tokenizer.ggml.scores has {} entries but tokenizer.ggml.tokens has {vocab_size}", scores.len())));
+                return Err(fmt_err(
+                    file,
+                    format!(
+                        "tokenizer.ggml.scores has {} entries but tokenizer.ggml.tokens has {vocab_size}",
+                        scores.len()
+                    ),
+                ));
             }
-            let add_space_prefix = file
-                .get_opt::<bool>("tokenizer.ggml.add_space_prefix")?
-                .unwrap_or(true);
-            let unk_id = file
-                .get_opt::<u32>("tokenizer.ggml.unknown_token_id")?
-                .unwrap_or(0);
+            let add_space_prefix = file.get_opt::<bool>("tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+            let unk_id = file.get_opt::<u32>("tokenizer.ggml.unknown_token_id")?.unwrap_or(0);
             let unk_text = texts.get(unk_id as usize).cloned();
             let merges = spm_merges(&texts, &vocab, &scores, &token_type);
-            let mut builder = BPE::builder()
-                .vocab_and_merges(vocab, merges)
-                .byte_fallback(true)
-                .fuse_unk(true);
+            let mut builder = BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).fuse_unk(true);
             if let Some(unk) = unk_text {
                 builder = builder.unk_token(unk);
             }
-            let bpe = builder
-                .build()
-                .map_err(|e| tok_err(file, format!("building the BPE model: {e}")))?;
+            let bpe = builder.build().map_err(|e| tok_err(file, format!("building the BPE model: {e}")))?;
             let mut tokenizer = tokenizers::Tokenizer::new(bpe);
-            let replace =
-                Replace::new(" ", "\u{2581}").map_err(|e| tok_err(file, e.to_string()))?;
+            let replace = Replace::new(" ", "\u{2581}").map_err(|e| tok_err(file, e.to_string()))?;
             let normalizer: NormalizerWrapper = if add_space_prefix {
-                NormalizerSequence::new(vec![
-                    Prepend::new("\u{2581}".into()).into(),
-                    replace.into(),
-                ])
-                .into()
+                NormalizerSequence::new(vec![Prepend::new("\u{2581}".into()).into(), replace.into()]).into()
             } else {
                 replace.into()
             };
-            tokenizer
-                .with_normalizer(Some(normalizer))
-                .map_err(|e| tok_err(file, e.to_string()))?;
+            tokenizer.with_normalizer(Some(normalizer)).map_err(|e| tok_err(file, e.to_string()))?;
             let mut decoders: Vec<DecoderWrapper> = vec![
-                Replace::new("\u{2581}", " ")
-                    .map_err(|e| tok_err(file, e.to_string()))?
-                    .into(),
+                Replace::new("\u{2581}", " ").map_err(|e| tok_err(file, e.to_string()))?.into(),
                 ByteFallback::new().into(),
                 Fuse::new().into(),
             ];
@@ -291,9 +249,7 @@ pub fn hf_tokenizer_from_gguf(
     tokenizer
         .add_special_tokens(added.iter().filter(|t| t.special).cloned())
         .map_err(|e| tok_err(file, e.to_string()))?;
-    tokenizer
-        .add_tokens(added.into_iter().filter(|t| !t.special))
-        .map_err(|e| tok_err(file, e.to_string()))?;
+    tokenizer.add_tokens(added.into_iter().filter(|t| !t.special)).map_err(|e| tok_err(file, e.to_string()))?;
 
     let valid_id = |key: &str, id: Option<u32>| -> Option<u32> {
         let id = id?;
@@ -336,17 +292,11 @@ pub fn hf_tokenizer_from_gguf(
         bos_id,
         eos_ids,
         implied_eog_ids,
-        add_bos: file
-            .get_opt::<bool>("tokenizer.ggml.add_bos_token")?
-            .unwrap_or(default_add_bos),
-        add_eos: file
-            .get_opt::<bool>("tokenizer.ggml.add_eos_token")?
-            .unwrap_or(false),
+        add_bos: file.get_opt::<bool>("tokenizer.ggml.add_bos_token")?.unwrap_or(default_add_bos),
+        add_eos: file.get_opt::<bool>("tokenizer.ggml.add_eos_token")?.unwrap_or(false),
         unk_id: id_of("tokenizer.ggml.unknown_token_id", default_unk)?,
         pad_id: id_of("tokenizer.ggml.padding_token_id", None)?,
-        chat_template: file
-            .get_str_opt("tokenizer.chat_template")?
-            .map(str::to_owned),
+        chat_template: file.get_str_opt("tokenizer.chat_template")?.map(str::to_owned),
         vocab_size,
     };
     Ok((tokenizer, info))
@@ -370,32 +320,20 @@ fn split_merge(m: &str) -> Option<(String, String)> {
 /// The regex splits llama.cpp applies (in sequence) for a `tokenizer.ggml.pre` value, and whether
 /// the type is Llama-3-like (merges ignored for whole-word vocabulary hits, BOS added by default).
 fn pre_type_regexes(pre: Option<&str>) -> Option<(Vec<&'static str>, bool)> {
-    const GPT2_NO_TAIL: &str =
-        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+    const GPT2_NO_TAIL: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
     Some(match pre {
-        None | Some("default") => (
-            vec![
-                r"[\p{P}\$\+<=>\^~\|]+",
-                GPT2_NO_TAIL,
-                r"\p{N}+",
-                "[0-9][0-9][0-9]",
-            ],
-            false,
-        ),
+        None | Some("default") => (vec![r"[\p{P}\$\+<=>\^~\|]+", GPT2_NO_TAIL, r"\p{N}+", "[0-9][0-9][0-9]"], false),
         Some(
-            "gpt2" | "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "jina-v1-en" | "jina-v2-es"
-            | "jina-v2-de" | "jina-v2-code" | "gigachat" | "roberta-bpe" | "mpt" | "olmo" | "jais",
+            "gpt2" | "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "jina-v1-en" | "jina-v2-es" | "jina-v2-de"
+            | "jina-v2-code" | "gigachat" | "roberta-bpe" | "mpt" | "olmo" | "jais",
         ) => (vec![GPT2_REGEX], false),
         Some("llama3" | "llama-v3" | "llama-bpe" | "falcon3") => (vec![LLAMA3_REGEX], true),
         Some("dbrx" | "smaug-bpe" | "chatglm-bpe") => (vec![LLAMA3_REGEX], false),
         Some("qwen2" | "stablelm2" | "megrez") => (vec![QWEN2_REGEX], false),
-        Some(
-            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b",
-        ) => (vec![r"\p{N}", GPT2_REGEX], false),
-        Some("falcon") => (
-            vec![r"[\p{P}\$\+<=>\^~\|`]+", GPT2_NO_TAIL, "[0-9][0-9][0-9]"],
-            false,
-        ),
+        Some("smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b") => {
+            (vec![r"\p{N}", GPT2_REGEX], false)
+        }
+        Some("falcon") => (vec![r"[\p{P}\$\+<=>\^~\|`]+", GPT2_NO_TAIL, "[0-9][0-9][0-9]"], false),
         Some(_) => return None,
     })
 }
@@ -420,12 +358,8 @@ fn gpt2_pre_tokenizer(file: &GgufFile, pre: Option<&str>) -> Result<(PreTokenize
     })?;
     let mut steps: Vec<PreTokenizerWrapper> = Vec::with_capacity(regexes.len() + 1);
     for re in regexes {
-        let split = Split::new(
-            SplitPattern::Regex(re.to_owned()),
-            SplitDelimiterBehavior::Isolated,
-            false,
-        )
-        .map_err(|e| tok_err(file, format!("pre-tokenizer regex {re:?}: {e}")))?;
+        let split = Split::new(SplitPattern::Regex(re.to_owned()), SplitDelimiterBehavior::Isolated, false)
+            .map_err(|e| tok_err(file, format!("pre-tokenizer regex {re:?}: {e}")))?;
         steps.push(split.into());
     }
     steps.push(ByteLevel::new(false, true, false).into());
@@ -455,20 +389,10 @@ fn spm_merges(
             }
         }
     }
-    merges.sort_by(|a, b| {
-        b.0.total_cmp(&a.0)
-            .then(a.3.cmp(&b.3))
-            .then(a.1.cmp(&b.1))
-            .then(a.2.cmp(&b.2))
-    });
+    merges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.3.cmp(&b.3)).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
     merges
         .into_iter()
-        .filter_map(|(_, li, ri, _)| {
-            Some((
-                texts.get(li as usize)?.clone(),
-                texts.get(ri as usize)?.clone(),
-            ))
-        })
+        .filter_map(|(_, li, ri, _)| Some((texts.get(li as usize)?.clone(), texts.get(ri as usize)?.clone())))
         .collect()
 }
 
@@ -490,12 +414,8 @@ mod tests {
         for pre in SUPPORTED_PRE_TYPES {
             let (regexes, _) = pre_type_regexes(Some(pre)).expect("listed type is known");
             for re in regexes {
-                Split::new(
-                    SplitPattern::Regex(re.to_owned()),
-                    SplitDelimiterBehavior::Isolated,
-                    false,
-                )
-                .unwrap_or_else(|e| panic!("{pre}: {re}: {e}"));
+                Split::new(SplitPattern::Regex(re.to_owned()), SplitDelimiterBehavior::Isolated, false)
+                    .unwrap_or_else(|e| panic!("{pre}: {re}: {e}"));
             }
         }
         assert!(pre_type_regexes(Some("no-such-type")).is_none());

@@ -123,11 +123,7 @@ const TABLE: &[(GgmlType, u32, &str, usize, usize)] = &[
 impl GgmlType {
     fn entry(self) -> (GgmlType, u32, &'static str, usize, usize) {
         // Every variant has exactly one row in TABLE (checked by a unit test).
-        TABLE
-            .iter()
-            .copied()
-            .find(|e| e.0 == self)
-            .unwrap_or((self, u32::MAX, "?", 1, 1))
+        TABLE.iter().copied().find(|e| e.0 == self).unwrap_or((self, u32::MAX, "?", 1, 1))
     }
 
     /// The type for a ggml type id, or `None` for ids this reader does not know (including the
@@ -165,7 +161,7 @@ impl GgmlType {
     /// the size overflows.
     pub fn bytes_for(self, n: u64) -> Option<u64> {
         let block = self.block_size() as u64;
-        if n % block != 0 {
+        if n.checked_rem(block) != Some(0) {
             return None;
         }
         (n / block).checked_mul(self.type_size() as u64)

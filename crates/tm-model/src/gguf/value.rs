@@ -175,13 +175,7 @@ impl GgufValue {
 
     /// An array of strings.
     pub fn string_array<S: Into<String>>(items: impl IntoIterator<Item = S>) -> GgufValue {
-        GgufValue::array(
-            GgufValueType::String,
-            items
-                .into_iter()
-                .map(|s| GgufValue::String(s.into()))
-                .collect(),
-        )
+        GgufValue::array(GgufValueType::String, items.into_iter().map(|s| GgufValue::String(s.into())).collect())
     }
 
     /// Any integer value as `i128` (lossless for every integer type); `None` for other types.
@@ -399,10 +393,7 @@ mod tests {
         assert_eq!(GgufValue::U8(3).as_u64(), Some(3));
         assert_eq!(GgufValue::F32(1.0).as_u64(), None);
         assert_eq!(u16::from_gguf_value(&GgufValue::U32(70000)), None);
-        let arr = GgufValue::array(
-            GgufValueType::I32,
-            vec![GgufValue::I32(1), GgufValue::I32(2)],
-        );
+        let arr = GgufValue::array(GgufValueType::I32, vec![GgufValue::I32(1), GgufValue::I32(2)]);
         assert_eq!(Vec::<u32>::from_gguf_value(&arr), Some(vec![1, 2]));
         assert_eq!(Vec::<String>::from_gguf_value(&arr), None);
     }

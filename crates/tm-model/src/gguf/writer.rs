@@ -37,11 +37,7 @@ impl Default for GgufWriter {
 impl GgufWriter {
     /// An empty version-3 file.
     pub fn new() -> GgufWriter {
-        GgufWriter {
-            version: 3,
-            metadata: Vec::new(),
-            tensors: Vec::new(),
-        }
+        GgufWriter { version: 3, metadata: Vec::new(), tensors: Vec::new() }
     }
 
     /// Sets the version number written to the header (any value, for tests).
@@ -69,29 +65,13 @@ impl GgufWriter {
     }
 
     /// Adds a tensor with a raw ggml type id (which may be unknown).
-    pub fn add_tensor_raw(
-        &mut self,
-        name: impl Into<String>,
-        dims: &[u64],
-        type_id: u32,
-        data: Vec<u8>,
-    ) -> &mut Self {
-        self.tensors.push(TensorEntry {
-            name: name.into(),
-            dims: dims.to_vec(),
-            type_id,
-            data,
-        });
+    pub fn add_tensor_raw(&mut self, name: impl Into<String>, dims: &[u64], type_id: u32, data: Vec<u8>) -> &mut Self {
+        self.tensors.push(TensorEntry { name: name.into(), dims: dims.to_vec(), type_id, data });
         self
     }
 
     /// Adds an F32 tensor from values (`dims` in ggml order).
-    pub fn add_f32_tensor(
-        &mut self,
-        name: impl Into<String>,
-        dims: &[u64],
-        values: &[f32],
-    ) -> &mut Self {
+    pub fn add_f32_tensor(&mut self, name: impl Into<String>, dims: &[u64], values: &[f32]) -> &mut Self {
         let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         self.add_tensor(name, dims, GgmlType::F32, data)
     }
