@@ -646,6 +646,29 @@ mod avx2 {
         }
     }
 
+    fn pf_hint() -> usize {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static PF: AtomicUsize = AtomicUsize::new(usize::MAX);
+        let v = PF.load(Ordering::Relaxed);
+        if v != usize::MAX {
+            return v;
+        }
+        let v = std::env::var("TM_QPFH").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+        PF.store(v, Ordering::Relaxed);
+        v
+    }
+    fn pf_start() -> usize {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static PF: AtomicUsize = AtomicUsize::new(usize::MAX);
+        let v = PF.load(Ordering::Relaxed);
+        if v != usize::MAX {
+            return v;
+        }
+        let v = std::env::var("TM_QPFS").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+        PF.store(v, Ordering::Relaxed);
+        v
+    }
+
     fn prefetch_rows() -> usize {
         use std::sync::atomic::{AtomicUsize, Ordering};
         static PF: AtomicUsize = AtomicUsize::new(usize::MAX);
@@ -653,7 +676,7 @@ mod avx2 {
         if v != usize::MAX {
             return v;
         }
-        let v = std::env::var("TM_QPF").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+        let v = std::env::var("TM_QPF").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
         PF.store(v, Ordering::Relaxed);
         v
     }
@@ -665,7 +688,11 @@ mod avx2 {
         let lines = |base: *const u8, start: usize, len: usize| {
             let mut off = start;
             while off < start + len {
-                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(off).cast());
+                if pf_hint() == 1 {
+                    _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(off).cast());
+                } else {
+                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(off).cast());
+                }
                 off += 64;
             }
         };
@@ -728,6 +755,10 @@ mod avx2 {
     ) {
         let mut r = rows.start;
         let pf = prefetch_rows();
+        let ps = pf_start();
+        if ps > 0 {
+            prefetch_rows_ahead(w, r, (ps * R).min(rows.end - r), sh.cols / 2, sh.groups);
+        }
         while r + R <= rows.end {
             if pf > 0 {
                 prefetch_rows_ahead(w, r + pf * R, R, sh.cols / 2, sh.groups);
@@ -884,6 +915,10 @@ mod avx2 {
     ) {
         let mut r = rows.start;
         let pf = prefetch_rows();
+        let ps = pf_start();
+        if ps > 0 {
+            prefetch_rows_ahead(w, r, (ps * R).min(rows.end - r), sh.cols, sh.groups);
+        }
         while r + R <= rows.end {
             if pf > 0 {
                 prefetch_rows_ahead(w, r + pf * R, R, sh.cols, sh.groups);
