@@ -2,9 +2,11 @@
 //!
 //! Generated text goes to stdout; logs, progress and statistics go to stderr.
 
+mod bench;
 mod chat;
 mod common;
 mod generate;
+mod plan;
 
 use clap::{Parser, Subcommand};
 
@@ -25,6 +27,10 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Interactive multi-turn chat (one user turn per line when stdin is not a terminal).
     Chat(chat::ChatArgs),
+    /// Print the memory plan (weights, workspace, KV blocks) without loading weights.
+    Plan(plan::PlanArgs),
+    /// Benchmark the engine in-process: throughput, TTFT, time per output token.
+    Bench(bench::BenchArgs),
 }
 
 fn main() {
@@ -39,6 +45,8 @@ fn main() {
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Chat(a) => chat::run(a),
+        Command::Plan(a) => plan::run(a),
+        Command::Bench(a) => bench::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", describe(&e));

@@ -646,39 +646,19 @@ mod avx2 {
         }
     }
 
+    pub(super) static PF_CFG: [std::sync::atomic::AtomicUsize; 3] = [
+        std::sync::atomic::AtomicUsize::new(1),
+        std::sync::atomic::AtomicUsize::new(0),
+        std::sync::atomic::AtomicUsize::new(0),
+    ];
+    fn prefetch_rows() -> usize {
+        PF_CFG[0].load(std::sync::atomic::Ordering::Relaxed)
+    }
     fn pf_hint() -> usize {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        static PF: AtomicUsize = AtomicUsize::new(usize::MAX);
-        let v = PF.load(Ordering::Relaxed);
-        if v != usize::MAX {
-            return v;
-        }
-        let v = std::env::var("TM_QPFH").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
-        PF.store(v, Ordering::Relaxed);
-        v
+        PF_CFG[1].load(std::sync::atomic::Ordering::Relaxed)
     }
     fn pf_start() -> usize {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        static PF: AtomicUsize = AtomicUsize::new(usize::MAX);
-        let v = PF.load(Ordering::Relaxed);
-        if v != usize::MAX {
-            return v;
-        }
-        let v = std::env::var("TM_QPFS").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
-        PF.store(v, Ordering::Relaxed);
-        v
-    }
-
-    fn prefetch_rows() -> usize {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        static PF: AtomicUsize = AtomicUsize::new(usize::MAX);
-        let v = PF.load(Ordering::Relaxed);
-        if v != usize::MAX {
-            return v;
-        }
-        let v = std::env::var("TM_QPF").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
-        PF.store(v, Ordering::Relaxed);
-        v
+        PF_CFG[2].load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Prefetches the packed bytes, scales and mins of rows `r..r + count` into L1 (addresses past
@@ -1473,6 +1453,66 @@ mod tests {
             let (r, c) = shapes[k];
             let per = tt[k] / 50.0 / 30.0;
             println!("{r}x{c}: {:.2} us/call, {:.1} GB/s", per * 1e6, (r * c * 5 / 8) as f64 / per / 1e9);
+        }
+    }
+
+    #[test]
+    #[ignore]
+    fn exp_pf() {
+        use std::sync::atomic::Ordering;
+        use std::time::Instant;
+        let (hidden, inter, layers, vocab) = (576, 1536, 30, 49152);
+        let mut rng = Rng(5);
+        let shapes = [
+            (576, hidden),
+            (192, hidden),
+            (192, hidden),
+            (hidden, 576),
+            (inter, hidden),
+            (inter, hidden),
+            (hidden, inter),
+        ];
+        let model: Vec<Vec<HostQuant>> =
+            (0..layers).map(|_| shapes.iter().map(|&(r, c)| raw_weight(&mut rng, r, c, true)).collect()).collect();
+        let head = raw_weight(&mut rng, vocab, hidden, false);
+        let x = rng.vec(inter, 0.0);
+        let mut out = vec![0.0; inter];
+        let mut logits = vec![0.0; vocab];
+        let cfgs: Vec<[usize; 3]> = std::env::var("TM_CFGS")
+            .unwrap()
+            .split(';')
+            .map(|c| {
+                let v: Vec<usize> = c.split(',').map(|x| x.parse().unwrap()).collect();
+                [v[0], v[1], v[2]]
+            })
+            .collect();
+        let mut times = vec![(vec![], vec![]); cfgs.len()];
+        for rep in 0..80 {
+            for (k, cfg) in cfgs.iter().enumerate() {
+                for i in 0..3 {
+                    avx2::PF_CFG[i].store(cfg[i], Ordering::Relaxed);
+                }
+                let t0 = Instant::now();
+                for layer in &model {
+                    for q in layer {
+                        matmul_int4(&x[..q.cols], 1, &q.view(), &mut out[..q.rows]).unwrap();
+                    }
+                }
+                let t1 = Instant::now();
+                matmul_int8(&x[..hidden], 1, &head.view(), &mut logits).unwrap();
+                if rep >= 5 {
+                    times[k].0.push((t1 - t0).as_secs_f64());
+                    times[k].1.push(t1.elapsed().as_secs_f64());
+                }
+            }
+        }
+        for (k, cfg) in cfgs.iter().enumerate() {
+            let med = |v: &mut Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2] * 1e3
+            };
+            let (b, h) = (med(&mut times[k].0), med(&mut times[k].1));
+            println!("{cfg:?}: body {b:.2} ms head {h:.2} ms total {:.2} ms", b + h);
         }
     }
 

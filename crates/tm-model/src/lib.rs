@@ -10,16 +10,20 @@
 //! - [`generate`]: prefill/decode loop with sampling for one sequence.
 //! - [`default_model`]: fetching and caching the built-in default model.
 //! - [`loader`]: opens a model directory or `.gguf` file into a ready model.
+//! - [`plan`]: the memory plan: weights, workspace and KV blocks sized before anything is allocated.
+//! - [`engine`]: the serving engine: paged KV blocks with prefix caching, continuous batching, streams.
 
 pub mod chat_template;
 pub mod config;
 pub mod default_model;
+pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod gguf;
 pub mod kv_cache;
 pub mod llama;
 pub mod loader;
+pub mod plan;
 pub mod tokenizer;
 pub mod weights;
 

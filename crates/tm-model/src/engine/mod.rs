@@ -1,0 +1,1 @@
+//! The serving engine (in progress).

@@ -1,0 +1,1 @@
+//! Memory planning (in progress).
