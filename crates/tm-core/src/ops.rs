@@ -66,6 +66,12 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
     /// The dtype this backend stores a dense weight of `src` dtype in.
     fn weight_dtype(&self, src: DType) -> DType;
 
+    /// Runs a whole forward step. Backends that fan kernels out over a thread pool run `step`
+    /// inside it, so each kernel's fan-out is cheap; the default just calls it.
+    fn run_step(&self, step: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
+        step()
+    }
+
     /// A zero-filled tensor. `phase` names what it is for (weights, kv cache, workspace).
     fn zeros(&self, desc: TensorDesc, phase: &str) -> Result<Tensor> {
         Tensor::zeros(self.allocator(), desc, phase)

@@ -89,6 +89,12 @@ impl Ops for CpuBackend {
         }
     }
 
+    fn run_step(&self, step: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
+        // Inside the pool, each kernel's parallel fan-out costs far less than from an outside
+        // thread (about 7 µs per call otherwise, over 200 calls per token).
+        rayon::scope(|_| step())
+    }
+
     fn upload(&self, dst: &mut Tensor, src: &[u8]) -> Result<()> {
         let n = dst.desc().bytes();
         if src.len() != n {
@@ -311,7 +317,7 @@ impl Ops for CpuBackend {
 
     fn gather_rows(&self, x: &Tensor, rows: &[u32], out: &mut Tensor) -> Result<()> {
         let n_rows = x.shape().first().copied().unwrap_or(0);
-        let width = if n_rows == 0 { 0 } else { x.numel() / n_rows };
+        let width = x.numel().checked_div(n_rows).unwrap_or(0);
         if out.numel() != rows.len() * width {
             return Err(Error::shape("gather_rows output", [rows.len(), width], out.shape()));
         }

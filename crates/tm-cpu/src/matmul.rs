@@ -21,13 +21,11 @@ pub fn matmul(x: &[f32], n: usize, w: &Weight, out: &mut [f32]) -> Result<()> {
             Ok(())
         }
         Weight::Int4(q) => {
-            let (packed, scales, mins) = quant_parts(q)?;
-            let view = HostQuantView::new(q.rows, q.cols, q.group_size, packed, scales, mins)?;
+            let view = quant_view(q)?;
             crate::quant_matmul::matmul_int4_exact(x, n, &view, out)
         }
         Weight::Int8(q) => {
-            let (packed, scales, _) = quant_parts(q)?;
-            let view = HostQuantView::new(q.rows, q.cols, q.group_size, packed, scales, None)?;
+            let view = quant_view(q)?;
             crate::quant_matmul::matmul_int8_exact(x, n, &view, out)
         }
     }
@@ -41,8 +39,9 @@ pub fn weight_row(w: &Weight, r: usize, out: &mut [f32]) -> Result<()> {
             out.copy_from_slice(&t.host::<f32>()?[r * cols..(r + 1) * cols]);
         }
         Weight::Int4(q) => {
-            let (packed, scales, mins) = quant_parts(q)?;
-            let mins = mins.ok_or_else(|| Error::invalid("int4 weight without mins"))?;
+            let v = quant_view(q)?;
+            let (packed, scales) = (v.packed, v.scales);
+            let mins = v.mins.ok_or_else(|| Error::invalid("int4 weight without mins"))?;
             let row = &packed[r * cols / 2..(r + 1) * cols / 2];
             let groups = cols / q.group_size;
             for (c, o) in out.iter_mut().enumerate() {
@@ -53,7 +52,8 @@ pub fn weight_row(w: &Weight, r: usize, out: &mut [f32]) -> Result<()> {
             }
         }
         Weight::Int8(q) => {
-            let (packed, scales, _) = quant_parts(q)?;
+            let v = quant_view(q)?;
+            let (packed, scales) = (v.packed, v.scales);
             let groups = cols / q.group_size;
             for (c, o) in out.iter_mut().enumerate() {
                 let v = packed[r * cols + c] as i8;
@@ -64,15 +64,14 @@ pub fn weight_row(w: &Weight, r: usize, out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// Host views of a quantized weight's parts.
-pub fn quant_parts(q: &QuantWeight) -> Result<(&[u8], &[f16], Option<&[f16]>)> {
+/// A validated host view of a quantized weight.
+pub fn quant_view(q: &QuantWeight) -> Result<HostQuantView<'_>> {
     let packed =
         q.packed.buffer().host_bytes().ok_or_else(|| Error::Unsupported("quantized weight not on the host".into()))?;
     let packed = &packed[..q.packed.desc().bytes()];
-    let scales = q.scales.host::<f16>()?;
     let mins = match &q.mins {
         Some(m) => Some(m.host::<f16>()?),
         None => None,
     };
-    Ok((packed, scales, mins))
+    Ok(HostQuantView::new(q.rows, q.cols, q.group_size, packed, q.scales.host::<f16>()?, mins)?)
 }

@@ -86,11 +86,7 @@ fn read_f16(b: &[u8], at: usize) -> f16 {
 fn check_len(ty: GgufType, rows: usize, cols: usize, bytes: &[u8]) -> Result<usize> {
     let want = ty.tensor_bytes(rows, cols)?;
     if bytes.len() != want {
-        return Err(Error::shape(
-            format!("{} tensor [{rows}, {cols}] bytes", ty.name()),
-            want,
-            bytes.len(),
-        ));
+        return Err(Error::shape(format!("{} tensor [{rows}, {cols}] bytes", ty.name()), want, bytes.len()));
     }
     Ok(rows * cols / BLOCK)
 }
@@ -129,14 +125,7 @@ pub fn import_q4_0(rows: usize, cols: usize, bytes: &[u8]) -> Result<HostQuant> 
         mins.push(min);
         packed.extend_from_slice(&b[2..18]);
     }
-    Ok(HostQuant {
-        rows,
-        cols,
-        group_size: BLOCK,
-        packed,
-        scales,
-        mins: Some(mins),
-    })
+    Ok(HostQuant { rows, cols, group_size: BLOCK, packed, scales, mins: Some(mins) })
 }
 
 /// Imports a `Q4_1` tensor of `rows` (ggml `ne[1]`) by `cols` (`ne[0]`) as int4 with group size 32:
@@ -152,14 +141,7 @@ pub fn import_q4_1(rows: usize, cols: usize, bytes: &[u8]) -> Result<HostQuant> 
         mins.push(read_f16(b, 2));
         packed.extend_from_slice(&b[4..20]);
     }
-    Ok(HostQuant {
-        rows,
-        cols,
-        group_size: BLOCK,
-        packed,
-        scales,
-        mins: Some(mins),
-    })
+    Ok(HostQuant { rows, cols, group_size: BLOCK, packed, scales, mins: Some(mins) })
 }
 
 /// Imports a `Q8_0` tensor of `rows` (ggml `ne[1]`) by `cols` (`ne[0]`) as int8 with group size 32:
@@ -173,14 +155,7 @@ pub fn import_q8_0(rows: usize, cols: usize, bytes: &[u8]) -> Result<HostQuant> 
         scales.push(read_f16(b, 0));
         packed.extend_from_slice(&b[2..34]);
     }
-    Ok(HostQuant {
-        rows,
-        cols,
-        group_size: BLOCK,
-        packed,
-        scales,
-        mins: None,
-    })
+    Ok(HostQuant { rows, cols, group_size: BLOCK, packed, scales, mins: None })
 }
 
 /// Dequantizes a run of GGUF blocks with the ggml formulas (see the module table), independently

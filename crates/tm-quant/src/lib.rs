@@ -20,9 +20,7 @@ pub mod gguf;
 pub mod quantize;
 pub mod reference;
 
-pub use gguf::{
-    dequantize_gguf_reference, import_gguf, import_q4_0, import_q4_1, import_q8_0, GgufType,
-};
+pub use gguf::{dequantize_gguf_reference, import_gguf, import_q4_0, import_q4_1, import_q8_0, GgufType};
 pub use quantize::{quantize_int4, quantize_int8};
 pub use reference::{dequantize, dequantize_view, pack_int4, unpack_int4};
 
@@ -122,14 +120,7 @@ impl<'a> HostQuantView<'a> {
         scales: &'a [f16],
         mins: Option<&'a [f16]>,
     ) -> Result<Self> {
-        let view = HostQuantView {
-            rows,
-            cols,
-            group_size,
-            packed,
-            scales,
-            mins,
-        };
+        let view = HostQuantView { rows, cols, group_size, packed, scales, mins };
         view.validate()?;
         Ok(view)
     }
@@ -163,18 +154,10 @@ impl<'a> HostQuantView<'a> {
             QuantKind::Int8 => "int8",
         };
         if self.packed.len() != n_packed {
-            return Err(Error::shape(
-                format!("{what} packed bytes"),
-                n_packed,
-                self.packed.len(),
-            ));
+            return Err(Error::shape(format!("{what} packed bytes"), n_packed, self.packed.len()));
         }
         if self.scales.len() != n_scales {
-            return Err(Error::shape(
-                format!("{what} scales"),
-                n_scales,
-                self.scales.len(),
-            ));
+            return Err(Error::shape(format!("{what} scales"), n_scales, self.scales.len()));
         }
         if let Some(mins) = self.mins {
             if mins.len() != n_scales {
@@ -222,6 +205,5 @@ pub fn validate_dims(rows: usize, cols: usize, group_size: usize) -> Result<()> 
 
 /// `a * b`, or an error naming `what` when it overflows `usize`.
 pub(crate) fn checked_mul(a: usize, b: usize, what: &str) -> Result<usize> {
-    a.checked_mul(b)
-        .ok_or_else(|| Error::invalid(format!("{what} overflows: {a} * {b}")))
+    a.checked_mul(b).ok_or_else(|| Error::invalid(format!("{what} overflows: {a} * {b}")))
 }

@@ -51,11 +51,7 @@ fn check_input(weights: &[f32], rows: usize, cols: usize, group_size: usize) -> 
     validate_dims(rows, cols, group_size)?;
     let n = checked_mul(rows, cols, "weight count")?;
     if weights.len() != n {
-        return Err(Error::shape(
-            format!("weights to quantize [{rows}, {cols}]"),
-            n,
-            weights.len(),
-        ));
+        return Err(Error::shape(format!("weights to quantize [{rows}, {cols}]"), n, weights.len()));
     }
     if let Some(i) = weights.iter().position(|w| !w.is_finite()) {
         return Err(Error::invalid(format!(
@@ -78,12 +74,7 @@ fn range_error(kind: &str, r: usize, g: usize, lo: f32, hi: f32) -> Error {
 /// group of `group_size` columns (a multiple of 32 dividing `cols`).
 ///
 /// Errors on bad dimensions, non-finite weights, or groups whose scale or min does not fit f16.
-pub fn quantize_int4(
-    weights: &[f32],
-    rows: usize,
-    cols: usize,
-    group_size: usize,
-) -> Result<HostQuant> {
+pub fn quantize_int4(weights: &[f32], rows: usize, cols: usize, group_size: usize) -> Result<HostQuant> {
     check_input(weights, rows, cols, group_size)?;
     let groups = cols / group_size;
     let mut packed = vec![0u8; rows * cols / 2];
@@ -112,26 +103,14 @@ pub fn quantize_int4(
             mins.push(min);
         }
     }
-    Ok(HostQuant {
-        rows,
-        cols,
-        group_size,
-        packed,
-        scales,
-        mins: Some(mins),
-    })
+    Ok(HostQuant { rows, cols, group_size, packed, scales, mins: Some(mins) })
 }
 
 /// Quantizes row-major `[rows, cols]` f32 weights to int8 with a symmetric scale per group of
 /// `group_size` columns (a multiple of 32 dividing `cols`); values are in `-127..=127`.
 ///
 /// Errors on bad dimensions, non-finite weights, or groups whose scale does not fit f16.
-pub fn quantize_int8(
-    weights: &[f32],
-    rows: usize,
-    cols: usize,
-    group_size: usize,
-) -> Result<HostQuant> {
+pub fn quantize_int8(weights: &[f32], rows: usize, cols: usize, group_size: usize) -> Result<HostQuant> {
     check_input(weights, rows, cols, group_size)?;
     let groups = cols / group_size;
     let mut packed = Vec::with_capacity(rows * cols);
@@ -146,21 +125,11 @@ pub fn quantize_int8(
             }
             let s = scale.to_f32();
             let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
-            packed.extend(
-                grp.iter()
-                    .map(|&w| ((w * inv).round().clamp(-127.0, 127.0) as i8) as u8),
-            );
+            packed.extend(grp.iter().map(|&w| ((w * inv).round().clamp(-127.0, 127.0) as i8) as u8));
             scales.push(scale);
         }
     }
-    Ok(HostQuant {
-        rows,
-        cols,
-        group_size,
-        packed,
-        scales,
-        mins: None,
-    })
+    Ok(HostQuant { rows, cols, group_size, packed, scales, mins: None })
 }
 
 #[cfg(test)]
@@ -169,9 +138,7 @@ mod tests {
 
     #[test]
     fn directed_f16_rounding() {
-        for &x in &[
-            0.0f32, -0.0, 1e-9, -1e-9, 0.1, -0.1, 1.0, 3.3, -2.7, 65504.0, 1e-5,
-        ] {
+        for &x in &[0.0f32, -0.0, 1e-9, -1e-9, 0.1, -0.1, 1.0, 3.3, -2.7, 65504.0, 1e-5] {
             let d = f16_down(x);
             let u = f16_up(x);
             assert!(d.to_f32() <= x && u.to_f32() >= x, "{x}: {d} {u}");

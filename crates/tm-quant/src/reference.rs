@@ -29,11 +29,7 @@ pub fn dequantize_view(q: &HostQuantView<'_>) -> Result<Vec<f32>> {
                 QuantKind::Int4 => {
                     let row = &q.packed[r * q.cols / 2..(r + 1) * q.cols / 2];
                     let (byte, high) = int4_position(c);
-                    let v = if high {
-                        row[byte] >> 4
-                    } else {
-                        row[byte] & 0x0F
-                    };
+                    let v = if high { row[byte] >> 4 } else { row[byte] & 0x0F };
                     let min = q.mins.map_or(0.0, |m| m[g].to_f32());
                     v as f32 * scale + min
                 }
@@ -64,9 +60,7 @@ pub fn pack_int4(values: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>> {
         for c in 0..cols {
             let v = values[r * cols + c];
             if v > 15 {
-                return Err(Error::invalid(format!(
-                    "int4 value {v} at ({r}, {c}) is not below 16"
-                )));
+                return Err(Error::invalid(format!("int4 value {v} at ({r}, {c}) is not below 16")));
             }
             let (byte, high) = int4_position(c);
             row[byte] |= if high { v << 4 } else { v };
@@ -87,11 +81,7 @@ pub fn unpack_int4(packed: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>> {
         let row = &packed[r * cols / 2..(r + 1) * cols / 2];
         for c in 0..cols {
             let (byte, high) = int4_position(c);
-            values.push(if high {
-                row[byte] >> 4
-            } else {
-                row[byte] & 0x0F
-            });
+            values.push(if high { row[byte] >> 4 } else { row[byte] & 0x0F });
         }
     }
     Ok(values)

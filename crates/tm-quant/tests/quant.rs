@@ -4,9 +4,8 @@ use half::f16;
 use proptest::prelude::*;
 use tm_core::quant::int4_position;
 use tm_quant::{
-    dequantize, dequantize_gguf_reference, import_gguf, import_q4_0, import_q4_1, import_q8_0,
-    pack_int4, quantize_int4, quantize_int8, unpack_int4, GgufType, HostQuant, HostQuantView,
-    QuantKind,
+    dequantize, dequantize_gguf_reference, import_gguf, import_q4_0, import_q4_1, import_q8_0, pack_int4,
+    quantize_int4, quantize_int8, unpack_int4, GgufType, HostQuant, HostQuantView, QuantKind,
 };
 
 /// A finite f16 of moderate size from raw bits (so -8 d stays finite for Q4_0).
@@ -23,53 +22,34 @@ fn moderate_f16() -> impl Strategy<Value = f16> {
 }
 
 fn blocks(ty: GgufType, n: usize) -> impl Strategy<Value = Vec<u8>> {
-    proptest::collection::vec(
-        (
-            moderate_f16(),
-            moderate_f16(),
-            proptest::collection::vec(any::<u8>(), 32),
-        ),
-        n,
-    )
-    .prop_map(move |bs| {
-        let mut out = Vec::new();
-        for (d, m, qs) in bs {
-            out.extend_from_slice(&d.to_le_bytes());
-            match ty {
-                GgufType::Q4_0 => out.extend_from_slice(&qs[..16]),
-                GgufType::Q4_1 => {
-                    out.extend_from_slice(&m.to_le_bytes());
-                    out.extend_from_slice(&qs[..16]);
+    proptest::collection::vec((moderate_f16(), moderate_f16(), proptest::collection::vec(any::<u8>(), 32)), n).prop_map(
+        move |bs| {
+            let mut out = Vec::new();
+            for (d, m, qs) in bs {
+                out.extend_from_slice(&d.to_le_bytes());
+                match ty {
+                    GgufType::Q4_0 => out.extend_from_slice(&qs[..16]),
+                    GgufType::Q4_1 => {
+                        out.extend_from_slice(&m.to_le_bytes());
+                        out.extend_from_slice(&qs[..16]);
+                    }
+                    GgufType::Q8_0 => out.extend_from_slice(&qs),
                 }
-                GgufType::Q8_0 => out.extend_from_slice(&qs),
             }
-        }
-        out
-    })
+            out
+        },
+    )
 }
 
 fn gguf_case() -> impl Strategy<Value = (GgufType, usize, usize, Vec<u8>)> {
-    (
-        prop_oneof![
-            Just(GgufType::Q4_0),
-            Just(GgufType::Q4_1),
-            Just(GgufType::Q8_0)
-        ],
-        1usize..5,
-        1usize..5,
-    )
-        .prop_flat_map(|(ty, rows, bpr)| {
-            blocks(ty, rows * bpr).prop_map(move |b| (ty, rows, bpr * 32, b))
-        })
+    (prop_oneof![Just(GgufType::Q4_0), Just(GgufType::Q4_1), Just(GgufType::Q8_0)], 1usize..5, 1usize..5)
+        .prop_flat_map(|(ty, rows, bpr)| blocks(ty, rows * bpr).prop_map(move |b| (ty, rows, bpr * 32, b)))
 }
 
 /// Exactly equal values (`-0.0 == 0.0`: Q4_0's `(8 - 8) * d` is `-0` for negative `d`, while
 /// `8 d + (-8 d)` is `+0`).
 fn same_values(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len()
-        && a.iter()
-            .zip(b)
-            .all(|(x, y)| x == y || (x.is_nan() && y.is_nan()))
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y || (x.is_nan() && y.is_nan()))
 }
 
 proptest! {
@@ -187,16 +167,10 @@ fn q4_0_min_is_minus_eight_d() {
 #[test]
 fn constant_groups_are_exact() {
     let w = vec![0.3f32; 64];
-    for q in [
-        quantize_int4(&w, 1, 64, 32).unwrap(),
-        quantize_int8(&w, 1, 64, 64).unwrap(),
-    ] {
+    for q in [quantize_int4(&w, 1, 64, 32).unwrap(), quantize_int8(&w, 1, 64, 64).unwrap()] {
         let d = dequantize(&q).unwrap();
         let sc = q.scales[0].to_f32();
-        assert!(
-            d.iter().all(|&x| (x - 0.3).abs() <= sc / 2.0 + 1e-7),
-            "{d:?}"
-        );
+        assert!(d.iter().all(|&x| (x - 0.3).abs() <= sc / 2.0 + 1e-7), "{d:?}");
     }
     let z = quantize_int4(&[0.0; 32], 1, 32, 32).unwrap();
     assert_eq!(dequantize(&z).unwrap(), vec![0.0; 32]);

@@ -144,6 +144,21 @@ impl LlamaModel {
             scale: 1.0 / (c.head_dim as f32).sqrt(),
             sliding_window: c.sliding_window,
         };
+        ops.run_step(&mut || self.run_layers(ops, kv, step, ws, &freqs, &meta))?;
+        Ok(&ws.logits)
+    }
+
+    /// The layers, final norm and LM head of one step (run inside the backend's step context).
+    fn run_layers(
+        &self,
+        ops: &dyn Ops,
+        kv: &mut KvCache,
+        step: &StepInput<'_>,
+        ws: &mut Workspace,
+        freqs: &tm_core::rope::RopeFreqs,
+        meta: &AttentionMeta<'_>,
+    ) -> Result<(), tm_core::Error> {
+        let c = &self.config;
         let eps = c.rms_norm_eps;
         ops.embedding(&self.embed, step.tokens, &mut ws.residual)?;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -162,11 +177,11 @@ impl LlamaModel {
                 std::mem::swap(&mut ws.q, &mut ws.scratch_q);
                 std::mem::swap(&mut ws.k, &mut ws.scratch_k);
             }
-            ops.rope(&mut ws.q, step.positions, &freqs)?;
-            ops.rope(&mut ws.k, step.positions, &freqs)?;
+            ops.rope(&mut ws.q, step.positions, freqs)?;
+            ops.rope(&mut ws.k, step.positions, freqs)?;
             let (k_cache, v_cache) = kv.layer_mut(i);
             ops.write_kv(&ws.k, &ws.v, k_cache, v_cache, step.slot_mapping)?;
-            ops.attention(&ws.q, k_cache, v_cache, &meta, &mut ws.attn)?;
+            ops.attention(&ws.q, k_cache, v_cache, meta, &mut ws.attn)?;
             ops.matmul(&ws.attn, &layer.o, None, &mut ws.delta)?;
             ops.add_rms_norm(&ws.delta, &mut ws.residual, &layer.mlp_norm, eps, &mut ws.normed)?;
             ops.matmul(&ws.normed, &layer.gate, None, &mut ws.gate)?;
@@ -177,7 +192,6 @@ impl LlamaModel {
         ops.add_rms_norm(&ws.delta, &mut ws.residual, &self.final_norm, eps, &mut ws.normed)?;
         ops.gather_rows(&ws.normed, step.logit_rows, &mut ws.last)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        ops.matmul(&ws.last, head, None, &mut ws.logits)?;
-        Ok(&ws.logits)
+        ops.matmul(&ws.last, head, None, &mut ws.logits)
     }
 }
