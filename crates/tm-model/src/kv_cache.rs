@@ -38,6 +38,42 @@ impl KvCache {
         let (k, v) = &mut self.layers[i];
         (k, v)
     }
+
+    /// Copies whole blocks, `(src, dst)` in order, in every layer's keys and values (the
+    /// copy of copy-on-write). Host-accessible caches are copied in place; others go through a
+    /// download and upload of each tensor, which is slow (a device copy op can replace it).
+    pub fn copy_blocks(&mut self, ops: &dyn Ops, pairs: &[(u32, u32)]) -> Result<()> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        if let Some(&(s, d)) = pairs.iter().find(|&&(s, d)| s as usize >= self.num_blocks || d as usize >= self.num_blocks) {
+            return Err(ModelError::InvalidInput(format!(
+                "cannot copy KV block {s} to {d}: the cache has {} blocks",
+                self.num_blocks
+            )));
+        }
+        let mut staging = Vec::new();
+        for (k, v) in &mut self.layers {
+            for t in [k, v] {
+                let block_bytes = t.desc().bytes() / self.num_blocks;
+                let copy = |bytes: &mut [u8]| {
+                    for &(s, d) in pairs {
+                        let (s, d) = (s as usize * block_bytes, d as usize * block_bytes);
+                        bytes.copy_within(s..s + block_bytes, d);
+                    }
+                };
+                if let Some(bytes) = t.buffer_mut().host_bytes_mut() {
+                    copy(bytes);
+                } else {
+                    staging.resize(t.desc().bytes(), 0);
+                    ops.download(t, &mut staging)?;
+                    copy(&mut staging);
+                    ops.upload(t, &staging)?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A free list of KV blocks (single-sequence use; the engine's block manager adds reference

@@ -1,0 +1,105 @@
+//! `tm-cli plan` end to end: the table without loading weights, JSON, device profiles, and a
+//! non-zero exit with the numbers when the model does not fit.
+
+use std::process::{Command, Output};
+
+fn tm(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tm-cli")).args(args).output().unwrap()
+}
+
+fn fixture(name: &str) -> String {
+    format!("{}/../../fixtures/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn text(out: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn plan_prints_the_table() {
+    let out = tm(&["plan", "--model", &fixture("qwen3"), "--max-len", "128", "--block-size", "16"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    for needle in ["memory plan for qwen3", "weights", "f32 -> f32", "workspace", "KV cache", "peak", "fits:"] {
+        assert!(stdout.contains(needle), "{needle} missing from\n{stdout}");
+    }
+    assert!(stdout.contains("max_len 128: one sequence takes 8 blocks"), "{stdout}");
+}
+
+#[test]
+fn plan_as_json() {
+    let out = tm(&["plan", "--model", &fixture("qwen2"), "--json", "--max-len", "256"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let t = stdout.trim();
+    assert!(t.starts_with('{') && t.ends_with('}'), "{t}");
+    for key in ["\"weights_total\"", "\"num_blocks\"", "\"kv_bytes_per_block\"", "\"budget\"", "\"fits\": true"] {
+        assert!(t.contains(key), "{key} missing from {t}");
+    }
+}
+
+#[test]
+fn plan_that_does_not_fit_fails_with_numbers_and_the_flag() {
+    let out = tm(&["plan", "--model", &fixture("llama"), "--memory-fraction", "0.000001"]);
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(stderr.contains("does not fit") && stderr.contains("short by"), "{stderr}");
+    assert!(stderr.contains("--memory-fraction"), "{stderr}");
+    assert!(stderr.contains("weights ") && stderr.contains("KiB"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stdout.contains("DOES NOT FIT"), "the table is still printed: {stdout}");
+
+    let out = tm(&["plan", "--model", &fixture("llama"), "--kv-cache-bytes", "64TiB"]);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(stderr.contains("lower a flag: --kv-cache-bytes"), "{stderr}");
+}
+
+#[test]
+fn device_profiles() {
+    let out = tm(&["plan", "--model", &fixture("qwen2"), "--device-profile", "orin-nx-16gb", "--max-len", "256"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("orin-nx-16gb") && stdout.contains("f16 -> f16") && stdout.contains("(f16)"), "{stdout}");
+    assert!(stdout.contains("runtime reserve"), "{stdout}");
+
+    let out = tm(&["plan", "--model", &fixture("qwen2"), "--device-profile", "abacus"]);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(stderr.contains("orin-nx-16gb") && stderr.contains("rtx3060ti-8gb"), "lists the profiles: {stderr}");
+}
+
+#[test]
+fn bad_flags_are_named() {
+    let cases: [(&[&str], &str); 4] = [
+        (&["--kv-cache-bytes", "lots"], "lots"),
+        (&["--max-batched-tokens", "8", "--max-batch-size", "16"], "--max-batched-tokens"),
+        (&["--memory-fraction", "1.5"], "--memory-fraction"),
+        (&["--block-size", "0"], "--block-size"),
+    ];
+    for (flags, needle) in cases {
+        let model = fixture("llama");
+        let mut args = vec!["plan", "--model", model.as_str()];
+        args.extend_from_slice(flags);
+        let out = tm(&args);
+        let (_, stderr) = text(&out);
+        assert!(!out.status.success(), "{flags:?} should fail");
+        assert!(stderr.contains(needle), "{flags:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    let out = tm(&["plan", "--model", "/nonexistent/model"]);
+    assert!(!out.status.success());
+    assert!(text(&out).1.contains("/nonexistent/model"));
+}
+
+#[test]
+fn plan_uses_the_default_model() {
+    if let Err(e) = tm_model::default_model::default_model_path(&mut |m| eprintln!("{m}")) {
+        eprintln!("skipping: default model not available: {e}");
+        return;
+    }
+    let out = tm(&["plan"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("SmolLM2") && stdout.contains("Q4_1 -> int4"), "{stdout}");
+}

@@ -1,0 +1,166 @@
+//! The one boundary between scheduling and the model: a [`Batch`] of sequences becomes a flat
+//! [`StepInput`] (tokens, positions, slot mapping, per-sequence attention metadata, logit rows),
+//! the model runs it against the paged KV cache, and one `Ops::sample` call draws a token for
+//! every sequence that reached its end.
+
+use super::request::TokenLogprobs;
+use super::scheduler::Batch;
+use super::sequence::Sequence;
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::kv_cache::KvCache;
+use crate::llama::{LlamaModel, StepInput, Workspace};
+use tm_core::ops::{SampleRequest, SeqAttention};
+use tm_core::Ops;
+
+/// Tokens drawn in one step, in batch order (one per sampled sequence).
+#[derive(Clone, Debug, Default)]
+pub struct StepOutput {
+    /// The sampled tokens.
+    pub tokens: Vec<u32>,
+    /// Log-probabilities, for sequences that asked for them.
+    pub logprobs: Vec<Option<TokenLogprobs>>,
+}
+
+/// The KV cache, the activation workspace and reusable step buffers.
+#[derive(Debug)]
+pub struct ModelRunner {
+    kv: KvCache,
+    ws: Workspace,
+    tokens: Vec<u32>,
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+    rows: Vec<u32>,
+    logits: Vec<f32>,
+    scratch: Vec<(f32, u32)>,
+}
+
+impl ModelRunner {
+    /// Allocates `num_blocks` KV blocks of `block_size` tokens and a workspace for steps of up
+    /// to `max_tokens` tokens and `max_seqs` sequences.
+    pub fn new(
+        ops: &dyn Ops,
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+        max_tokens: usize,
+        max_seqs: usize,
+    ) -> Result<Self> {
+        Ok(ModelRunner {
+            kv: KvCache::new(ops, cfg, num_blocks, block_size)?,
+            ws: Workspace::new(ops, cfg, max_tokens, max_seqs)?,
+            tokens: Vec::with_capacity(max_tokens),
+            positions: Vec::with_capacity(max_tokens),
+            slots: Vec::with_capacity(max_tokens),
+            rows: Vec::with_capacity(max_seqs),
+            logits: Vec::new(),
+            scratch: Vec::new(),
+        })
+    }
+
+    /// Runs `batch` over `seqs` (the scheduler's running sequences) and samples.
+    pub fn step(
+        &mut self,
+        model: &LlamaModel,
+        ops: &dyn Ops,
+        seqs: &mut [Sequence],
+        batch: &Batch,
+        out: &mut StepOutput,
+    ) -> Result<()> {
+        out.tokens.clear();
+        out.logprobs.clear();
+        if batch.seqs.is_empty() {
+            return Ok(());
+        }
+        let bs = self.kv.block_size;
+        let (tokens, positions, slots, rows) = (&mut self.tokens, &mut self.positions, &mut self.slots, &mut self.rows);
+        tokens.clear();
+        positions.clear();
+        slots.clear();
+        rows.clear();
+        let mut attn = Vec::with_capacity(batch.seqs.len());
+        for s in &batch.seqs {
+            let seq = seqs.get(s.index).filter(|q| q.id == s.id).ok_or_else(|| bad_batch("unknown sequence"))?;
+            let (start, end) = (seq.num_computed, seq.num_computed + s.num_tokens);
+            if s.num_tokens == 0 || end > seq.len() || seq.table.blocks.len() < end.div_ceil(bs) {
+                return Err(bad_batch("a sequence's tokens or blocks do not cover the step"));
+            }
+            let query_start = tokens.len();
+            tokens.extend_from_slice(&seq.tokens[start..end]);
+            for p in start..end {
+                positions.push(p as u32);
+                slots.push(seq.table.blocks[p / bs] * bs as u32 + (p % bs) as u32);
+            }
+            let block_table = seq.table.blocks.as_slice();
+            attn.push(SeqAttention { query_start, query_len: s.num_tokens, context_len: end, block_table });
+            if s.sample {
+                rows.push(tokens.len() as u32 - 1);
+            }
+        }
+        let sampled = rows.len();
+        if sampled == 0 {
+            rows.push(tokens.len() as u32 - 1); // the model wants one row; nothing is sampled
+        }
+        self.kv.copy_blocks(ops, &batch.copies)?;
+        let step = StepInput { tokens, positions, slot_mapping: slots, seqs: &attn, logit_rows: rows };
+        let logits = model.forward(ops, &mut self.kv, &step, &mut self.ws)?;
+        if sampled == 0 {
+            return Ok(());
+        }
+        let sampled_seqs = || batch.seqs.iter().filter(|s| s.sample);
+        let want_logprobs = sampled_seqs().any(|s| seqs[s.index].logprobs.is_some());
+        if want_logprobs {
+            self.logits = ops.download_f32(logits)?;
+        }
+        let mut requests = Vec::with_capacity(sampled);
+        let mut next = sampled_seqs().map(|s| s.index).peekable();
+        for (i, seq) in seqs.iter_mut().enumerate() {
+            if next.peek() != Some(&i) {
+                continue;
+            }
+            next.next();
+            let Sequence { params, tokens, prompt_len, rng, .. } = seq;
+            let (prompt, output) = tokens.split_at(*prompt_len);
+            requests.push(SampleRequest { params, prompt, output, rng });
+        }
+        out.tokens = ops.sample(logits, &mut requests)?;
+        drop(requests);
+        if out.tokens.len() != sampled {
+            return Err(bad_batch("the sampler returned the wrong number of tokens"));
+        }
+        let vocab = model.config.vocab_size;
+        for (row, s) in sampled_seqs().enumerate() {
+            let lp = match seqs[s.index].logprobs {
+                Some(n) if want_logprobs => {
+                    let logits = self.logits.get(row * vocab..(row + 1) * vocab).unwrap_or(&[]);
+                    Some(logprobs(logits, out.tokens[row], n, &mut self.scratch))
+                }
+                _ => None,
+            };
+            out.logprobs.push(lp);
+        }
+        Ok(())
+    }
+}
+
+fn bad_batch(what: &str) -> ModelError {
+    ModelError::InvalidInput(format!("internal error: bad batch: {what}"))
+}
+
+/// Log-softmax of `logits` at `chosen`, and the `n` most likely tokens.
+fn logprobs(logits: &[f32], chosen: u32, n: usize, scratch: &mut Vec<(f32, u32)>) -> TokenLogprobs {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&x| f64::from(x - max).exp()).sum();
+    let lse = max + sum.ln() as f32;
+    let logprob = logits.get(chosen as usize).map_or(f32::NEG_INFINITY, |&x| x - lse);
+    scratch.clear();
+    scratch.extend(logits.iter().enumerate().map(|(i, &x)| (x, i as u32)));
+    let desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    let n = n.min(scratch.len());
+    if n > 0 && n < scratch.len() {
+        scratch.select_nth_unstable_by(n - 1, desc);
+    }
+    scratch.truncate(n);
+    scratch.sort_unstable_by(desc);
+    TokenLogprobs { token: chosen, logprob, top: scratch.iter().map(|&(x, i)| (i, x - lse)).collect() }
+}

@@ -1,1 +1,0 @@
-//! Memory planning (in progress).

@@ -1,0 +1,239 @@
+//! Which tensors the Llama loader reads and how many bytes the backend will hold for each,
+//! computed from the checkpoint's headers alone (no tensor data is read).
+//!
+//! This mirrors `llama::load` tensor for tensor; `tests/plan_weights.rs` checks that the total
+//! equals [`crate::llama::LlamaModel::weight_bytes`] after a real load on every fixture.
+
+use super::WeightPolicy;
+use crate::config::{Arch, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::weights::{Encoding, TensorSource};
+use serde::Serialize;
+use tm_core::DType;
+use tm_quant::BLOCK;
+
+/// Weights of one stored encoding that the backend holds in one layout.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct WeightGroup {
+    /// How the checkpoint stores them: a dtype (`bf16`, `f32`, ...) or a GGUF block type (`Q4_1`, ...).
+    pub stored: String,
+    /// How the backend holds them: a dtype, or tm's `int4`/`int8` group layout.
+    pub held: String,
+    /// Number of tensors.
+    pub tensors: usize,
+    /// Bytes in the checkpoint.
+    pub stored_bytes: u64,
+    /// Bytes the backend holds.
+    pub held_bytes: u64,
+}
+
+/// The weights of a checkpoint as the backend will hold them.
+#[derive(Clone, Debug, Default)]
+pub(super) struct WeightSummary {
+    /// Per (stored, held) pair, in order of first appearance.
+    pub groups: Vec<WeightGroup>,
+    /// Sum of `held_bytes`.
+    pub held: u64,
+    /// Sum of `stored_bytes`.
+    pub stored: u64,
+    /// The largest host buffer one tensor's conversion needs while loading (widening to f32,
+    /// GGUF import, InternLM2's q/k/v split); zero when every tensor is copied as stored.
+    pub staging: u64,
+    /// Whether any matrix is int4/int8 (the CPU kernels then quantize activations to int8).
+    pub any_quantized: bool,
+}
+
+impl WeightSummary {
+    fn add(&mut self, stored: String, held: String, stored_bytes: u64, held_bytes: u64, staging: u64) {
+        match self.groups.iter_mut().find(|g| g.stored == stored && g.held == held) {
+            Some(g) => {
+                g.tensors += 1;
+                g.stored_bytes += stored_bytes;
+                g.held_bytes += held_bytes;
+            }
+            None => self.groups.push(WeightGroup { stored, held, tensors: 1, stored_bytes, held_bytes }),
+        }
+        self.held += held_bytes;
+        self.stored += stored_bytes;
+        self.staging = self.staging.max(staging);
+    }
+}
+
+/// InternLM2's names for the Hugging Face ones (the same mapping as `llama::load`).
+fn internlm2_name(hf: &str) -> String {
+    hf.replace("model.embed_tokens", "model.tok_embeddings")
+        .replace("self_attn.o_proj", "attention.wo")
+        .replace("mlp.gate_proj", "feed_forward.w1")
+        .replace("mlp.up_proj", "feed_forward.w3")
+        .replace("mlp.down_proj", "feed_forward.w2")
+        .replace("input_layernorm", "attention_norm")
+        .replace("post_attention_layernorm", "ffn_norm")
+        .replace("lm_head", "output")
+}
+
+/// Whether a checkpoint tensor is a matrix (`y = x Wᵀ`, may be quantized) or a float vector.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Matrix,
+    Vector,
+}
+
+struct Walker<'a> {
+    src: &'a dyn TensorSource,
+    cfg: &'a ModelConfig,
+    policy: WeightPolicy,
+    out: WeightSummary,
+}
+
+/// `(stored label, held label, held bytes, staging bytes)` of a tensor.
+type Sized = (String, String, u64, u64);
+
+impl Walker<'_> {
+    fn name(&self, hf: &str) -> String {
+        match self.cfg.arch {
+            Arch::InternLM2 => internlm2_name(hf),
+            _ => hf.to_string(),
+        }
+    }
+
+    fn has(&self, hf: &str) -> bool {
+        self.src.contains(&self.name(hf))
+    }
+
+    fn size(&self, name: &str, encoding: Encoding, shape: &[usize], kind: Kind) -> Result<Sized> {
+        let loc = self.src.location();
+        let numel: usize = shape.iter().product();
+        match encoding {
+            Encoding::Plain(d) if d.is_float() => {
+                let held = self.policy.dense(d);
+                let bytes = held.storage_bytes(numel) as u64;
+                let staging = if held == d { 0 } else { bytes };
+                Ok((d.to_string(), held.to_string(), bytes, staging))
+            }
+            Encoding::Plain(d) => {
+                Err(ModelError::format(loc, format!("tensor `{name}` has dtype {d}, expected a float type")))
+            }
+            q if kind == Kind::Vector => {
+                Err(ModelError::format(loc, format!("tensor `{name}` must be a float vector, found {q:?}")))
+            }
+            q => {
+                let [rows, cols] = *shape else {
+                    return Err(ModelError::format(loc, format!("`{name}`: quantized tensor of shape {shape:?}")));
+                };
+                if !cols.is_multiple_of(BLOCK) {
+                    return Err(ModelError::format(
+                        loc,
+                        format!("tensor `{name}`: {cols} columns is not a multiple of the {BLOCK}-value GGUF block"),
+                    ));
+                }
+                let groups = (rows * (cols / BLOCK)) as u64;
+                let (held, bytes) = match q {
+                    Encoding::Q8_0 => ("int8", (rows * cols) as u64 + 2 * groups),
+                    _ => ("int4", (rows * cols / 2) as u64 + 4 * groups),
+                };
+                // The import builds the tm layout in host memory, then uploads it.
+                Ok((format!("{q:?}"), held.to_string(), bytes, bytes))
+            }
+        }
+    }
+
+    fn tensor(&mut self, hf: &str, expected: &[usize], kind: Kind) -> Result<()> {
+        let t = self.src.tensor(&self.name(hf))?;
+        if t.shape != expected {
+            return Err(ModelError::TensorShape {
+                name: t.name.clone(),
+                path: t.file.to_path_buf(),
+                expected: expected.to_vec(),
+                got: t.shape.clone(),
+                dtype: format!("{:?}", t.encoding),
+            });
+        }
+        let (stored, held, bytes, staging) = self.size(&t.name, t.encoding, &t.shape, kind)?;
+        self.out.any_quantized |= !matches!(t.encoding, Encoding::Plain(_));
+        self.out.add(stored, held, t.bytes.len() as u64, bytes, staging);
+        Ok(())
+    }
+
+    /// InternLM2's packed `wqkv`: split on the host into q, k and v, each loaded dense.
+    fn wqkv(&mut self, i: usize) -> Result<()> {
+        let c = self.cfg;
+        let name = format!("model.layers.{i}.attention.wqkv.weight");
+        let t = self.src.tensor(&name)?;
+        let expected = [c.q_dim() + 2 * c.kv_dim(), c.hidden_size];
+        if t.shape != expected {
+            return Err(ModelError::TensorShape {
+                name: t.name.clone(),
+                path: t.file.to_path_buf(),
+                expected: expected.to_vec(),
+                got: t.shape.clone(),
+                dtype: format!("{:?}", t.encoding),
+            });
+        }
+        let Encoding::Plain(d) = t.encoding else {
+            return Err(ModelError::format(t.file, format!("`{name}`: quantized wqkv is not supported")));
+        };
+        let (stored, held, bytes, _) = self.size(&name, t.encoding, &t.shape, Kind::Matrix)?;
+        // Staging: the q, k and v row copies (the stored bytes), plus q widened while it loads.
+        let held_dtype = self.policy.dense(d);
+        let widened_q = if held_dtype == d { 0 } else { held_dtype.storage_bytes(c.q_dim() * c.hidden_size) as u64 };
+        self.out.add(stored, held, t.bytes.len() as u64, bytes, t.bytes.len() as u64 + widened_q);
+        Ok(())
+    }
+
+    fn layer(&mut self, i: usize) -> Result<()> {
+        let c = self.cfg;
+        let p = format!("model.layers.{i}");
+        let (h, q, kv, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        if c.arch == Arch::InternLM2 {
+            self.wqkv(i)?;
+        } else {
+            self.tensor(&format!("{p}.self_attn.q_proj.weight"), &[q, h], Kind::Matrix)?;
+            self.tensor(&format!("{p}.self_attn.k_proj.weight"), &[kv, h], Kind::Matrix)?;
+            self.tensor(&format!("{p}.self_attn.v_proj.weight"), &[kv, h], Kind::Matrix)?;
+        }
+        if c.qkv_bias {
+            self.tensor(&format!("{p}.self_attn.q_proj.bias"), &[q], Kind::Vector)?;
+            self.tensor(&format!("{p}.self_attn.k_proj.bias"), &[kv], Kind::Vector)?;
+            self.tensor(&format!("{p}.self_attn.v_proj.bias"), &[kv], Kind::Vector)?;
+        }
+        if c.qk_norm {
+            self.tensor(&format!("{p}.self_attn.q_norm.weight"), &[c.head_dim], Kind::Vector)?;
+            self.tensor(&format!("{p}.self_attn.k_norm.weight"), &[c.head_dim], Kind::Vector)?;
+        }
+        self.tensor(&format!("{p}.input_layernorm.weight"), &[h], Kind::Vector)?;
+        self.tensor(&format!("{p}.self_attn.o_proj.weight"), &[h, q], Kind::Matrix)?;
+        self.tensor(&format!("{p}.post_attention_layernorm.weight"), &[h], Kind::Vector)?;
+        self.tensor(&format!("{p}.mlp.gate_proj.weight"), &[inter, h], Kind::Matrix)?;
+        self.tensor(&format!("{p}.mlp.up_proj.weight"), &[inter, h], Kind::Matrix)?;
+        self.tensor(&format!("{p}.mlp.down_proj.weight"), &[h, inter], Kind::Matrix)
+    }
+}
+
+/// Walks every tensor the Llama loader would load and sizes it under `policy`.
+pub(super) fn summarize(src: &dyn TensorSource, cfg: &ModelConfig, policy: WeightPolicy) -> Result<WeightSummary> {
+    let mut w = Walker { src, cfg, policy, out: WeightSummary::default() };
+    let (vocab, h) = (cfg.vocab_size, cfg.hidden_size);
+    w.tensor("model.embed_tokens.weight", &[vocab, h], Kind::Matrix)?;
+    for i in 0..cfg.num_layers {
+        w.layer(i)?;
+    }
+    w.tensor("model.norm.weight", &[h], Kind::Vector)?;
+    if !cfg.tie_word_embeddings || w.has("lm_head.weight") {
+        w.tensor("lm_head.weight", &[vocab, h], Kind::Matrix)?;
+    }
+    Ok(w.out)
+}
+
+/// The dtype a dense tensor stored as `stored` is held in under `policy`.
+pub(super) fn dense_dtype(policy: WeightPolicy, stored: DType) -> DType {
+    match policy {
+        WeightPolicy::Stored => stored,
+        WeightPolicy::Widen(to) => to,
+        WeightPolicy::PerDtype { f32, f16, bf16 } => match stored {
+            DType::F32 => f32,
+            DType::F16 => f16,
+            DType::BF16 => bf16,
+            other => other,
+        },
+    }
+}
