@@ -82,9 +82,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let engine = Engine::start(Arc::clone(&m), Arc::clone(&ops), config).context("starting the engine")?;
     if seq_len > engine.max_model_len() {
         bail!(
-            "--input-len + --output-len = {seq_len} tokens but requests may hold at most {} (raise --max-len, \
-             --num-blocks or --kv-cache-bytes)",
-            engine.max_model_len()
+            "--input-len + --output-len = {seq_len} tokens but requests may hold at most {}: the least of --max-len \
+             ({}), the model's context length ({}) and the KV cache ({num_blocks} blocks of {bs} tokens)",
+            engine.max_model_len(),
+            args.model.max_len,
+            cfg.context_length()
         );
     }
     let mut rng = Rng::new(args.seed);

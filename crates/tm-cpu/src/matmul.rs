@@ -73,5 +73,5 @@ pub fn quant_view(q: &QuantWeight) -> Result<HostQuantView<'_>> {
         Some(m) => Some(m.host::<f16>()?),
         None => None,
     };
-    Ok(HostQuantView::new(q.rows, q.cols, q.group_size, packed, q.scales.host::<f16>()?, mins)?)
+    HostQuantView::new(q.rows, q.cols, q.group_size, packed, q.scales.host::<f16>()?, mins)
 }

@@ -46,7 +46,9 @@ impl KvCache {
         if pairs.is_empty() {
             return Ok(());
         }
-        if let Some(&(s, d)) = pairs.iter().find(|&&(s, d)| s as usize >= self.num_blocks || d as usize >= self.num_blocks) {
+        if let Some(&(s, d)) =
+            pairs.iter().find(|&&(s, d)| s as usize >= self.num_blocks || d as usize >= self.num_blocks)
+        {
             return Err(ModelError::InvalidInput(format!(
                 "cannot copy KV block {s} to {d}: the cache has {} blocks",
                 self.num_blocks

@@ -54,7 +54,8 @@ fn seeded_sampling_is_the_same_batched_or_alone() {
     for (i, p) in prompts.iter().enumerate() {
         assert_eq!(alone[i].token_ids, session_output(&m, ops.as_ref(), p, 10, params(i)));
     }
-    let streams: Vec<_> = prompts.iter().enumerate().map(|(i, p)| engine.submit(forced(p, 10, params(i))).unwrap()).collect();
+    let streams: Vec<_> =
+        prompts.iter().enumerate().map(|(i, p)| engine.submit(forced(p, 10, params(i))).unwrap()).collect();
     for (i, s) in streams.into_iter().enumerate() {
         assert_eq!(s.wait().token_ids, alone[i].token_ids);
     }

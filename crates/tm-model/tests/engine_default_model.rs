@@ -23,16 +23,13 @@ fn concurrent_chat_requests_match_the_session() {
     let ops: Arc<dyn Ops> = Arc::new(CpuBackend::new());
     let m = Arc::new(tm_model::loader::load(&path, ops.as_ref(), &mut |_, _| {}).unwrap());
     let tok = &m.tokenizer;
-    let questions = [
-        "What is the capital of France?",
-        "What is the capital of Germany?",
-        "Name three colors.",
-        "What is 2 + 2?",
-    ];
+    let questions =
+        ["What is the capital of France?", "What is the capital of Germany?", "Name three colors.", "What is 2 + 2?"];
     let prompts: Vec<Vec<u32>> = questions
         .iter()
         .map(|q| {
-            let text = m.template.render(&[ChatMessage::new("user", *q)], true, tok.bos_token().unwrap_or(""), "").unwrap();
+            let text =
+                m.template.render(&[ChatMessage::new("user", *q)], true, tok.bos_token().unwrap_or(""), "").unwrap();
             tok.encode(&text, false).unwrap()
         })
         .collect();
@@ -41,15 +38,18 @@ fn concurrent_chat_requests_match_the_session() {
         .iter()
         .map(|p| {
             let mut s = Session::new(&m.model, ops.as_ref(), 512, 16).unwrap();
-            let opts = GenerateOptions { max_tokens, sampling: SamplingParams::greedy(), stop_ids: tok.eos_ids().to_vec() };
+            let opts =
+                GenerateOptions { max_tokens, sampling: SamplingParams::greedy(), stop_ids: tok.eos_ids().to_vec() };
             s.generate(p, &opts, &mut |_| ControlFlow::Continue(())).unwrap().0
         })
         .collect();
     // Blocks of 16 so the shared chat-template prefix is reused across requests.
     let cfg = EngineConfig { block_size: 16, num_blocks: 64, max_batched_tokens: 64, ..Default::default() };
     let engine = Engine::start(Arc::clone(&m), ops, cfg).unwrap();
-    let streams: Vec<_> =
-        prompts.iter().map(|p| engine.submit(Request::tokens(p.clone()).with_max_tokens(max_tokens)).unwrap()).collect();
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| engine.submit(Request::tokens(p.clone()).with_max_tokens(max_tokens)).unwrap())
+        .collect();
     for (i, s) in streams.into_iter().enumerate() {
         let c = s.wait();
         assert_eq!(c.token_ids, expected[i], "{}: {:?}", questions[i], c.text);

@@ -65,7 +65,10 @@ impl Sim {
         let batch = self.sched.schedule();
         self.failed += batch.failed.len();
         for (seq, msg) in &batch.failed {
-            assert!(seq.len() + 1 > self.cap || self.sched.blocks.blocks_for(seq.len()) >= self.sched.blocks.num_blocks(), "{msg}");
+            assert!(
+                seq.len() + 1 > self.cap || self.sched.blocks.blocks_for(seq.len()) >= self.sched.blocks.num_blocks(),
+                "{msg}"
+            );
         }
         assert!(batch.num_tokens() <= 1000);
         for &(src, dst) in &batch.copies {
@@ -79,9 +82,9 @@ impl Sim {
             let seq = &running[s.index];
             assert_eq!(seq.id, s.id);
             let keys = prefix_keys(&seq.tokens);
-            for p in seq.num_computed..seq.num_computed + s.num_tokens {
+            for (p, &key) in keys.iter().enumerate().skip(seq.num_computed).take(s.num_tokens) {
                 let slot = seq.table.blocks[p / self.bs] as usize * self.bs + p % self.bs;
-                self.slots[slot] = Some(keys[p]);
+                self.slots[slot] = Some(key);
             }
         }
         let mut sampled = Vec::new();

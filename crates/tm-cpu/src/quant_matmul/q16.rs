@@ -164,8 +164,17 @@ mod avx2 {
 
     use std::ops::Range;
 
-    use super::super::simd::{octet_f16, prefetch_rows_ahead, spread, write_tile, LANE_MASK, PAIR_IDX, PREFETCH_TILES};
+    use super::super::simd::{octet_f16, prefetch_rows_ahead, spread, write_tile, LANE_MASK, PAIR_IDX};
     use super::{Acts, HostQuantView, OutPtr, Shape, BLOCK, LEVELS};
+
+    const HADD: bool = false;
+    const R1: usize = 4;
+    const OPAQUE: bool = true;
+    const PF: usize = 2;
+
+    /// Where `hadd(hadd(d0, d1), hadd(d2, d3))` puts the blocks of an octet, `d_q` holding pair `q`
+    /// (blocks `2q` in the low and `2q + 1` in the high half).
+    static OCTET_ORDER: [i32; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
 
     /// Quantizes the 32 floats at `p`: `round(x / d)` as four i32 vectors (columns 0..8, 8..16,
     /// 16..24, 24..32) and `d`, exactly as `quantize_block_scalar` (same `d`, `1/d` and
@@ -265,7 +274,7 @@ mod avx2 {
     ) {
         // Several independent accumulators per tile hide the FMA latency.
         match na {
-            1 => rows_tiled::<INT4, 4, 1>(sh, w, acts, rows, j, out),
+            1 => rows_tiled::<INT4, R1, 1>(sh, w, acts, rows, j, out),
             2 => rows_tiled::<INT4, 2, 2>(sh, w, acts, rows, j, out),
             3 => rows_tiled::<INT4, 1, 3>(sh, w, acts, rows, j, out),
             _ => rows_tiled::<INT4, 1, 4>(sh, w, acts, rows, j, out),
@@ -285,7 +294,7 @@ mod avx2 {
         let mut r = rows.start;
         let g1 = sh.bpg == 1;
         while r + R <= rows.end {
-            prefetch_rows_ahead(w, r + PREFETCH_TILES * R, R, row_bytes, sh.groups);
+            prefetch_rows_ahead(w, r + PF * R, R, row_bytes, sh.groups);
             let acc = if g1 {
                 tile::<INT4, R, NA, true>(sh, w, acts, r, j)
             } else {
@@ -367,6 +376,12 @@ mod avx2 {
             sx[t] = acts.s.as_ptr().add((j + t) * sh.nbp);
         }
         let mut acc = [[_mm256_setzero_ps(); NA]; R];
+        let pidx: [__m256i; 4] = std::hint::black_box([
+            _mm256_loadu_si256(PAIR_IDX[0].as_ptr().cast()),
+            _mm256_loadu_si256(PAIR_IDX[1].as_ptr().cast()),
+            _mm256_loadu_si256(PAIR_IDX[2].as_ptr().cast()),
+            _mm256_loadu_si256(PAIR_IDX[3].as_ptr().cast()),
+        ]);
         let mut b0 = 0;
         while b0 < nb {
             let kend = (nb - b0).min(8);
@@ -386,38 +401,83 @@ mod avx2 {
                     }
                 }
             }
-            let pair = |q: usize, full: bool, acc: &mut [[__m256; NA]; R]| {
-                let b = b0 + 2 * q;
-                let idx = _mm256_loadu_si256(PAIR_IDX[q].as_ptr().cast());
-                let mut xv = [[_mm256_setzero_si256(); 4]; NA];
-                for t in 0..NA {
-                    for (m, v) in xv[t].iter_mut().enumerate() {
-                        *v = _mm256_loadu_si256(qx[t].add(b * BLOCK + 16 * m).cast());
+            if HADD {
+                // The integer dots of the octet's 4 pairs, reduced with `hadd` to one vector of
+                // the 8 blocks' dots (in the order `OCTET_ORDER`), scaled once.
+                let dots = |q: usize| {
+                    let mut d = [[_mm256_setzero_si256(); NA]; R];
+                    let b = b0 + 2 * q;
+                    if b >= nb {
+                        return d;
                     }
-                }
-                for i in 0..R {
-                    let e = decode_pair::<INT4>(wrow[i], b, full);
+                    let full = b + 1 < nb;
+                    let mut xv = [[_mm256_setzero_si256(); 4]; NA];
                     for t in 0..NA {
-                        let x = &xv[t];
-                        let d01 = _mm256_add_epi32(_mm256_madd_epi16(e[0], x[0]), _mm256_madd_epi16(e[1], x[1]));
-                        let d23 = _mm256_add_epi32(_mm256_madd_epi16(e[2], x[2]), _mm256_madd_epi16(e[3], x[3]));
-                        let dot = _mm256_cvtepi32_ps(_mm256_add_epi32(d01, d23));
-                        let f = _mm256_permutevar8x32_ps(fac[i][t], idx);
-                        acc[i][t] = _mm256_fmadd_ps(dot, f, acc[i][t]);
+                        for (m, v) in xv[t].iter_mut().enumerate() {
+                            *v = _mm256_loadu_si256(qx[t].add(b * BLOCK + 16 * m).cast());
+                        }
+                    }
+                    for i in 0..R {
+                        let e = decode_pair::<INT4>(wrow[i], b, full);
+                        for t in 0..NA {
+                            let x = &xv[t];
+                            let d01 = _mm256_add_epi32(_mm256_madd_epi16(e[0], x[0]), _mm256_madd_epi16(e[1], x[1]));
+                            let d23 = _mm256_add_epi32(_mm256_madd_epi16(e[2], x[2]), _mm256_madd_epi16(e[3], x[3]));
+                            d[i][t] = _mm256_add_epi32(d01, d23);
+                        }
+                    }
+                    d
+                };
+                let (d0, d1) = (dots(0), dots(1));
+                let mut h01 = [[_mm256_setzero_si256(); NA]; R];
+                for i in 0..R {
+                    for t in 0..NA {
+                        h01[i][t] = _mm256_hadd_epi32(d0[i][t], d1[i][t]);
                     }
                 }
-            };
-            if kend == 8 {
-                for q in 0..4 {
-                    pair(q, true, &mut acc);
+                let (d2, d3) = (dots(2), dots(3));
+                let order = _mm256_loadu_si256(OCTET_ORDER.as_ptr().cast());
+                for i in 0..R {
+                    for t in 0..NA {
+                        let h = _mm256_hadd_epi32(h01[i][t], _mm256_hadd_epi32(d2[i][t], d3[i][t]));
+                        let f = _mm256_permutevar8x32_ps(fac[i][t], order);
+                        acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), f, acc[i][t]);
+                    }
                 }
             } else {
-                for q in 0..kend / 2 {
-                    pair(q, true, &mut acc);
-                }
-                if kend % 2 == 1 {
-                    // The row's last block, paired with zeros (its factor lane past `kend` is 0).
-                    pair(kend / 2, false, &mut acc);
+                let pair = |q: usize, full: bool, acc: &mut [[__m256; NA]; R]| {
+                    let b = b0 + 2 * q;
+                    let idx = if OPAQUE { pidx[q] } else { _mm256_loadu_si256(PAIR_IDX[q].as_ptr().cast()) };
+                    let mut xv = [[_mm256_setzero_si256(); 4]; NA];
+                    for t in 0..NA {
+                        for (m, v) in xv[t].iter_mut().enumerate() {
+                            *v = _mm256_loadu_si256(qx[t].add(b * BLOCK + 16 * m).cast());
+                        }
+                    }
+                    for i in 0..R {
+                        let e = decode_pair::<INT4>(wrow[i], b, full);
+                        for t in 0..NA {
+                            let x = &xv[t];
+                            let d01 = _mm256_add_epi32(_mm256_madd_epi16(e[0], x[0]), _mm256_madd_epi16(e[1], x[1]));
+                            let d23 = _mm256_add_epi32(_mm256_madd_epi16(e[2], x[2]), _mm256_madd_epi16(e[3], x[3]));
+                            let dot = _mm256_cvtepi32_ps(_mm256_add_epi32(d01, d23));
+                            let f = _mm256_permutevar8x32_ps(fac[i][t], idx);
+                            acc[i][t] = _mm256_fmadd_ps(dot, f, acc[i][t]);
+                        }
+                    }
+                };
+                if kend == 8 {
+                    for q in 0..4 {
+                        pair(q, true, &mut acc);
+                    }
+                } else {
+                    for q in 0..kend / 2 {
+                        pair(q, true, &mut acc);
+                    }
+                    if kend % 2 == 1 {
+                        // The row's last block, paired with zeros (its factor lane past `kend` is 0).
+                        pair(kend / 2, false, &mut acc);
+                    }
                 }
             }
             b0 += 8;

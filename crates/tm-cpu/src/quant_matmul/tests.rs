@@ -559,12 +559,14 @@ fn bench_smollm2_135m() {
         let body_t = median(times.iter().map(|t| t.0).collect());
         let head_t = median(times.iter().map(|t| t.1).collect());
         let total = median(times.iter().map(|t| t.0 + t.1).collect());
+        let min = times.iter().map(|t| t.0 + t.1).fold(f64::INFINITY, f64::min);
         let gflops = |macs: usize, t: f64| 2.0 * (macs * n) as f64 / t / 1e9;
         println!(
-            "{name:9} n={n:2} {:7}: {:6.2} ms/step = {:6.1} tok/s, {:5.1} GFLOP/s; body {:5.2} ms \
+            "{name:9} n={n:2} {:7}: {:6.2} ms/step (min {:6.2}) = {:6.1} tok/s, {:5.1} GFLOP/s; body {:5.2} ms \
              {:5.1} GB/s; head {:5.2} ms {:5.1} GB/s",
             if in_pool { "in pool" } else { "outside" },
             total * 1e3,
+            min * 1e3,
             n as f64 / total,
             gflops(body_macs + head_macs, total),
             body_t * 1e3,
@@ -575,7 +577,8 @@ fn bench_smollm2_135m() {
     }
 }
 
-/// Single matrices, hot in cache, on 1 and 2 threads, for the int16- and int8-activation paths:
+/// Single matrices, hot in cache, on 1 and 2 threads, for the int16- and int8-activation paths
+/// (interleaved; the minimum and median over batches, as neighbours on a shared machine add noise):
 /// `cargo test --release -p tm-cpu --lib quant_matmul::tests::bench_hot -- --ignored --nocapture`
 /// (`TM_QBENCH_N=4`: activation rows, default 1).
 #[test]
@@ -598,27 +601,32 @@ fn bench_hot_single_matrices() {
         };
         for threads in [1usize, 2] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            for (name, f) in paths {
-                pool.install(|| {
-                    let reps = 20000 / n / if rows > 4000 { 4 } else { 1 };
-                    for _ in 0..10 {
-                        f(&x, n, &q.view(), &mut out).unwrap();
+            let reps = (200_000 / (n * rows * cols / 32)).max(1);
+            let mut times = vec![Vec::new(); paths.len()];
+            pool.install(|| {
+                for _ in 0..60 {
+                    for ((_, f), t) in paths.iter().zip(&mut times) {
+                        let t0 = Instant::now();
+                        for _ in 0..reps {
+                            f(&x, n, &q.view(), &mut out).unwrap();
+                        }
+                        t.push(t0.elapsed().as_secs_f64() / reps as f64);
                     }
-                    let t = Instant::now();
-                    for _ in 0..reps {
-                        f(&x, n, &q.view(), &mut out).unwrap();
-                    }
-                    let dt = t.elapsed().as_secs_f64() / reps as f64;
-                    println!(
-                        "{} {rows:4}x{cols:4} n={n} {threads}t {name:9}: {:8.2} us, {:.3} ns/block/row, {:5.1} GB/s, \
-                         {:5.1} GFLOP/s",
-                        if int4 { "int4" } else { "int8" },
-                        dt * 1e6,
-                        dt * 1e9 / (n * rows * cols / 32) as f64,
-                        bytes as f64 / dt / 1e9,
-                        2.0 * (n * rows * cols) as f64 / dt / 1e9
-                    );
-                });
+                }
+            });
+            for ((name, _), mut t) in paths.iter().zip(times) {
+                t.sort_by(f64::total_cmp);
+                let (dt, med) = (t[0], t[t.len() / 2]);
+                println!(
+                    "{} {rows:4}x{cols:4} n={n} {threads}t {name:9}: min {:8.2} us (median {:8.2}), {:.3} ns/block/row, \
+                     {:5.1} GB/s, {:5.1} GFLOP/s",
+                    if int4 { "int4" } else { "int8" },
+                    dt * 1e6,
+                    med * 1e6,
+                    dt * 1e9 / (n * rows * cols / 32) as f64,
+                    bytes as f64 / dt / 1e9,
+                    2.0 * (n * rows * cols) as f64 / dt / 1e9
+                );
             }
         }
     }

@@ -92,7 +92,14 @@ impl Engine {
             stop_ids.extend_from_slice(tok.eos_ids());
         }
         let seq = Sequence::new(id, prompt, request.sampling.clone(), request.logprobs);
-        let new = NewRequest { seq, tx, stop: request.stop, stop_ids, max_tokens: request.max_tokens, skip_special: request.skip_special_tokens };
+        let new = NewRequest {
+            seq,
+            tx,
+            stop: request.stop,
+            stop_ids,
+            max_tokens: request.max_tokens,
+            skip_special: request.skip_special_tokens,
+        };
         if self.commands.send(Command::Submit(Box::new(new))).is_err() {
             queued.fetch_sub(1, Ordering::AcqRel);
             return Err(ModelError::InvalidInput("the engine has stopped".into()));
@@ -118,7 +125,9 @@ impl Engine {
         }
         let vocab = self.model.model.config.vocab_size;
         if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ModelError::InvalidInput(format!("prompt token id {bad} is outside the vocabulary of {vocab}")));
+            return Err(ModelError::InvalidInput(format!(
+                "prompt token id {bad} is outside the vocabulary of {vocab}"
+            )));
         }
         let max = self.limits.max_model_len;
         if prompt.len() >= max {

@@ -23,13 +23,20 @@ pub(crate) struct Output {
 }
 
 impl Output {
-    /// Output for a request: events go to `tx`; `stop_ids` already include the end-of-sequence
-    /// ids unless the request ignores them.
-    pub fn new(tx: Sender<Event>, stops: Vec<String>, stop_ids: Vec<u32>, max_tokens: usize, skip_special: bool) -> Self {
+    /// Output for a request whose text follows `prompt`: events go to `tx`; `stop_ids` already
+    /// include the end-of-sequence ids unless the request ignores them.
+    pub fn new(
+        tx: Sender<Event>,
+        prompt: &[u32],
+        stops: Vec<String>,
+        stop_ids: Vec<u32>,
+        max_tokens: usize,
+        skip_special: bool,
+    ) -> Self {
         let stops = stops.into_iter().filter(|s| !s.is_empty()).collect();
         Output {
             tx,
-            decoder: IncrementalDecoder::new(skip_special),
+            decoder: IncrementalDecoder::with_prompt(prompt, skip_special),
             stops,
             stop_ids,
             max_tokens,
@@ -98,7 +105,6 @@ impl Output {
         }
         let _ = self.tx.send(Event::Finished(Finished { reason, text, usage, error }));
     }
-
 }
 
 /// Byte offset of the earliest stop-string match in `text`.

@@ -215,7 +215,8 @@ impl Scheduler {
     fn reserve(&mut self, i: usize, n: usize, copies: &mut Vec<(BlockId, BlockId)>) -> bool {
         let seq = &mut self.running[i];
         let (start, end) = (seq.num_computed, seq.num_computed + n);
-        self.blocks.ensure_capacity(&mut seq.table, end) && self.blocks.prepare_write(&mut seq.table, start, end, copies)
+        self.blocks.ensure_capacity(&mut seq.table, end)
+            && self.blocks.prepare_write(&mut seq.table, start, end, copies)
     }
 
     /// Moves running sequence `i` back to the queue, freeing its blocks.

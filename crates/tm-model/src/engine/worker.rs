@@ -50,6 +50,12 @@ impl Limits {
         let cache = c.num_blocks * c.block_size;
         let asked = c.max_model_len.unwrap_or(context);
         let max_model_len = asked.min(context).min(cache);
+        if max_model_len < 2 {
+            return Err(ModelError::InvalidInput(format!(
+                "requests could hold at most {max_model_len} tokens (max_model_len {asked}, context {context}, \
+                 KV cache {cache}); at least 2 are needed"
+            )));
+        }
         let why_max_len = if max_model_len == cache && cache < asked.min(context) {
             format!("the KV cache holds {} blocks of {} tokens", c.num_blocks, c.block_size)
         } else if max_model_len == context {
@@ -155,7 +161,7 @@ impl Worker {
         while let Ok(cmd) = self.commands.try_recv() {
             if let Command::Submit(new) = cmd {
                 self.shared.queued.fetch_sub(1, Ordering::AcqRel);
-                Output::new(new.tx, Vec::new(), Vec::new(), 0, true).finish(
+                Output::new(new.tx, &[], Vec::new(), Vec::new(), 0, true).finish(
                     &self.model.tokenizer,
                     FinishReason::Abort,
                     Usage { prompt_tokens: new.seq.prompt_len, ..Default::default() },
@@ -184,7 +190,8 @@ impl Worker {
         match cmd {
             Command::Submit(new) => {
                 let NewRequest { seq, tx, stop, stop_ids, max_tokens, skip_special } = *new;
-                self.outputs.insert(seq.id, Output::new(tx, stop, stop_ids, max_tokens, skip_special));
+                let out = Output::new(tx, seq.prompt(), stop, stop_ids, max_tokens, skip_special);
+                self.outputs.insert(seq.id, out);
                 self.scheduler.add(seq);
             }
             Command::Cancel(id) => {

@@ -122,7 +122,7 @@ impl GgufSource {
             qk_norm: f.tensor_info("blk.0.attn_q_norm.weight").is_some(),
             sliding_window: None,
         };
-        if cfg.num_heads == 0 || cfg.num_kv_heads == 0 || cfg.num_heads % cfg.num_kv_heads != 0 {
+        if cfg.num_heads == 0 || cfg.num_kv_heads == 0 || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
             return Err(ModelError::format(f.path(), "head counts in the metadata cannot be grouped"));
         }
         cfg.rope.validate()?;
