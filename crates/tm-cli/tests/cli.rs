@@ -49,7 +49,8 @@ fn bad_input_gives_clear_errors() {
         (&["generate", "--model", "FIXTURE", "--prompt", "a b c d e f g h", "--max-len", "4"], "context"),
     ];
     for (args, needle) in cases {
-        let args: Vec<String> = args.iter().map(|a| if *a == "FIXTURE" { fixture("llama") } else { a.to_string() }).collect();
+        let args: Vec<String> =
+            args.iter().map(|a| if *a == "FIXTURE" { fixture("llama") } else { a.to_string() }).collect();
         let out = tm().args(&args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?} should fail");
@@ -84,7 +85,12 @@ fn piped_chat_answers_each_line() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(b"What is the capital of France?\nAnd what is the capital of Germany?\n").unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"What is the capital of France?\nAnd what is the capital of Germany?\n")
+        .unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8(out.stdout).unwrap();
