@@ -23,7 +23,8 @@ pub(super) struct Loader<'a> {
     pub on_tensor: &'a mut dyn FnMut(u64),
 }
 
-fn internlm2_name(hf: &str) -> String {
+/// InternLM2's tensor name for a Hugging Face Llama name (see the module docs).
+pub fn internlm2_name(hf: &str) -> String {
     hf.replace("model.embed_tokens", "model.tok_embeddings")
         .replace("self_attn.o_proj", "attention.wo")
         .replace("mlp.gate_proj", "feed_forward.w1")

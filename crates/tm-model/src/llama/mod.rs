@@ -9,7 +9,7 @@ mod load;
 pub mod quant_load;
 mod workspace;
 
-pub use load::tensor_to_weight;
+pub use load::{internlm2_name, tensor_to_weight};
 pub use workspace::Workspace;
 
 use crate::config::ModelConfig;

@@ -59,18 +59,6 @@ impl WeightSummary {
     }
 }
 
-/// InternLM2's names for the Hugging Face ones (the same mapping as `llama::load`).
-fn internlm2_name(hf: &str) -> String {
-    hf.replace("model.embed_tokens", "model.tok_embeddings")
-        .replace("self_attn.o_proj", "attention.wo")
-        .replace("mlp.gate_proj", "feed_forward.w1")
-        .replace("mlp.up_proj", "feed_forward.w3")
-        .replace("mlp.down_proj", "feed_forward.w2")
-        .replace("input_layernorm", "attention_norm")
-        .replace("post_attention_layernorm", "ffn_norm")
-        .replace("lm_head", "output")
-}
-
 /// Whether a checkpoint tensor is a matrix (`y = x Wᵀ`, may be quantized) or a float vector.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -91,7 +79,7 @@ type Sized = (String, String, u64, u64);
 impl Walker<'_> {
     fn name(&self, hf: &str) -> String {
         match self.cfg.arch {
-            Arch::InternLM2 => internlm2_name(hf),
+            Arch::InternLM2 => crate::llama::internlm2_name(hf),
             _ => hf.to_string(),
         }
     }
