@@ -1,7 +1,7 @@
 //! `tm-cli bench`: drives the engine in-process with random prompts and reports throughput,
 //! time to first token and time per output token.
 
-use crate::common::{backend, load_model, ModelArgs};
+use crate::common::{backend, load_model, EngineArgs, ModelArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tm_core::sampling::{Rng, SamplingParams};
 use tm_core::Ops;
-use tm_model::engine::{Engine, EngineConfig, EngineStats, Event, FinishReason, Request};
+use tm_model::engine::{Engine, EngineStats, Event, FinishReason, Request};
 
 /// Arguments of `bench`.
 #[derive(Args, Debug)]
@@ -28,21 +28,8 @@ pub struct BenchArgs {
     /// Requests in flight at a time.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
-    /// Most sequences per step.
-    #[arg(long, default_value_t = 256)]
-    max_batch_size: usize,
-    /// Most tokens per step.
-    #[arg(long, default_value_t = 8192)]
-    max_batched_tokens: usize,
-    /// KV blocks (default: enough for `--concurrency` requests, or from --kv-cache-bytes).
-    #[arg(long)]
-    num_blocks: Option<usize>,
-    /// KV-cache size in bytes (instead of --num-blocks).
-    #[arg(long)]
-    kv_cache_bytes: Option<u64>,
-    /// Reuse the KV blocks of repeated prompt prefixes.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    enable_prefix_caching: bool,
+    #[command(flatten)]
+    engine: EngineArgs,
     /// Seed of the random prompts.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -69,16 +56,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let cfg = &m.model.config;
     let bs = args.model.block_size;
     let seq_len = args.input_len + args.output_len;
-    let num_blocks = kv_blocks(&args, cfg, ops.activation_dtype());
-    let config = EngineConfig {
-        block_size: bs,
-        num_blocks,
-        max_batched_tokens: args.max_batched_tokens,
-        max_batch_size: args.max_batch_size,
-        max_queue: args.num_prompts.max(1),
-        max_model_len: Some(args.model.max_len),
-        enable_prefix_caching: args.enable_prefix_caching,
-    };
+    let num_blocks = args.engine.num_blocks(&args.model, cfg, ops.activation_dtype(), || {
+        args.concurrency.min(args.num_prompts) * seq_len.div_ceil(bs.max(1))
+    });
+    let config = args.engine.config(&args.model, num_blocks, args.num_prompts);
     let engine = Engine::start(Arc::clone(&m), Arc::clone(&ops), config).context("starting the engine")?;
     if seq_len > engine.max_model_len() {
         bail!(
@@ -125,17 +106,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
         print!("{}", report.text());
     }
     Ok(())
-}
-
-/// KV blocks for the run: `--num-blocks`, else `--kv-cache-bytes` converted, else enough for
-/// `--concurrency` full requests. (The memory plan will supply the default from device memory.)
-fn kv_blocks(args: &BenchArgs, cfg: &tm_model::config::ModelConfig, dtype: tm_core::DType) -> usize {
-    let bs = args.model.block_size.max(1);
-    match (args.num_blocks, args.kv_cache_bytes) {
-        (Some(n), _) => n,
-        (None, Some(bytes)) => EngineConfig::blocks_for_bytes(cfg, dtype, bs, bytes),
-        (None, None) => args.concurrency.min(args.num_prompts) * (args.input_len + args.output_len).div_ceil(bs),
-    }
 }
 
 /// Submits one request and times its tokens.

@@ -8,6 +8,8 @@ use std::path::PathBuf;
 use tm_core::sampling::SamplingParams;
 use tm_core::Ops;
 use tm_cpu::CpuBackend;
+use tm_model::config::ModelConfig;
+use tm_model::engine::EngineConfig;
 use tm_model::loader::{load, LoadedModel};
 
 /// Which backend runs the model.
@@ -34,6 +36,57 @@ pub struct ModelArgs {
     /// Tokens per KV-cache block.
     #[arg(long, default_value_t = 64)]
     pub block_size: usize,
+}
+
+/// Engine flags shared by the commands that run the serving engine (`bench`, `serve`).
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// Most sequences per step.
+    #[arg(long, default_value_t = 256)]
+    pub max_batch_size: usize,
+    /// Most tokens per step.
+    #[arg(long, default_value_t = 8192)]
+    pub max_batched_tokens: usize,
+    /// KV blocks (default: the command's own default, or from --kv-cache-bytes).
+    #[arg(long)]
+    pub num_blocks: Option<usize>,
+    /// KV-cache size in bytes (instead of --num-blocks).
+    #[arg(long)]
+    pub kv_cache_bytes: Option<u64>,
+    /// Reuse the KV blocks of repeated prompt prefixes.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub enable_prefix_caching: bool,
+}
+
+impl EngineArgs {
+    /// KV blocks: `--num-blocks`, else `--kv-cache-bytes` converted for `cfg` and `dtype`, else
+    /// `default_blocks()`.
+    pub fn num_blocks(
+        &self,
+        model: &ModelArgs,
+        cfg: &ModelConfig,
+        dtype: tm_core::DType,
+        default_blocks: impl FnOnce() -> usize,
+    ) -> usize {
+        match (self.num_blocks, self.kv_cache_bytes) {
+            (Some(n), _) => n,
+            (None, Some(bytes)) => EngineConfig::blocks_for_bytes(cfg, dtype, model.block_size.max(1), bytes),
+            (None, None) => default_blocks(),
+        }
+    }
+
+    /// The engine configuration for `num_blocks` blocks and at most `max_queue` waiting requests.
+    pub fn config(&self, model: &ModelArgs, num_blocks: usize, max_queue: usize) -> EngineConfig {
+        EngineConfig {
+            block_size: model.block_size,
+            num_blocks,
+            max_batched_tokens: self.max_batched_tokens,
+            max_batch_size: self.max_batch_size,
+            max_queue: max_queue.max(1),
+            max_model_len: Some(model.max_len),
+            enable_prefix_caching: self.enable_prefix_caching,
+        }
+    }
 }
 
 /// Sampling flags.

@@ -7,6 +7,7 @@ mod chat;
 mod common;
 mod generate;
 mod plan;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -31,6 +32,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Benchmark the engine in-process: throughput, TTFT, time per output token.
     Bench(bench::BenchArgs),
+    /// OpenAI-compatible HTTP server (chat completions, completions, models, health, metrics).
+    Serve(serve::ServeArgs),
 }
 
 fn main() {
@@ -47,6 +50,7 @@ fn main() {
         Command::Chat(a) => chat::run(a),
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Serve(a) => serve::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", describe(&e));
