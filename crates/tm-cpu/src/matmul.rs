@@ -22,11 +22,11 @@ pub fn matmul(x: &[f32], n: usize, w: &Weight, out: &mut [f32]) -> Result<()> {
         }
         Weight::Int4(q) => {
             let view = quant_view(q)?;
-            crate::quant_matmul::matmul_int4_exact(x, n, &view, out)
+            crate::quant_matmul::matmul_int4(x, n, &view, out)
         }
         Weight::Int8(q) => {
             let view = quant_view(q)?;
-            crate::quant_matmul::matmul_int8_exact(x, n, &view, out)
+            crate::quant_matmul::matmul_int8(x, n, &view, out)
         }
     }
 }

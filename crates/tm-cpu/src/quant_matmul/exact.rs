@@ -24,7 +24,7 @@ fn exact_rows(
     out: OutPtr,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa.avx2() {
         // SAFETY: CPU features checked; `check` validated the weight and `x.len() == n * cols`;
         // `rows` and `j..j + na` are in range and the output rows are this chunk's only.
         unsafe { avx2::exact_rows(sh, w, x, rows, j, na, kernel, out) };

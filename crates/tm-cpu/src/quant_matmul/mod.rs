@@ -4,19 +4,19 @@
 //! # Three ways to compute
 //! - [`matmul_int4`] / [`matmul_int8`] (the default): each call first quantizes every activation
 //!   row to **int16** in blocks of 32 (`x ≈ q_x · d_x` with `d_x = max|x| / 32767`, and
-//!   `s_x = d_x · Σ q_x` kept per block), then for each weight block does an exact integer dot
-//!   product `Σ q_w · q_x` (i16 × i16 → i32 `madd`) and combines
+//!   `s_x = d_x · Σ q_x` kept per block), then for each weight block computes the exact integer
+//!   dot product `Σ q_w · q_x` (i16 × i16 → i32 `madd`, or `vpdpwssd` with AVX-VNNI) and combines
 //!   `out = Σ_blocks scale_w · d_x · (Σ q_w · q_x) + min_w · s_x` (int8 weights have no min term).
-//!   About as fast as int8 activations at decode (the weight stream, not the arithmetic, is the
-//!   limit there), and 256 times more accurate: on SmolLM2-135M the logits stay within about
-//!   `1e-3` of the f32 product, where int8 activations move them by about 0.4 (enough to change
-//!   a greedy answer).
+//!   On SmolLM2-135M (Q4_1, Q8_0 head) its logits are within 0.012 (3e-4 of the largest logit) of
+//!   the exact path's and within 0.005 of transformers' on the top 64 tokens; int8 activations are
+//!   off by up to 2.2 and 0.86, enough to change a greedy answer.
 //! - [`matmul_int4_q8`] / [`matmul_int8_q8`]: the same with **int8** activations
-//!   (`d_x = max|x| / 127`, like llama.cpp's `Q8_1`): one `maddubs` per 32 weights, so faster
-//!   when compute bound (prefill), but see the error below. Opt-in.
+//!   (`d_x = max|x| / 127`, like llama.cpp's `Q8_1`): `maddubs` dots, 256 times less accurate
+//!   (see below), about 10% faster at decode and 20% at prefill. Opt-in.
 //! - [`matmul_int4_exact`] / [`matmul_int8_exact`]: f32 activations; each weight block is
 //!   dequantized in registers to exactly the values [`tm_quant::dequantize`] gives, and the dot is
-//!   f32 FMA. Slowest; only f32 summation rounding separates it from dequantize-then-matmul.
+//!   f32 FMA. Only f32 summation rounding separates it from dequantize-then-matmul; 2.6 times
+//!   slower than the int16 path at decode, 2 times at prefill.
 //!
 //! # Error of the quantized-activation paths
 //! Rounding the activations to `Q` levels (`Q = 32767` or `127`) moves each element by at most
@@ -28,38 +28,50 @@
 //! integer dots are exact, and their conversion to f32 is exact for int4 weights). The bound is
 //! for adversarial data; for ordinary (uncorrelated) data the rounding errors are independent and
 //! the error is about `(0.6 / Q) · ‖x‖ · ‖w‖ / √cols` (measured with int8 activations: worst of
-//! 64 outputs `4e-4` at 576 columns, 50 times below the bound). Non-finite activations give
+//! 64 outputs `4e-4` at 576 columns, 50 times below the bound). Blocks holding outliers are the
+//! weak spot: their other elements get the outlier's step size. Non-finite activations give
 //! non-finite outputs (a block holding a NaN gets `d_x = NaN`, one holding an infinity
 //! `d_x = ∞`).
 //!
 //! # Implementation
-//! An AVX2 (+FMA, F16C) path chosen at run time ([`Isa::best`]) and a portable scalar path that is
-//! also the reference the AVX2 path is tested against (both quantize the activations identically;
-//! they differ only in the order of the f32 sums).
+//! AVX2 (+FMA, F16C) kernels, with AVX-VNNI where the CPU has it, chosen at run time
+//! ([`Isa::best`]), and a portable scalar path that is also the reference the vector paths are
+//! tested against (all quantize the activations identically; they differ only in the order of
+//! the f32 sums).
 //!
 //! - Rows of `W` are split into a few chunks per rayon thread (multiples of 4 rows). Calls from
 //!   outside the rayon pool pay a cross-thread hand-off each (about 7 µs here); running the whole
 //!   forward pass inside the pool (`rayon::scope(|_| ...)`) avoids it.
-//! - A chunk is computed in register tiles of `R` weight rows × `NA` activation rows, so that one
-//!   decoded weight block serves `NA` activation rows and there are several independent
-//!   accumulators. For prefill the weight rows are also tiled so that a tile stays in L1 while all
-//!   activation rows pass over it.
+//! - A chunk is computed in register tiles of `R` weight rows × `NA` activation rows (4×1 for
+//!   decode, 1×4 for prefill), so that one decoded weight block serves `NA` activation rows and
+//!   there are several independent accumulators. For prefill the weight rows are also tiled so
+//!   that a tile stays in L1 while all activation rows pass over it.
 //! - Two 32-column blocks are processed per 32 weight bytes (int4) or 64 (int8), and the
 //!   quantized activations are stored in the order the weights decode in, so no shuffles are
 //!   needed in the inner loop: the two blocks' partial sums land in the two 128-bit halves of one
-//!   register. int16 activations ([`q16`]): the int4 bytes are read as 16-bit words, and a mask,
+//!   register. int16 activations (`q16.rs`): the int4 bytes are read as 16-bit words, and a mask,
 //!   two shifts-and-masks and one shift give four vectors of 16 nibbles each (columns `2k`,
 //!   `2k + 16`, `2k + 1`, `2k + 17` of both blocks), each multiplied with one `madd`; int8 bytes
 //!   are sign-extended in place (shift left, arithmetic shift right) into the same four vectors.
-//!   int8 activations ([`q8`]): two `maddubs` per block pair.
+//!   int8 activations (`q8.rs`): two `maddubs` per block pair.
 //! - The next row tile is prefetched in software while the current one computes: the per-chunk
 //!   streams are short and the hardware prefetcher stops at 4 KiB pages (about 1.4× at n = 1).
 //! - The quantized activations live in a thread-local buffer that is reused across calls (taken
 //!   out for the duration of a call, so re-entrant calls are safe).
 //!
-//! Measured on the 2-core x86-64 development VM (AVX2; 96 MB of SmolLM2-135M-shaped weights, see
-//! `tests::bench_smollm2_135m`, called from inside the pool): see the table in that test's docs.
-//! The machine's memory bandwidth varies with its neighbours; the n = 1 numbers can halve.
+//! # Speed
+//! Measured on the 2-core x86-64 development VM (Sapphire Rapids, AVX-VNNI; SmolLM2-135M-shaped
+//! weights, 66 MB int4 body and 30 MB int8 head, `tests::bench_smollm2_135m`, called from inside
+//! the pool), milliseconds per step of all 211 matrix products:
+//!
+//! | path        | n = 1 | n = 16 | n = 64 |
+//! |-------------|-------|--------|--------|
+//! | int16 acts  | 3.3   | 31     | 118    |
+//! | int8 acts   | 3.0   | 28     | 104    |
+//! | exact f32   | 8.8   | 56     | 216    |
+//!
+//! Without AVX-VNNI the int16 path's kernels take about 15% longer. The machine's memory
+//! bandwidth varies with its neighbours; the n = 1 numbers can double.
 
 use std::cell::Cell;
 use std::ops::Range;
@@ -103,16 +115,16 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 with FMA and F16C.
     Avx2,
+    /// [`Isa::Avx2`] plus AVX-VNNI (Alder Lake, Sapphire Rapids, Zen 5 and later): the int16
+    /// activation path fuses its multiply-adds into `vpdpwssd`; the other paths are as
+    /// [`Isa::Avx2`].
+    AvxVnni,
 }
 
 impl Isa {
     /// The fastest instruction set this CPU supports.
     pub fn best() -> Isa {
-        if Isa::Avx2.available() {
-            Isa::Avx2
-        } else {
-            Isa::Scalar
-        }
+        [Isa::AvxVnni, Isa::Avx2].into_iter().find(|i| i.available()).unwrap_or(Isa::Scalar)
     }
 
     /// Whether this CPU can run the instruction set.
@@ -120,7 +132,13 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             Isa::Avx2 => avx2_available(),
+            Isa::AvxVnni => avx2_available() && avx_vnni_available(),
         }
+    }
+
+    /// Whether the AVX2 kernels run (AVX2, FMA and F16C are present).
+    fn avx2(self) -> bool {
+        matches!(self, Isa::Avx2 | Isa::AvxVnni)
     }
 }
 
@@ -131,6 +149,27 @@ fn avx2_available() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_available() -> bool {
+    false
+}
+
+/// AVX-VNNI, from CPUID leaf 7 sub-leaf 1 (EAX bit 4); the OS saves the YMM state it needs when
+/// AVX2 is usable. (`is_x86_feature_detected!("avxvnni")` needs a newer Rust than this crate's
+/// minimum.)
+#[cfg(target_arch = "x86_64")]
+fn avx_vnni_available() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    #[allow(unused_unsafe)] // `__cpuid_count` is a safe function in newer Rust versions.
+    fn leaf(leaf: u32, sub: u32) -> u32 {
+        // SAFETY: CPUID exists on every x86-64 CPU, and leaves past the maximum return zeros
+        // or the highest basic leaf's values, which the callers below rule out.
+        unsafe { std::arch::x86_64::__cpuid_count(leaf, sub) }.eax
+    }
+    *HAS.get_or_init(|| leaf(0, 0) >= 7 && leaf(7, 0) >= 1 && leaf(7, 1) & (1 << 4) != 0)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx_vnni_available() -> bool {
     false
 }
 

@@ -1,5 +1,6 @@
 //! Int16 activations, the default path ([`super::matmul_int4`] / [`super::matmul_int8`]):
-//! `d_x = max|x| / 32767` per 32-block, exact integer dots with `madd` (i16 × i16 → i32).
+//! `d_x = max|x| / 32767` per 32-block, exact integer dots with `madd` (i16 × i16 → i32), or
+//! AVX-VNNI's `vpdpwssd` (`madd` and the add in one).
 //!
 //! No i32 overflow: a block's dot is at most `32 · 15 · 32767 < 2²⁴` for int4 weights (so its
 //! conversion to f32 is exact, too) and `32 · 128 · 32767 < 2²⁸` for int8.
@@ -51,12 +52,14 @@ pub(super) fn quantize(isa: Isa, x: &[f32], sh: &Shape, acts: &mut Acts<i16>) {
     let stride = sh.nb.next_multiple_of(2) * BLOCK;
     acts.fill(x, sh, stride, |(((xr, qr), dr), sr)| {
         #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx2 {
-            // SAFETY: `Isa::Avx2` is only used after `check` confirmed the CPU has AVX2/FMA/F16C;
-            // `qr` holds `nb` rounded up to even blocks, `dr` and `sr` at least `nb` values.
+        if isa.avx2() {
+            // SAFETY: the AVX2 instruction sets are only used after `check` confirmed that the CPU
+            // has AVX2/FMA/F16C; `qr` holds `nb` rounded up to even blocks, `dr` and `sr` at least
+            // `nb` values.
             unsafe { avx2::quantize_row(xr, qr, dr, sr) };
             return;
         }
+        let _ = isa;
         for (b, xb) in xr.chunks_exact(BLOCK).enumerate() {
             let q = (&mut qr[b * BLOCK..(b + 1) * BLOCK]).try_into().unwrap_or_else(|_| unreachable!());
             let (d, sum) = quantize_block_scalar(xb.try_into().unwrap_or(&[0.0; BLOCK]), q);
@@ -94,15 +97,18 @@ fn rows_dot(
     out: OutPtr,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        // SAFETY: the CPU has AVX2/FMA/F16C (checked), and `check` validated every length the
-        // kernels index with: packed/scales/mins against `rows`, `cols`, `group_size`; the
-        // activation buffers were sized from the same shape, in the pair layout; `rows` and
-        // `j..j + na` are in range and the output rows are this chunk's only.
+    if isa.avx2() {
+        // SAFETY: the CPU has AVX2/FMA/F16C, and AVX-VNNI for `Isa::AvxVnni` (checked), and
+        // `check` validated every length the kernels index with: packed/scales/mins against
+        // `rows`, `cols`, `group_size`; the activation buffers were sized from the same shape, in
+        // the pair layout; `rows` and `j..j + na` are in range and the output rows are this
+        // chunk's only.
         unsafe {
-            match kernel {
-                Kernel::Int4 => avx2::rows::<true>(sh, w, acts, rows, j, na, out),
-                Kernel::Int8 => avx2::rows::<false>(sh, w, acts, rows, j, na, out),
+            match (kernel, isa == Isa::AvxVnni) {
+                (Kernel::Int4, false) => avx2::rows::<true, false>(sh, w, acts, rows, j, na, out),
+                (Kernel::Int4, true) => avx2::rows::<true, true>(sh, w, acts, rows, j, na, out),
+                (Kernel::Int8, false) => avx2::rows::<false, false>(sh, w, acts, rows, j, na, out),
+                (Kernel::Int8, true) => avx2::rows::<false, true>(sh, w, acts, rows, j, na, out),
             }
         }
         return;
@@ -164,17 +170,27 @@ mod avx2 {
 
     use std::ops::Range;
 
-    use super::super::simd::{octet_f16, prefetch_rows_ahead, spread, write_tile, LANE_MASK, PAIR_IDX};
+    use super::super::simd::{octet_f16, prefetch_rows_ahead, spread, write_tile, LANE_MASK, PAIR_IDX, PREFETCH_TILES};
     use super::{Acts, HostQuantView, OutPtr, Shape, BLOCK, LEVELS};
 
-    const HADD: bool = false;
-    const R1: usize = 4;
-    const OPAQUE: bool = true;
-    const PF: usize = 2;
-
-    /// Where `hadd(hadd(d0, d1), hadd(d2, d3))` puts the blocks of an octet, `d_q` holding pair `q`
-    /// (blocks `2q` in the low and `2q + 1` in the high half).
-    static OCTET_ORDER: [i32; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
+    /// `acc + madd(a, b)` in one instruction: AVX-VNNI's `vpdpwssd` (VEX-encoded; written as
+    /// assembly because the intrinsic needs a newer Rust than this crate's minimum).
+    ///
+    /// # Safety
+    /// The CPU has AVX-VNNI.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn dpwssd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        let mut r = acc;
+        std::arch::asm!(
+            "{{vex}} vpdpwssd {r}, {a}, {b}",
+            r = inout(ymm_reg) r,
+            a = in(ymm_reg) a,
+            b = in(ymm_reg) b,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        r
+    }
 
     /// Quantizes the 32 floats at `p`: `round(x / d)` as four i32 vectors (columns 0..8, 8..16,
     /// 16..24, 24..32) and `d`, exactly as `quantize_block_scalar` (same `d`, `1/d` and
@@ -228,8 +244,11 @@ mod avx2 {
         let mut b = 0;
         while b < nb {
             let (a, da) = quantize_block(x.as_ptr().add(b * BLOCK));
-            let (c, dc) =
-                if b + 1 < nb { quantize_block(x.as_ptr().add((b + 1) * BLOCK)) } else { ([_mm256_setzero_si256(); 4], 0.0) };
+            let (c, dc) = if b + 1 < nb {
+                quantize_block(x.as_ptr().add((b + 1) * BLOCK))
+            } else {
+                ([_mm256_setzero_si256(); 4], 0.0)
+            };
             let xs = [
                 take::<0x88>(a[0], a[1], c[0], c[1]),
                 take::<0x88>(a[2], a[3], c[2], c[3]),
@@ -256,14 +275,14 @@ mod avx2 {
     }
 
     /// Weight rows `rows` (int4 if `INT4`, else int8) against activation rows `j..j + na`,
-    /// written to `out`.
+    /// written to `out`, with `vpdpwssd` if `VNNI`.
     ///
     /// # Safety
-    /// AVX2/FMA/F16C present; `w` validated for `sh` and the kind; `acts` quantized for `sh` in
-    /// the pair layout; `rows.end <= sh.rows`, `j + na <= sh.n`, `na <= MAX_NA`; nobody else
-    /// writes these output rows meanwhile.
+    /// AVX2/FMA/F16C (and AVX-VNNI if `VNNI`) present; `w` validated for `sh` and the kind;
+    /// `acts` quantized for `sh` in the pair layout; `rows.end <= sh.rows`, `j + na <= sh.n`,
+    /// `na <= MAX_NA`; nobody else writes these output rows meanwhile.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn rows<const INT4: bool>(
+    pub(super) unsafe fn rows<const INT4: bool, const VNNI: bool>(
         sh: &Shape,
         w: &HostQuantView<'_>,
         acts: &Acts<i16>,
@@ -274,15 +293,15 @@ mod avx2 {
     ) {
         // Several independent accumulators per tile hide the FMA latency.
         match na {
-            1 => rows_tiled::<INT4, R1, 1>(sh, w, acts, rows, j, out),
-            2 => rows_tiled::<INT4, 2, 2>(sh, w, acts, rows, j, out),
-            3 => rows_tiled::<INT4, 1, 3>(sh, w, acts, rows, j, out),
-            _ => rows_tiled::<INT4, 1, 4>(sh, w, acts, rows, j, out),
+            1 => rows_tiled::<INT4, VNNI, 4, 1>(sh, w, acts, rows, j, out),
+            2 => rows_tiled::<INT4, VNNI, 2, 2>(sh, w, acts, rows, j, out),
+            3 => rows_tiled::<INT4, VNNI, 1, 3>(sh, w, acts, rows, j, out),
+            _ => rows_tiled::<INT4, VNNI, 1, 4>(sh, w, acts, rows, j, out),
         }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn rows_tiled<const INT4: bool, const R: usize, const NA: usize>(
+    unsafe fn rows_tiled<const INT4: bool, const VNNI: bool, const R: usize, const NA: usize>(
         sh: &Shape,
         w: &HostQuantView<'_>,
         acts: &Acts<i16>,
@@ -294,17 +313,17 @@ mod avx2 {
         let mut r = rows.start;
         let g1 = sh.bpg == 1;
         while r + R <= rows.end {
-            prefetch_rows_ahead(w, r + PF * R, R, row_bytes, sh.groups);
+            prefetch_rows_ahead(w, r + PREFETCH_TILES * R, R, row_bytes, sh.groups);
             let acc = if g1 {
-                tile::<INT4, R, NA, true>(sh, w, acts, r, j)
+                tile::<INT4, VNNI, R, NA, true>(sh, w, acts, r, j)
             } else {
-                tile::<INT4, R, NA, false>(sh, w, acts, r, j)
+                tile::<INT4, VNNI, R, NA, false>(sh, w, acts, r, j)
             };
             write_tile(&acc, out, sh.rows, r, j);
             r += R;
         }
         while r < rows.end {
-            let acc = tile::<INT4, 1, NA, false>(sh, w, acts, r, j);
+            let acc = tile::<INT4, VNNI, 1, NA, false>(sh, w, acts, r, j);
             write_tile(&acc, out, sh.rows, r, j);
             r += 1;
         }
@@ -317,11 +336,7 @@ mod avx2 {
     unsafe fn decode_pair<const INT4: bool>(wrow: *const u8, b: usize, full: bool) -> [__m256i; 4] {
         if INT4 {
             let p = wrow.add(b * 16);
-            let v = if full {
-                _mm256_loadu_si256(p.cast())
-            } else {
-                _mm256_zextsi128_si256(_mm_loadu_si128(p.cast()))
-            };
+            let v = if full { _mm256_loadu_si256(p.cast()) } else { _mm256_zextsi128_si256(_mm_loadu_si128(p.cast())) };
             let m4 = _mm256_set1_epi16(0x000F);
             [
                 _mm256_and_si256(v, m4),
@@ -348,7 +363,7 @@ mod avx2 {
     /// (summed horizontally by the caller).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn tile<const INT4: bool, const R: usize, const NA: usize, const G1: bool>(
+    unsafe fn tile<const INT4: bool, const VNNI: bool, const R: usize, const NA: usize, const G1: bool>(
         sh: &Shape,
         w: &HostQuantView<'_>,
         acts: &Acts<i16>,
@@ -376,6 +391,8 @@ mod avx2 {
             sx[t] = acts.s.as_ptr().add((j + t) * sh.nbp);
         }
         let mut acc = [[_mm256_setzero_ps(); NA]; R];
+        // The factor spreads for the 4 pairs of an octet. Opaque to the compiler, which would
+        // otherwise turn each `vpermps` with a constant index into two shuffles.
         let pidx: [__m256i; 4] = std::hint::black_box([
             _mm256_loadu_si256(PAIR_IDX[0].as_ptr().cast()),
             _mm256_loadu_si256(PAIR_IDX[1].as_ptr().cast()),
@@ -401,83 +418,42 @@ mod avx2 {
                     }
                 }
             }
-            if HADD {
-                // The integer dots of the octet's 4 pairs, reduced with `hadd` to one vector of
-                // the 8 blocks' dots (in the order `OCTET_ORDER`), scaled once.
-                let dots = |q: usize| {
-                    let mut d = [[_mm256_setzero_si256(); NA]; R];
-                    let b = b0 + 2 * q;
-                    if b >= nb {
-                        return d;
-                    }
-                    let full = b + 1 < nb;
-                    let mut xv = [[_mm256_setzero_si256(); 4]; NA];
-                    for t in 0..NA {
-                        for (m, v) in xv[t].iter_mut().enumerate() {
-                            *v = _mm256_loadu_si256(qx[t].add(b * BLOCK + 16 * m).cast());
-                        }
-                    }
-                    for i in 0..R {
-                        let e = decode_pair::<INT4>(wrow[i], b, full);
-                        for t in 0..NA {
-                            let x = &xv[t];
-                            let d01 = _mm256_add_epi32(_mm256_madd_epi16(e[0], x[0]), _mm256_madd_epi16(e[1], x[1]));
-                            let d23 = _mm256_add_epi32(_mm256_madd_epi16(e[2], x[2]), _mm256_madd_epi16(e[3], x[3]));
-                            d[i][t] = _mm256_add_epi32(d01, d23);
-                        }
-                    }
-                    d
-                };
-                let (d0, d1) = (dots(0), dots(1));
-                let mut h01 = [[_mm256_setzero_si256(); NA]; R];
-                for i in 0..R {
-                    for t in 0..NA {
-                        h01[i][t] = _mm256_hadd_epi32(d0[i][t], d1[i][t]);
+            let pair = |q: usize, full: bool, acc: &mut [[__m256; NA]; R]| {
+                let b = b0 + 2 * q;
+                let mut xv = [[_mm256_setzero_si256(); 4]; NA];
+                for t in 0..NA {
+                    for (m, v) in xv[t].iter_mut().enumerate() {
+                        *v = _mm256_loadu_si256(qx[t].add(b * BLOCK + 16 * m).cast());
                     }
                 }
-                let (d2, d3) = (dots(2), dots(3));
-                let order = _mm256_loadu_si256(OCTET_ORDER.as_ptr().cast());
                 for i in 0..R {
+                    let e = decode_pair::<INT4>(wrow[i], b, full);
                     for t in 0..NA {
-                        let h = _mm256_hadd_epi32(h01[i][t], _mm256_hadd_epi32(d2[i][t], d3[i][t]));
-                        let f = _mm256_permutevar8x32_ps(fac[i][t], order);
-                        acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), f, acc[i][t]);
+                        let x = &xv[t];
+                        let dot = if VNNI {
+                            let z = _mm256_setzero_si256();
+                            dpwssd(dpwssd(dpwssd(dpwssd(z, e[0], x[0]), e[1], x[1]), e[2], x[2]), e[3], x[3])
+                        } else {
+                            let d01 = _mm256_add_epi32(_mm256_madd_epi16(e[0], x[0]), _mm256_madd_epi16(e[1], x[1]));
+                            let d23 = _mm256_add_epi32(_mm256_madd_epi16(e[2], x[2]), _mm256_madd_epi16(e[3], x[3]));
+                            _mm256_add_epi32(d01, d23)
+                        };
+                        let f = _mm256_permutevar8x32_ps(fac[i][t], pidx[q]);
+                        acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[i][t]);
                     }
+                }
+            };
+            if kend == 8 {
+                for q in 0..4 {
+                    pair(q, true, &mut acc);
                 }
             } else {
-                let pair = |q: usize, full: bool, acc: &mut [[__m256; NA]; R]| {
-                    let b = b0 + 2 * q;
-                    let idx = if OPAQUE { pidx[q] } else { _mm256_loadu_si256(PAIR_IDX[q].as_ptr().cast()) };
-                    let mut xv = [[_mm256_setzero_si256(); 4]; NA];
-                    for t in 0..NA {
-                        for (m, v) in xv[t].iter_mut().enumerate() {
-                            *v = _mm256_loadu_si256(qx[t].add(b * BLOCK + 16 * m).cast());
-                        }
-                    }
-                    for i in 0..R {
-                        let e = decode_pair::<INT4>(wrow[i], b, full);
-                        for t in 0..NA {
-                            let x = &xv[t];
-                            let d01 = _mm256_add_epi32(_mm256_madd_epi16(e[0], x[0]), _mm256_madd_epi16(e[1], x[1]));
-                            let d23 = _mm256_add_epi32(_mm256_madd_epi16(e[2], x[2]), _mm256_madd_epi16(e[3], x[3]));
-                            let dot = _mm256_cvtepi32_ps(_mm256_add_epi32(d01, d23));
-                            let f = _mm256_permutevar8x32_ps(fac[i][t], idx);
-                            acc[i][t] = _mm256_fmadd_ps(dot, f, acc[i][t]);
-                        }
-                    }
-                };
-                if kend == 8 {
-                    for q in 0..4 {
-                        pair(q, true, &mut acc);
-                    }
-                } else {
-                    for q in 0..kend / 2 {
-                        pair(q, true, &mut acc);
-                    }
-                    if kend % 2 == 1 {
-                        // The row's last block, paired with zeros (its factor lane past `kend` is 0).
-                        pair(kend / 2, false, &mut acc);
-                    }
+                for q in 0..kend / 2 {
+                    pair(q, true, &mut acc);
+                }
+                if kend % 2 == 1 {
+                    // The row's last block, paired with zeros (its factor lane past `kend` is 0).
+                    pair(kend / 2, false, &mut acc);
                 }
             }
             b0 += 8;

@@ -6,7 +6,7 @@ use std::ops::Range;
 
 /// Quantizes `x` to int8 into this thread's scratch and computes `out` from it.
 pub(super) fn matmul(isa: Isa, sh: &Shape, w: &HostQuantView<'_>, x: &[f32], out: &mut [f32], kernel: Kernel) {
-    let layout = if isa == Isa::Avx2 && kernel == Kernel::Int4 { Layout::Pairs } else { Layout::Plain };
+    let layout = if isa.avx2() && kernel == Kernel::Int4 { Layout::Pairs } else { Layout::Plain };
     with_scratch(|s| {
         let acts = &mut s.q8;
         quantize(isa, x, sh, layout, acts);
@@ -15,7 +15,6 @@ pub(super) fn matmul(isa: Isa, sh: &Shape, w: &HostQuantView<'_>, x: &[f32], out
         drive(sh, kernel, |rows, j, na| rows_dot(isa, sh, w, acts, rows, j, na, kernel, out));
     });
 }
-
 
 /// Byte order of the quantized activations within a row.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -57,8 +56,8 @@ fn quantize(isa: Isa, x: &[f32], sh: &Shape, layout: Layout, acts: &mut Acts<i8>
 /// Quantizes one 32-block: returns `d_x` and `Σ q_x`. Both instruction sets give identical results.
 pub(super) fn quantize_block(isa: Isa, x: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> (f32, i32) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        // SAFETY: `Isa::Avx2` is only used after `check` confirmed the CPU has AVX2/FMA/F16C.
+    if isa.avx2() {
+        // SAFETY: the AVX2 instruction sets are only used after `check` confirmed AVX2/FMA/F16C.
         return unsafe { avx2::quantize_block(x, q) };
     }
     let _ = isa;
@@ -91,7 +90,7 @@ fn rows_dot(
     out: OutPtr,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
+    if isa.avx2() {
         // SAFETY: the CPU has AVX2/FMA/F16C (checked), and `check` validated every length the
         // kernels index with: packed/scales/mins against `rows`, `cols`, `group_size`; the
         // activation buffers were sized from the same shape (in `Layout::Pairs` for int4); `rows`
@@ -161,7 +160,9 @@ mod avx2 {
 
     use std::ops::Range;
 
-    use super::super::simd::{octet_f16, prefetch_rows_ahead, spread, write_tile, LANE_IDX, LANE_MASK, PAIR_IDX, PREFETCH_TILES};
+    use super::super::simd::{
+        octet_f16, prefetch_rows_ahead, spread, write_tile, LANE_IDX, LANE_MASK, PAIR_IDX, PREFETCH_TILES,
+    };
     use super::{Acts, HostQuantView, OutPtr, Shape, BLOCK};
 
     /// Quantizes 32 floats to int8 with `d = max|x| / 127`; returns `(d, Σ q)`. Matches
@@ -409,7 +410,6 @@ mod avx2 {
             r += 1;
         }
     }
-
 
     /// Int8 weight rows `r0..r0 + R` against activation rows `j..j + NA`.
     #[target_feature(enable = "avx2,fma,f16c")]

@@ -20,8 +20,6 @@ pub(super) unsafe fn h2f(h: u16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
 }
 
-
-
 /// How group scales spread over the 8 blocks of an octet.
 #[derive(Clone, Copy)]
 pub(super) enum Spread {
@@ -108,7 +106,13 @@ pub(super) const PREFETCH_TILES: usize = 1;
 /// Prefetches the packed bytes, scales and mins of rows `r..r + count` into L1 (addresses past
 /// the end are harmless: prefetches never fault).
 #[inline(always)]
-pub(super) unsafe fn prefetch_rows_ahead(w: &HostQuantView<'_>, r: usize, count: usize, row_bytes: usize, groups: usize) {
+pub(super) unsafe fn prefetch_rows_ahead(
+    w: &HostQuantView<'_>,
+    r: usize,
+    count: usize,
+    row_bytes: usize,
+    groups: usize,
+) {
     let lines = |base: *const u8, start: usize, len: usize| {
         let mut off = start;
         while off < start + len {
@@ -138,9 +142,6 @@ pub(super) unsafe fn write_tile<const R: usize, const NA: usize>(
         }
     }
 }
-
-/// Int4 rows `rows` against activation rows `j..j + na`, written to `out`.
-///
 
 /// Index vectors that spread lanes `2q` and `2q + 1` of a factor octet over the low and
 /// high 128-bit halves (the two blocks of pair `q`).

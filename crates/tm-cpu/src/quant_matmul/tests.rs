@@ -66,7 +66,7 @@ fn requantized8(x: &[f32]) -> Vec<f32> {
 }
 
 fn isas() -> Vec<Isa> {
-    [Isa::Scalar, Isa::Avx2].into_iter().filter(|i| i.available()).collect()
+    [Isa::Scalar, Isa::Avx2, Isa::AvxVnni].into_iter().filter(|i| i.available()).collect()
 }
 
 type Mm = fn(Isa, &[f32], usize, &HostQuantView<'_>, &mut [f32]) -> Result<()>;
@@ -144,15 +144,14 @@ fn check_all(q: &HostQuant, n: usize, x: &[f32], paths: &[QPath], exact: Mm, lab
             }
             results.push(out);
         }
-        // Scalar and AVX2 differ only in f32 summation order.
-        if let [a, b] = results.as_slice() {
-            for i in 0..a.len() {
+        // The instruction sets differ only in f32 summation order.
+        let isas = isas();
+        for (isa, b) in isas.iter().zip(&results).skip(1) {
+            for (i, (a, b)) in results[0].iter().zip(b).enumerate() {
                 assert!(
-                    (a[i] - b[i]).abs() <= 1e-6 * mag[i] + 1e-7,
-                    "{label} {} scalar vs avx2 at {i}: {} vs {}",
+                    (a - b).abs() <= 1e-6 * mag[i] + 1e-7,
+                    "{label} {} scalar vs {isa:?} at {i}: {a} vs {b}",
                     path.name,
-                    a[i],
-                    b[i]
                 );
             }
         }
@@ -359,7 +358,8 @@ fn int16_activation_quantizers_agree() {
 fn int16_is_close_to_exact_with_outliers() {
     // Activations like a transformer's (a few large outlier channels) against an LM-head-like
     // int8 weight and an int4 projection: the int16 path stays within 1e-4 of the output range
-    // of the exact path, where int8 activations are off by about 1e-2.
+    // of the exact path, where int8 activations are off by about 1e-2 (the outliers set the
+    // scale of their blocks).
     let mut rng = Rng(3);
     let (rows, cols, n) = (512, 576, 3);
     let mut x = rng.vec(n * cols, 0.0);
@@ -382,10 +382,38 @@ fn int16_is_close_to_exact_with_outliers() {
         let range = e.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let err = |o: &[f32]| o.iter().zip(&e).fold(0.0f32, |m, (p, q)| m.max((p - q).abs())) / range;
         let (e16, e8) = (err(&a), err(&b));
-        assert!(e16 < 1e-4 && e8 > 30.0 * e16, "int16 {e16}, int8 {e8}");
+        // Measured: int16 4e-5 and 6e-5 of the range, int8 250 times more.
+        assert!(e16 < 1e-4 && e8 > 100.0 * e16, "int16 {e16}, int8 {e8}");
     }
 }
 
+#[test]
+fn vnni_and_avx2_agree_bit_for_bit() {
+    // The integer dots are exact either way, and the f32 operations are the same.
+    if !Isa::AvxVnni.available() {
+        eprintln!("skipping: no AVX-VNNI");
+        return;
+    }
+    let mut rng = Rng(17);
+    for &(rows, cols, gs) in SHAPES {
+        for n in [1, 2, 3, 5] {
+            let x = rng.vec(n * cols, 0.0);
+            let w4 = raw_weight(&mut rng, rows, cols, true);
+            let w8 = raw_weight(&mut rng, rows, cols, false);
+            let w4 = HostQuant { group_size: gs, scales: w4.scales[..rows * cols / gs].to_vec(), ..w4 };
+            let w4 = HostQuant { mins: w4.mins.as_ref().map(|m| m[..rows * cols / gs].to_vec()), ..w4 };
+            let w8 = HostQuant { group_size: gs, scales: w8.scales[..rows * cols / gs].to_vec(), ..w8 };
+            for (w, f) in [(&w4, matmul_int4_with as Mm), (&w8, matmul_int8_with)] {
+                let run = |isa| {
+                    let mut o = vec![0.0f32; n * rows];
+                    f(isa, &x, n, &w.view(), &mut o).unwrap();
+                    o.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                };
+                assert_eq!(run(Isa::Avx2), run(Isa::AvxVnni), "{rows}x{cols}/{gs} n {n}");
+            }
+        }
+    }
+}
 
 #[test]
 fn empty_and_degenerate_shapes() {
@@ -472,7 +500,8 @@ fn raw_weight(rng: &mut Rng, rows: usize, cols: usize, int4: bool) -> HostQuant 
 /// 1536, 9 q / 3 kv heads of 64 (q, k, v, o, gate, up, down in int4 group 32, i.e. Q4_1), and
 /// a 49152-row Q8_0 LM head; 96 MB of weights, streamed from memory once per step. Run with
 /// `cargo test --release -p tm-cpu --lib quant_matmul::tests::bench_smollm2 -- --ignored --nocapture`
-/// (`TM_QBENCH_PATHS=int16,int8,exact` and `TM_QBENCH_N=1,16,64` pick the cases).
+/// (`TM_QBENCH_PATHS=int16,int8,exact` and `TM_QBENCH_N=1,16,64` pick the cases; results in the
+/// module docs). Prints the median and the minimum time per step.
 ///
 /// "in pool" calls the kernels from a rayon worker (the forward pass inside `rayon::scope`),
 /// "outside" from a plain thread, which pays a cross-thread hand-off per call.
@@ -585,7 +614,8 @@ fn bench_smollm2_135m() {
 #[ignore]
 fn bench_hot_single_matrices() {
     use std::time::Instant;
-    let n: usize = std::env::var("TM_QBENCH_N").ok().and_then(|v| v.split(',').next()?.trim().parse().ok()).unwrap_or(1);
+    let n: usize =
+        std::env::var("TM_QBENCH_N").ok().and_then(|v| v.split(',').next()?.trim().parse().ok()).unwrap_or(1);
     let mut rng = Rng(5);
     for &(rows, cols, int4) in
         &[(1536usize, 576usize, true), (576, 1536, true), (192, 576, true), (8192, 576, true), (8192, 576, false)]
