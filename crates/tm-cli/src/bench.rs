@@ -52,13 +52,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bail!("--num-prompts, --input-len, --output-len and --concurrency must be at least 1");
     }
     let ops: Arc<dyn Ops> = Arc::from(backend(args.model.backend));
-    let m = Arc::new(load_model(&args.model, ops.as_ref())?);
-    let cfg = &m.model.config;
     let bs = args.model.block_size;
     let seq_len = args.input_len + args.output_len;
-    let num_blocks = args.engine.num_blocks(&args.model, cfg, ops.activation_dtype(), || {
+    let num_blocks = args.engine.plan_blocks(&args.model, ops.as_ref(), |_| {
         args.concurrency.min(args.num_prompts) * seq_len.div_ceil(bs.max(1))
-    });
+    })?;
+    let m = Arc::new(load_model(&args.model, ops.as_ref())?);
+    let cfg = &m.model.config;
     let config = args.engine.config(&args.model, num_blocks, args.num_prompts);
     let engine = Engine::start(Arc::clone(&m), Arc::clone(&ops), config).context("starting the engine")?;
     if seq_len > engine.max_model_len() {

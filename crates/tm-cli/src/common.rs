@@ -10,7 +10,9 @@ use tm_core::Ops;
 use tm_cpu::CpuBackend;
 use tm_model::config::ModelConfig;
 use tm_model::engine::EngineConfig;
-use tm_model::loader::{load, LoadedModel};
+use tm_model::kv_cache::KvCache;
+use tm_model::loader::{load, Checkpoint, LoadedModel};
+use tm_model::plan::{human, plan, PlanRequest, PlanTarget};
 
 /// Which backend runs the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -73,6 +75,42 @@ impl EngineArgs {
             (None, Some(bytes)) => EngineConfig::blocks_for_bytes(cfg, dtype, model.block_size.max(1), bytes),
             (None, None) => default_blocks(),
         }
+    }
+
+    /// Plans memory before anything is loaded and returns the KV blocks to allocate: the blocks
+    /// asked for (`--num-blocks`, `--kv-cache-bytes`, else `default_blocks`) must fit next to the
+    /// weights and the workspace in the device's usable memory, or this fails with the numbers and
+    /// the flag to lower.
+    pub fn plan_blocks(
+        &self,
+        model: &ModelArgs,
+        ops: &dyn Ops,
+        default_blocks: impl FnOnce(&ModelConfig) -> usize,
+    ) -> Result<usize> {
+        let path = resolve_model(model)?;
+        let ckpt = Checkpoint::open(&path).with_context(|| format!("opening {}", path.display()))?;
+        let cfg = &ckpt.config;
+        let dtype = ops.activation_dtype();
+        let blocks = self.num_blocks(model, cfg, dtype, || default_blocks(cfg));
+        let per_block = KvCache::bytes_per_block(cfg, dtype, model.block_size.max(1));
+        let request = PlanRequest {
+            max_len: model.max_len,
+            max_batch_size: self.max_batch_size.min(self.max_batched_tokens),
+            max_batched_tokens: self.max_batched_tokens,
+            block_size: model.block_size,
+            memory_fraction: 0.9,
+            kv_cache_bytes: Some(blocks as u64 * per_block),
+        };
+        let plan = plan(&ckpt, &PlanTarget::for_backend(ops)?, &request)?;
+        tracing::info!(
+            "memory plan: weights {}, workspace {}, KV cache {} blocks ({}) of a {} budget",
+            human(plan.weights_total),
+            human(plan.workspace),
+            plan.num_blocks,
+            human(plan.kv_bytes),
+            human(plan.budget)
+        );
+        Ok(plan.num_blocks)
     }
 
     /// The engine configuration for `num_blocks` blocks and at most `max_queue` waiting requests.

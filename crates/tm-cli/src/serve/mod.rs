@@ -80,13 +80,12 @@ const DEFAULT_KV_BYTES: u64 = 1 << 30;
 /// Runs `serve` until SIGINT or SIGTERM.
 pub fn run(args: ServeArgs) -> Result<()> {
     let ops: Arc<dyn Ops> = Arc::from(backend(args.model.backend));
-    let m = Arc::new(load_model(&args.model, ops.as_ref())?);
-    let cfg = &m.model.config;
     let bs = args.model.block_size.max(1);
-    let num_blocks = args.engine.num_blocks(&args.model, cfg, ops.activation_dtype(), || {
+    let num_blocks = args.engine.plan_blocks(&args.model, ops.as_ref(), |cfg| {
         EngineConfig::blocks_for_bytes(cfg, ops.activation_dtype(), bs, DEFAULT_KV_BYTES)
             .max(args.model.max_len.div_ceil(bs))
-    });
+    })?;
+    let m = Arc::new(load_model(&args.model, ops.as_ref())?);
     let config = args.engine.config(&args.model, num_blocks, args.max_queue);
     let engine = Arc::new(Engine::start(Arc::clone(&m), Arc::clone(&ops), config).context("starting the engine")?);
     let state = Arc::new(AppState {
