@@ -17,9 +17,10 @@ pub use allocator::CpuAllocator;
 pub use device::CpuDevice;
 
 use std::sync::Arc;
-use tm_core::ops::{to_f32, AttentionMeta};
+use tm_core::ops::{to_f32, AttentionMeta, SampleRequest};
 use tm_core::quant::Weight;
 use tm_core::rope::RopeFreqs;
+use tm_core::sampling::{apply_penalties, sample_from_logits};
 use tm_core::{Allocator, DType, Device, Error, Ops, Result, Tensor};
 
 /// The CPU backend.
@@ -93,6 +94,29 @@ impl Ops for CpuBackend {
         // Inside the pool, each kernel's parallel fan-out costs far less than from an outside
         // thread (about 7 µs per call otherwise, over 200 calls per token).
         rayon::scope(|_| step())
+    }
+
+    fn sample(&self, logits: &Tensor, requests: &mut [SampleRequest<'_>]) -> Result<Vec<u32>> {
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<(f32, u32)>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+        }
+        let shape = logits.shape();
+        if shape.len() != 2 || shape[0] != requests.len() {
+            return Err(Error::shape("sample", format!("[{}, vocab]", requests.len()), shape));
+        }
+        let all = f32s(logits, "logits")?;
+        let vocab = shape[1];
+        SCRATCH.with(|cell| {
+            let (row, scratch) = &mut *cell.borrow_mut();
+            let mut tokens = Vec::with_capacity(requests.len());
+            for (i, req) in requests.iter_mut().enumerate() {
+                row.clear();
+                row.extend_from_slice(&all[i * vocab..(i + 1) * vocab]);
+                apply_penalties(row, req.params, req.prompt, req.output);
+                tokens.push(sample_from_logits(row, req.params, req.rng, scratch));
+            }
+            Ok(tokens)
+        })
     }
 
     fn upload(&self, dst: &mut Tensor, src: &[u8]) -> Result<()> {

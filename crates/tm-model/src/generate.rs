@@ -71,6 +71,10 @@ pub struct Session<'m> {
     tokens: Vec<u32>,
     max_len: usize,
     prefill_chunk: usize,
+    /// Per-step inputs, reused so decoding allocates nothing per token.
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+    rows: Vec<u32>,
 }
 
 impl<'m> Session<'m> {
@@ -89,6 +93,9 @@ impl<'m> Session<'m> {
             tokens: Vec::new(),
             max_len,
             prefill_chunk,
+            positions: Vec::new(),
+            slots: Vec::new(),
+            rows: Vec::new(),
         })
     }
 
@@ -127,13 +134,25 @@ impl<'m> Session<'m> {
             let b = self.pool.take().ok_or_else(|| ModelError::InvalidInput("the KV cache is full".into()))?;
             self.block_table.push(b);
         }
-        let positions: Vec<u32> = (start as u32..end as u32).collect();
-        let slots: Vec<u32> = (start..end).map(|p| self.block_table[p / bs] * bs as u32 + (p % bs) as u32).collect();
+        self.positions.clear();
+        self.positions.extend(start as u32..end as u32);
+        self.slots.clear();
+        self.slots.extend((start..end).map(|p| self.block_table[p / bs] * bs as u32 + (p % bs) as u32));
+        self.rows.clear();
+        if all_logits {
+            self.rows.extend(0..new.len() as u32);
+        } else {
+            self.rows.push(new.len() as u32 - 1);
+        }
         let seqs =
             [SeqAttention { query_start: 0, query_len: new.len(), context_len: end, block_table: &self.block_table }];
-        let rows: Vec<u32> = if all_logits { (0..new.len() as u32).collect() } else { vec![new.len() as u32 - 1] };
-        let step =
-            StepInput { tokens: new, positions: &positions, slot_mapping: &slots, seqs: &seqs, logit_rows: &rows };
+        let step = StepInput {
+            tokens: new,
+            positions: &self.positions,
+            slot_mapping: &self.slots,
+            seqs: &seqs,
+            logit_rows: &self.rows,
+        };
         self.tokens.extend_from_slice(new);
         match self.model.forward(self.ops, &mut self.kv, &step, &mut self.ws) {
             Ok(logits) => Ok(logits),
