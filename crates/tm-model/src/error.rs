@@ -77,6 +77,15 @@ pub enum ModelError {
     /// Bad request input (prompt too long, bad sampling parameters, ...).
     #[error("{0}")]
     InvalidInput(String),
+    /// The engine's queue is full; try again later.
+    #[error("{0}")]
+    Overloaded(String),
+    /// The engine is stopping or has stopped and takes no new requests.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The prompt does not fit in the context.
+    #[error("{0}")]
+    ContextLength(String),
     /// A backend error.
     #[error(transparent)]
     Core(#[from] tm_core::Error),

@@ -70,25 +70,24 @@ impl ApiError {
         }
     }
 
-    /// The error for a request the engine refused. The engine reports every refusal as
-    /// `InvalidInput`, so a full queue and a stopping engine are told apart by their message.
+    /// The error for a request the engine refused.
     pub fn from_engine(e: ModelError, prompt_param: &str) -> Self {
         match e {
-            ModelError::InvalidInput(msg) if msg.contains("overloaded") => ApiError {
+            ModelError::Overloaded(msg) => ApiError {
                 status: StatusCode::TOO_MANY_REQUESTS,
                 message: msg,
                 kind: "rate_limit_error",
                 param: None,
                 code: Some("queue_full"),
             },
-            ModelError::InvalidInput(msg) if msg.contains("shutting down") || msg.contains("has stopped") => ApiError {
+            ModelError::Unavailable(msg) => ApiError {
                 status: StatusCode::SERVICE_UNAVAILABLE,
                 message: msg,
                 kind: "server_error",
                 param: None,
                 code: Some("unavailable"),
             },
-            ModelError::InvalidInput(msg) if msg.contains("prompt has") => {
+            ModelError::ContextLength(msg) => {
                 ApiError { code: Some("context_length_exceeded"), ..ApiError::bad_param(prompt_param, msg) }
             }
             ModelError::InvalidInput(msg) => ApiError::bad_request(msg),

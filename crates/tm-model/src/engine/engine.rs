@@ -74,13 +74,13 @@ impl Engine {
     /// a full queue, a stopped engine) concern this request only.
     pub fn submit(&self, request: Request) -> Result<RequestStream> {
         if !self.shared.accepting.load(Ordering::Acquire) {
-            return Err(ModelError::InvalidInput("the engine is shutting down and takes no new requests".into()));
+            return Err(ModelError::Unavailable("the engine is shutting down and takes no new requests".into()));
         }
         let prompt = self.validate(&request)?;
         let max_queue = self.limits.max_queue;
         let queued = &self.shared.queued;
         if queued.fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| (q < max_queue).then_some(q + 1)).is_err() {
-            return Err(ModelError::InvalidInput(format!(
+            return Err(ModelError::Overloaded(format!(
                 "the engine is overloaded: {max_queue} requests are already waiting (max_queue); try again later"
             )));
         }
@@ -102,7 +102,7 @@ impl Engine {
         };
         if self.commands.send(Command::Submit(Box::new(new))).is_err() {
             queued.fetch_sub(1, Ordering::AcqRel);
-            return Err(ModelError::InvalidInput("the engine has stopped".into()));
+            return Err(ModelError::Unavailable("the engine has stopped".into()));
         }
         Ok(RequestStream::new(id, rx, self.commands.clone()))
     }
@@ -131,7 +131,7 @@ impl Engine {
         }
         let max = self.limits.max_model_len;
         if prompt.len() >= max {
-            return Err(ModelError::InvalidInput(format!(
+            return Err(ModelError::ContextLength(format!(
                 "the prompt has {} tokens but a request may hold at most {max} (prompt plus at least one output \
                  token; {}); shorten the prompt",
                 prompt.len(),
