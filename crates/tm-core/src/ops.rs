@@ -135,17 +135,8 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
             return Err(Error::shape("sample", format!("[{}, vocab]", requests.len()), shape));
         }
         let all = self.download_f32(logits)?;
-        let vocab = shape[1];
-        let mut scratch = Vec::new();
-        let mut row = Vec::with_capacity(vocab);
-        let mut tokens = Vec::with_capacity(requests.len());
-        for (i, req) in requests.iter_mut().enumerate() {
-            row.clear();
-            row.extend_from_slice(&all[i * vocab..(i + 1) * vocab]);
-            apply_penalties(&mut row, req.params, req.prompt, req.output);
-            tokens.push(sample_from_logits(&row, req.params, req.rng, &mut scratch));
-        }
-        Ok(tokens)
+        let (mut row, mut scratch) = (Vec::new(), Vec::new());
+        Ok(sample_rows(&all, shape[1], requests, &mut row, &mut scratch))
     }
 
     /// Downloads a float tensor as f32.
@@ -154,6 +145,25 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
         self.download(src, &mut bytes)?;
         to_f32(src.dtype(), &bytes)
     }
+}
+
+/// Host sampling of `requests.len()` rows of `vocab` logits: penalties, then a draw per row.
+/// `row` and `scratch` are reused between calls so a warm caller allocates nothing per token.
+pub fn sample_rows(
+    logits: &[f32],
+    vocab: usize,
+    requests: &mut [SampleRequest<'_>],
+    row: &mut Vec<f32>,
+    scratch: &mut Vec<(f32, u32)>,
+) -> Vec<u32> {
+    let mut tokens = Vec::with_capacity(requests.len());
+    for (i, req) in requests.iter_mut().enumerate() {
+        row.clear();
+        row.extend_from_slice(&logits[i * vocab..(i + 1) * vocab]);
+        apply_penalties(row, req.params, req.prompt, req.output);
+        tokens.push(sample_from_logits(row, req.params, req.rng, scratch));
+    }
+    tokens
 }
 
 /// Converts host bytes of a float dtype to f32.

@@ -17,10 +17,10 @@ pub use allocator::CpuAllocator;
 pub use device::CpuDevice;
 
 use std::sync::Arc;
-use tm_core::ops::{to_f32, AttentionMeta, SampleRequest};
+use tm_core::ops::{sample_rows, to_f32, AttentionMeta, SampleRequest};
 use tm_core::quant::Weight;
 use tm_core::rope::RopeFreqs;
-use tm_core::sampling::{apply_penalties, sample_from_logits};
+
 use tm_core::{Allocator, DType, Device, Error, Ops, Result, Tensor};
 
 /// The CPU backend.
@@ -105,18 +105,10 @@ impl Ops for CpuBackend {
             return Err(Error::shape("sample", format!("[{}, vocab]", requests.len()), shape));
         }
         let all = f32s(logits, "logits")?;
-        let vocab = shape[1];
-        SCRATCH.with(|cell| {
+        Ok(SCRATCH.with(|cell| {
             let (row, scratch) = &mut *cell.borrow_mut();
-            let mut tokens = Vec::with_capacity(requests.len());
-            for (i, req) in requests.iter_mut().enumerate() {
-                row.clear();
-                row.extend_from_slice(&all[i * vocab..(i + 1) * vocab]);
-                apply_penalties(row, req.params, req.prompt, req.output);
-                tokens.push(sample_from_logits(row, req.params, req.rng, scratch));
-            }
-            Ok(tokens)
-        })
+            sample_rows(all, shape[1], requests, row, scratch)
+        }))
     }
 
     fn upload(&self, dst: &mut Tensor, src: &[u8]) -> Result<()> {
