@@ -4,6 +4,7 @@
 
 mod bench;
 mod chat;
+mod check_env;
 mod common;
 mod generate;
 mod plan;
@@ -34,6 +35,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// OpenAI-compatible HTTP server (chat completions, completions, models, health, metrics).
     Serve(serve::ServeArgs),
+    /// Show the machine: CPU, memory, CUDA devices and peer access.
+    CheckEnv(check_env::CheckEnvArgs),
 }
 
 fn main() {
@@ -51,6 +54,7 @@ fn main() {
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::CheckEnv(a) => check_env::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", describe(&e));

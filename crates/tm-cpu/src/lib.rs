@@ -97,8 +97,10 @@ impl Ops for CpuBackend {
     }
 
     fn sample(&self, logits: &Tensor, requests: &mut [SampleRequest<'_>]) -> Result<Vec<u32>> {
+        /// A logits row and the sampler's candidate list, reused across calls.
+        type Scratch = (Vec<f32>, Vec<(f32, u32)>);
         thread_local! {
-            static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<(f32, u32)>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+            static SCRATCH: std::cell::RefCell<Scratch> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
         }
         let shape = logits.shape();
         if shape.len() != 2 || shape[0] != requests.len() {
