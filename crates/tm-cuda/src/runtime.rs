@@ -1,0 +1,198 @@
+//! One GPU's driver state: the context, the stream every kernel runs on, and the kernel modules.
+//!
+//! Kernels come from `tm-kernels`: the cubin embedded for this device's arch (or the nearest
+//! lower minor of the same major), else the embedded PTX JIT-compiled by the driver, else the
+//! sources compiled with NVRTC (cached on disk). Kernels are looked up by name across modules.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule, CudaStream, DriverError};
+use cudarc::nvrtc::Ptx;
+use tm_core::{Error, Result};
+use tm_kernels::cuda::{self as kernels, Target};
+
+use crate::probe::{device_info, init_driver, CudaDeviceInfo};
+
+/// One argument of a kernel launch, passed by value.
+#[derive(Clone, Copy, Debug)]
+pub enum KernelArg {
+    /// A device pointer (`T*` in the kernel).
+    Ptr(u64),
+    /// `int`.
+    I32(i32),
+    /// `unsigned`.
+    U32(u32),
+    /// `long long`.
+    I64(i64),
+    /// `float`.
+    F32(f32),
+}
+
+/// Grid or block dimensions.
+pub type Dim3 = (u32, u32, u32);
+
+/// Turns a cudarc driver error into tm's error, naming the call.
+pub fn driver_err(call: &str) -> impl Fn(DriverError) -> Error + '_ {
+    move |e| Error::Backend { backend: "cuda".into(), message: format!("{call}: {:?}", e.0) }
+}
+
+/// The driver state of one GPU.
+#[derive(Debug)]
+pub struct Gpu {
+    info: CudaDeviceInfo,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    modules: Vec<(String, Arc<CudaModule>)>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+    kernel_source: String,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`: creates its context and stream and loads every kernel module.
+    pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
+        init_driver().map_err(|e| Error::Backend { backend: "cuda".into(), message: e.to_string() })?;
+        let info = device_info(ordinal).map_err(|e| Error::Backend { backend: "cuda".into(), message: e.to_string() })?;
+        let ctx = CudaContext::new(ordinal).map_err(driver_err("cuCtxCreate"))?;
+        let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
+        let sm = info.compute_capability.0 * 10 + info.compute_capability.1;
+        let mut modules = Vec::new();
+        let mut sources = Vec::new();
+        for src in kernels::modules() {
+            let module = src.name.trim_end_matches(".cu");
+            let (image, how) = pick_image(module, sm)?;
+            let loaded = ctx.load_module(image).map_err(driver_err("cuModuleLoadData"))?;
+            sources.push(format!("{module} ({how})"));
+            modules.push((module.to_string(), loaded));
+        }
+        let kernel_source = if sources.is_empty() { "no kernel modules".to_string() } else { sources.join(", ") };
+        tracing::debug!("cuda device {ordinal}: kernels from {kernel_source}");
+        Ok(Arc::new(Gpu { info, ctx, stream, modules, functions: Mutex::new(HashMap::new()), kernel_source }))
+    }
+
+    /// What the driver said about the device.
+    pub fn info(&self) -> &CudaDeviceInfo {
+        &self.info
+    }
+
+    /// The arch number, e.g. 90 for compute capability 9.0.
+    pub fn sm(&self) -> u32 {
+        self.info.compute_capability.0 * 10 + self.info.compute_capability.1
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream all of tm's work on this device runs on, in order.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Where each kernel module came from (cubin, PTX or NVRTC), for `check-env` and logs.
+    pub fn kernel_source(&self) -> &str {
+        &self.kernel_source
+    }
+
+    /// Makes the context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
+    }
+
+    /// Waits for all work queued on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(driver_err("cuStreamSynchronize"))
+    }
+
+    /// Finds a kernel by name in any loaded module.
+    pub fn function(&self, name: &str) -> Result<CudaFunction> {
+        let mut cache = self.functions.lock().map_err(|_| Error::invalid("cuda function cache poisoned"))?;
+        if let Some(f) = cache.get(name) {
+            return Ok(f.clone());
+        }
+        for (_, module) in &self.modules {
+            if let Ok(f) = module.load_function(name) {
+                cache.insert(name.to_string(), f.clone());
+                return Ok(f);
+            }
+        }
+        Err(Error::Backend {
+            backend: "cuda".into(),
+            message: format!(
+                "kernel `{name}` is not in the loaded modules ({}); rebuild the kernels with `{}`",
+                self.kernel_source,
+                kernels::BUILD_COMMAND
+            ),
+        })
+    }
+
+    /// Launches kernel `name` on the stream. Dynamic shared memory above 48 KiB is opted into.
+    pub fn launch(&self, name: &str, grid: Dim3, block: Dim3, shared_mem: u32, args: &[KernelArg]) -> Result<()> {
+        let f = self.function(name)?;
+        if shared_mem > 48 * 1024 {
+            f.set_attribute(
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared_mem as i32,
+            )
+            .map_err(driver_err("cuFuncSetAttribute"))?;
+        }
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        // Each argument lives in `values` while the launch reads it.
+        let mut values: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                KernelArg::Ptr(p) => p,
+                KernelArg::I32(v) => v as u32 as u64,
+                KernelArg::U32(v) => v as u64,
+                KernelArg::I64(v) => v as u64,
+                KernelArg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+        self.bind()?;
+        // SAFETY: every parameter points at a little-endian u64 holding the value in its low
+        // bytes, which is how 4- and 8-byte kernel parameters are read; the kernel's signature is
+        // the launcher's contract (see tm-kernels/cuda/ABI.md).
+        unsafe { result::launch_kernel(f.cu_function(), grid, block, shared_mem, self.stream.cu_stream(), &mut params) }
+            .map_err(|e| Error::Backend { backend: "cuda".into(), message: format!("launching {name}: {:?}", e.0) })
+    }
+}
+
+/// Chooses the image for `module` on arch `sm`: an exact cubin, else a cubin of the same major and
+/// a lower minor, else PTX of an arch `<= sm`, else NVRTC.
+fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String)> {
+    let mine = || kernels::artefacts().iter().filter(move |a| a.module == module);
+    let cubin = mine()
+        .filter_map(|a| match a.target {
+            Target::Cubin { sm: s } if s / 10 == sm / 10 && s <= sm => Some((s, a.bytes)),
+            _ => None,
+        })
+        .max_by_key(|(s, _)| *s);
+    if let Some((s, bytes)) = cubin {
+        return Ok((Ptx::from_binary(bytes.to_vec()), format!("cubin sm_{s}")));
+    }
+    let ptx = mine()
+        .filter_map(|a| match a.target {
+            Target::Ptx { sm: s } if s <= sm => Some((s, a.bytes)),
+            _ => None,
+        })
+        .max_by_key(|(s, _)| *s);
+    if let Some((s, bytes)) = ptx {
+        let text = String::from_utf8_lossy(bytes).into_owned();
+        return Ok((Ptx::from_src(text), format!("ptx compute_{s}")));
+    }
+    let image = crate::nvrtc::compile_module(module, sm).map_err(|e| Error::Backend {
+        backend: "cuda".into(),
+        message: format!(
+            "no kernels for sm_{sm}: embedded cubins are for {:?}, and NVRTC could not compile `{module}` ({e}); \
+             build them with `{}`",
+            kernels::embedded_arches(),
+            kernels::BUILD_COMMAND
+        ),
+    })?;
+    Ok((image, "nvrtc".to_string()))
+}
