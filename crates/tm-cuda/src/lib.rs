@@ -31,5 +31,5 @@ pub mod runtime;
 pub mod staging;
 
 pub use device::CudaDevice;
-pub use ops::CudaBackend;
+pub use ops::{CudaBackend, CudaOptions};
 pub use probe::{driver_version, peer_access_matrix, probe, CudaDeviceInfo, ProbeError};
