@@ -1,12 +1,16 @@
 //! `tm-cli check-env`: what this machine offers tm — CPU threads, host memory, CUDA driver and
-//! devices (compute capability, memory, integrated or discrete) and the GPU peer-access matrix, or
-//! why CUDA is not available.
+//! devices (compute capability, memory, integrated or discrete), the GPU peer-access matrix, the
+//! kernel arches embedded in this build, the NVIDIA libraries found (driver, cuBLASLt, NVRTC, NCCL)
+//! and which backend `--backend auto` picks — or why CUDA is not available.
 
 use anyhow::Result;
 use clap::Args;
 use serde_json::{json, Value};
+use std::io::Write;
 use tm_core::host_memory::host_memory;
+use tm_cuda::libs::LibraryStatus;
 use tm_cuda::{CudaDeviceInfo, ProbeError};
+use tm_kernels::cuda::Target;
 use tm_model::plan::human;
 
 /// Arguments of `check-env`.
@@ -24,6 +28,47 @@ struct Report {
     host_total: u64,
     host_available: u64,
     cuda: Result<Cuda, ProbeError>,
+    /// The NVIDIA kernel module's version, from /proc/driver/nvidia/version.
+    nvidia_driver: Option<String>,
+    /// The CUDA major version tm's bindings were built for.
+    built_for_cuda: u32,
+    /// NVRTC's version, when the library loads.
+    nvrtc_version: Option<(i32, i32)>,
+    kernels: Kernels,
+    libraries: Vec<LibraryStatus>,
+}
+
+/// The kernels embedded in this build.
+struct Kernels {
+    cubin_arches: Vec<u32>,
+    ptx_arches: Vec<u32>,
+    modules: Vec<String>,
+}
+
+fn kernels() -> Kernels {
+    let mut ptx_arches: Vec<u32> = tm_kernels::cuda::artefacts()
+        .iter()
+        .filter_map(|a| match a.target {
+            Target::Ptx { sm } => Some(sm),
+            Target::Cubin { .. } => None,
+        })
+        .collect();
+    ptx_arches.sort_unstable();
+    ptx_arches.dedup();
+    Kernels {
+        cubin_arches: tm_kernels::cuda::embedded_arches(),
+        ptx_arches,
+        modules: tm_kernels::cuda::modules().iter().map(|m| m.name.to_string()).collect(),
+    }
+}
+
+/// The NVIDIA kernel module's version (e.g. `580.65.06`), where the driver is installed.
+fn nvidia_driver_version() -> Option<String> {
+    let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+    let line = text.lines().find(|l| l.starts_with("NVRM version"))?;
+    line.split_whitespace()
+        .find(|w| w.split('.').count() >= 2 && w.split('.').all(|p| p.parse::<u32>().is_ok()))
+        .map(str::to_string)
 }
 
 struct Cuda {
@@ -45,7 +90,60 @@ fn gather() -> Report {
         host_total: mem.total,
         host_available: mem.available,
         cuda,
+        nvidia_driver: nvidia_driver_version(),
+        built_for_cuda: tm_cuda::libs::CUDA_MAJOR,
+        nvrtc_version: tm_cuda::nvrtc::version().ok(),
+        kernels: kernels(),
+        libraries: tm_cuda::libs::libraries(),
     }
+}
+
+/// What `--backend auto` picks, and why: CUDA when the driver shows a usable GPU, else the CPU.
+fn auto_backend(r: &Report) -> (&'static str, String) {
+    match &r.cuda {
+        Ok(c) if !c.devices.is_empty() => {
+            let d = &c.devices[0];
+            let mut why = format!("GPU {}: {}", d.ordinal, d.name);
+            if let Some(l) = r.libraries.iter().find(|l| l.name == tm_cuda::libs::CUBLASLT && l.cudarc_loads.is_none())
+            {
+                why += &format!("; but {} is not loadable, so GPU matrix products will fail", l.name);
+            }
+            ("cuda", why)
+        }
+        Ok(_) => ("cpu", "no CUDA devices".to_string()),
+        Err(e) => ("cpu", format!("CUDA not available: {e}")),
+    }
+}
+
+fn arches(prefix: &str, list: &[u32]) -> String {
+    list.iter().map(|a| format!("{prefix}_{a}")).collect::<Vec<_>>().join(", ")
+}
+
+/// One line per library for the text report.
+fn library_lines(libs: &[LibraryStatus]) -> String {
+    let mut s = String::new();
+    for l in libs {
+        match (&l.found, &l.path) {
+            (Some(found), Some(path)) if path != found => s += &format!("  {}: {found} ({path})", l.name),
+            (Some(found), _) => s += &format!("  {}: {found}", l.name),
+            (None, _) => {
+                let shown: Vec<&str> = l.tried.iter().take(3).map(String::as_str).collect();
+                let more = l.tried.len().saturating_sub(shown.len());
+                let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+                s += &format!("  {}: not found (tried {}{more})", l.name, shown.join(", "));
+            }
+        }
+        match (&l.found, &l.cudarc_loads) {
+            (Some(_), Some(c)) if Some(c) != l.found.as_ref() => s += &format!("; cudarc loads {c}"),
+            (Some(_), None) => s += "; cudarc will not find it",
+            _ => {}
+        }
+        s += "\n";
+        if let Some(w) = &l.warning {
+            s += &format!("    warning: {w}\n");
+        }
+    }
+    s
 }
 
 /// The CPU's model name from /proc/cpuinfo, where there is one.
@@ -60,12 +158,12 @@ fn cpu_model() -> Option<String> {
 /// Runs `check-env`: prints the report; never fails for lack of a GPU.
 pub fn run(args: CheckEnvArgs) -> Result<()> {
     let r = gather();
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&to_json(&r))?);
-    } else {
-        print!("{}", to_text(&r));
+    let text = if args.json { serde_json::to_string_pretty(&to_json(&r))? + "\n" } else { to_text(&r) };
+    // A closed pipe (`check-env | head`) is not an error.
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => Ok(other?),
     }
-    Ok(())
 }
 
 fn to_text(r: &Report) -> String {
@@ -77,7 +175,8 @@ fn to_text(r: &Report) -> String {
         Err(e) => s += &format!("CUDA: not available ({e}); tm runs on the CPU\n"),
         Ok(c) => {
             let driver = c.driver_version.map(|(a, b)| format!(", driver CUDA {a}.{b}")).unwrap_or_default();
-            s += &format!("CUDA: {} device(s){driver}\n", c.devices.len());
+            let nvidia = r.nvidia_driver.as_deref().map(|v| format!(" (NVIDIA driver {v})")).unwrap_or_default();
+            s += &format!("CUDA: {} device(s){driver}{nvidia}\n", c.devices.len());
             for d in &c.devices {
                 let (major, minor) = d.compute_capability;
                 let kind = if d.integrated { "integrated (memory shared with the host)" } else { "discrete" };
@@ -106,6 +205,28 @@ fn to_text(r: &Report) -> String {
             }
         }
     }
+    let nvrtc = match r.nvrtc_version {
+        Some((a, b)) => format!("NVRTC {a}.{b}"),
+        None => "NVRTC not found".to_string(),
+    };
+    s += &format!("tm built for CUDA {}; {nvrtc}\n", r.built_for_cuda);
+    let k = &r.kernels;
+    let cubins = if k.cubin_arches.is_empty() {
+        "no cubins".to_string()
+    } else {
+        format!("cubins for {}", arches("sm", &k.cubin_arches))
+    };
+    let ptx = if k.ptx_arches.is_empty() {
+        "no PTX".to_string()
+    } else {
+        format!("PTX for {}", arches("compute", &k.ptx_arches))
+    };
+    let modules = if k.modules.is_empty() { "none".to_string() } else { k.modules.join(", ") };
+    s += &format!("kernels: {cubins}, {ptx}; sources (NVRTC fallback): {modules}\n");
+    s += "libraries:\n";
+    s += &library_lines(&r.libraries);
+    let (backend, why) = auto_backend(r);
+    s += &format!("--backend auto: {backend} ({why})\n");
     s
 }
 
@@ -130,10 +251,28 @@ fn to_json(r: &Report) -> Value {
             },
         }),
     };
+    let (backend, why) = auto_backend(r);
     json!({
         "cpu": { "threads": r.cpu_threads, "model": r.cpu_model },
         "host_memory": { "total": r.host_total, "available": r.host_available },
         "cuda": cuda,
+        "nvidia_driver": r.nvidia_driver,
+        "built_for_cuda": r.built_for_cuda,
+        "nvrtc_version": r.nvrtc_version.map(|(a, b)| format!("{a}.{b}")),
+        "kernels": {
+            "cubin_arches": r.kernels.cubin_arches,
+            "ptx_arches": r.kernels.ptx_arches,
+            "modules": r.kernels.modules,
+        },
+        "libraries": r.libraries.iter().map(|l| json!({
+            "name": l.name,
+            "found": l.found,
+            "path": l.path,
+            "cudarc_loads": l.cudarc_loads,
+            "warning": l.warning,
+            "tried": l.tried,
+        })).collect::<Vec<_>>(),
+        "backend_auto": { "backend": backend, "reason": why },
     })
 }
 
@@ -142,7 +281,39 @@ mod tests {
     use super::*;
 
     fn report(cuda: Result<Cuda, ProbeError>) -> Report {
-        Report { cpu_model: None, cpu_threads: 2, host_total: 8 << 30, host_available: 4 << 30, cuda }
+        Report {
+            cpu_model: None,
+            cpu_threads: 2,
+            host_total: 8 << 30,
+            host_available: 4 << 30,
+            cuda,
+            nvidia_driver: None,
+            built_for_cuda: 13,
+            nvrtc_version: None,
+            kernels: Kernels {
+                cubin_arches: vec![80, 90],
+                ptx_arches: vec![80],
+                modules: vec!["elementwise.cu".into()],
+            },
+            libraries: vec![
+                LibraryStatus {
+                    name: tm_cuda::libs::DRIVER,
+                    found: Some("libcuda.so.1".into()),
+                    path: Some("/usr/lib/libcuda.so.580.65.06".into()),
+                    cudarc_loads: Some("libcuda.so.1".into()),
+                    warning: None,
+                    tried: vec!["libcuda.so.1".into()],
+                },
+                LibraryStatus {
+                    name: tm_cuda::libs::NCCL,
+                    found: None,
+                    path: None,
+                    cudarc_loads: None,
+                    warning: None,
+                    tried: vec!["a".into(), "b".into(), "c".into(), "d".into()],
+                },
+            ],
+        }
     }
 
     #[test]
@@ -153,6 +324,27 @@ mod tests {
         let j = to_json(&report(Err(ProbeError::NoDevices)));
         assert_eq!(j["cuda"]["available"], false);
         assert_eq!(j["cuda"]["reason"], "no CUDA devices");
+        assert_eq!(j["backend_auto"]["backend"], "cpu");
+        assert!(t.contains("--backend auto: cpu (CUDA not available: libcuda.so not found)"), "{t}");
+        assert!(
+            t.contains(
+                "kernels: cubins for sm_80, sm_90, PTX for compute_80; sources (NVRTC fallback): elementwise.cu"
+            ),
+            "{t}"
+        );
+        assert!(t.contains("  CUDA driver: libcuda.so.1 (/usr/lib/libcuda.so.580.65.06)\n"), "{t}");
+        assert!(t.contains("  NCCL: not found (tried a, b, c and 1 more)\n"), "{t}");
+        assert!(t.contains("tm built for CUDA 13; NVRTC not found"), "{t}");
+    }
+
+    #[test]
+    fn gather_never_panics() {
+        let r = gather();
+        let t = to_text(&r);
+        assert!(t.contains("--backend auto: "), "{t}");
+        assert_eq!(r.libraries.len(), 4);
+        let j = to_json(&r);
+        assert!(j["libraries"].as_array().is_some_and(|l| l.len() == 4));
     }
 
     #[test]
@@ -179,5 +371,7 @@ mod tests {
         let j = to_json(&r);
         assert_eq!(j["cuda"]["devices"][1]["compute_capability"], "9.0");
         assert_eq!(j["cuda"]["peer_access"][0][1], false);
+        assert_eq!(j["backend_auto"]["backend"], "cuda");
+        assert!(t.contains("--backend auto: cuda (GPU 0: NVIDIA H200)"), "{t}");
     }
 }

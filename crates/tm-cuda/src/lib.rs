@@ -24,6 +24,7 @@ pub mod allocator;
 pub mod blas;
 mod device;
 pub mod kernels;
+pub mod libs;
 pub mod nvrtc;
 mod ops;
 mod probe;

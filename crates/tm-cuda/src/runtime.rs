@@ -53,7 +53,8 @@ impl Gpu {
     /// Opens device `ordinal`: creates its context and stream and loads every kernel module.
     pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
         init_driver().map_err(|e| Error::Backend { backend: "cuda".into(), message: e.to_string() })?;
-        let info = device_info(ordinal).map_err(|e| Error::Backend { backend: "cuda".into(), message: e.to_string() })?;
+        let info =
+            device_info(ordinal).map_err(|e| Error::Backend { backend: "cuda".into(), message: e.to_string() })?;
         let ctx = CudaContext::new(ordinal).map_err(driver_err("cuCtxCreate"))?;
         let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
         let sm = info.compute_capability.0 * 10 + info.compute_capability.1;

@@ -3,17 +3,23 @@
 //! Tasks:
 //! - `fixtures`: regenerates the Hugging Face reference fixtures (needs python3 with torch and
 //!   transformers).
-//!
-//! `build-kernels --arch sm_87` arrives with the CUDA backend.
+//! - `build-kernels [--arch sm_80,sm_86,sm_87,sm_89,sm_90] [--out DIR] [--jobs N]`: compiles the
+//!   CUDA kernels with nvcc (no GPU needed) into `target/kernels`, which tm-kernels embeds.
+
+mod kernels;
 
 use anyhow::{bail, Context, Result};
 use std::process::Command;
 
+const TASKS: &str = "fixtures, build-kernels";
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let root = root.canonicalize().unwrap_or(root);
     match args.first().map(String::as_str) {
+        Some("build-kernels") => kernels::build_kernels(&root, &args[1..]),
         Some("fixtures") => {
-            let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
             let status = Command::new("python3")
                 .arg("scripts/make_fixtures.py")
                 .current_dir(&root)
@@ -24,7 +30,7 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
-        Some(other) => bail!("unknown task `{other}`; tasks: fixtures"),
-        None => bail!("usage: cargo xtask <task>; tasks: fixtures"),
+        Some(other) => bail!("unknown task `{other}`; tasks: {TASKS}"),
+        None => bail!("usage: cargo xtask <task>; tasks: {TASKS}"),
     }
 }

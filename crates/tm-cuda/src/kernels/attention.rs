@@ -1,1 +1,431 @@
-//! placeholder (attention)
+//! Causal paged attention (`attention.cu`): split-K flash decoding for sequences with one query
+//! token, flash-attention-2 for longer chunks, both on tensor cores for f16/bf16, and a CUDA-core
+//! path for f32 and every other case.
+//!
+//! Paths:
+//! - **Tensor cores** (f16/bf16, `head_dim` in [`TC_HEAD_DIMS`], compute capability 8.0 or newer,
+//!   `q`, the caches and `out` 16-byte aligned): `attn_decode_d<D>` handles the sequences with
+//!   `q_len == 1`, `attn_prefill_d<D>` those with `q_len > 1`; in a mixed batch both run, each
+//!   skipping the other's sequences. When a decode sequence needs several partitions of its
+//!   context, `attn_combine` merges them from the scratch buffer.
+//! - **CUDA cores** (`attn_simple`): f32, any other `head_dim` up to 256, misaligned pointers, or
+//!   `TM_ATTENTION=simple` in the environment (a debugging switch).
+//!
+//! The split-K plan depends only on `num_seqs`, `kv_heads`, `heads / kv_heads`, `max_ctx_len` and
+//! `window`, so [`scratch_bytes`] and [`attention`] agree without the device.
+
+use std::sync::OnceLock;
+
+use cudarc::driver::sys::CUdevice_attribute;
+use tm_core::{DType, Error, Result};
+
+use super::suffix;
+use crate::runtime::{driver_err, Gpu, KernelArg};
+
+/// Head sizes with a tensor-core kernel (other sizes up to 256 use the CUDA-core path).
+pub const TC_HEAD_DIMS: [usize; 9] = [32, 64, 80, 96, 112, 128, 160, 192, 256];
+/// The largest supported head size.
+pub const MAX_HEAD_DIM: usize = 256;
+
+// The tile geometry mirrors `DecodeCfg` and `PrefillCfg` in attention.cu.
+/// Keys per shared-memory tile of the decode kernel (a partition is a multiple of it).
+const DECODE_TILE: usize = 64;
+/// Query rows (heads of one KV group) per decode CTA.
+const DECODE_ROWS: usize = 16;
+/// Fewest keys a decode split covers.
+const MIN_PARTITION: usize = 512;
+/// Most decode splits (`attn_combine` keeps one weight per split in shared memory, up to 128).
+const MAX_SPLITS: usize = 64;
+/// Decode CTAs to aim for before splitting the context further (several waves on an H200).
+const TARGET_CTAS: usize = 1536;
+/// Threads per CTA of every attention kernel.
+const THREADS: u32 = 128;
+
+/// The heads and cache geometry of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads; `heads` is a multiple of it (query head `h` reads KV head
+    /// `h / (heads / kv_heads)`).
+    pub kv_heads: usize,
+    /// Features per head.
+    pub head_dim: usize,
+    /// Tokens per KV-cache block.
+    pub block_size: usize,
+    /// Multiplier on q·k.
+    pub scale: f32,
+    /// Attend only to the last `window` positions; 0 = no window.
+    pub window: usize,
+}
+
+/// One batch: sizes known on the host and the device pointers of the per-sequence metadata.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionBatch {
+    /// Sequences in the batch.
+    pub num_seqs: usize,
+    /// Query rows (tokens) in `q` and `out`.
+    pub total_q: usize,
+    /// The largest `q_len` of the batch.
+    pub max_q_len: usize,
+    /// The largest `ctx_len` of the batch.
+    pub max_ctx_len: usize,
+    /// Every sequence has `q_len == 1`.
+    pub all_decode: bool,
+    /// Device `i32 [num_seqs]`: first query row of each sequence.
+    pub q_start: u64,
+    /// Device `i32 [num_seqs]`: query rows of each sequence.
+    pub q_len: u64,
+    /// Device `i32 [num_seqs]`: tokens in the cache, this step's included.
+    pub ctx_len: u64,
+    /// Device `i32 [num_seqs]`: offset of each sequence's block table in `block_tables`.
+    pub bt_start: u64,
+    /// Device `u32`: the flat block tables.
+    pub block_tables: u64,
+}
+
+/// The split-K plan of the decode kernel.
+#[derive(Clone, Copy, Debug)]
+struct DecodePlan {
+    /// Partitions of the context (1 = no combine pass, no scratch).
+    splits: usize,
+    /// Keys per partition, a multiple of [`DECODE_TILE`].
+    partition: usize,
+}
+
+fn group_of(shape: &AttentionShape) -> usize {
+    (shape.heads / shape.kv_heads.max(1)).max(1)
+}
+
+/// Head sub-groups of `group` heads for CTAs of `rows` query rows: `(heads per sub-group, count)`.
+fn sub_groups(group: usize, rows: usize) -> (usize, usize) {
+    let gs = group.min(rows);
+    (gs, group.div_ceil(gs))
+}
+
+/// K/V stages of the decode kernel (`DecodeCfg::ST`).
+fn decode_stages(head_dim: usize) -> usize {
+    if head_dim <= 112 {
+        2
+    } else {
+        1
+    }
+}
+
+/// Query rows (tokens x group heads) per prefill CTA (`PrefillCfg::BM`).
+fn prefill_rows(head_dim: usize) -> usize {
+    if head_dim <= 128 {
+        128
+    } else {
+        64
+    }
+}
+
+/// Keys per prefill K/V tile (`PrefillCfg::BN`).
+fn prefill_block_n(head_dim: usize) -> usize {
+    if head_dim <= 128 {
+        64
+    } else {
+        32
+    }
+}
+
+/// Dynamic shared memory of the decode and prefill kernels for elements of `esize` bytes.
+fn tc_smem(head_dim: usize, esize: usize) -> (usize, usize) {
+    let ld = head_dim + 8; // shared-memory row stride in elements
+    let decode = (DECODE_ROWS + 2 * decode_stages(head_dim) * DECODE_TILE) * ld * esize;
+    let prefill = (prefill_rows(head_dim) + 4 * prefill_block_n(head_dim)) * ld * esize;
+    (decode, prefill)
+}
+
+fn decode_plan(shape: &AttentionShape, batch: &AttentionBatch) -> DecodePlan {
+    let (_, n_sub) = sub_groups(group_of(shape), DECODE_ROWS);
+    let keys = if shape.window > 0 { batch.max_ctx_len.min(shape.window) } else { batch.max_ctx_len };
+    let keys = keys.clamp(1, i32::MAX as usize);
+    let ctas = (batch.num_seqs * shape.kv_heads * n_sub).max(1);
+    let cap = keys.div_ceil(MIN_PARTITION).clamp(1, MAX_SPLITS);
+    let want = TARGET_CTAS.div_ceil(ctas).clamp(1, cap);
+    let partition = keys.div_ceil(want).next_multiple_of(DECODE_TILE);
+    DecodePlan { splits: keys.div_ceil(partition), partition }
+}
+
+/// Bytes of scratch [`attention`] needs for this call: the split-K partial outputs and their
+/// (max, sum) pairs, `num_seqs * heads * splits * (head_dim + 2)` f32 (0 when one split
+/// suffices). The same for every dtype.
+pub fn scratch_bytes(shape: &AttentionShape, batch: &AttentionBatch) -> usize {
+    let plan = decode_plan(shape, batch);
+    if plan.splits <= 1 {
+        return 0;
+    }
+    [batch.num_seqs, shape.heads, plan.splits, shape.head_dim.saturating_add(2), 4]
+        .into_iter()
+        .fold(1, usize::saturating_mul)
+}
+
+/// `TM_ATTENTION=simple` forces the CUDA-core kernel (read once).
+fn force_simple() -> bool {
+    static FORCE: OnceLock<bool> = OnceLock::new();
+    *FORCE.get_or_init(|| std::env::var("TM_ATTENTION").is_ok_and(|v| v.eq_ignore_ascii_case("simple")))
+}
+
+fn to_i32(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::invalid(format!("attention: {what} = {v} does not fit in i32")))
+}
+
+fn to_u32(what: &str, v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| Error::invalid(format!("attention: {what} = {v} exceeds the launch limits")))
+}
+
+fn validate(shape: &AttentionShape, batch: &AttentionBatch) -> Result<()> {
+    let AttentionShape { heads, kv_heads, head_dim, block_size, scale, .. } = *shape;
+    if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(Error::invalid(format!(
+            "attention: heads ({heads}) must be a positive multiple of kv_heads ({kv_heads})"
+        )));
+    }
+    if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+        return Err(Error::Unsupported(format!(
+            "attention: head_dim {head_dim} (supported: 1..={MAX_HEAD_DIM}; tensor-core kernels for {TC_HEAD_DIMS:?})"
+        )));
+    }
+    if block_size == 0 {
+        return Err(Error::invalid("attention: block_size must be positive"));
+    }
+    if !scale.is_finite() {
+        return Err(Error::invalid(format!("attention: scale {scale} is not finite")));
+    }
+    if batch.num_seqs > 65_535 {
+        return Err(Error::invalid(format!("attention: {} sequences (at most 65535 per call)", batch.num_seqs)));
+    }
+    if batch.max_q_len > batch.total_q {
+        return Err(Error::invalid(format!(
+            "attention: max_q_len {} exceeds total_q {}",
+            batch.max_q_len, batch.total_q
+        )));
+    }
+    to_i32("max_ctx_len", batch.max_ctx_len)?;
+    to_i32("window", shape.window)?;
+    to_i32("total_q", batch.total_q).map(|_| ())
+}
+
+/// Causal paged attention of `q: [total_q, heads * head_dim]` over the KV caches
+/// `[num_blocks, block_size, kv_heads, head_dim]` into `out` (same shape as `q`), all in `dt`
+/// (f32, f16 or bf16). Sequence `s` owns query rows `q_start[s] .. q_start[s] + q_len[s]`; its
+/// query `j` sits at position `ctx_len[s] - q_len[s] + j` and attends to the keys at positions
+/// `0..=pos` (only those `> pos - window` when `window > 0`), read through its block table.
+/// `scratch` must hold [`scratch_bytes`] bytes (`scratch_len`). Rows of `out` that belong to no
+/// sequence are not written.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    gpu: &Gpu,
+    dt: DType,
+    q: u64,
+    k_cache: u64,
+    v_cache: u64,
+    out: u64,
+    shape: &AttentionShape,
+    batch: &AttentionBatch,
+    scratch: u64,
+    scratch_len: usize,
+) -> Result<()> {
+    let sfx = suffix(dt)?;
+    validate(shape, batch)?;
+    let need = scratch_bytes(shape, batch);
+    if scratch_len < need {
+        return Err(Error::invalid(format!("attention: scratch holds {scratch_len} bytes, {need} needed")));
+    }
+    if batch.num_seqs == 0 || batch.total_q == 0 {
+        return Ok(());
+    }
+    let AttentionShape { heads, kv_heads, head_dim, block_size, scale, window } = *shape;
+    let group = heads / kv_heads;
+    let meta = [
+        KernelArg::Ptr(batch.q_start),
+        KernelArg::Ptr(batch.q_len),
+        KernelArg::Ptr(batch.ctx_len),
+        KernelArg::Ptr(batch.bt_start),
+        KernelArg::Ptr(batch.block_tables),
+    ];
+    let (heads_i, kv_heads_i) = (to_i32("heads", heads)?, to_i32("kv_heads", kv_heads)?);
+    let (block_size_i, window_i) = (to_i32("block_size", block_size)?, to_i32("window", window)?);
+    let seqs_u = to_u32("num_seqs", batch.num_seqs)?;
+
+    let esize = dt.bits() / 8;
+    let (decode_smem, prefill_smem) = tc_smem(head_dim, esize);
+    // A single sequence is a decode exactly when it has one query row.
+    let decode = batch.all_decode || batch.num_seqs > 1 || batch.total_q == 1;
+    let prefill = !batch.all_decode && batch.max_q_len > 1;
+    let aligned = [q, k_cache, v_cache, out].iter().all(|p| p % 16 == 0);
+    let mut tensor_cores =
+        dt != DType::F32 && TC_HEAD_DIMS.contains(&head_dim) && gpu.sm() >= 80 && aligned && !force_simple();
+    if tensor_cores {
+        // Devices with 99 KiB per block (sm_86, sm_89, sm_120) cannot take the largest tiles.
+        let smem_max = gpu
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(driver_err("cuDeviceGetAttribute(max shared memory per block)"))?;
+        let need = if prefill { decode_smem.max(prefill_smem) } else { decode_smem } + 1024; // + static
+        tensor_cores = need <= usize::try_from(smem_max).unwrap_or(0);
+    }
+    if !tensor_cores {
+        let mut args = vec![KernelArg::Ptr(q), KernelArg::Ptr(k_cache), KernelArg::Ptr(v_cache), KernelArg::Ptr(out)];
+        args.extend_from_slice(&meta);
+        args.extend_from_slice(&[
+            KernelArg::I32(to_i32("num_seqs", batch.num_seqs)?),
+            KernelArg::I32(heads_i),
+            KernelArg::I32(kv_heads_i),
+            KernelArg::I32(to_i32("head_dim", head_dim)?),
+            KernelArg::I32(block_size_i),
+            KernelArg::F32(scale),
+            KernelArg::I32(window_i),
+        ]);
+        let grid = (to_u32("total_q", batch.total_q)?, to_u32("heads", heads.div_ceil(4))?, 1);
+        return gpu.launch(&format!("attn_simple_{sfx}"), grid, (THREADS, 1, 1), 0, &args);
+    }
+
+    let scale_log2 = scale * std::f32::consts::LOG2_E;
+
+    if decode {
+        let plan = decode_plan(shape, batch);
+        let (gs, n_sub) = sub_groups(group, DECODE_ROWS);
+        let part_o = scratch;
+        let part_ml = scratch + (batch.num_seqs * heads * plan.splits * head_dim * 4) as u64;
+        let mut args = vec![
+            KernelArg::Ptr(q),
+            KernelArg::Ptr(k_cache),
+            KernelArg::Ptr(v_cache),
+            KernelArg::Ptr(out),
+            KernelArg::Ptr(part_o),
+            KernelArg::Ptr(part_ml),
+        ];
+        args.extend_from_slice(&meta);
+        args.extend_from_slice(&[
+            KernelArg::I32(heads_i),
+            KernelArg::I32(kv_heads_i),
+            KernelArg::I32(to_i32("gs", gs)?),
+            KernelArg::I32(block_size_i),
+            KernelArg::F32(scale_log2),
+            KernelArg::I32(window_i),
+            KernelArg::I32(to_i32("splits", plan.splits)?),
+            KernelArg::I32(to_i32("partition", plan.partition)?),
+        ]);
+        let grid = (to_u32("splits", plan.splits)?, to_u32("kv_heads * sub-groups", kv_heads * n_sub)?, seqs_u);
+        gpu.launch(&format!("attn_decode_d{head_dim}_{sfx}"), grid, (THREADS, 1, 1), decode_smem as u32, &args)?;
+        if plan.splits > 1 {
+            let args = [
+                KernelArg::Ptr(out),
+                KernelArg::Ptr(part_o),
+                KernelArg::Ptr(part_ml),
+                KernelArg::Ptr(batch.q_start),
+                KernelArg::Ptr(batch.q_len),
+                KernelArg::Ptr(batch.ctx_len),
+                KernelArg::I32(heads_i),
+                KernelArg::I32(to_i32("head_dim", head_dim)?),
+                KernelArg::I32(window_i),
+                KernelArg::I32(to_i32("splits", plan.splits)?),
+                KernelArg::I32(to_i32("partition", plan.partition)?),
+            ];
+            let grid = (to_u32("heads", heads)?, seqs_u, 1);
+            gpu.launch(&format!("attn_combine_{sfx}"), grid, (THREADS, 1, 1), 0, &args)?;
+        }
+    }
+
+    if prefill {
+        let rows = prefill_rows(head_dim);
+        let (gs, n_sub) = sub_groups(group, rows);
+        // tokens per tile; the sum over sequences of ceil(q_len / tq) is at most `tiles`
+        let tq = rows / gs;
+        let tiles = (batch.total_q + batch.num_seqs * (tq - 1)) / tq;
+        let mut args = vec![KernelArg::Ptr(q), KernelArg::Ptr(k_cache), KernelArg::Ptr(v_cache), KernelArg::Ptr(out)];
+        args.extend_from_slice(&meta);
+        args.extend_from_slice(&[
+            KernelArg::I32(to_i32("num_seqs", batch.num_seqs)?),
+            KernelArg::I32(heads_i),
+            KernelArg::I32(kv_heads_i),
+            KernelArg::I32(to_i32("gs", gs)?),
+            KernelArg::I32(block_size_i),
+            KernelArg::F32(scale_log2),
+            KernelArg::I32(window_i),
+        ]);
+        let grid = (to_u32("prefill tiles", tiles)?, to_u32("kv_heads * sub-groups", kv_heads * n_sub)?, 1);
+        gpu.launch(&format!("attn_prefill_d{head_dim}_{sfx}"), grid, (THREADS, 1, 1), prefill_smem as u32, &args)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(heads: usize, kv_heads: usize, window: usize) -> AttentionShape {
+        AttentionShape { heads, kv_heads, head_dim: 128, block_size: 16, scale: 0.1, window }
+    }
+
+    fn batch(num_seqs: usize, max_ctx_len: usize) -> AttentionBatch {
+        AttentionBatch {
+            num_seqs,
+            total_q: num_seqs,
+            max_q_len: 1,
+            max_ctx_len,
+            all_decode: true,
+            q_start: 0,
+            q_len: 0,
+            ctx_len: 0,
+            bt_start: 0,
+            block_tables: 0,
+        }
+    }
+
+    #[test]
+    fn decode_plan_covers_the_context() {
+        for seqs in [1, 3, 16, 64, 256] {
+            for ctx in [1, 17, 128, 129, 1000, 4096, 32_768, 131_072] {
+                for (h, kv) in [(32, 8), (28, 4), (32, 32), (64, 1)] {
+                    for window in [0, 100, 4096] {
+                        let (s, b) = (shape(h, kv, window), batch(seqs, ctx));
+                        let p = decode_plan(&s, &b);
+                        let keys = if window > 0 { ctx.min(window) } else { ctx };
+                        assert!(p.splits >= 1 && p.splits <= MAX_SPLITS);
+                        assert_eq!(p.partition % DECODE_TILE, 0);
+                        assert!(p.splits * p.partition >= keys, "{seqs} {ctx} {h}/{kv} {window}: {p:?}");
+                        assert!((p.splits - 1) * p.partition < keys.max(1));
+                        assert_eq!(scratch_bytes(&s, &b) == 0, p.splits == 1);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shared_memory_fits_the_big_arches() {
+        // 163 KiB per block on sm_80/sm_87, 227 KiB on sm_90; the 16-bit tiles at most ~105 KB.
+        for d in TC_HEAD_DIMS {
+            let (decode, prefill) = tc_smem(d, 2);
+            assert!(decode + 1024 <= 163 * 1024 && prefill + 1024 <= 163 * 1024, "head_dim {d}");
+        }
+        assert_eq!(tc_smem(128, 2), ((16 + 128) * 136 * 2, (128 + 256) * 136 * 2));
+        assert_eq!(tc_smem(64, 2), ((16 + 256) * 72 * 2, (128 + 256) * 72 * 2));
+        assert_eq!(tc_smem(256, 2), ((16 + 128) * 264 * 2, (64 + 128) * 264 * 2));
+    }
+
+    #[test]
+    fn sub_groups_cover_the_group() {
+        for group in 1..=200 {
+            for rows in [DECODE_ROWS, 64, 128] {
+                let (gs, n) = sub_groups(group, rows);
+                assert!(gs <= rows && gs * n >= group && gs * (n - 1) < group);
+            }
+        }
+    }
+
+    #[test]
+    fn validation_rejects_bad_shapes() {
+        let b = batch(1, 10);
+        assert!(validate(&shape(32, 8, 0), &b).is_ok());
+        assert!(validate(&shape(30, 8, 0), &b).is_err());
+        assert!(validate(&shape(8, 0, 0), &b).is_err());
+        assert!(validate(&AttentionShape { head_dim: 320, ..shape(8, 8, 0) }, &b).is_err());
+        assert!(validate(&AttentionShape { block_size: 0, ..shape(8, 8, 0) }, &b).is_err());
+        assert_eq!(scratch_bytes(&shape(8, 0, 0), &b), scratch_bytes(&shape(8, 0, 0), &b));
+    }
+}

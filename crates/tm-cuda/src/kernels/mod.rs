@@ -14,6 +14,8 @@ pub fn suffix(dtype: DType) -> Result<&'static str> {
         DType::F32 => Ok("f32"),
         DType::F16 => Ok("f16"),
         DType::BF16 => Ok("bf16"),
-        other => Err(Error::DType { op: "cuda kernel".into(), expected: "f32, f16 or bf16".into(), got: other.to_string() }),
+        other => {
+            Err(Error::DType { op: "cuda kernel".into(), expected: "f32, f16 or bf16".into(), got: other.to_string() })
+        }
     }
 }

@@ -1,0 +1,1668 @@
+//! Op-by-op conformance of the CUDA backend with the CPU reference backend.
+//!
+//! For each activation dtype (f32, f16, bf16) every [`Ops`] method runs on a [`CudaBackend`] and a
+//! [`CpuBackend`] with the same random inputs, over the shapes of the supported models (hidden
+//! 576/896/2048/4096, head_dim 64/128, GQA ratios 1/3/4/7/8, vocabularies up to 128256, 1 to 256
+//! tokens), and the outputs are compared. Every case prints one line (`ok` with its worst error as
+//! a fraction of the tolerance, or `FAIL` with the op, shapes, dtype, seed, the worst element and
+//! by how much it missed); a test fails at its end with every failing case listed, so one run shows
+//! everything that is wrong. Backend errors and panics are reported the same way, per case.
+//!
+//! Without a CUDA driver or device every test prints `skipped: no CUDA device (<reason>)` and
+//! passes.
+//!
+//! # Inputs
+//! Random inputs are generated in f32 and rounded to the dtype under test before either backend
+//! sees them, so both compute from identical values: the CPU (which works in f32) gets the rounded
+//! values, the GPU gets them in its dtype. A case's seed is a hash of the base seed and the case's
+//! label, so the same case sees the same raw numbers for every dtype and in any order. Output
+//! buffers on the GPU start as NaN, so elements a kernel never writes show up as non-finite.
+//!
+//! # Tolerance
+//! An element passes when `|gpu - cpu| <= tol * (rms(row) + |cpu|)`, where `row` is the natural
+//! unit of the op (a head for attention and RoPE, an output row for matmul and norms): relative to
+//! the value, but judged on the row's scale where the value itself is near zero (a relative error
+//! of a near-cancelled sum means nothing). `tol` per dtype, from its unit roundoff `u`:
+//! - f32: `1e-4`. The kernels compute in f32 like the CPU; what differs is summation order
+//!   (about `sqrt(K) * u` = 7e-6 relative for K = 14336) and CUDA's transcendental functions
+//!   (within 2 ulp). TF32 tensor cores (`u` = 4.9e-4) or fast-math `__sinf` at positions near 32k
+//!   exceed it, as they should.
+//! - f16: `2e-3` (`u` = 4.9e-4): the output is rounded to f16, and so are a few intermediates the
+//!   GPU keeps in f16 (the residual sum of `add_rms_norm`, dequantized weights and attention
+//!   probabilities fed to tensor cores); each adds up to `u`, so about four roundings' worth.
+//! - bf16: `2e-2` (`u` = 3.9e-3): the same argument, five roundings' worth.
+//!
+//! Copies (`write_kv`, `gather_rows`, `load_dense`) must be exact; greedy sampling must pick the
+//! CPU's token exactly (the first of equal maxima); random sampling must only pick tokens the CPU
+//! sampler could pick, and for well-conditioned rows its frequencies must pass a loose chi-square
+//! test against the CPU sampler's probabilities.
+//!
+//! Quantized matmuls are checked against the exact host product (`x · dequantize(W)ᵀ` with f32
+//! activations, `tm_cpu::quant_matmul::matmul_int*_exact`) rather than the CPU backend's default
+//! path, which rounds activations to int16 (up to ~1e-4 relative) and would blur the f32 check.
+//!
+//! # Environment
+//! - `TM_TEST_SEED`: base seed (decimal or `0x` hex; default fixed, printed on failure).
+//! - `TM_CONFORMANCE_DTYPES`: comma-separated dtypes to run (`f32,f16,bf16`).
+//! - `TM_CONFORMANCE_CASE`: run only cases whose label contains this text.
+//! - `TM_CUDA_DEVICE`: device ordinal (default 0).
+
+use std::fmt::Display;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+use tm_core::ops::{AttentionMeta, SampleRequest, SeqAttention};
+use tm_core::quant::Weight;
+use tm_core::rope::{RopeConfig, RopeScaling, RopeStyle};
+use tm_core::sampling::{apply_penalties, Rng, SamplingParams};
+use tm_core::{DType, Ops, Tensor, TensorDesc};
+use tm_cpu::CpuBackend;
+use tm_cuda::{CudaBackend, CudaOptions};
+use tm_quant::HostQuant;
+
+// ---------------------------------------------------------------------------------------------
+// Harness: backends, seeds, cases, comparisons.
+// ---------------------------------------------------------------------------------------------
+
+/// Every dtype the CUDA backend supports for activations.
+const ALL_DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// Base seed when `TM_TEST_SEED` is not set.
+const DEFAULT_SEED: u64 = 0x7E57_5EED;
+
+/// The tolerance of a dtype (see the module docs).
+fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F16 => 2e-3,
+        DType::BF16 => 2e-2,
+        _ => 1e-4,
+    }
+}
+
+/// Turns any error into the `String` a case reports, naming what failed.
+trait Ctx<T> {
+    /// `Err(e)` becomes `"{what} failed: {e}"`.
+    fn ctx(self, what: impl Display) -> Result<T, String>;
+}
+
+impl<T, E: Display> Ctx<T> for Result<T, E> {
+    fn ctx(self, what: impl Display) -> Result<T, String> {
+        self.map_err(|e| format!("{what} failed: {e}"))
+    }
+}
+
+/// The text of a caught panic.
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_string()
+    }
+}
+
+/// `true` (after printing why) when there is no usable CUDA device.
+fn no_gpu(test: &str) -> bool {
+    match tm_cuda::probe() {
+        Ok(_) => false,
+        Err(e) => {
+            println!("{test}: skipped: no CUDA device ({e})");
+            true
+        }
+    }
+}
+
+/// The CUDA backend for `dtype`, opened once per process and shared by the tests.
+fn cuda(dtype: DType) -> Result<Arc<dyn Ops>, String> {
+    type Opened = Vec<(DType, Result<Arc<dyn Ops>, String>)>;
+    static OPENED: OnceLock<Mutex<Opened>> = OnceLock::new();
+    let mut opened = OPENED.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, b)) = opened.iter().find(|(d, _)| *d == dtype) {
+        return b.clone();
+    }
+    let ordinal = std::env::var("TM_CUDA_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let opts = CudaOptions { ordinal, dtype, memory_cap: None };
+    let b = match catch_unwind(|| CudaBackend::open(opts)) {
+        Ok(Ok(b)) => Ok(Arc::new(b) as Arc<dyn Ops>),
+        Ok(Err(e)) => Err(format!("CudaBackend::open(device {ordinal}, {dtype}) failed: {e}")),
+        Err(p) => Err(format!("CudaBackend::open(device {ordinal}, {dtype}) panicked: {}", panic_message(&*p))),
+    };
+    opened.push((dtype, b.clone()));
+    b
+}
+
+/// `TM_TEST_SEED` or the default.
+fn base_seed() -> u64 {
+    let Ok(v) = std::env::var("TM_TEST_SEED") else { return DEFAULT_SEED };
+    let v = v.trim();
+    let parsed = match v.strip_prefix("0x") {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => v.parse(),
+    };
+    parsed.unwrap_or_else(|_| panic!("TM_TEST_SEED={v} is not a number"))
+}
+
+/// The dtypes to run: `TM_CONFORMANCE_DTYPES` intersected with `wanted`.
+fn dtypes(wanted: &[DType]) -> Vec<DType> {
+    let Ok(list) = std::env::var("TM_CONFORMANCE_DTYPES") else { return wanted.to_vec() };
+    let names: Vec<String> = list.split(',').map(|s| s.trim().to_ascii_lowercase()).collect();
+    wanted.iter().copied().filter(|d| names.contains(&d.to_string())).collect()
+}
+
+/// FNV-1a of a label, mixed into the base seed.
+fn case_seed(base: u64, label: &str) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ base;
+    for b in label.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// One dtype's run of a test: the backends and the failures so far.
+struct Suite {
+    dtype: DType,
+    gpu: Arc<dyn Ops>,
+    cpu: CpuBackend,
+    seed: u64,
+    filter: Option<String>,
+    failures: Vec<String>,
+    cases: usize,
+}
+
+/// Runs `body` once per dtype of `wanted` (restricted by `TM_CONFORMANCE_DTYPES`) and fails the
+/// test at the end if any case failed, listing them all.
+fn run(test: &str, wanted: &[DType], body: impl Fn(&mut Suite)) {
+    if no_gpu(test) {
+        return;
+    }
+    let started = Instant::now();
+    let seed = base_seed();
+    let filter = std::env::var("TM_CONFORMANCE_CASE").ok().filter(|f| !f.is_empty());
+    let (mut failures, mut cases) = (Vec::new(), 0);
+    let dts = dtypes(wanted);
+    for &dtype in &dts {
+        let gpu = match cuda(dtype) {
+            Ok(g) => g,
+            Err(e) => {
+                println!("FAIL [{dtype}] {e}");
+                failures.push(format!("[{dtype}] {e}"));
+                continue;
+            }
+        };
+        if gpu.activation_dtype() != dtype {
+            let m =
+                format!("[{dtype}] the backend opened for {dtype} reports activation dtype {}", gpu.activation_dtype());
+            println!("FAIL {m}");
+            failures.push(m);
+            continue;
+        }
+        let mut s =
+            Suite { dtype, gpu, cpu: CpuBackend::new(), seed, filter: filter.clone(), failures: Vec::new(), cases: 0 };
+        body(&mut s);
+        failures.append(&mut s.failures);
+        cases += s.cases;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    println!("{test}: {cases} cases over {dts:?} in {secs:.1} s, {} failure(s), base seed {seed:#x}", failures.len());
+    if !failures.is_empty() {
+        panic!(
+            "{test}: {} failure(s). Rerun with TM_TEST_SEED={seed:#x} for the same inputs, TM_CONFORMANCE_DTYPES=<dtype> \
+             and TM_CONFORMANCE_CASE=<part of a label> to narrow it down.\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
+    }
+}
+
+impl Suite {
+    /// Runs one case: `f` gets fresh random inputs seeded from the label; its errors, panics and
+    /// failed comparisons are reported with the label, dtype and seed.
+    fn case(&mut self, label: impl Into<String>, f: impl FnOnce(&mut Case<'_>) -> Result<(), String>) {
+        let label = label.into();
+        if self.filter.as_ref().is_some_and(|f| !label.contains(f.as_str())) {
+            return;
+        }
+        let seed = case_seed(self.seed, &label);
+        let started = Instant::now();
+        let mut c = Case {
+            gpu: self.gpu.as_ref(),
+            cpu: &self.cpu,
+            dtype: self.dtype,
+            gen: Gen::new(seed),
+            problems: Vec::new(),
+            notes: Vec::new(),
+        };
+        match catch_unwind(AssertUnwindSafe(|| f(&mut c))) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => c.problems.push(e),
+            Err(p) => c.problems.push(format!("panicked: {}", panic_message(&*p))),
+        }
+        self.cases += 1;
+        let head = format!("[{}] {label} (case seed {seed:#x})", self.dtype);
+        let ms = started.elapsed().as_millis();
+        if c.problems.is_empty() {
+            println!("ok   {head}: {} ({ms} ms)", c.notes.join("; "));
+        }
+        for p in c.problems {
+            println!("FAIL {head}: {p}");
+            self.failures.push(format!("{head}: {p}"));
+        }
+    }
+}
+
+/// Random numbers for one case (SplitMix64 from tm-core).
+struct Gen {
+    rng: Rng,
+    spare: Option<f32>,
+}
+
+impl Gen {
+    fn new(seed: u64) -> Gen {
+        Gen { rng: Rng::new(seed), spare: None }
+    }
+    fn u64(&mut self) -> u64 {
+        self.rng.next_u64()
+    }
+    /// Uniform in `0..n`.
+    fn below(&mut self, n: usize) -> usize {
+        (self.u64() % n as u64) as usize
+    }
+    /// Uniform in `[0, 1)`.
+    fn unit(&mut self) -> f32 {
+        (self.u64() >> 40) as f32 * (1.0 / (1u64 << 24) as f32)
+    }
+    /// Standard normal (Box–Muller).
+    fn normal(&mut self) -> f32 {
+        if let Some(v) = self.spare.take() {
+            return v;
+        }
+        let u1 = ((self.u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        let u2 = (self.u64() >> 11) as f64 / (1u64 << 53) as f64;
+        let r = (-2.0 * u1.ln()).sqrt();
+        let (s, c) = (2.0 * std::f64::consts::PI * u2).sin_cos();
+        self.spare = Some((r * s) as f32);
+        (r * c) as f32
+    }
+    /// A random permutation of `0..n`.
+    fn permutation(&mut self, n: usize) -> Vec<u32> {
+        let mut p: Vec<u32> = (0..n as u32).collect();
+        for i in (1..n).rev() {
+            p.swap(i, self.below(i + 1));
+        }
+        p
+    }
+    /// Log-uniform integer in `1..=max`.
+    fn log_uniform(&mut self, max: usize) -> usize {
+        ((self.unit() as f64 * (max as f64).ln()).exp().round() as usize).clamp(1, max)
+    }
+}
+
+/// `v` rounded to `dtype` (round to nearest even, as `half` and the GPU convert).
+fn round_to(dtype: DType, v: f32) -> f32 {
+    match dtype {
+        DType::F16 => f16::from_f32(v).to_f32(),
+        DType::BF16 => bf16::from_f32(v).to_f32(),
+        _ => v,
+    }
+}
+
+/// Host bytes of `v` in `dtype`.
+fn encode(dtype: DType, v: &[f32]) -> Vec<u8> {
+    let size = dtype.storage_bytes(1);
+    let mut out = vec![0u8; v.len() * size];
+    out.par_chunks_mut(CHUNK * size).zip(v.par_chunks(CHUNK)).for_each(|(o, v)| {
+        for (o, &x) in o.chunks_exact_mut(size).zip(v) {
+            match dtype {
+                DType::F16 => o.copy_from_slice(&f16::from_f32(x).to_le_bytes()),
+                DType::BF16 => o.copy_from_slice(&bf16::from_f32(x).to_le_bytes()),
+                _ => o.copy_from_slice(&x.to_le_bytes()),
+            }
+        }
+    });
+    out
+}
+
+/// Elements per parallel chunk of generated data (each chunk has its own random stream, so the
+/// values do not depend on the number of threads).
+const CHUNK: usize = 1 << 16;
+
+/// `n` values of `f(gen)` rounded to `dtype`, generated in parallel from streams derived from
+/// `seed`.
+fn generate(n: usize, seed: u64, dtype: DType, f: impl Fn(&mut Gen) -> f32 + Sync) -> Vec<f32> {
+    let mut out = vec![0f32; n];
+    out.par_chunks_mut(CHUNK).enumerate().for_each(|(i, chunk)| {
+        let mut g = Gen::new(seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        for v in chunk {
+            *v = round_to(dtype, f(&mut g));
+        }
+    });
+    out
+}
+
+/// The same tensor on both backends: the GPU's in its dtype, the CPU's in f32.
+struct Pair {
+    gpu: Tensor,
+    cpu: Tensor,
+}
+
+/// The same weight on both backends.
+struct WeightPair {
+    gpu: Weight,
+    cpu: Weight,
+    /// The host form when quantized (the exact reference product needs it).
+    quant: Option<HostQuant>,
+}
+
+/// How a matrix is stored.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Dense,
+    /// int8 with this group size.
+    Int8(usize),
+    /// int4 with this group size.
+    Int4(usize),
+}
+
+impl Display for Kind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Kind::Dense => write!(f, "dense"),
+            Kind::Int8(g) => write!(f, "int8 g{g}"),
+            Kind::Int4(g) => write!(f, "int4 g{g}"),
+        }
+    }
+}
+
+/// Quantizes `[rows, cols]` weights with tm-quant, in parallel over blocks of rows (the layout
+/// is row-major in every part, so the blocks' parts concatenate).
+fn quantize(kind: Kind, data: &[f32], rows: usize, cols: usize) -> tm_core::Result<HostQuant> {
+    const ROWS: usize = 256;
+    let parts: Vec<HostQuant> = data
+        .par_chunks(ROWS * cols)
+        .map(|block| {
+            let r = block.len() / cols;
+            match kind {
+                Kind::Int4(g) => tm_quant::quantize_int4(block, r, cols, g),
+                Kind::Int8(g) => tm_quant::quantize_int8(block, r, cols, g),
+                Kind::Dense => Err(tm_core::Error::invalid("dense is not quantized")),
+            }
+        })
+        .collect::<tm_core::Result<_>>()?;
+    let mut parts = parts.into_iter();
+    let mut q = parts.next().ok_or_else(|| tm_core::Error::invalid("no rows"))?;
+    for p in parts {
+        q.packed.extend_from_slice(&p.packed);
+        q.scales.extend_from_slice(&p.scales);
+        if let (Some(m), Some(pm)) = (q.mins.as_mut(), p.mins.as_ref()) {
+            m.extend_from_slice(pm);
+        }
+    }
+    q.rows = rows;
+    q.validate()?;
+    Ok(q)
+}
+
+/// How far the worst element of a comparison is off.
+struct Stats {
+    /// Largest `|got - want| / (rms(row) + |want|)`, infinite for a non-finite mismatch.
+    max_ratio: f64,
+    worst: usize,
+    bad: usize,
+    nonfinite: usize,
+    mean_abs: f64,
+    worst_rms: f64,
+}
+
+/// Compares `got` with `want` row by row (see the module docs for the measure).
+fn compare(got: &[f32], want: &[f32], row: usize, tol: f64) -> Stats {
+    let mut s = Stats { max_ratio: 0.0, worst: 0, bad: 0, nonfinite: 0, mean_abs: 0.0, worst_rms: 0.0 };
+    let row = row.max(1);
+    let mut sum_abs = 0.0f64;
+    for (r, (g, w)) in got.chunks(row).zip(want.chunks(row)).enumerate() {
+        let rms = (w.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / w.len() as f64).sqrt();
+        for (i, (&gi, &wi)) in g.iter().zip(w).enumerate() {
+            let ratio = if gi.is_finite() != wi.is_finite() {
+                s.nonfinite += 1;
+                f64::INFINITY
+            } else if !wi.is_finite() {
+                if gi.to_bits() == wi.to_bits() || (gi.is_nan() && wi.is_nan()) {
+                    0.0
+                } else {
+                    f64::INFINITY
+                }
+            } else {
+                let d = (gi as f64 - wi as f64).abs();
+                sum_abs += d;
+                d / (rms + (wi as f64).abs()).max(f64::MIN_POSITIVE)
+            };
+            if ratio > tol {
+                s.bad += 1;
+            }
+            if ratio > s.max_ratio {
+                s.max_ratio = ratio;
+                s.worst = r * row + i;
+                s.worst_rms = rms;
+            }
+        }
+    }
+    s.mean_abs = sum_abs / got.len().max(1) as f64;
+    s
+}
+
+/// Multi-dimensional index of flat element `i` of `shape`.
+fn unravel(mut i: usize, shape: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; shape.len()];
+    for (d, &n) in shape.iter().enumerate().rev() {
+        idx[d] = i % n.max(1);
+        i /= n.max(1);
+    }
+    idx
+}
+
+/// One case: the backends, its random stream, and what it found.
+struct Case<'a> {
+    gpu: &'a dyn Ops,
+    cpu: &'a CpuBackend,
+    dtype: DType,
+    gen: Gen,
+    problems: Vec<String>,
+    notes: Vec<String>,
+}
+
+impl Case<'_> {
+    fn round(&self, v: f32) -> f32 {
+        round_to(self.dtype, v)
+    }
+
+    /// `n` uniform values in `[lo, hi)`, rounded to the dtype.
+    fn uniform(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        generate(n, self.gen.u64(), self.dtype, |g| lo + (hi - lo) * g.unit())
+    }
+
+    /// `n` normal values of standard deviation `std`, rounded to the dtype.
+    fn normal(&mut self, n: usize, std: f32) -> Vec<f32> {
+        generate(n, self.gen.u64(), self.dtype, |g| g.normal() * std)
+    }
+
+    /// Activation-like values: normal, with one element in 256 an outlier 16 times larger.
+    fn activations(&mut self, n: usize, std: f32) -> Vec<f32> {
+        generate(n, self.gen.u64(), self.dtype, |g| {
+            let scale = if g.below(256) == 0 { 16.0 } else { 1.0 };
+            g.normal() * std * scale
+        })
+    }
+
+    /// An activation tensor holding `data` on both backends.
+    fn act(&self, shape: &[usize], data: &[f32]) -> Result<Pair, String> {
+        let desc = TensorDesc::new(self.gpu.activation_dtype(), shape);
+        assert_eq!(desc.numel(), data.len(), "test bug: data for {shape:?}");
+        let mut gpu = self.gpu.zeros(desc.clone(), "test").ctx(format!("cuda zeros {shape:?}"))?;
+        self.gpu.upload(&mut gpu, &encode(desc.dtype, data)).ctx(format!("cuda upload {shape:?}"))?;
+        let mut cpu = self.cpu.zeros(TensorDesc::new(DType::F32, shape), "test").ctx("cpu zeros")?;
+        self.cpu.upload(&mut cpu, bytemuck::cast_slice(data)).ctx("cpu upload")?;
+        Ok(Pair { gpu, cpu })
+    }
+
+    /// An output tensor: NaN on the GPU (so unwritten elements show), zeros on the CPU.
+    fn output(&self, shape: &[usize]) -> Result<Pair, String> {
+        let n = shape.iter().product();
+        let desc = TensorDesc::new(self.gpu.activation_dtype(), shape);
+        let mut gpu = self.gpu.zeros(desc.clone(), "test").ctx(format!("cuda zeros {shape:?}"))?;
+        self.gpu.upload(&mut gpu, &encode(desc.dtype, &vec![f32::NAN; n])).ctx(format!("cuda upload {shape:?}"))?;
+        let cpu = self.cpu.zeros(TensorDesc::new(DType::F32, shape), "test").ctx("cpu zeros")?;
+        Ok(Pair { gpu, cpu })
+    }
+
+    /// A dense weight (or norm weight, bias) loaded with `load_dense` from the dtype under test.
+    fn dense(&self, shape: &[usize], data: &[f32]) -> Result<Pair, String> {
+        let gpu = self
+            .gpu
+            .load_dense(self.dtype, shape, &encode(self.dtype, data), "test")
+            .ctx(format!("cuda load_dense {shape:?}"))?;
+        let cpu = self.cpu.load_dense(DType::F32, shape, bytemuck::cast_slice(data), "test").ctx("cpu load_dense")?;
+        Ok(Pair { gpu, cpu })
+    }
+
+    /// A `[rows, cols]` weight of `kind` with values uniform in `±scale`.
+    fn weight(&mut self, kind: Kind, rows: usize, cols: usize, scale: f32) -> Result<WeightPair, String> {
+        if let Kind::Dense = kind {
+            let data = self.uniform(rows * cols, -scale, scale);
+            let p = self.dense(&[rows, cols], &data)?;
+            return Ok(WeightPair { gpu: Weight::Dense(p.gpu), cpu: Weight::Dense(p.cpu), quant: None });
+        }
+        let data = generate(rows * cols, self.gen.u64(), DType::F32, |g| scale * (2.0 * g.unit() - 1.0));
+        let q = quantize(kind, &data, rows, cols).ctx("quantizing the test weight")?;
+        let upload = tm_model::llama::quant_load::upload_quant;
+        let gpu = upload(self.gpu, &q).ctx(format!("cuda upload of a {kind} [{rows}, {cols}] weight"))?;
+        let cpu = upload(self.cpu, &q).ctx("cpu upload of the quantized weight")?;
+        Ok(WeightPair { gpu, cpu, quant: Some(q) })
+    }
+
+    /// Compares GPU tensor `got` with `want` (tolerance `mult` times the dtype's), recording a
+    /// problem if it is off and a note with the worst error otherwise.
+    fn check(&mut self, what: &str, got: &Tensor, want: &[f32], row: usize, mult: f64) -> Result<(), String> {
+        let g = self.gpu.download_f32(got).ctx(format!("cuda download of {what}"))?;
+        let shape = got.shape().to_vec();
+        if g.len() != want.len() {
+            self.problems.push(format!("{what}: {} elements from the GPU, {} expected", g.len(), want.len()));
+            return Ok(());
+        }
+        let tol = tolerance(self.dtype) * mult;
+        let s = compare(&g, want, row, tol);
+        if s.bad == 0 {
+            self.notes.push(format!("{what} {:.2}×tol", s.max_ratio / tol));
+            return Ok(());
+        }
+        let (gw, ww) = (g[s.worst], want[s.worst]);
+        self.problems.push(format!(
+            "{what} {shape:?}: {} of {} elements off{}; worst at {:?}: got {gw:e}, want {ww:e} (|diff| {:.3e}, row rms \
+             {:.3e}; {:.3}× the tolerance {tol:e} × (row rms + |want|)); mean |diff| {:.3e}",
+            s.bad,
+            g.len(),
+            if s.nonfinite > 0 { format!(" ({} non-finite where the CPU is finite)", s.nonfinite) } else { String::new() },
+            unravel(s.worst, &shape),
+            (gw - ww).abs(),
+            s.worst_rms,
+            s.max_ratio / tol,
+            s.mean_abs,
+        ));
+        Ok(())
+    }
+
+    /// [`Case::check`] of a pair's GPU tensor against its CPU tensor.
+    fn check_pair(&mut self, what: &str, p: &Pair, row: usize) -> Result<(), String> {
+        let want = self.cpu.download_f32(&p.cpu).ctx("cpu download")?;
+        self.check(what, &p.gpu, &want, row, 1.0)
+    }
+
+    /// Requires the GPU tensor to equal the CPU's exactly (copies).
+    fn check_exact(&mut self, what: &str, p: &Pair) -> Result<(), String> {
+        let g = self.gpu.download_f32(&p.gpu).ctx(format!("cuda download of {what}"))?;
+        let w = self.cpu.download_f32(&p.cpu).ctx("cpu download")?;
+        let shape = p.cpu.shape();
+        let diff: Vec<usize> =
+            (0..g.len().min(w.len())).filter(|&i| g[i] != w[i] && !(g[i].is_nan() && w[i].is_nan())).collect();
+        if g.len() != w.len() {
+            self.problems.push(format!("{what}: {} elements from the GPU, {} expected", g.len(), w.len()));
+        } else if let Some(&i) = diff.first() {
+            self.problems.push(format!(
+                "{what} {shape:?}: {} of {} elements differ (must be exact); first at {:?}: got {:e}, want {:e}",
+                diff.len(),
+                g.len(),
+                unravel(i, shape),
+                g[i],
+                w[i]
+            ));
+        } else {
+            self.notes.push(format!("{what} exact"));
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Op cases: one function per op, one call per shape.
+// ---------------------------------------------------------------------------------------------
+
+/// `load_dense` from `src` into the backend's weight dtype, then `download_f32`: must equal the
+/// values rounded to that dtype.
+fn load_dense_case(s: &mut Suite, src: DType, rows: usize, cols: usize) {
+    s.case(format!("load_dense from {src} [{rows}, {cols}]"), |c| {
+        let raw: Vec<f32> = (0..rows * cols).map(|_| round_to(src, c.gen.normal() * 3.0)).collect();
+        let t = c.gpu.load_dense(src, &[rows, cols], &encode(src, &raw), "test").ctx("cuda load_dense")?;
+        let held = c.gpu.weight_dtype(src);
+        if t.dtype() != held {
+            c.problems.push(format!("load_dense gave a {} tensor; weight_dtype({src}) says {held}", t.dtype()));
+        }
+        let got = c.gpu.download_f32(&t).ctx("cuda download_f32")?;
+        let want: Vec<f32> = raw.iter().map(|&v| round_to(t.dtype(), v)).collect();
+        match (0..want.len()).find(|&i| got.get(i) != Some(&want[i])) {
+            Some(i) => c.problems.push(format!(
+                "element {:?}: got {:?}, want {:e} (from {src} value {:e})",
+                unravel(i, &[rows, cols]),
+                got.get(i),
+                want[i],
+                raw[i]
+            )),
+            None => c.notes.push(format!("exact, held as {held}")),
+        }
+        Ok(())
+    });
+}
+
+/// Embedding lookups of `ns` ids each (one table, one lookup per count) into `[vocab, hidden]`;
+/// the ids include the last and first rows and a repeat.
+fn embedding(s: &mut Suite, kind: Kind, vocab: usize, hidden: usize, ns: &[usize]) {
+    s.case(format!("embedding {kind} table [{vocab}, {hidden}], {ns:?} ids"), |c| {
+        let w = c.weight(kind, vocab, hidden, 1.0)?;
+        for &n in ns {
+            let mut ids: Vec<u32> = (0..n).map(|_| c.gen.below(vocab) as u32).collect();
+            ids[0] = vocab as u32 - 1;
+            if n > 2 {
+                ids[1] = 0;
+                ids[2] = ids[0];
+            }
+            let mut out = c.output(&[n, hidden])?;
+            c.gpu.embedding(&w.gpu, &ids, &mut out.gpu).ctx(format!("cuda embedding of {n} ids"))?;
+            c.cpu.embedding(&w.cpu, &ids, &mut out.cpu).ctx("cpu embedding")?;
+            c.check_pair(&format!("out[{n}]"), &out, hidden)?;
+        }
+        Ok(())
+    });
+}
+
+/// RMSNorm of `[rows, cols]` over groups of `width` features (`width < cols`: per-head q/k norm).
+fn rms_norm(s: &mut Suite, rows: usize, cols: usize, width: usize, eps: f32) {
+    s.case(format!("rms_norm x[{rows}, {cols}] weight [{width}] eps {eps:e}"), |c| {
+        let x = c.activations(rows * cols, 1.0);
+        let w: Vec<f32> = c.normal(width, 0.1).into_iter().map(|v| c.round(1.0 + v)).collect();
+        let (x, w) = (c.act(&[rows, cols], &x)?, c.dense(&[width], &w)?);
+        let mut out = c.output(&[rows, cols])?;
+        c.gpu.rms_norm(&x.gpu, &w.gpu, eps, &mut out.gpu).ctx("cuda rms_norm")?;
+        c.cpu.rms_norm(&x.cpu, &w.cpu, eps, &mut out.cpu).ctx("cpu rms_norm")?;
+        c.check_pair("out", &out, width)
+    });
+}
+
+fn add_rms_norm(s: &mut Suite, rows: usize, cols: usize, eps: f32) {
+    s.case(format!("add_rms_norm x, residual [{rows}, {cols}] eps {eps:e}"), |c| {
+        let (x, r) = (c.activations(rows * cols, 1.0), c.activations(rows * cols, 2.0));
+        let w: Vec<f32> = c.normal(cols, 0.1).into_iter().map(|v| c.round(1.0 + v)).collect();
+        let (x, mut r, w) = (c.act(&[rows, cols], &x)?, c.act(&[rows, cols], &r)?, c.dense(&[cols], &w)?);
+        let mut out = c.output(&[rows, cols])?;
+        c.gpu.add_rms_norm(&x.gpu, &mut r.gpu, &w.gpu, eps, &mut out.gpu).ctx("cuda add_rms_norm")?;
+        c.cpu.add_rms_norm(&x.cpu, &mut r.cpu, &w.cpu, eps, &mut out.cpu).ctx("cpu add_rms_norm")?;
+        c.check_pair("out", &out, cols)?;
+        c.check_pair("residual", &r, cols)
+    });
+}
+
+fn matmul(s: &mut Suite, kind: Kind, n: usize, rows: usize, cols: usize, bias: bool) {
+    let b = if bias { " + bias" } else { "" };
+    s.case(format!("matmul {kind} x[{n}, {cols}] · W[{rows}, {cols}]ᵀ{b}"), |c| {
+        let xs = c.activations(n * cols, 1.0);
+        // Uniform in ±sqrt(3 / cols): outputs of about unit size.
+        let w = c.weight(kind, rows, cols, (3.0 / cols as f32).sqrt())?;
+        let bias = if bias {
+            let v = c.normal(rows, 0.5);
+            Some((c.dense(&[rows], &v)?, v))
+        } else {
+            None
+        };
+        let x = c.act(&[n, cols], &xs)?;
+        let mut out = c.output(&[n, rows])?;
+        c.gpu.matmul(&x.gpu, &w.gpu, bias.as_ref().map(|b| &b.0.gpu), &mut out.gpu).ctx("cuda matmul")?;
+        let want = match &w.quant {
+            None => {
+                c.cpu.matmul(&x.cpu, &w.cpu, bias.as_ref().map(|b| &b.0.cpu), &mut out.cpu).ctx("cpu matmul")?;
+                c.cpu.download_f32(&out.cpu).ctx("cpu download")?
+            }
+            Some(q) => {
+                let mut want = vec![0f32; n * rows];
+                let exact = match kind {
+                    Kind::Int4(_) => tm_cpu::quant_matmul::matmul_int4_exact,
+                    _ => tm_cpu::quant_matmul::matmul_int8_exact,
+                };
+                exact(&xs, n, &q.view(), &mut want).ctx("host exact quantized matmul")?;
+                if let Some((_, bv)) = &bias {
+                    for row in want.chunks_mut(rows) {
+                        row.iter_mut().zip(bv).for_each(|(o, b)| *o += b);
+                    }
+                }
+                want
+            }
+        };
+        c.check("out", &out.gpu, &want, rows, 1.0)
+    });
+}
+
+/// A RoPE configuration with a name for the label.
+struct Rope {
+    name: &'static str,
+    cfg: RopeConfig,
+}
+
+fn rope_configs(head_dim: usize) -> Vec<Rope> {
+    let cfg = |base, scaling, style| RopeConfig { dim: head_dim, base, scaling, style };
+    vec![
+        Rope { name: "plain θ=1e4 half", cfg: cfg(1e4, RopeScaling::None, RopeStyle::Half) },
+        Rope { name: "plain θ=1e6 interleaved", cfg: cfg(1e6, RopeScaling::None, RopeStyle::Interleaved) },
+        Rope {
+            name: "llama3 ×8 θ=5e5 interleaved",
+            cfg: cfg(
+                5e5,
+                RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max: 8192 },
+                RopeStyle::Interleaved,
+            ),
+        },
+        Rope {
+            name: "yarn ×4 (attention factor 1.139) half",
+            cfg: cfg(
+                1e6,
+                RopeScaling::Yarn {
+                    factor: 4.0,
+                    original_max: 4096,
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                    attention_factor: None,
+                    mscale: None,
+                    mscale_all_dim: None,
+                    truncate: true,
+                },
+                RopeStyle::Half,
+            ),
+        },
+        Rope {
+            name: "yarn ×8 attention factor 0.75 interleaved",
+            cfg: cfg(
+                1e4,
+                RopeScaling::Yarn {
+                    factor: 8.0,
+                    original_max: 2048,
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                    attention_factor: Some(0.75),
+                    mscale: None,
+                    mscale_all_dim: None,
+                    truncate: false,
+                },
+                RopeStyle::Interleaved,
+            ),
+        },
+        Rope { name: "linear ×2 half", cfg: cfg(1e4, RopeScaling::Linear { factor: 2.0 }, RopeStyle::Half) },
+        Rope {
+            name: "dynamic ×2 half",
+            cfg: cfg(1e4, RopeScaling::Dynamic { factor: 2.0, original_max: 2048 }, RopeStyle::Half),
+        },
+    ]
+}
+
+/// RoPE on `[tokens, heads * head_dim]` with random positions up to `max_pos` (including it and 0).
+fn rope(s: &mut Suite, r: &Rope, tokens: usize, heads: usize, head_dim: usize, max_pos: u32) {
+    let cfg = r.cfg.clone();
+    s.case(format!("rope {} x[{tokens}, {heads}×{head_dim}] positions ≤ {max_pos}", r.name), |c| {
+        let freqs = cfg.freqs(max_pos as usize);
+        let mut positions: Vec<u32> = (0..tokens).map(|_| c.gen.below(max_pos as usize + 1) as u32).collect();
+        positions[0] = max_pos;
+        if tokens > 1 {
+            positions[1] = 0;
+        }
+        let x = c.normal(tokens * heads * head_dim, 1.0);
+        let mut x = c.act(&[tokens, heads * head_dim], &x)?;
+        c.gpu.rope(&mut x.gpu, &positions, &freqs).ctx("cuda rope")?;
+        c.cpu.rope(&mut x.cpu, &positions, &freqs).ctx("cpu rope")?;
+        c.notes.push(format!("attention factor {}", freqs.attention_factor));
+        c.check_pair("x", &x, head_dim)
+    });
+}
+
+fn silu_mul(s: &mut Suite, rows: usize, cols: usize) {
+    s.case(format!("silu_mul [{rows}, {cols}]"), |c| {
+        // Gates up to about ±20, so both tails of the sigmoid are exercised.
+        let (g, u) = (c.normal(rows * cols, 5.0), c.activations(rows * cols, 1.0));
+        let (g, u) = (c.act(&[rows, cols], &g)?, c.act(&[rows, cols], &u)?);
+        let mut out = c.output(&[rows, cols])?;
+        c.gpu.silu_mul(&g.gpu, &u.gpu, &mut out.gpu).ctx("cuda silu_mul")?;
+        c.cpu.silu_mul(&g.cpu, &u.cpu, &mut out.cpu).ctx("cpu silu_mul")?;
+        c.check_pair("out", &out, cols)
+    });
+}
+
+fn add_in_place(s: &mut Suite, rows: usize, cols: usize) {
+    s.case(format!("add_in_place [{rows}, {cols}]"), |c| {
+        let (x, y) = (c.activations(rows * cols, 1.0), c.activations(rows * cols, 1.0));
+        let (mut x, y) = (c.act(&[rows, cols], &x)?, c.act(&[rows, cols], &y)?);
+        c.gpu.add_in_place(&mut x.gpu, &y.gpu).ctx("cuda add_in_place")?;
+        c.cpu.add_in_place(&mut x.cpu, &y.cpu).ctx("cpu add_in_place")?;
+        c.check_pair("x", &x, cols)
+    });
+}
+
+fn gather_rows(s: &mut Suite, rows: usize, cols: usize, picks: usize) {
+    s.case(format!("gather_rows x[{rows}, {cols}] → {picks} rows"), |c| {
+        let x = c.normal(rows * cols, 1.0);
+        let x = c.act(&[rows, cols], &x)?;
+        let mut idx: Vec<u32> = (0..picks).map(|_| c.gen.below(rows) as u32).collect();
+        idx[0] = rows as u32 - 1;
+        if picks > 2 {
+            idx[1] = 0;
+            idx[2] = idx[0];
+        }
+        let mut out = c.output(&[picks, cols])?;
+        c.gpu.gather_rows(&x.gpu, &idx, &mut out.gpu).ctx("cuda gather_rows")?;
+        c.cpu.gather_rows(&x.cpu, &idx, &mut out.cpu).ctx("cpu gather_rows")?;
+        c.check_exact("out", &out)
+    });
+}
+
+/// A batch for paged attention: `(query_len, context_len)` per sequence.
+struct Attn {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    window: Option<usize>,
+    seqs: Vec<(usize, usize)>,
+}
+
+/// Key and value filling every cache slot no sequence owns: a kernel that reads one (through a
+/// wrong block, or past a context's end) gets a value that moves the output far off.
+const JUNK_K: f32 = 0.5;
+const JUNK_V: f32 = 64.0;
+
+/// `write_kv` of each sequence's new tokens into a cache already holding its earlier tokens, with
+/// random non-contiguous block tables, then `attention`; checks both caches (exactly) and the
+/// output.
+fn attention(s: &mut Suite, what: &str, a: Attn) {
+    let tokens: usize = a.seqs.iter().map(|q| q.0).sum();
+    let max_ctx = a.seqs.iter().map(|q| q.1).max().unwrap_or(0);
+    let min_ctx = a.seqs.iter().map(|q| q.1).min().unwrap_or(0);
+    let label = format!(
+        "attention {what}: {}/{} heads × {}, block {}, window {:?}, {} seqs, {tokens} query tokens, context {min_ctx}..={max_ctx}",
+        a.heads,
+        a.kv_heads,
+        a.head_dim,
+        a.block_size,
+        a.window,
+        a.seqs.len()
+    );
+    s.case(label, |c| {
+        let Attn { heads, kv_heads, head_dim: hd, block_size: bs, window, ref seqs } = a;
+        let kv_dim = kv_heads * hd;
+        let needed: usize = seqs.iter().map(|q| q.1.div_ceil(bs)).sum();
+        let num_blocks = needed + needed / 4 + 2;
+        let perm = c.gen.permutation(num_blocks);
+        let mut tables = Vec::new();
+        let mut next = 0;
+        for &(_, ctx) in seqs {
+            let n = ctx.div_ceil(bs);
+            tables.push(perm[next..next + n].to_vec());
+            next += n;
+        }
+        let slot = |s: usize, p: usize| tables[s][p / bs] as usize * bs + p % bs;
+        // The cache before this step: junk everywhere, each sequence's cached prefix in its slots.
+        let cache_len = num_blocks * bs * kv_dim;
+        let (mut k_img, mut v_img) = (vec![JUNK_K; cache_len], vec![JUNK_V; cache_len]);
+        // Keys and values uniform with unit variance (as good as normal here, and faster).
+        let prefix: usize = seqs.iter().map(|&(q, ctx)| ctx - q).sum();
+        let a3 = 3f32.sqrt();
+        let (pk, pv) = (c.uniform(prefix * kv_dim, -a3, a3), c.uniform(prefix * kv_dim, -a3, a3));
+        let mut rows = pk.chunks_exact(kv_dim).zip(pv.chunks_exact(kv_dim));
+        for (i, &(q, ctx)) in seqs.iter().enumerate() {
+            for p in 0..ctx - q {
+                let at = slot(i, p) * kv_dim;
+                let (k, v) = rows.next().expect("one generated row per cached position");
+                k_img[at..at + kv_dim].copy_from_slice(k);
+                v_img[at..at + kv_dim].copy_from_slice(v);
+            }
+        }
+        drop((pk, pv));
+        let cache_shape = [num_blocks, bs, kv_heads, hd];
+        let mut kc = c.act(&cache_shape, &k_img)?;
+        let mut vc = c.act(&cache_shape, &v_img)?;
+        drop((k_img, v_img));
+        let mut slots = Vec::with_capacity(tokens);
+        for (i, &(q, ctx)) in seqs.iter().enumerate() {
+            slots.extend((ctx - q..ctx).map(|p| slot(i, p) as u32));
+        }
+        let (k, v) = (c.normal(tokens * kv_dim, 1.0), c.normal(tokens * kv_dim, 1.0));
+        let (k, v) = (c.act(&[tokens, kv_dim], &k)?, c.act(&[tokens, kv_dim], &v)?);
+        c.gpu.write_kv(&k.gpu, &v.gpu, &mut kc.gpu, &mut vc.gpu, &slots).ctx("cuda write_kv")?;
+        c.cpu.write_kv(&k.cpu, &v.cpu, &mut kc.cpu, &mut vc.cpu, &slots).ctx("cpu write_kv")?;
+        c.check_exact("k cache", &kc)?;
+        c.check_exact("v cache", &vc)?;
+
+        let q = c.normal(tokens * heads * hd, 1.5);
+        let q = c.act(&[tokens, heads * hd], &q)?;
+        let mut start = 0;
+        let metas: Vec<SeqAttention<'_>> = seqs
+            .iter()
+            .zip(&tables)
+            .map(|(&(q, ctx), t)| {
+                let m = SeqAttention { query_start: start, query_len: q, context_len: ctx, block_table: t };
+                start += q;
+                m
+            })
+            .collect();
+        let meta =
+            AttentionMeta { seqs: &metas, block_size: bs, scale: 1.0 / (hd as f32).sqrt(), sliding_window: window };
+        let mut out = c.output(&[tokens, heads * hd])?;
+        c.gpu.attention(&q.gpu, &kc.gpu, &vc.gpu, &meta, &mut out.gpu).ctx("cuda attention")?;
+        c.cpu.attention(&q.cpu, &kc.cpu, &vc.cpu, &meta, &mut out.cpu).ctx("cpu attention")?;
+        c.check_pair("out", &out, hd)
+    });
+}
+
+/// `n` decode sequences (one query token each) with log-uniform context lengths up to `max_ctx`
+/// (the first is exactly `max_ctx`, the second 1).
+fn decode_seqs(seed: u64, n: usize, max_ctx: usize) -> Vec<(usize, usize)> {
+    let mut g = Gen::new(seed);
+    (0..n)
+        .map(|i| match i {
+            0 => (1, max_ctx),
+            1 => (1, 1),
+            _ => (1, g.log_uniform(max_ctx)),
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampling helpers: what the CPU sampler may pick, and with which probabilities.
+// ---------------------------------------------------------------------------------------------
+
+/// Slack on the top-p and min-p boundaries for the allowed set (f32 sums in a different order).
+const BOUNDARY_SLACK: f64 = 1e-3;
+
+/// Which tokens the CPU sampler could draw from `logits` (penalties already applied), loosened at
+/// the boundaries: ties at the k-th logit are all allowed, and top-p/min-p cuts get
+/// [`BOUNDARY_SLACK`].
+fn allowed_tokens(logits: &[f32], p: &SamplingParams) -> Vec<bool> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if p.temperature == 0.0 {
+        return logits.iter().map(|&l| l == max).collect();
+    }
+    let z: Vec<f32> = logits.iter().map(|&l| l / p.temperature).collect();
+    let mut order: Vec<usize> = (0..z.len()).collect();
+    order.sort_by(|&a, &b| z[b].total_cmp(&z[a]));
+    let mut allowed = vec![true; z.len()];
+    if p.top_k > 0 && p.top_k < z.len() {
+        let kth = z[order[p.top_k - 1]];
+        for (a, &zi) in allowed.iter_mut().zip(&z) {
+            *a = zi >= kth;
+        }
+    }
+    let zmax = z[order[0]] as f64;
+    let w: Vec<f64> = z.iter().zip(&allowed).map(|(&zi, &a)| if a { (zi as f64 - zmax).exp() } else { 0.0 }).collect();
+    let sum: f64 = w.iter().sum();
+    let prob: Vec<f64> = w.iter().map(|x| x / sum).collect();
+    if p.top_p < 1.0 {
+        // A token survives when the mass strictly above it is below top_p.
+        let mut above = 0.0;
+        let mut i = 0;
+        while i < order.len() {
+            let mut j = i;
+            let mut group = 0.0;
+            while j < order.len() && z[order[j]] == z[order[i]] {
+                group += prob[order[j]];
+                j += 1;
+            }
+            for &t in &order[i..j] {
+                allowed[t] &= above < p.top_p as f64 + BOUNDARY_SLACK;
+            }
+            above += group;
+            i = j;
+        }
+    }
+    if p.min_p > 0.0 {
+        let pmax = prob[order[0]];
+        for (a, &pi) in allowed.iter_mut().zip(&prob) {
+            *a &= pi >= pmax * p.min_p as f64 * (1.0 - BOUNDARY_SLACK);
+        }
+    }
+    allowed
+}
+
+/// The CPU sampler's exact probabilities for `logits` (no ties assumed), in f64: temperature,
+/// top-k, softmax, top-p (keep through the first token whose cumulative mass reaches p), min-p,
+/// renormalise. Also returns how close the top-p cut is to ambiguous.
+fn cpu_probabilities(logits: &[f32], p: &SamplingParams) -> (Vec<f64>, f64) {
+    let z: Vec<f64> = logits.iter().map(|&l| (l / p.temperature) as f64).collect();
+    let mut order: Vec<usize> = (0..z.len()).collect();
+    order.sort_by(|&a, &b| z[b].total_cmp(&z[a]));
+    if p.top_k > 0 && p.top_k < order.len() {
+        order.truncate(p.top_k);
+    }
+    let m = z[order[0]];
+    let sum: f64 = order.iter().map(|&t| (z[t] - m).exp()).sum();
+    let mut kept: Vec<(usize, f64)> = order.iter().map(|&t| (t, (z[t] - m).exp() / sum)).collect();
+    let mut margin = f64::INFINITY;
+    if p.top_p < 1.0 {
+        let mut acc = 0.0;
+        let mut keep = kept.len();
+        for (i, &(_, pi)) in kept.iter().enumerate() {
+            acc += pi;
+            margin = margin.min((acc - p.top_p as f64).abs());
+            if acc >= p.top_p as f64 {
+                keep = i + 1;
+                break;
+            }
+        }
+        kept.truncate(keep);
+    }
+    if p.min_p > 0.0 {
+        let threshold = kept[0].1 * p.min_p as f64;
+        for &(_, pi) in &kept {
+            margin = margin.min((pi - threshold).abs() / kept[0].1);
+        }
+        kept.retain(|&(_, pi)| pi >= threshold);
+    }
+    let total: f64 = kept.iter().map(|k| k.1).sum();
+    let mut probs = vec![0.0; logits.len()];
+    for (t, pi) in kept {
+        probs[t] = pi / total;
+    }
+    (probs, margin)
+}
+
+/// Pearson's chi-square of `counts` against `probs` (bins with an expected count under 5 pooled)
+/// and its degrees of freedom.
+fn chi_square(counts: &[usize], probs: &[f64]) -> (f64, usize) {
+    let n: usize = counts.iter().sum();
+    let mut bins: Vec<(f64, f64)> = Vec::new();
+    let (mut pooled_e, mut pooled_o) = (0.0, 0.0);
+    for (&o, &p) in counts.iter().zip(probs) {
+        let e = p * n as f64;
+        if e >= 5.0 {
+            bins.push((o as f64, e));
+        } else {
+            pooled_e += e;
+            pooled_o += o as f64;
+        }
+    }
+    if pooled_e >= 5.0 || bins.is_empty() {
+        bins.push((pooled_o, pooled_e.max(1e-9)));
+    } else if let Some(smallest) = bins.iter_mut().min_by(|a, b| a.1.total_cmp(&b.1)) {
+        smallest.0 += pooled_o;
+        smallest.1 += pooled_e;
+    }
+    let chi = bins.iter().map(|(o, e)| (o - e) * (o - e) / e).sum();
+    (chi, bins.len().saturating_sub(1).max(1))
+}
+
+/// A loose bound for a chi-square with `df` degrees of freedom (about 6 standard deviations
+/// above the mean): only a wrong distribution exceeds it.
+fn chi_square_bound(df: usize) -> f64 {
+    df as f64 + 6.0 * (2.0 * df as f64).sqrt() + 10.0
+}
+
+/// One sampling request's inputs, owned.
+struct Req {
+    params: SamplingParams,
+    prompt: Vec<u32>,
+    output: Vec<u32>,
+}
+
+/// Runs `sample` on `backend` for `logits` with one request per row, each with a fresh random
+/// stream seeded `seed + row`.
+fn sample_with(backend: &dyn Ops, logits: &Tensor, reqs: &[Req], seed: u64) -> tm_core::Result<Vec<u32>> {
+    let mut rngs: Vec<Rng> = (0..reqs.len()).map(|i| Rng::new(seed.wrapping_add(i as u64))).collect();
+    let mut requests: Vec<SampleRequest<'_>> = reqs
+        .iter()
+        .zip(rngs.iter_mut())
+        .map(|(r, rng)| SampleRequest { params: &r.params, prompt: &r.prompt, output: &r.output, rng })
+        .collect();
+    backend.sample(logits, &mut requests)
+}
+
+/// Row `i` of `logits` with its request's penalties applied, as the CPU sampler sees it.
+fn penalized(logits: &[f32], vocab: usize, i: usize, r: &Req) -> Vec<f32> {
+    let mut row = logits[i * vocab..(i + 1) * vocab].to_vec();
+    apply_penalties(&mut row, &r.params, &r.prompt, &r.output);
+    row
+}
+
+/// Greedy sampling of `[n, vocab]` random logits, with rows holding ties (the first maximum
+/// wins), all-equal values, the maximum at the last index, and all-negative values; must equal the
+/// CPU's choice exactly.
+fn sample_greedy(s: &mut Suite, n: usize, vocab: usize) {
+    s.case(format!("sample greedy logits [{n}, {vocab}] (ties: first index)"), |c| {
+        let mut l = c.normal(n * vocab, 3.0);
+        let row = |i: usize| i * vocab..(i + 1) * vocab;
+        if n > 0 {
+            let (a, b) = (c.gen.below(vocab / 2), vocab - 1 - c.gen.below(vocab / 2));
+            let top = l[row(0)].iter().copied().fold(f32::MIN, f32::max) + 1.0;
+            l[a] = c.round(top);
+            l[b] = l[a];
+        }
+        if n > 1 {
+            l[row(1)].fill(0.25);
+        }
+        if n > 2 {
+            l[3 * vocab - 1] = 100.0;
+        }
+        if n > 3 {
+            for v in &mut l[row(3)] {
+                *v = c.round(*v - 60.0);
+            }
+        }
+        let logits = c.act(&[n, vocab], &l)?;
+        let reqs: Vec<Req> =
+            (0..n).map(|_| Req { params: SamplingParams::greedy(), prompt: vec![], output: vec![] }).collect();
+        let got = sample_with(c.gpu, &logits.gpu, &reqs, 1).ctx("cuda sample")?;
+        let want = sample_with(c.cpu, &logits.cpu, &reqs, 1).ctx("cpu sample")?;
+        let wrong: Vec<String> = (0..n)
+            .filter(|&i| got.get(i) != want.get(i))
+            .take(5)
+            .map(|i| {
+                let g = got.get(i).map_or("nothing".into(), |&g| format!("{g} (logit {})", l[i * vocab + g as usize]));
+                format!("row {i}: cuda {g}, cpu {} (logit {})", want[i], l[i * vocab + want[i] as usize])
+            })
+            .collect();
+        if got.len() != n || !wrong.is_empty() {
+            c.problems.push(format!("{} tokens for {n} rows; differing rows: {}", got.len(), wrong.join(", ")));
+        } else {
+            c.notes.push("all rows equal".into());
+        }
+        Ok(())
+    });
+}
+
+/// Greedy with repetition, presence and frequency penalties on tokens near the top, so the
+/// penalties change the winner; must be the penalised argmax (up to 1e-6 relative near-ties).
+fn sample_penalties(s: &mut Suite, n: usize, vocab: usize) {
+    s.case(format!("sample greedy with penalties logits [{n}, {vocab}]"), |c| {
+        let l = c.normal(n * vocab, 2.0);
+        let mut reqs = Vec::new();
+        for i in 0..n {
+            let row = &l[i * vocab..(i + 1) * vocab];
+            let mut order: Vec<u32> = (0..vocab as u32).collect();
+            order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+            let params = SamplingParams {
+                repetition_penalty: [1.0, 1.1, 1.3, 2.0][i % 4],
+                presence_penalty: [0.0, 0.5, -0.3, 1.0][(i / 4) % 4],
+                frequency_penalty: [0.0, 0.25, 0.7][i % 3],
+                ..SamplingParams::greedy()
+            };
+            let prompt = vec![order[0], order[2], order[0], c.gen.below(vocab) as u32];
+            let output = vec![order[1], order[1], order[0], order[3], order[1]];
+            reqs.push(Req { params, prompt, output });
+        }
+        let logits = c.act(&[n, vocab], &l)?;
+        let got = sample_with(c.gpu, &logits.gpu, &reqs, 7).ctx("cuda sample")?;
+        if got.len() != n {
+            c.problems.push(format!("{} tokens for {n} rows", got.len()));
+            return Ok(());
+        }
+        let mut wrong = Vec::new();
+        for (i, r) in reqs.iter().enumerate() {
+            let row = penalized(&l, vocab, i, r);
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let g = got[i] as usize;
+            let ok = row.get(g).is_some_and(|&v| v >= max - 1e-6 * max.abs().max(1.0));
+            if !ok {
+                let best = tm_core::sampling::argmax(&row);
+                wrong.push(format!(
+                    "row {i} ({:?}): cuda {g} (penalised logit {:?}), best {best} ({max})",
+                    r.params,
+                    row.get(g)
+                ));
+            }
+        }
+        if wrong.is_empty() {
+            c.notes.push("all rows the penalised argmax".into());
+        } else {
+            c.problems.push(format!("{} of {n} rows wrong: {}", wrong.len(), wrong.join("; ")));
+        }
+        Ok(())
+    });
+}
+
+/// The parameter sets the stochastic cases cycle through.
+fn stochastic_params(i: usize) -> SamplingParams {
+    let base = SamplingParams { temperature: 1.0, seed: i as u64, ..Default::default() };
+    match i % 10 {
+        0 => base,
+        1 => SamplingParams { temperature: 0.7, top_k: 50, ..base },
+        2 => SamplingParams { temperature: 1.2, top_p: 0.9, ..base },
+        3 => SamplingParams { min_p: 0.1, ..base },
+        4 => SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, ..base },
+        5 => SamplingParams { top_k: 1, ..base },
+        6 => SamplingParams { temperature: 1.5, top_p: 0.5, ..base },
+        7 => SamplingParams { temperature: 0.3, top_k: 5, ..base },
+        8 => SamplingParams {
+            repetition_penalty: 1.3,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.5,
+            top_p: 0.8,
+            ..base
+        },
+        _ => SamplingParams { temperature: 2.0, top_k: 1000, min_p: 0.02, ..base },
+    }
+}
+
+/// Random sampling with the parameter sets of [`stochastic_params`]: every draw must be a token
+/// the CPU sampler could draw, and the same seeds must give the same tokens.
+fn sample_stochastic(s: &mut Suite, n: usize, vocab: usize) {
+    s.case(format!("sample temperature/top-k/top-p/min-p/penalties logits [{n}, {vocab}]: allowed sets"), |c| {
+        let l = c.normal(n * vocab, 3.0);
+        let reqs: Vec<Req> = (0..n)
+            .map(|i| {
+                let top = (0..vocab).max_by(|&a, &b| l[i * vocab + a].total_cmp(&l[i * vocab + b])).unwrap_or(0);
+                Req { params: stochastic_params(i), prompt: vec![top as u32], output: vec![top as u32, 3] }
+            })
+            .collect();
+        let allowed: Vec<Vec<bool>> =
+            reqs.iter().enumerate().map(|(i, r)| allowed_tokens(&penalized(&l, vocab, i, r), &r.params)).collect();
+        let logits = c.act(&[n, vocab], &l)?;
+        let mut wrong = Vec::new();
+        let mut first = Vec::new();
+        for round in 0..4u64 {
+            let got = sample_with(c.gpu, &logits.gpu, &reqs, 1000 * round).ctx("cuda sample")?;
+            if got.len() != n {
+                c.problems.push(format!("{} tokens for {n} rows", got.len()));
+                return Ok(());
+            }
+            for (i, &t) in got.iter().enumerate() {
+                if !allowed[i].get(t as usize).copied().unwrap_or(false) {
+                    let size = allowed[i].iter().filter(|&&a| a).count();
+                    wrong.push(format!(
+                        "round {round} row {i} ({:?}): token {t} is not among the {size} the CPU allows",
+                        reqs[i].params
+                    ));
+                }
+            }
+            if round == 0 {
+                first = got;
+            }
+        }
+        let again = sample_with(c.gpu, &logits.gpu, &reqs, 0).ctx("cuda sample")?;
+        if again != first {
+            let i = (0..n).find(|&i| again.get(i) != first.get(i)).unwrap_or(0);
+            c.problems.push(format!(
+                "not reproducible: the same seeds gave row {i} token {:?}, then {:?}",
+                first.get(i),
+                again.get(i)
+            ));
+        }
+        if wrong.is_empty() {
+            c.notes.push(format!("{} draws allowed, reproducible", 4 * n));
+        } else {
+            let shown: Vec<String> = wrong.iter().take(6).cloned().collect();
+            c.problems.push(format!(
+                "{} of {} draws outside the allowed set: {}",
+                wrong.len(),
+                4 * n,
+                shown.join("; ")
+            ));
+        }
+        Ok(())
+    });
+}
+
+/// A well-conditioned row sampled `calls × rows` times (one uploaded `[rows, vocab]` tensor of
+/// identical rows, sampled repeatedly with fresh seeds): the frequencies must match the CPU
+/// sampler's probabilities (chi-square), and the CPU's own draws must too (a check of this test).
+/// The row: its top 40 tokens a clear ladder of logits `4 - 0.3 rank`, the rest a noisy tail of
+/// mean `tail`, at random positions.
+fn sample_distribution(s: &mut Suite, name: &str, vocab: usize, tail: f32, params: SamplingParams, calls: usize) {
+    let rows = 256;
+    s.case(format!("sample distribution {name} vocab {vocab}: {} draws, {params:?}", calls * rows), |c| {
+        let perm = c.gen.permutation(vocab);
+        let mut row = vec![0f32; vocab];
+        for (rank, &t) in perm.iter().enumerate() {
+            let v = if rank < 40 { 4.0 - 0.3 * rank as f32 } else { tail + c.gen.normal() };
+            row[t as usize] = c.round(v);
+        }
+        let (probs, margin) = cpu_probabilities(&row, &params);
+        let allowed = allowed_tokens(&row, &params);
+        let data: Vec<f32> = (0..rows).flat_map(|_| row.iter().copied()).collect();
+        let logits = c.act(&[rows, vocab], &data)?;
+        let reqs: Vec<Req> =
+            (0..rows).map(|_| Req { params: params.clone(), prompt: vec![], output: vec![] }).collect();
+        let draw = |b: &dyn Ops, t: &Tensor, salt: u64| -> Result<Vec<usize>, String> {
+            let mut counts = vec![0usize; vocab];
+            for call in 0..calls {
+                let got = sample_with(b, t, &reqs, salt + (call * rows) as u64).ctx("sample")?;
+                for tok in got {
+                    *counts.get_mut(tok as usize).ok_or(format!("token {tok} outside the vocabulary"))? += 1;
+                }
+            }
+            Ok(counts)
+        };
+        let counts = draw(c.gpu, &logits.gpu, 0x5eed_0000).map_err(|e| format!("cuda {e}"))?;
+        let outside: usize = counts.iter().zip(&allowed).filter(|(_, &a)| !a).map(|(n, _)| n).sum();
+        let (chi, df) = chi_square(&counts, &probs);
+        let bound = chi_square_bound(df);
+        // The CPU's own draws check this test itself (skipped for large vocabularies: slow).
+        let cpu_chi = if vocab <= 4096 {
+            let cpu_counts = draw(c.cpu, &logits.cpu, 0x5eed_0000).map_err(|e| format!("cpu {e}"))?;
+            let (cpu_chi, cpu_df) = chi_square(&cpu_counts, &probs);
+            if cpu_chi > chi_square_bound(cpu_df) {
+                c.problems.push(format!("test bug: the CPU sampler's own χ² is {cpu_chi:.1} (df {cpu_df})"));
+            }
+            format!("{cpu_chi:.1}")
+        } else {
+            "not run".to_string()
+        };
+        c.notes.push(format!(
+            "cuda χ² {chi:.1}, cpu χ² {cpu_chi} (df {df}, bound {bound:.1}); boundary margin {margin:.2e}"
+        ));
+        if outside > 0 {
+            c.problems.push(format!("{outside} draws of tokens the CPU sampler never draws"));
+        }
+        if chi > bound {
+            let mut top: Vec<usize> = (0..vocab).collect();
+            top.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+            let n = (calls * rows) as f64;
+            let shown: Vec<String> = top
+                .iter()
+                .take(6)
+                .map(|&t| format!("token {t}: {} drawn, {:.1} expected", counts[t], probs[t] * n))
+                .collect();
+            c.problems.push(format!("χ² {chi:.1} > {bound:.1} (df {df}); {}", shown.join(", ")));
+        }
+        Ok(())
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tests. With `--test-threads=1` they run in name order; the invalid-input test runs last
+// because a GPU backend that does not check its inputs may fault and poison the context.
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn attention_decode() {
+    run("attention_decode", &ALL_DTYPES, |s| {
+        let a = |heads, kv_heads, head_dim, block_size, window, seqs| Attn {
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            window,
+            seqs,
+        };
+        // Qwen2-0.5B (GQA 7): 256 sequences decoding at once.
+        attention(s, "decode", a(14, 2, 64, 16, None, decode_seqs(1, 256, 4000)));
+        // Llama 3 8B (GQA 4).
+        attention(s, "decode", a(32, 8, 128, 32, None, decode_seqs(2, 32, 4000)));
+        // GQA 8 with a sliding window shorter than most contexts.
+        attention(s, "decode", a(32, 4, 128, 64, Some(1000), decode_seqs(3, 12, 4000)));
+        // SmolLM2 (GQA 3); contexts at and around block boundaries.
+        let edges = [1, 15, 16, 17, 31, 32, 33, 64, 65, 300].iter().map(|&c| (1, c)).collect();
+        attention(s, "decode at block edges", a(9, 3, 64, 16, None, edges));
+        // Llama 2 7B (GQA 1), Mistral-style window.
+        attention(s, "decode", a(32, 32, 128, 16, Some(256), decode_seqs(4, 8, 2000)));
+    });
+}
+
+#[test]
+fn attention_prefill_and_mixed() {
+    run("attention_prefill_and_mixed", &ALL_DTYPES, |s| {
+        let a = |heads, kv_heads, head_dim, block_size, window, seqs| Attn {
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            window,
+            seqs,
+        };
+        attention(s, "prefill", a(9, 3, 64, 16, None, vec![(256, 256)]));
+        attention(s, "prefill", a(28, 4, 128, 32, None, vec![(100, 100), (37, 37), (1, 1)]));
+        // Chunks after a cached prefix (query_len < context_len).
+        attention(s, "prefill chunks", a(32, 8, 128, 16, None, vec![(17, 300), (64, 1000), (100, 2047)]));
+        attention(s, "prefill chunks windowed", a(32, 8, 128, 64, Some(256), vec![(64, 700), (128, 128), (5, 3000)]));
+        // Decodes and prefill chunks in one batch.
+        let mixed = vec![(1, 37), (1, 1), (1, 4000), (200, 200), (31, 531), (1, 65), (64, 128)];
+        attention(s, "mixed", a(32, 32, 128, 32, None, mixed.clone()));
+        attention(s, "mixed windowed", a(16, 4, 64, 64, Some(64), mixed));
+        // The tiny fixtures' shapes (head_dim 16 and 32).
+        attention(s, "mixed fixture-sized", a(4, 2, 16, 16, None, vec![(1, 40), (22, 22), (5, 37)]));
+        attention(s, "mixed fixture-sized", a(4, 2, 32, 16, Some(8), vec![(1, 40), (22, 22), (5, 37)]));
+    });
+}
+
+#[test]
+fn elementwise() {
+    run("elementwise", &ALL_DTYPES, |s| {
+        for src in ALL_DTYPES {
+            load_dense_case(s, src, 300, 576);
+        }
+        for (rows, cols, eps) in [(1, 576, 1e-5), (7, 896, 1e-6), (256, 2048, 1e-5), (3, 4096, 1e-5), (2, 64, 1e-5)] {
+            rms_norm(s, rows, cols, cols, eps);
+        }
+        // Qwen3's per-head q/k norm: one weight of head_dim over every head.
+        rms_norm(s, 64, 32 * 128, 128, 1e-6);
+        rms_norm(s, 17, 9 * 64, 64, 1e-6);
+        for (rows, cols) in [(1, 576), (17, 896), (256, 4096), (5, 2048)] {
+            add_rms_norm(s, rows, cols, 1e-5);
+        }
+        for (rows, cols) in [(1, 1536), (17, 4864), (256, 8192), (3, 14336)] {
+            silu_mul(s, rows, cols);
+        }
+        for (rows, cols) in [(1, 576), (256, 4096), (7, 14336)] {
+            add_in_place(s, rows, cols);
+        }
+        for (rows, cols, picks) in [(256, 576, 17), (64, 4096, 4), (8, 49152, 2), (1, 896, 1)] {
+            gather_rows(s, rows, cols, picks);
+        }
+    });
+}
+
+#[test]
+fn embedding_lookup() {
+    run("embedding_lookup", &ALL_DTYPES, |s| {
+        for kind in [Kind::Dense, Kind::Int8(32), Kind::Int4(32)] {
+            embedding(s, kind, 49152, 576, &[1, 17, 256]);
+        }
+        for kind in [Kind::Dense, Kind::Int8(32), Kind::Int4(128)] {
+            embedding(s, kind, 8192, 4096, &[64]);
+        }
+        embedding(s, Kind::Int4(64), 16384, 896, &[7]);
+    });
+}
+
+#[test]
+fn matmul_dense() {
+    run("matmul_dense", &ALL_DTYPES, |s| {
+        let d = Kind::Dense;
+        for (n, rows, cols, bias) in [
+            (1, 576, 576, false),
+            (3, 192, 576, false),
+            (17, 1536, 576, false),
+            (256, 576, 1536, false),
+            (8, 896, 896, true),
+            (64, 128, 896, true),
+            (1, 4864, 896, false),
+            (17, 896, 4864, false),
+            (256, 2048, 2048, false),
+            (1, 4096, 4096, false),
+            (3, 1024, 4096, true),
+            (8, 14336, 4096, false),
+            (1, 4096, 14336, false),
+            (17, 49152, 576, false),
+        ] {
+            matmul(s, d, n, rows, cols, bias);
+        }
+    });
+}
+
+#[test]
+fn matmul_int4() {
+    run("matmul_int4", &ALL_DTYPES, |s| {
+        for (n, rows, cols, g, bias) in [
+            (1, 576, 576, 32, false),
+            (17, 1536, 576, 32, false),
+            (256, 576, 1536, 64, false),
+            (3, 896, 896, 128, true),
+            (8, 4864, 896, 32, false),
+            (64, 2048, 2048, 128, false),
+            (1, 4096, 4096, 32, false),
+            (17, 1024, 4096, 128, false),
+            (3, 14336, 4096, 64, false),
+            (1, 4096, 14336, 128, false),
+            (8, 49152, 576, 32, false),
+        ] {
+            matmul(s, Kind::Int4(g), n, rows, cols, bias);
+        }
+    });
+}
+
+#[test]
+fn matmul_int8() {
+    run("matmul_int8", &ALL_DTYPES, |s| {
+        for (n, rows, cols, g, bias) in [
+            (1, 576, 576, 32, false),
+            (17, 49152, 576, 32, false),
+            (64, 896, 896, 32, true),
+            (256, 2048, 2048, 32, false),
+            (3, 4096, 4096, 32, false),
+            (8, 14336, 4096, 128, false),
+            (1, 4096, 14336, 32, false),
+        ] {
+            matmul(s, Kind::Int8(g), n, rows, cols, bias);
+        }
+    });
+}
+
+#[test]
+fn rope_rotations() {
+    run("rope_rotations", &ALL_DTYPES, |s| {
+        for r in rope_configs(128) {
+            rope(s, &r, 17, 32, 128, 32767);
+            rope(s, &r, 1, 8, 128, 131071);
+        }
+        for r in rope_configs(64) {
+            rope(s, &r, 256, 9, 64, 8191);
+        }
+        let fixture = rope_configs(16);
+        rope(s, &fixture[0], 5, 4, 16, 100);
+        let qwen3 = rope_configs(32);
+        rope(s, &qwen3[1], 5, 2, 32, 100);
+    });
+}
+
+#[test]
+fn sample_distributions() {
+    run("sample_distributions", &ALL_DTYPES, |s| {
+        let p = |temperature, top_k, top_p, min_p| SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            ..Default::default()
+        };
+        sample_distribution(s, "pure softmax", 50, -2.0, p(1.0, 0, 1.0, 0.0), 16);
+        sample_distribution(s, "all filters", 1024, -2.0, p(0.8, 30, 0.9, 0.01), 32);
+        // The tail holds about 4% of the mass: top-p 0.77 keeps 6 ladder tokens when normalised
+        // over all 128256 logits, but 5 when the tail is left out.
+        sample_distribution(s, "large vocab top-p", 128256, -10.0, p(1.0, 0, 0.77, 0.0), 4);
+    });
+}
+
+#[test]
+fn sample_greedy_and_penalties() {
+    run("sample_greedy_and_penalties", &ALL_DTYPES, |s| {
+        sample_greedy(s, 16, 128256);
+        sample_greedy(s, 256, 32000);
+        sample_greedy(s, 7, 49152);
+        sample_greedy(s, 64, 384);
+        sample_penalties(s, 48, 32000);
+        sample_penalties(s, 8, 151936);
+    });
+}
+
+#[test]
+fn sample_stochastic_allowed_sets() {
+    run("sample_stochastic_allowed_sets", &ALL_DTYPES, |s| {
+        sample_stochastic(s, 60, 32000);
+        sample_stochastic(s, 20, 128256);
+        sample_stochastic(s, 30, 384);
+    });
+}
+
+/// A small case of every op, for `compute-sanitizer` (memcheck, racecheck), where kernels run
+/// 10–100 times slower: `conformance sanitizer_subset` (bf16 unless `TM_CONFORMANCE_DTYPES` says).
+#[test]
+fn sanitizer_subset() {
+    let wanted = if std::env::var("TM_CONFORMANCE_DTYPES").is_ok() { ALL_DTYPES.to_vec() } else { vec![DType::BF16] };
+    run("sanitizer_subset", &wanted, |s| {
+        load_dense_case(s, DType::F32, 3, 64);
+        embedding(s, Kind::Dense, 300, 64, &[5]);
+        embedding(s, Kind::Int8(32), 300, 64, &[5]);
+        embedding(s, Kind::Int4(32), 300, 64, &[5]);
+        rms_norm(s, 3, 576, 576, 1e-5);
+        rms_norm(s, 3, 4 * 64, 64, 1e-5);
+        add_rms_norm(s, 3, 896, 1e-5);
+        for kind in [Kind::Dense, Kind::Int8(32), Kind::Int4(32)] {
+            matmul(s, kind, 1, 96, 256, true);
+            matmul(s, kind, 17, 64, 576, false);
+        }
+        let r = rope_configs(64);
+        rope(s, &r[0], 3, 4, 64, 1000);
+        rope(s, &r[4], 3, 4, 64, 1000);
+        silu_mul(s, 3, 1536);
+        add_in_place(s, 3, 576);
+        gather_rows(s, 5, 576, 3);
+        let a = |heads, kv_heads, head_dim, block_size, window, seqs| Attn {
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            window,
+            seqs,
+        };
+        attention(s, "mixed small", a(8, 2, 64, 16, None, vec![(1, 40), (9, 9), (5, 70)]));
+        attention(s, "mixed small", a(8, 8, 128, 32, Some(16), vec![(1, 100), (20, 50)]));
+        sample_greedy(s, 4, 1000);
+        sample_penalties(s, 4, 1000);
+        sample_stochastic(s, 10, 1000);
+    });
+}
+
+/// Inputs that are out of range must come back as errors, not faults or panics.
+#[test]
+fn zz_invalid_inputs_are_errors() {
+    run("zz_invalid_inputs_are_errors", &[DType::BF16], |s| {
+        // Each closure must return Err from the backend; Ok is a failure.
+        fn expect_err(c: &mut Case<'_>, what: &str, r: tm_core::Result<()>) {
+            match r {
+                Err(e) => c.notes.push(format!("{what}: {e}")),
+                Ok(()) => c.problems.push(format!("{what}: accepted (must be an error)")),
+            }
+        }
+        s.case("matmul with a wrong output shape", |c| {
+            let x = c.act(&[2, 64], &[0.5; 128])?;
+            let w = c.weight(Kind::Dense, 32, 64, 0.1)?;
+            let mut out = c.output(&[2, 31])?;
+            let r = c.gpu.matmul(&x.gpu, &w.gpu, None, &mut out.gpu);
+            expect_err(c, "matmul", r);
+            Ok(())
+        });
+        s.case("embedding with a token id past the vocabulary", |c| {
+            let w = c.weight(Kind::Dense, 100, 64, 1.0)?;
+            let mut out = c.output(&[2, 64])?;
+            let r = c.gpu.embedding(&w.gpu, &[3, 100], &mut out.gpu);
+            expect_err(c, "embedding", r);
+            Ok(())
+        });
+        s.case("write_kv to a slot past the cache", |c| {
+            let k = c.act(&[1, 64], &[1.0; 64])?;
+            let mut kc = c.output(&[2, 16, 1, 64])?;
+            let mut vc = c.output(&[2, 16, 1, 64])?;
+            let r = c.gpu.write_kv(&k.gpu, &k.gpu, &mut kc.gpu, &mut vc.gpu, &[32]);
+            expect_err(c, "write_kv", r);
+            Ok(())
+        });
+        s.case("attention through a block past the cache", |c| {
+            let q = c.act(&[1, 64], &[1.0; 64])?;
+            let kc = c.act(&[2, 16, 1, 64], &vec![0.0; 2 * 16 * 64])?;
+            let table = [5u32];
+            let seqs = [SeqAttention { query_start: 0, query_len: 1, context_len: 3, block_table: &table }];
+            let meta = AttentionMeta { seqs: &seqs, block_size: 16, scale: 0.125, sliding_window: None };
+            let mut out = c.output(&[1, 64])?;
+            let r = c.gpu.attention(&q.gpu, &kc.gpu, &kc.gpu, &meta, &mut out.gpu);
+            expect_err(c, "attention", r);
+            Ok(())
+        });
+        s.case("gather_rows of a row past the tensor", |c| {
+            let x = c.act(&[4, 64], &[1.0; 256])?;
+            let mut out = c.output(&[1, 64])?;
+            let r = c.gpu.gather_rows(&x.gpu, &[4], &mut out.gpu);
+            expect_err(c, "gather_rows", r);
+            Ok(())
+        });
+        s.case("sample with fewer requests than rows", |c| {
+            let l = c.act(&[2, 10], &[0.0; 20])?;
+            let reqs = [Req { params: SamplingParams::greedy(), prompt: vec![], output: vec![] }];
+            let r = sample_with(c.gpu, &l.gpu, &reqs, 0).map(|_| ());
+            expect_err(c, "sample", r);
+            Ok(())
+        });
+        // The backend still works after refusing all of that.
+        add_in_place(s, 3, 576);
+    });
+}

@@ -1,0 +1,828 @@
+// Causal paged attention (prefill chunks, prefix-cache hits and decode alike).
+//
+// Self-contained on purpose (no common.cuh): it must also compile under NVRTC, so it includes
+// only the CUDA half/bfloat16 headers. The parameter lists are documented in ABI.md; the launch
+// configuration lives in crates/tm-cuda/src/kernels/attention.rs.
+//
+// Kernels (T = f32/f16/bf16 suffix, D = head_dim):
+// - attn_decode_d<D>_<T> (f16, bf16): split-K flash decoding for sequences with q_len == 1.
+//   One CTA (4 warps) per (split, kv head x head sub-group, sequence); the CTA's query rows are
+//   the (up to 16) query heads of one KV-head group, so every K/V tile is read once per group.
+//   K/V tiles of 64 tokens go through shared memory (cp.async; double buffered for D <= 112, one
+//   stage above so that several CTAs fit on an SM); warp w takes
+//   tokens 16w..16w+15 of each tile with tensor-core mma (m16n8k16), keeps its own online
+//   softmax, and the four warps are merged at the end. A sequence whose keys fit in one
+//   partition is written straight to `out`; otherwise each split writes a normalised partial
+//   output and its (max, sum) to scratch and attn_combine_<T> merges them.
+// - attn_prefill_d<D>_<T> (f16, bf16): flash-attention-2 for sequences with q_len > 1. One CTA
+//   (4 warps x 32 rows for D <= 128, 4 x 16 above: BM = 128 or 64 rows) per (query tile, kv head
+//   x head sub-group); rows are token-major over the group's query heads (row r = token r / GS,
+//   head r % GS), so a tile covers BM / GS tokens. 64 keys per K/V tile (32 for D > 128).
+//   K/V tiles through shared memory (cp.async, double buffered), online softmax, causal and
+//   sliding-window masks, tensor-core mma. The tiles of all sequences are numbered flat (a warp
+//   scan over q_len finds a CTA's sequence), the longest (last) tiles of a sequence first.
+// - attn_combine_<T> (f16, bf16, f32): merges the split-K partials of attn_decode.
+// - attn_simple_<T> (f32, f16, bf16): CUDA-core reference path for any head_dim <= 256, one warp
+//   per (query token, head), 8 keys per step. Used for f32 and as the fallback.
+//
+// Arithmetic is in f32; the tensor-core kernels round the softmax weights P to T before P.V
+// (as flash-attention does). Output rows that belong to no sequence are not written.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace tm_attn {
+
+#define TM_FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// Two floats packed as a T pair in one 32-bit register: `lo` in the low half (lower column).
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+// Sequence metadata, read once per CTA.
+struct Seq {
+    int q_start, q_len, ctx_len, bt_start;
+};
+
+__device__ __forceinline__ Seq load_seq(const int* q_start, const int* q_len, const int* ctx_len, const int* bt_start,
+                                        int s) {
+    Seq r;
+    r.q_start = q_start[s];
+    r.q_len = q_len[s];
+    r.ctx_len = ctx_len[s];
+    r.bt_start = bt_start[s];
+    return r;
+}
+
+// Element offset of (key position `key`, kv head `kvh`, d = 0) in a KV cache.
+__device__ __forceinline__ long long kv_offset(const unsigned* block_tables, int bt_start, int key, int block_size,
+                                               int kv_heads, int kvh, int head_dim) {
+    const unsigned block = block_tables[bt_start + key / block_size];
+    const long long slot = (long long)block * block_size + key % block_size;
+    return (slot * kv_heads + kvh) * (long long)head_dim;
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define TM_ATTN_TC 1
+#else
+#define TM_ATTN_TC 0
+#endif
+
+#if TM_ATTN_TC
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// 16-byte global -> shared copy; `src_bytes` = 0 fills the 16 bytes with zeros (`src` must still
+// be a valid address).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// c += a (16x16, row major) * b (16x8, "col": b0/b1 hold B^T row gid) in f32.
+template <typename T> __device__ __forceinline__ void mma16816(float c[4], const unsigned a[4], unsigned b0, unsigned b1);
+template <>
+__device__ __forceinline__ void mma16816<__half>(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// One warp's flash step on 16 * MT query rows x 16 * KP keys held in shared memory.
+//
+// sQ: the warp's rows (row stride LD = D + 8 elements; m-tile mt = rows 16mt..16mt+15); sK/sV:
+// the step's keys, key i at row i (stride LD). Updates the running max `m` (log2 domain), the
+// per-thread partial row sums `l` and the accumulators `o` (m16n8 C layout: o[mt][nt][0..1] row
+// 16mt + gid, o[mt][nt][2..3] row 16mt + gid + 8, columns nt*8 + 2*tig + {0,1}).
+// `mask(mt, row_half, key_index, score)` returns the (possibly -inf) masked score.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int D, int MT, int KP, typename Mask>
+__device__ __forceinline__ void flash_step(const T* sQ, const T* sK, const T* sV, float scale_log2, float m[MT][2],
+                                           float l[MT][2], float o[MT][D / 8][4], Mask mask) {
+    constexpr int LD = D + 8;
+    const int lane = threadIdx.x & 31;
+    float s[MT][2 * KP][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < 2 * KP; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+        }
+    }
+    // S = Q K^T
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+        unsigned a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            ldmatrix_x4(a[mt], sQ + (mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + ks * 16 + (lane >> 4) * 8);
+#pragma unroll
+        for (int np = 0; np < KP; ++np) {
+            unsigned b[4];
+            ldmatrix_x4(b, sK + (np * 16 + (lane & 7) + (lane >> 4) * 8) * LD + ks * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
+                mma16816<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        // scale, mask, running max
+        float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int nt = 0; nt < 2 * KP; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = nt * 8 + 2 * (lane & 3) + (e & 1);
+                const float v = mask(mt, e >> 1, key, s[mt][nt][e] * scale_log2);
+                s[mt][nt][e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+        }
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(TM_FULL_MASK, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(TM_FULL_MASK, mx[i], 2));
+            const float m_new = fmaxf(m[mt][i], mx[i]);
+            m_use[i] = m_new == neg_inf() ? 0.f : m_new;
+            alpha[i] = exp2f(m[mt][i] - m_use[i]);
+            m[mt][i] = m_new;
+        }
+        float rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nt = 0; nt < 2 * KP; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2f(s[mt][nt][e] - m_use[e >> 1]);
+                s[mt][nt][e] = p;
+                rs[e >> 1] += p;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) l[mt][i] = l[mt][i] * alpha[i] + rs[i];
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            o[mt][nt][0] *= alpha[0];
+            o[mt][nt][1] *= alpha[0];
+            o[mt][nt][2] *= alpha[1];
+            o[mt][nt][3] *= alpha[1];
+        }
+    }
+    // O += P V
+#pragma unroll
+    for (int kk = 0; kk < KP; ++kk) {
+        unsigned a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            a[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+            a[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+            a[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+            a[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, sV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + dp * 16 + (lane >> 4) * 8);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma16816<T>(o[mt][2 * dp], a[mt], b[0], b[1]);
+                mma16816<T>(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// Issues the cp.async copies of keys [k0, k0 + rows) of one KV head into sK/sV (row stride D + 8);
+// rows at or past `k_end` are zero-filled. All 128 threads take part.
+template <typename T, int D>
+__device__ __forceinline__ void load_kv_tile(T* sK, T* sV, const T* k_cache, const T* v_cache,
+                                             const unsigned* block_tables, int bt_start, int block_size, int kv_heads,
+                                             int kvh, int k0, int k_end, int rows) {
+    constexpr int LD = D + 8;
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    for (int c = threadIdx.x; c < rows * CH; c += 128) {
+        const int r = c / CH;
+        const int ch = c - r * CH;
+        const int key = k0 + r;
+        T* dk = sK + r * LD + ch * 8;
+        T* dv = sV + r * LD + ch * 8;
+        if (key < k_end) {
+            const long long off = kv_offset(block_tables, bt_start, key, block_size, kv_heads, kvh, D) + ch * 8;
+            cp_async16(dk, k_cache + off, 16);
+            cp_async16(dv, v_cache + off, 16);
+        } else {
+            cp_async16(dk, k_cache, 0);
+            cp_async16(dv, v_cache, 0);
+        }
+    }
+}
+#endif  // TM_ATTN_TC
+
+// ---------------------------------------------------------------------------------------------
+// Decode (q_len == 1), split-K.
+// grid (num_splits, kv_heads * n_sub, num_seqs), block 128,
+// dynamic smem (16 + 2 * ST * 64) * (D + 8) * sizeof(T).
+// ---------------------------------------------------------------------------------------------
+// Tuning knob (the launcher mirrors it): largest head_dim whose K/V tiles are double buffered;
+// above it one stage keeps the shared memory small enough for several CTAs per SM.
+#ifndef TM_ATTN_DECODE_2STAGE_MAX_D
+#define TM_ATTN_DECODE_2STAGE_MAX_D 112
+#endif
+template <int D> struct DecodeCfg {
+    static constexpr int BN = 64;  // keys per CTA tile (16 per warp)
+    static constexpr int LD = D + 8;
+    static constexpr int ST = D <= TM_ATTN_DECODE_2STAGE_MAX_D ? 2 : 1;  // K/V stages
+};
+
+// The split plan of one decode sequence, shared by attn_decode and attn_combine.
+struct DecodeRange {
+    int lo, end;  // keys [lo, end)
+    int used;     // splits with work
+    bool direct;  // one partition holds every key: the decode kernel writes `out` itself
+};
+
+__device__ __forceinline__ DecodeRange decode_range(int ctx_len, int window, int num_splits, int partition) {
+    DecodeRange r;
+    const int pos = ctx_len - 1;
+    r.end = pos + 1;
+    r.lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    const int n = r.end - r.lo;
+    r.direct = n <= partition;
+    r.used = r.direct ? 1 : min((n + partition - 1) / partition, num_splits);
+    return r;
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void attn_decode(const T* __restrict__ q, const T* __restrict__ k_cache,
+                                            const T* __restrict__ v_cache, T* __restrict__ out,
+                                            float* __restrict__ part_o, float* __restrict__ part_ml,
+                                            const int* q_start, const int* q_len, const int* ctx_len,
+                                            const int* bt_start, const unsigned* __restrict__ block_tables, int heads,
+                                            int kv_heads, int gs, int block_size, float scale_log2, int window,
+                                            int num_splits, int partition) {
+#if TM_ATTN_TC
+    constexpr int BN = DecodeCfg<D>::BN;
+    constexpr int LD = DecodeCfg<D>::LD;
+    constexpr int CH = D / 8;
+    extern __shared__ __align__(16) unsigned char attn_smem[];
+    __shared__ float s_m[4][16], s_l[4][16], s_f[4][16];
+    T* sQ = reinterpret_cast<T*>(attn_smem);
+    constexpr int ST = DecodeCfg<D>::ST;
+    T* sK = sQ + 16 * LD;
+    T* sV = sK + ST * BN * LD;  // directly after the K stages (the final merge spans both)
+
+    const int seq = blockIdx.z;
+    const int split = blockIdx.x;
+    if (q_len[seq] != 1) return;
+    const Seq sq = load_seq(q_start, q_len, ctx_len, bt_start, seq);
+    const DecodeRange rg = decode_range(sq.ctx_len, window, num_splits, partition);
+    if (split >= rg.used) return;
+    const int k_begin = rg.lo + split * partition;
+    const int k_end = split == rg.used - 1 ? rg.end : k_begin + partition;
+
+    const int group = heads / kv_heads;
+    const int n_sub = (group + gs - 1) / gs;
+    const int kvh = blockIdx.y / n_sub;
+    const int g0 = (blockIdx.y - kvh * n_sub) * gs;  // first group member of this CTA
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+    // Q rows: row i = group member g0 + i (query head kvh * group + g0 + i).
+    for (int c = tid; c < 16 * CH; c += 128) {
+        const int i = c / CH, ch = c - i * CH;
+        const bool valid = i < gs && g0 + i < group;
+        const T* src = valid ? q + ((long long)sq.q_start * heads + kvh * group + g0 + i) * D + ch * 8 : q;
+        cp_async16(sQ + i * LD + ch * 8, src, valid ? 16 : 0);
+    }
+    const int ntiles = k_end > k_begin ? (k_end - k_begin + BN - 1) / BN : 0;
+    if (ntiles > 0)
+        load_kv_tile<T, D>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh, k_begin,
+                           k_end, BN);
+    cp_async_commit();
+
+    float o[1][D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) o[0][nt][0] = o[0][nt][1] = o[0][nt][2] = o[0][nt][3] = 0.f;
+    float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {{0.f, 0.f}};
+
+    for (int t = 0; t < ntiles; ++t) {
+        const int st = ST == 2 ? (t & 1) : 0;
+        if (ST == 2) {
+            // prefetch tile t + 1 into the other stage while tile t is used
+            if (t + 1 < ntiles)
+                load_kv_tile<T, D>(sK + (st ^ 1) * BN * LD, sV + (st ^ 1) * BN * LD, k_cache, v_cache, block_tables,
+                                   sq.bt_start, block_size, kv_heads, kvh, k_begin + (t + 1) * BN, k_end, BN);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            // one stage: tile 0 came with Q; tile t is loaded after everyone finished tile t - 1
+            if (t > 0)
+                load_kv_tile<T, D>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
+                                   k_begin + t * BN, k_end, BN);
+            cp_async_commit();
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const int kw = k_begin + t * BN + warp * 16;  // the warp's first key
+        if (kw < k_end) {
+            const int valid = k_end - kw;  // keys at index >= valid are masked
+            flash_step<T, D, 1, 1>(sQ, sK + st * BN * LD + warp * 16 * LD, sV + st * BN * LD + warp * 16 * LD,
+                                   scale_log2, m, l, o,
+                                   [valid](int, int, int key, float v) { return key < valid ? v : neg_inf(); });
+        }
+        __syncthreads();
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Merge the four warps: each writes its unnormalised rows, max and partial sums.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[0][i] += __shfl_xor_sync(TM_FULL_MASK, l[0][i], 1);
+        l[0][i] += __shfl_xor_sync(TM_FULL_MASK, l[0][i], 2);
+    }
+    // [4][16][D] floats = 256 * D bytes; the K and V stages hold 4 * ST * BN * LD >= 256 * (D + 8).
+    float* sO = reinterpret_cast<float*>(sK);
+    const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+        const int col = nt * 8 + 2 * tig;
+        sO[(warp * 16 + gid) * D + col] = o[0][nt][0];
+        sO[(warp * 16 + gid) * D + col + 1] = o[0][nt][1];
+        sO[(warp * 16 + gid + 8) * D + col] = o[0][nt][2];
+        sO[(warp * 16 + gid + 8) * D + col + 1] = o[0][nt][3];
+    }
+    if (tig == 0) {
+        s_m[warp][gid] = m[0][0];
+        s_l[warp][gid] = l[0][0];
+        s_m[warp][gid + 8] = m[0][1];
+        s_l[warp][gid + 8] = l[0][1];
+    }
+    __syncthreads();
+    if (tid < 16) {
+        float mm = neg_inf();
+        for (int w = 0; w < 4; ++w) mm = fmaxf(mm, s_m[w][tid]);
+        const float mu = mm == neg_inf() ? 0.f : mm;
+        float ll = 0.f;
+        for (int w = 0; w < 4; ++w) ll += s_l[w][tid] * exp2f(s_m[w][tid] - mu);
+        const float inv = ll > 0.f ? 1.f / ll : 0.f;
+        for (int w = 0; w < 4; ++w) s_f[w][tid] = exp2f(s_m[w][tid] - mu) * inv;
+        const int g = g0 + tid;
+        if (!rg.direct && tid < gs && g < group) {
+            const long long idx = ((long long)seq * heads + kvh * group + g) * num_splits + split;
+            part_ml[2 * idx] = mm;
+            part_ml[2 * idx + 1] = ll;
+        }
+    }
+    __syncthreads();
+    for (int c = tid; c < 16 * D; c += 128) {
+        const int i = c / D, d = c - i * D;
+        const int g = g0 + i;
+        if (i >= gs || g >= group) continue;
+        const float v = sO[i * D + d] * s_f[0][i] + sO[(16 + i) * D + d] * s_f[1][i] +
+                        sO[(32 + i) * D + d] * s_f[2][i] + sO[(48 + i) * D + d] * s_f[3][i];
+        const int h = kvh * group + g;
+        if (rg.direct) {
+            out[((long long)sq.q_start * heads + h) * D + d] = from_float<T>(v);
+        } else {
+            part_o[(((long long)seq * heads + h) * num_splits + split) * D + d] = v;
+        }
+    }
+#endif
+}
+
+// Merges split-K partials. grid (heads, num_seqs), block 128.
+template <typename T>
+__device__ __forceinline__ void attn_combine(T* __restrict__ out, const float* __restrict__ part_o,
+                                             const float* __restrict__ part_ml, const int* q_start, const int* q_len,
+                                             const int* ctx_len, int heads, int head_dim, int window,
+                                             int num_splits, int partition) {
+    __shared__ float s_w[128];  // one weight per split (the launcher caps splits at 128)
+    __shared__ float s_inv;
+    const int h = blockIdx.x, seq = blockIdx.y;
+    if (q_len[seq] != 1) return;
+    const DecodeRange rg = decode_range(ctx_len[seq], window, num_splits, partition);
+    if (rg.direct) return;
+    const long long base = ((long long)seq * heads + h) * num_splits;
+    if (threadIdx.x == 0) {
+        float mm = neg_inf();
+        for (int k = 0; k < rg.used; ++k) mm = fmaxf(mm, part_ml[2 * (base + k)]);
+        const float mu = mm == neg_inf() ? 0.f : mm;
+        float ll = 0.f;
+        for (int k = 0; k < rg.used; ++k) {
+            const float w = part_ml[2 * (base + k) + 1] * exp2f(part_ml[2 * (base + k)] - mu);
+            s_w[k] = w;
+            ll += w;
+        }
+        s_inv = ll > 0.f ? 1.f / ll : 0.f;
+    }
+    __syncthreads();
+    const float inv = s_inv;
+    const long long o_row = (long long)q_start[seq] * heads + h;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.f;
+        for (int k = 0; k < rg.used; ++k) {
+            const float w = s_w[k];
+            if (w != 0.f) acc += w * part_o[(base + k) * head_dim + d];
+        }
+        out[o_row * head_dim + d] = from_float<T>(acc * inv);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill (q_len > 1).
+// grid (num_tiles_bound, kv_heads * n_sub), block 128, dynamic smem (BM + 4 * BN) * (D + 8) * sizeof(T).
+// ---------------------------------------------------------------------------------------------
+// Tuning knobs (the launcher mirrors the defaults): largest head_dim with 2 m16 tiles per warp,
+// largest head_dim with 64-key tiles (32 above).
+#ifndef TM_ATTN_PREFILL_MT2_MAX_D
+#define TM_ATTN_PREFILL_MT2_MAX_D 128
+#endif
+#ifndef TM_ATTN_PREFILL_BN64_MAX_D
+#define TM_ATTN_PREFILL_BN64_MAX_D 128
+#endif
+template <int D> struct PrefillCfg {
+    static constexpr int MT = D <= TM_ATTN_PREFILL_MT2_MAX_D ? 2 : 1;    // m16 tiles per warp
+    static constexpr int BM = 4 * 16 * MT;                               // query rows per CTA
+    static constexpr int BN = D <= TM_ATTN_PREFILL_BN64_MAX_D ? 64 : 32;  // keys per tile
+    static constexpr int LD = D + 8;
+};
+
+// Finds the CTA's (sequence, tile) among the flat-numbered tiles of all sequences with
+// q_len > 1 (ceil(q_len / tq) tiles each). Every lane of the warp must call it; all get the same.
+__device__ __forceinline__ bool find_tile(const int* q_len, int num_seqs, int tq, int tile, int& seq, int& tile_in_seq,
+                                          int& seq_tiles) {
+    const int lane = threadIdx.x & 31;
+    int base = 0;
+    for (int s0 = 0; s0 < num_seqs; s0 += 32) {
+        const int s = s0 + lane;
+        int n = 0;
+        if (s < num_seqs) {
+            const int ql = q_len[s];
+            n = ql > 1 ? (ql + tq - 1) / tq : 0;
+        }
+        int inc = n;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int v = __shfl_up_sync(TM_FULL_MASK, inc, off);
+            if (lane >= off) inc += v;
+        }
+        const unsigned hit = __ballot_sync(TM_FULL_MASK, base + inc > tile);
+        if (hit != 0u) {
+            const int src = __ffs(hit) - 1;
+            seq = s0 + src;
+            seq_tiles = __shfl_sync(TM_FULL_MASK, n, src);
+            tile_in_seq = tile - base - __shfl_sync(TM_FULL_MASK, inc - n, src);
+            return true;
+        }
+        base += __shfl_sync(TM_FULL_MASK, inc, 31);
+    }
+    return false;
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void attn_prefill(const T* __restrict__ q, const T* __restrict__ k_cache,
+                                             const T* __restrict__ v_cache, T* __restrict__ out, const int* q_start,
+                                             const int* q_len, const int* ctx_len, const int* bt_start,
+                                             const unsigned* __restrict__ block_tables, int num_seqs, int heads,
+                                             int kv_heads, int gs, int block_size, float scale_log2, int window) {
+#if TM_ATTN_TC
+    constexpr int MT = PrefillCfg<D>::MT;
+    constexpr int BM = PrefillCfg<D>::BM;
+    constexpr int BN = PrefillCfg<D>::BN;
+    constexpr int LD = PrefillCfg<D>::LD;
+    constexpr int CH = D / 8;
+    extern __shared__ __align__(16) unsigned char attn_smem[];
+    T* sQ = reinterpret_cast<T*>(attn_smem);
+    T* sK = sQ + BM * LD;
+    T* sV = sK + 2 * BN * LD;
+
+    const int tq = BM / gs;  // tokens per tile
+    int seq = 0, tile = 0, seq_tiles = 0;
+    if (!find_tile(q_len, num_seqs, tq, blockIdx.x, seq, tile, seq_tiles)) return;
+    const Seq sq = load_seq(q_start, q_len, ctx_len, bt_start, seq);
+    const int group = heads / kv_heads;
+    const int n_sub = (group + gs - 1) / gs;
+    const int kvh = blockIdx.y / n_sub;
+    const int g0 = (blockIdx.y - kvh * n_sub) * gs;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+    const int j0 = (seq_tiles - 1 - tile) * tq;  // the sequence's last tile first
+    const int jn = min(tq, sq.q_len - j0);       // tokens in this tile
+    const int pos0 = sq.ctx_len - sq.q_len + j0;  // position of token j0
+    const int nrows = jn * gs;
+    const int hi = pos0 + jn;  // keys [lo, hi)
+    const int lo = window > 0 ? max(0, pos0 + 1 - window) : 0;
+
+    // Q rows: row r = token j0 + r / gs, group member g0 + r % gs.
+    for (int c = tid; c < BM * CH; c += 128) {
+        const int r = c / CH, ch = c - r * CH;
+        const int j = r / gs, g = g0 + (r - j * gs);
+        const bool valid = r < nrows && g < group;
+        const T* src =
+            valid ? q + ((long long)(sq.q_start + j0 + j) * heads + kvh * group + g) * D + ch * 8 : q;
+        cp_async16(sQ + r * LD + ch * 8, src, valid ? 16 : 0);
+    }
+    const int ntiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
+    if (ntiles > 0)
+        load_kv_tile<T, D>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh, lo, hi,
+                           BN);
+    cp_async_commit();
+
+    // This thread's rows (wr0 + 16 * mt + gid + 8 * i) and the warp's position range.
+    const int gid = lane >> 2, tig = lane & 3;
+    const int wr0 = warp * 16 * MT;
+    int rpos[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int r = wr0 + 16 * mt + gid + 8 * i;
+            const int j = r / gs, g = g0 + (r - j * gs);
+            rpos[mt][i] = (r < nrows && g < group) ? pos0 + j : -1;
+        }
+    }
+    const bool warp_active = wr0 < nrows;
+    const int wmin = pos0 + wr0 / gs;  // valid only if warp_active
+    const int wmax = pos0 + min(wr0 + 16 * MT - 1, nrows - 1) / gs;
+
+    float o[MT][D / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.f;
+    }
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        m[mt][0] = m[mt][1] = neg_inf();
+        l[mt][0] = l[mt][1] = 0.f;
+    }
+
+    for (int t = 0; t < ntiles; ++t) {
+        const int st = t & 1;
+        if (t + 1 < ntiles)
+            load_kv_tile<T, D>(sK + (st ^ 1) * BN * LD, sV + (st ^ 1) * BN * LD, k_cache, v_cache, block_tables,
+                               sq.bt_start, block_size, kv_heads, kvh, lo + (t + 1) * BN, hi, BN);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        const int k0 = lo + t * BN;
+        const bool any = warp_active && k0 <= wmax && (window <= 0 || k0 + BN - 1 > wmin - window);
+        if (any) {
+            const bool full = k0 + BN - 1 <= wmin && (window <= 0 || k0 > wmax - window);
+            const T* tk = sK + st * BN * LD;
+            const T* tv = sV + st * BN * LD;
+            const T* wq = sQ + wr0 * LD;
+            if (full) {
+                flash_step<T, D, MT, BN / 16>(wq, tk, tv, scale_log2, m, l, o,
+                                              [](int, int, int, float v) { return v; });
+            } else {
+                int last[MT][2];  // last visible key index of each row in this tile
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    last[mt][0] = rpos[mt][0] - k0;
+                    last[mt][1] = rpos[mt][1] - k0;
+                }
+                const int w = window;
+                flash_step<T, D, MT, BN / 16>(wq, tk, tv, scale_log2, m, l, o,
+                                              [&last, w](int mt, int i, int key, float v) {
+                                                  const int p = last[mt][i];
+                                                  return (key <= p && (w <= 0 || key > p - w)) ? v : neg_inf();
+                                              });
+            }
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float li = l[mt][i];
+            li += __shfl_xor_sync(TM_FULL_MASK, li, 1);
+            li += __shfl_xor_sync(TM_FULL_MASK, li, 2);
+            if (rpos[mt][i] < 0) continue;
+            const int r = wr0 + 16 * mt + gid + 8 * i;
+            const int j = r / gs, g = g0 + (r - j * gs);
+            const float inv = li > 0.f ? 1.f / li : 0.f;
+            T* dst = out + ((long long)(sq.q_start + j0 + j) * heads + kvh * group + g) * D + 2 * tig;
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt) {
+                *reinterpret_cast<unsigned*>(dst + nt * 8) =
+                    pack2<T>(o[mt][nt][2 * i] * inv, o[mt][nt][2 * i + 1] * inv);
+            }
+        }
+    }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA-core path for any head_dim <= 256: one warp per (query token, head).
+// grid (total_q, ceil(heads / 4)), block 128, no dynamic shared memory.
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ void attn_simple(const T* __restrict__ q, const T* __restrict__ k_cache,
+                                            const T* __restrict__ v_cache, T* __restrict__ out, const int* q_start,
+                                            const int* q_len, const int* ctx_len, const int* bt_start,
+                                            const unsigned* __restrict__ block_tables, int num_seqs, int heads,
+                                            int kv_heads, int head_dim, int block_size, float scale, int window) {
+    constexpr int ND = 8;  // head_dim / 32, rounded up, at most
+    constexpr int KS = 8;  // keys per step
+    const int lane = threadIdx.x & 31;
+    const int h = blockIdx.y * 4 + (threadIdx.x >> 5);
+    const int t = blockIdx.x;
+    if (h >= heads) return;
+    // The sequence owning query row t.
+    int seq = -1;
+    for (int s0 = 0; s0 < num_seqs && seq < 0; s0 += 32) {
+        const int s = s0 + lane;
+        bool own = false;
+        if (s < num_seqs) {
+            const int qs = q_start[s];
+            own = qs <= t && t < qs + q_len[s];
+        }
+        const unsigned hit = __ballot_sync(TM_FULL_MASK, own);
+        if (hit != 0u) seq = s0 + __ffs(hit) - 1;
+    }
+    if (seq < 0) return;
+    const Seq sq = load_seq(q_start, q_len, ctx_len, bt_start, seq);
+    const int pos = sq.ctx_len - sq.q_len + (t - sq.q_start);
+    const int lo = window > 0 ? max(0, pos + 1 - window) : 0;
+    const int kvh = h / (heads / kv_heads);
+
+    float qv[ND], acc[ND];
+    const T* qrow = q + ((long long)t * heads + h) * head_dim;
+#pragma unroll
+    for (int i = 0; i < ND; ++i) {
+        const int d = lane + 32 * i;
+        qv[i] = d < head_dim ? to_float(qrow[d]) : 0.f;
+        acc[i] = 0.f;
+    }
+    float m = neg_inf(), l = 0.f;
+    for (int k0 = lo; k0 <= pos; k0 += KS) {
+        long long off[KS];
+#pragma unroll
+        for (int j = 0; j < KS; ++j) {
+            const int key = min(k0 + j, pos);
+            off[j] = kv_offset(block_tables, sq.bt_start, key, block_size, kv_heads, kvh, head_dim);
+        }
+        float s[KS];
+#pragma unroll
+        for (int j = 0; j < KS; ++j) {
+            float part = 0.f;
+#pragma unroll
+            for (int i = 0; i < ND; ++i) {
+                const int d = lane + 32 * i;
+                if (d < head_dim) part += qv[i] * to_float(k_cache[off[j] + d]);
+            }
+            s[j] = part;
+        }
+#pragma unroll
+        for (int off_ = 16; off_ > 0; off_ >>= 1) {
+#pragma unroll
+            for (int j = 0; j < KS; ++j) s[j] += __shfl_xor_sync(TM_FULL_MASK, s[j], off_);
+        }
+        float mx = m;
+#pragma unroll
+        for (int j = 0; j < KS; ++j) {
+            s[j] = k0 + j <= pos ? s[j] * scale : neg_inf();
+            mx = fmaxf(mx, s[j]);
+        }
+        // mx is finite: key k0 <= pos is always visible.
+        const float alpha = expf(m - mx);
+        m = mx;
+        float ps = 0.f;
+#pragma unroll
+        for (int j = 0; j < KS; ++j) {
+            s[j] = expf(s[j] - mx);
+            ps += s[j];
+        }
+        l = l * alpha + ps;
+#pragma unroll
+        for (int i = 0; i < ND; ++i) acc[i] *= alpha;
+#pragma unroll
+        for (int j = 0; j < KS; ++j) {
+#pragma unroll
+            for (int i = 0; i < ND; ++i) {
+                const int d = lane + 32 * i;
+                if (d < head_dim) acc[i] += s[j] * to_float(v_cache[off[j] + d]);
+            }
+        }
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    T* orow = out + ((long long)t * heads + h) * head_dim;
+#pragma unroll
+    for (int i = 0; i < ND; ++i) {
+        const int d = lane + 32 * i;
+        if (d < head_dim) orow[d] = from_float<T>(acc[i] * inv);
+    }
+}
+
+}  // namespace tm_attn
+
+// ---------------------------------------------------------------------------------------------
+// Entry points (parameter lists: ABI.md).
+// ---------------------------------------------------------------------------------------------
+#define TM_ATTN_TC_KERNELS(D, SUF, T)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(128)                                                                  \
+        attn_decode_d##D##_##SUF(const T* q, const T* k_cache, const T* v_cache, T* out, float* part_o,               \
+                                 float* part_ml, const int* q_start, const int* q_len, const int* ctx_len,            \
+                                 const int* bt_start, const unsigned* block_tables, int heads, int kv_heads, int gs,  \
+                                 int block_size, float scale_log2, int window, int num_splits, int partition) {       \
+        tm_attn::attn_decode<T, D>(q, k_cache, v_cache, out, part_o, part_ml, q_start, q_len, ctx_len, bt_start,     \
+                                   block_tables, heads, kv_heads, gs, block_size, scale_log2, window, num_splits,     \
+                                   partition);                                                                         \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128)                                                                  \
+        attn_prefill_d##D##_##SUF(const T* q, const T* k_cache, const T* v_cache, T* out, const int* q_start,         \
+                                  const int* q_len, const int* ctx_len, const int* bt_start,                          \
+                                  const unsigned* block_tables, int num_seqs, int heads, int kv_heads, int gs,        \
+                                  int block_size, float scale_log2, int window) {                                     \
+        tm_attn::attn_prefill<T, D>(q, k_cache, v_cache, out, q_start, q_len, ctx_len, bt_start, block_tables,       \
+                                    num_seqs, heads, kv_heads, gs, block_size, scale_log2, window);                   \
+    }
+
+#define TM_ATTN_TC_ALL_D(SUF, T)      \
+    TM_ATTN_TC_KERNELS(32, SUF, T)    \
+    TM_ATTN_TC_KERNELS(64, SUF, T)    \
+    TM_ATTN_TC_KERNELS(80, SUF, T)    \
+    TM_ATTN_TC_KERNELS(96, SUF, T)    \
+    TM_ATTN_TC_KERNELS(112, SUF, T)   \
+    TM_ATTN_TC_KERNELS(128, SUF, T)   \
+    TM_ATTN_TC_KERNELS(160, SUF, T)   \
+    TM_ATTN_TC_KERNELS(192, SUF, T)   \
+    TM_ATTN_TC_KERNELS(256, SUF, T)
+
+TM_ATTN_TC_ALL_D(f16, __half)
+TM_ATTN_TC_ALL_D(bf16, __nv_bfloat16)
+
+#define TM_ATTN_GENERIC_KERNELS(SUF, T)                                                                                \
+    extern "C" __global__ void __launch_bounds__(128)                                                                  \
+        attn_combine_##SUF(T* out, const float* part_o, const float* part_ml, const int* q_start, const int* q_len,    \
+                           const int* ctx_len, int heads, int head_dim, int window, int num_splits, int partition) {  \
+        tm_attn::attn_combine<T>(out, part_o, part_ml, q_start, q_len, ctx_len, heads, head_dim, window, num_splits,  \
+                                 partition);                                                                           \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128)                                                                  \
+        attn_simple_##SUF(const T* q, const T* k_cache, const T* v_cache, T* out, const int* q_start,                 \
+                          const int* q_len, const int* ctx_len, const int* bt_start, const unsigned* block_tables,    \
+                          int num_seqs, int heads, int kv_heads, int head_dim, int block_size, float scale,           \
+                          int window) {                                                                                \
+        tm_attn::attn_simple<T>(q, k_cache, v_cache, out, q_start, q_len, ctx_len, bt_start, block_tables, num_seqs,  \
+                                heads, kv_heads, head_dim, block_size, scale, window);                                \
+    }
+
+TM_ATTN_GENERIC_KERNELS(f32, float)
+TM_ATTN_GENERIC_KERNELS(f16, __half)
+TM_ATTN_GENERIC_KERNELS(bf16, __nv_bfloat16)

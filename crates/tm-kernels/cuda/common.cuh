@@ -1,0 +1,121 @@
+// Shared helpers for tm's CUDA kernels (see ABI.md).
+//
+// - dtype conversion: `tmk::to_float(x)` and `tmk::from_float<T>(f)` for float, __half and
+//   __nv_bfloat16 (round to nearest even);
+// - 16-byte vectors: `tmk::Vec16<T>` (4 floats or 8 halves), `tmk::aligned16(p)`;
+// - reductions: `tmk::warp_sum`, `tmk::warp_max`, `tmk::block_sum`, `tmk::block_max` (any block size
+//   that is a multiple of 32, up to 1024; every thread of the block must call them);
+// - `TM_KERNEL(name, (params), (args))`: defines `extern "C" __global__` kernels `name_f32`,
+//   `name_f16` and `name_bf16`, each calling the device template `name_impl<T>(args)`; `params` may
+//   name the dtype as `T`. `TM_KERNEL_BOUNDS(name, threads, ...)` adds `__launch_bounds__(threads)`.
+//
+// Only the CUDA fp16/bf16 headers are included, so the sources also compile with NVRTC.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace tmk {
+
+typedef unsigned long long u64;
+typedef long long i64;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+    return x;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+    return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+/// Rounds `x` to `T` and back (what storing to a `T` tensor and reloading it gives).
+template <typename T>
+__device__ __forceinline__ float round_to(float x) {
+    return to_float(from_float<T>(x));
+}
+
+/// 16 bytes of `T`: one 128-bit load or store.
+template <typename T>
+struct __align__(16) Vec16 {
+    static constexpr int N = 16 / sizeof(T);
+    T v[N];
+};
+
+/// Whether `p` is 16-byte aligned.
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<u64>(p) & 15ull) == 0; }
+
+template <typename T>
+__device__ __forceinline__ Vec16<T> load16(const T* p) {
+    return *reinterpret_cast<const Vec16<T>*>(p);
+}
+
+template <typename T>
+__device__ __forceinline__ void store16(T* p, const Vec16<T>& v) {
+    *reinterpret_cast<Vec16<T>*>(p) = v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/// Sum over the block, returned to every thread. `blockDim.x` must be a multiple of 32.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // `partial` may still be read by a previous call
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < warps ? partial[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+/// Maximum over the block, returned to every thread. `blockDim.x` must be a multiple of 32.
+__device__ __forceinline__ float block_max(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < warps ? partial[lane] : __int_as_float(0xff800000);  // -inf
+    return warp_max(v);
+}
+
+}  // namespace tmk
+
+#define TM_KERNEL_ONE_(name, sfx, TYPE, bounds, PARAMS, ARGS)        \
+    namespace tm_kernel_##name##_##sfx {                             \
+    typedef TYPE T;                                                  \
+    extern "C" __global__ void bounds name##_##sfx PARAMS { name##_impl<T> ARGS; } \
+    }
+
+#define TM_KERNEL_ALL_(name, bounds, PARAMS, ARGS)                   \
+    TM_KERNEL_ONE_(name, f32, float, bounds, PARAMS, ARGS)           \
+    TM_KERNEL_ONE_(name, f16, __half, bounds, PARAMS, ARGS)          \
+    TM_KERNEL_ONE_(name, bf16, __nv_bfloat16, bounds, PARAMS, ARGS)
+
+/// `name_f32`, `name_f16`, `name_bf16` calling `name_impl<T> ARGS`.
+#define TM_KERNEL(name, PARAMS, ARGS) TM_KERNEL_ALL_(name, , PARAMS, ARGS)
+
+/// As `TM_KERNEL`, with `__launch_bounds__(threads)`.
+#define TM_KERNEL_BOUNDS(name, threads, PARAMS, ARGS) TM_KERNEL_ALL_(name, __launch_bounds__(threads), PARAMS, ARGS)

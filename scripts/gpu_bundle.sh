@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Builds everything the GPU test suite needs into one self-contained folder (default
+# target/gpu-bundle/, inside the repository's ignored target/), for a GPU machine without Rust:
+#
+#   bin/tests/tm_cuda_unit   tm-cuda's unit tests (driver probe, device)      ┐ release test binaries,
+#   bin/tests/conformance    op-by-op CUDA vs CPU (crates/tm-cuda/tests/)     │ kernels embedded,
+#   bin/tests/end_to_end     fixtures, default model, engine on CUDA          ┘ stripped
+#   bin/tm-cli               the release CLI (check-env, generate, bench, ...)
+#   run.sh                   scripts/gpu_run.sh: runs the suite, logs into $OUT
+#   MANIFEST                 git revision, kernel arch, file sizes
+#
+# Usage (from anywhere in the repository):
+#   bash scripts/gpu_bundle.sh
+# then on the GPU machine, from the repository root (the fixtures travel with the working tree):
+#   bash target/gpu-bundle/run.sh            # SANITIZE=1 adds compute-sanitizer memcheck/racecheck
+#
+# Environment:
+#   TM_KERNEL_ARCH     kernel arch(es) for `cargo xtask build-kernels --arch` (default sm_90, H200)
+#   TM_SKIP_KERNELS=1  do not build the kernels (use what tm-kernels embeds now, or NVRTC at run time)
+#   TM_BUNDLE_DIR      output folder (default <repo>/target/gpu-bundle)
+#   TM_BUNDLE_MAX_MIB  size limit, checked at the end (default 60)
+#   TM_CARGO_FLAGS     extra cargo flags, e.g. "--no-default-features --features cuda-12"
+#   TM_STRIP_FLAGS     flags for strip (default --strip-debug: keeps symbol names for backtraces;
+#                      falls back to a full strip when the bundle would exceed the limit)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+ARCH="${TM_KERNEL_ARCH:-sm_90}"
+BUNDLE="${TM_BUNDLE_DIR:-$ROOT/target/gpu-bundle}"
+MAX_MIB="${TM_BUNDLE_MAX_MIB:-60}"
+STRIP_FLAGS="${TM_STRIP_FLAGS:---strip-debug}"
+# shellcheck disable=SC2206 # word splitting of the flags is intended
+CARGO_FLAGS=(${TM_CARGO_FLAGS:-})
+
+say() { printf '\n== %s\n' "$*" >&2; }
+die() { printf 'gpu_bundle: %s\n' "$*" >&2; exit 1; }
+
+command -v cargo >/dev/null || die "cargo not found"
+command -v strip >/dev/null || die "strip not found (binutils)"
+
+if [ "${TM_SKIP_KERNELS:-0}" = 1 ]; then
+    say "kernels: skipped (TM_SKIP_KERNELS=1)"
+else
+    # xtask finds nvcc on PATH, CUDA_HOME, pip site-packages, .venv-nvcc; add CI's pip install.
+    if [ -z "${NVCC:-}" ]; then
+        for f in "${TM_NVCC_HOME:-$HOME/.cache/tm/nvcc-13.0.88}"/lib/python3*/site-packages/nvidia/cu13/bin/nvcc \
+            "${TM_NVCC_HOME:-$HOME/.cache/tm/nvcc-13.0.88}"/site/nvidia/cu13/bin/nvcc; do
+            if [ -x "$f" ] && ! command -v nvcc >/dev/null; then export NVCC="$f"; break; fi
+        done
+    fi
+    say "kernels: cargo xtask build-kernels --arch $ARCH"
+    cargo xtask build-kernels --arch "$ARCH" ||
+        die "building the kernels failed (nvcc missing? TM_SKIP_KERNELS=1 bundles without them: NVRTC then compiles at run time)"
+fi
+
+say "test binaries: cargo test --release -p tm-cuda --no-run"
+JSON="$(mktemp)"
+trap 'rm -f "$JSON"' EXIT
+cargo test --release -p tm-cuda "${CARGO_FLAGS[@]}" --no-run --message-format=json-render-diagnostics >"$JSON"
+
+# "<target name> <executable>" for every test executable (lib unit tests and tests/*.rs).
+list_tests() {
+    if command -v jq >/dev/null; then
+        jq -r 'select(.reason == "compiler-artifact" and .executable != null and .profile.test == true)
+               | "\(.target.name) \(.executable)"' "$1"
+    else
+        python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["target"]["name"], m["executable"])' "$1"
+    fi
+}
+mapfile -t TESTS < <(list_tests "$JSON")
+[ "${#TESTS[@]}" -gt 0 ] || die "cargo reported no test executables for tm-cuda"
+
+say "tm-cli: cargo build --release -p tm-cli"
+cargo build --release -p tm-cli "${CARGO_FLAGS[@]}"
+CLI="$ROOT/target/release/tm-cli"
+[ -x "$CLI" ] || die "no $CLI after the build"
+
+say "bundle: $BUNDLE"
+rm -rf "$BUNDLE"
+mkdir -p "$BUNDLE/bin/tests"
+for entry in "${TESTS[@]}"; do
+    name="${entry%% *}"
+    exe="${entry#* }"
+    [ "$name" = tm_cuda ] && name=tm_cuda_unit
+    cp "$exe" "$BUNDLE/bin/tests/$name"
+done
+cp "$CLI" "$BUNDLE/bin/tm-cli"
+cp "$ROOT/scripts/gpu_run.sh" "$BUNDLE/run.sh"
+chmod +x "$BUNDLE/run.sh" "$BUNDLE"/bin/tm-cli "$BUNDLE"/bin/tests/*
+
+bundle_bytes() { du -sb "$BUNDLE" | cut -f1; }
+strip_all() { strip "$@" "$BUNDLE"/bin/tm-cli "$BUNDLE"/bin/tests/*; }
+# shellcheck disable=SC2086 # the flags are words
+strip_all $STRIP_FLAGS
+LIMIT=$((MAX_MIB * 1024 * 1024))
+if [ "$(bundle_bytes)" -gt "$LIMIT" ] && [ "$STRIP_FLAGS" != "--strip-all" ]; then
+    say "over ${MAX_MIB} MiB with $STRIP_FLAGS; stripping everything (backtraces lose function names)"
+    strip_all --strip-all
+fi
+
+{
+    echo "tm GPU test bundle"
+    echo "built:    $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m)"
+    echo "revision: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$ROOT" diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
+    if [ "${TM_SKIP_KERNELS:-0}" = 1 ]; then echo "kernels:  not built (embedded as found, else NVRTC)"; else echo "kernels:  $ARCH"; fi
+    echo "cargo:    ${TM_CARGO_FLAGS:-default features}"
+    echo "files:"
+    (cd "$BUNDLE" && find . -type f ! -name MANIFEST -printf '  %p %s\n' | sort)
+} >"$BUNDLE/MANIFEST"
+
+BYTES="$(bundle_bytes)"
+cat "$BUNDLE/MANIFEST" >&2
+printf 'total: %s bytes (%s MiB, limit %s MiB)\n' "$BYTES" "$((BYTES / 1024 / 1024))" "$MAX_MIB" >&2
+[ "$BYTES" -le "$LIMIT" ] || die "the bundle is $((BYTES / 1024 / 1024)) MiB, over the ${MAX_MIB} MiB limit"
+say "done. On the GPU machine, from the repository root: bash ${BUNDLE#"$ROOT"/}/run.sh"
