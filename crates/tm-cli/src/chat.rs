@@ -25,7 +25,7 @@ pub struct ChatArgs {
 /// Runs `chat`.
 pub fn run(args: ChatArgs) -> Result<()> {
     let params = args.sampling.params()?;
-    let ops = backend(args.model.backend);
+    let ops = backend(&args.model)?;
     let m = load_model(&args.model, ops.as_ref())?;
     let tok = &m.tokenizer;
     let mut session = Session::new(&m.model, ops.as_ref(), args.model.max_len, args.model.block_size)?;

@@ -17,10 +17,25 @@ use tm_model::plan::{human, plan, PlanRequest, PlanTarget};
 /// Which backend runs the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendChoice {
-    /// The best available (today: the CPU; GPU backends come later).
+    /// CUDA when a usable NVIDIA GPU is present, else the CPU.
     Auto,
     /// The CPU reference backend.
     Cpu,
+    /// An NVIDIA GPU (`--device` picks which).
+    Cuda,
+}
+
+/// The dtype activations, dense weights and the KV cache use on a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DTypeChoice {
+    /// bf16 on GPUs (the CPU always computes in f32).
+    Auto,
+    /// bfloat16.
+    Bf16,
+    /// float16.
+    F16,
+    /// float32.
+    F32,
 }
 
 /// Options naming the model and where it runs.
@@ -32,6 +47,12 @@ pub struct ModelArgs {
     /// Backend.
     #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
     pub backend: BackendChoice,
+    /// GPU ordinal for `--backend cuda`.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Compute dtype on GPUs.
+    #[arg(long, value_enum, default_value_t = DTypeChoice::Auto)]
+    pub dtype: DTypeChoice,
     /// Longest sequence (prompt plus output) in tokens.
     #[arg(long, default_value_t = 4096)]
     pub max_len: usize,
@@ -185,10 +206,31 @@ pub fn resolve_model(args: &ModelArgs) -> Result<PathBuf> {
     }
 }
 
-/// The backend for `choice`.
-pub fn backend(choice: BackendChoice) -> Box<dyn Ops> {
-    match choice {
-        BackendChoice::Auto | BackendChoice::Cpu => Box::new(CpuBackend::new()),
+/// The backend the flags ask for. `auto` takes the GPU when one is usable and says why not
+/// otherwise; an explicit `cuda` that cannot start is an error.
+pub fn backend(args: &ModelArgs) -> Result<Box<dyn Ops>> {
+    let dtype = match args.dtype {
+        DTypeChoice::Auto | DTypeChoice::Bf16 => tm_core::DType::BF16,
+        DTypeChoice::F16 => tm_core::DType::F16,
+        DTypeChoice::F32 => tm_core::DType::F32,
+    };
+    let open_cuda = || -> Result<Box<dyn Ops>> {
+        tm_cuda::probe().map_err(|e| anyhow::anyhow!("no usable CUDA GPU: {e}"))?;
+        let opts = tm_cuda::CudaOptions { ordinal: args.device, dtype, memory_cap: None };
+        let b = tm_cuda::CudaBackend::open(opts).context("opening the CUDA backend")?;
+        tracing::info!("backend: cuda device {} ({}), {dtype}", args.device, b.gpu().info().name);
+        Ok(Box::new(b))
+    };
+    match args.backend {
+        BackendChoice::Cpu => Ok(Box::new(CpuBackend::new())),
+        BackendChoice::Cuda => open_cuda(),
+        BackendChoice::Auto => match open_cuda() {
+            Ok(b) => Ok(b),
+            Err(e) => {
+                tracing::info!("backend: cpu ({e:#})");
+                Ok(Box::new(CpuBackend::new()))
+            }
+        },
     }
 }
 

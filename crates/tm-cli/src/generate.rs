@@ -30,7 +30,7 @@ pub struct GenerateArgs {
 /// Runs `generate`.
 pub fn run(args: GenerateArgs) -> Result<()> {
     let params = args.sampling.params()?;
-    let ops = backend(args.model.backend);
+    let ops = backend(&args.model)?;
     let m = load_model(&args.model, ops.as_ref())?;
     let tok = &m.tokenizer;
     let prompt_ids = if args.chat {

@@ -88,7 +88,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
             Some(p) => p.target(DEFAULT_HOST_RESERVE),
             None => bail!("unknown --device-profile `{name}`; known: {}", DeviceProfile::names()),
         },
-        None => PlanTarget::for_backend(backend(args.model.backend).as_ref())?,
+        None => PlanTarget::for_backend(backend(&args.model)?.as_ref())?,
     };
     let request = args.memory.request(&args.model);
     let plan = estimate(&ckpt, &target, &request).with_context(|| format!("planning {}", path.display()))?;

@@ -248,7 +248,7 @@ impl Suite {
             println!("ok   {head}: {} ({ms} ms)", c.notes.join("; "));
         }
         for p in c.problems {
-            println!("FAIL {head}: {p}");
+            println!("FAIL {head}: {p} ({ms} ms)");
             self.failures.push(format!("{head}: {p}"));
         }
     }
@@ -417,40 +417,54 @@ struct Stats {
     worst_rms: f64,
 }
 
-/// Compares `got` with `want` row by row (see the module docs for the measure).
+/// Compares `got` with `want` row by row (see the module docs for the measure), in parallel over
+/// blocks of rows.
 fn compare(got: &[f32], want: &[f32], row: usize, tol: f64) -> Stats {
-    let mut s = Stats { max_ratio: 0.0, worst: 0, bad: 0, nonfinite: 0, mean_abs: 0.0, worst_rms: 0.0 };
     let row = row.max(1);
-    let mut sum_abs = 0.0f64;
-    for (r, (g, w)) in got.chunks(row).zip(want.chunks(row)).enumerate() {
-        let rms = (w.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / w.len() as f64).sqrt();
-        for (i, (&gi, &wi)) in g.iter().zip(w).enumerate() {
-            let ratio = if gi.is_finite() != wi.is_finite() {
-                s.nonfinite += 1;
-                f64::INFINITY
-            } else if !wi.is_finite() {
-                if gi.to_bits() == wi.to_bits() || (gi.is_nan() && wi.is_nan()) {
-                    0.0
-                } else {
+    let block = row * CHUNK.div_ceil(row);
+    let part = |(b, (g, w)): (usize, (&[f32], &[f32]))| {
+        let mut s = Stats { max_ratio: 0.0, worst: 0, bad: 0, nonfinite: 0, mean_abs: 0.0, worst_rms: 0.0 };
+        for (r, (g, w)) in g.chunks(row).zip(w.chunks(row)).enumerate() {
+            let rms = (w.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / w.len() as f64).sqrt();
+            for (i, (&gi, &wi)) in g.iter().zip(w).enumerate() {
+                let ratio = if gi.is_finite() != wi.is_finite() {
+                    s.nonfinite += 1;
                     f64::INFINITY
+                } else if !wi.is_finite() {
+                    if gi.to_bits() == wi.to_bits() || (gi.is_nan() && wi.is_nan()) {
+                        0.0
+                    } else {
+                        f64::INFINITY
+                    }
+                } else {
+                    let d = (gi as f64 - wi as f64).abs();
+                    s.mean_abs += d;
+                    d / (rms + (wi as f64).abs()).max(f64::MIN_POSITIVE)
+                };
+                if ratio > tol {
+                    s.bad += 1;
                 }
-            } else {
-                let d = (gi as f64 - wi as f64).abs();
-                sum_abs += d;
-                d / (rms + (wi as f64).abs()).max(f64::MIN_POSITIVE)
-            };
-            if ratio > tol {
-                s.bad += 1;
-            }
-            if ratio > s.max_ratio {
-                s.max_ratio = ratio;
-                s.worst = r * row + i;
-                s.worst_rms = rms;
+                if ratio > s.max_ratio {
+                    s.max_ratio = ratio;
+                    s.worst = b * block + r * row + i;
+                    s.worst_rms = rms;
+                }
             }
         }
+        s
+    };
+    let parts: Vec<Stats> = got.par_chunks(block).zip(want.par_chunks(block)).enumerate().map(part).collect();
+    let mut total = Stats { max_ratio: 0.0, worst: 0, bad: 0, nonfinite: 0, mean_abs: 0.0, worst_rms: 0.0 };
+    for p in parts {
+        if p.max_ratio > total.max_ratio {
+            (total.max_ratio, total.worst, total.worst_rms) = (p.max_ratio, p.worst, p.worst_rms);
+        }
+        total.bad += p.bad;
+        total.nonfinite += p.nonfinite;
+        total.mean_abs += p.mean_abs;
     }
-    s.mean_abs = sum_abs / got.len().max(1) as f64;
-    s
+    total.mean_abs /= got.len().max(1) as f64;
+    total
 }
 
 /// Multi-dimensional index of flat element `i` of `shape`.
@@ -584,8 +598,10 @@ impl Case<'_> {
         let g = self.gpu.download_f32(&p.gpu).ctx(format!("cuda download of {what}"))?;
         let w = self.cpu.download_f32(&p.cpu).ctx("cpu download")?;
         let shape = p.cpu.shape();
-        let diff: Vec<usize> =
-            (0..g.len().min(w.len())).filter(|&i| g[i] != w[i] && !(g[i].is_nan() && w[i].is_nan())).collect();
+        let diff: Vec<usize> = (0..g.len().min(w.len()))
+            .into_par_iter()
+            .filter(|&i| g[i] != w[i] && !(g[i].is_nan() && w[i].is_nan()))
+            .collect();
         if g.len() != w.len() {
             self.problems.push(format!("{what}: {} elements from the GPU, {} expected", g.len(), w.len()));
         } else if let Some(&i) = diff.first() {

@@ -79,7 +79,7 @@ const DEFAULT_KV_BYTES: u64 = 1 << 30;
 
 /// Runs `serve` until SIGINT or SIGTERM.
 pub fn run(args: ServeArgs) -> Result<()> {
-    let ops: Arc<dyn Ops> = Arc::from(backend(args.model.backend));
+    let ops: Arc<dyn Ops> = Arc::from(backend(&args.model)?);
     let bs = args.model.block_size.max(1);
     let num_blocks = args.engine.plan_blocks(&args.model, ops.as_ref(), |cfg| {
         EngineConfig::blocks_for_bytes(cfg, ops.activation_dtype(), bs, DEFAULT_KV_BYTES)

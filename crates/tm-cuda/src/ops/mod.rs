@@ -1,6 +1,26 @@
-//! tm-core's `Ops` on one CUDA GPU (being written).
+//! tm-core's `Ops` on one CUDA GPU.
+//!
+//! Every kernel runs on the GPU's one stream, in call order; only `download`, `sample` and
+//! `download_f32` wait for it. Activations, dense weights and the KV cache are in the backend's
+//! dtype (bf16, f16 or f32); int4/int8 weights stay packed and are dequantized inside the matrix
+//! kernels. Dense products go through cuBLASLt.
 
-use tm_core::{DType, Error, Result};
+mod meta;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tm_core::ops::{AttentionMeta, SampleRequest};
+use tm_core::quant::{QuantWeight, Weight};
+use tm_core::rope::{RopeFreqs, RopeStyle};
+use tm_core::{Allocator, Buffer, DType, Device, Error, Ops, Result, Tensor, TensorDesc};
+
+use crate::allocator::CudaAllocator;
+use crate::blas::Blas;
+use crate::kernels::{attention as attn, elementwise as ew, quant, sampling};
+use crate::runtime::Gpu;
+use crate::staging::Staging;
+use crate::CudaDevice;
+use meta::{MetaBuffers, Slot};
 
 /// How to open a [`CudaBackend`].
 #[derive(Clone, Debug)]
@@ -13,13 +33,531 @@ pub struct CudaOptions {
     pub memory_cap: Option<u64>,
 }
 
+/// Bytes of the pinned staging buffer for host↔device copies.
+const STAGING_BYTES: usize = 32 << 20;
+
+/// Host-side scratch reused between calls, and the device buffers it feeds.
+#[derive(Debug, Default)]
+struct StepState {
+    meta: MetaBuffers,
+    attn_host: Vec<u32>,
+    sample_inputs: sampling::SampleInputs,
+    scratch: Option<Buffer>,
+    tokens: Option<Buffer>,
+    tokens_host: Vec<u32>,
+}
+
 /// tm-core's `Ops` on one CUDA GPU.
 #[derive(Debug)]
-pub struct CudaBackend;
+pub struct CudaBackend {
+    gpu: Arc<Gpu>,
+    device: Arc<CudaDevice>,
+    allocator: Arc<dyn Allocator>,
+    cuda_allocator: Arc<CudaAllocator>,
+    staging: Staging,
+    blas: Blas,
+    dtype: DType,
+    state: Mutex<StepState>,
+}
+
+fn ptr(t: &Tensor) -> u64 {
+    t.buffer().addr()
+}
+
+fn same_numel(op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.numel() != b.numel() {
+        return Err(Error::shape(op, a.shape(), b.shape()));
+    }
+    Ok(())
+}
+
+/// Rows of a `[rows, features]` activation, checking the feature count.
+fn rows_of(op: &str, t: &Tensor, features: usize) -> Result<usize> {
+    if features == 0 || !t.numel().is_multiple_of(features) {
+        return Err(Error::shape(op, format!("[_, {features}]"), t.shape()));
+    }
+    Ok(t.numel() / features)
+}
+
+fn as_bytes<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
 
 impl CudaBackend {
-    /// Opens the GPU and loads the kernels.
+    /// Opens the GPU, loads the kernels and reserves the staging and cuBLASLt workspaces.
     pub fn open(opts: CudaOptions) -> Result<CudaBackend> {
-        Err(Error::Unsupported(format!("CUDA backend not built yet ({opts:?})")))
+        if !matches!(opts.dtype, DType::BF16 | DType::F16 | DType::F32) {
+            return Err(Error::invalid(format!("the CUDA backend computes in bf16, f16 or f32, not {}", opts.dtype)));
+        }
+        let gpu = Gpu::open(opts.ordinal)?;
+        let device = Arc::new(
+            CudaDevice::new(opts.ordinal)
+                .map_err(|e| Error::Backend { backend: "cuda".into(), message: e.to_string() })?,
+        );
+        let usable = device.memory_info()?.usable;
+        let cap = opts.memory_cap.map_or(usable, |c| c.min(usable));
+        let cuda_allocator = CudaAllocator::new(Arc::clone(&gpu), device.clone() as Arc<dyn Device>, cap);
+        let allocator: Arc<dyn Allocator> = cuda_allocator.clone();
+        let staging = Staging::new(Arc::clone(&gpu), STAGING_BYTES)?;
+        let blas = Blas::new(Arc::clone(&gpu), &allocator)?;
+        Ok(CudaBackend {
+            gpu,
+            device,
+            allocator,
+            cuda_allocator,
+            staging,
+            blas,
+            dtype: opts.dtype,
+            state: Mutex::new(StepState::default()),
+        })
+    }
+
+    /// The GPU's driver state.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// The capped caching allocator.
+    pub fn cuda_allocator(&self) -> &Arc<CudaAllocator> {
+        &self.cuda_allocator
+    }
+
+    fn state(&self) -> Result<MutexGuard<'_, StepState>> {
+        self.state.lock().map_err(|_| Error::invalid("cuda backend state poisoned by an earlier panic"))
+    }
+
+    fn check(&self, t: &Tensor, what: &str) -> Result<()> {
+        t.expect_dtype(what, self.dtype)
+    }
+
+    /// Uploads a small input into its per-kind device buffer.
+    fn put(&self, st: &mut StepState, slot: Slot, bytes: &[u8]) -> Result<u64> {
+        st.meta.put(slot, bytes, &self.allocator, &self.staging)
+    }
+
+    /// A device scratch buffer of at least `bytes` (grown, never shrunk).
+    fn scratch(&self, st: &mut StepState, bytes: usize) -> Result<u64> {
+        match &mut st.scratch {
+            Some(b) => b.grow(bytes.max(1), "workspace")?,
+            none => *none = Some(Buffer::new(&self.allocator, bytes.max(1), "workspace")?),
+        }
+        Ok(st.scratch.as_ref().map_or(0, Buffer::addr))
+    }
+
+    fn quant_matmul(&self, x: &Tensor, q: &QuantWeight, int4: bool, n: usize, out: &mut Tensor) -> Result<()> {
+        if int4 {
+            let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
+            quant::matmul_q4(
+                &self.gpu,
+                self.dtype,
+                ptr(out),
+                ptr(x),
+                ptr(&q.packed),
+                ptr(&q.scales),
+                ptr(mins),
+                n,
+                q.rows,
+                q.cols,
+                q.group_size,
+            )
+        } else {
+            quant::matmul_q8(
+                &self.gpu,
+                self.dtype,
+                ptr(out),
+                ptr(x),
+                ptr(&q.packed),
+                ptr(&q.scales),
+                n,
+                q.rows,
+                q.cols,
+                q.group_size,
+            )
+        }
+    }
+}
+
+impl Ops for CudaBackend {
+    fn device(&self) -> Arc<dyn Device> {
+        self.device.clone()
+    }
+    fn allocator(&self) -> &Arc<dyn Allocator> {
+        &self.allocator
+    }
+    fn activation_dtype(&self) -> DType {
+        self.dtype
+    }
+    fn weight_dtype(&self, src: DType) -> DType {
+        if src.is_float() {
+            self.dtype
+        } else {
+            src
+        }
+    }
+
+    fn run_step(&self, step: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
+        self.gpu.bind()?;
+        step()
+    }
+
+    fn upload(&self, dst: &mut Tensor, src: &[u8]) -> Result<()> {
+        let n = dst.desc().bytes();
+        if src.len() != n {
+            return Err(Error::shape("upload", format!("{n} bytes"), format!("{} bytes", src.len())));
+        }
+        self.staging.upload(ptr(dst), src)
+    }
+
+    fn download(&self, src: &Tensor, dst: &mut [u8]) -> Result<()> {
+        let n = src.desc().bytes();
+        if dst.len() != n {
+            return Err(Error::shape("download", format!("{n} bytes"), format!("{} bytes", dst.len())));
+        }
+        self.staging.download(ptr(src), dst)
+    }
+
+    fn load_dense(&self, src_dtype: DType, shape: &[usize], src: &[u8], phase: &str) -> Result<Tensor> {
+        let desc = TensorDesc::new(src_dtype, shape);
+        if src.len() != desc.bytes() {
+            return Err(Error::shape(
+                "load_dense",
+                format!("{} bytes for {shape:?} {src_dtype}", desc.bytes()),
+                src.len(),
+            ));
+        }
+        let target = self.weight_dtype(src_dtype);
+        let t = self.zeros(TensorDesc::new(target, shape), phase)?;
+        if target == src_dtype {
+            self.staging.upload(ptr(&t), src)?;
+            return Ok(t);
+        }
+        // Convert a bounded chunk at a time: the host never holds a second copy of the tensor.
+        let (in_size, out_size) = (src_dtype.storage_bytes(1), target.storage_bytes(1));
+        let per_chunk = (4 << 20) / in_size.max(1);
+        let mut converted = Vec::with_capacity(per_chunk * out_size);
+        for (i, chunk) in src.chunks(per_chunk * in_size).enumerate() {
+            let values = tm_core::ops::to_f32(src_dtype, chunk)?;
+            converted.clear();
+            match target {
+                DType::F32 => converted.extend_from_slice(as_bytes(&values)),
+                DType::F16 => {
+                    values.iter().for_each(|v| converted.extend_from_slice(&half::f16::from_f32(*v).to_le_bytes()))
+                }
+                DType::BF16 => {
+                    values.iter().for_each(|v| converted.extend_from_slice(&half::bf16::from_f32(*v).to_le_bytes()))
+                }
+                other => return Err(Error::invalid(format!("cannot convert weights to {other}"))),
+            }
+            self.staging.upload(ptr(&t) + (i * per_chunk * out_size) as u64, &converted)?;
+        }
+        Ok(t)
+    }
+
+    fn embedding(&self, table: &Weight, ids: &[u32], out: &mut Tensor) -> Result<()> {
+        let (vocab, hidden) = table.dims();
+        if out.numel() != ids.len() * hidden {
+            return Err(Error::shape("embedding output", [ids.len(), hidden], out.shape()));
+        }
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(Error::invalid(format!("token id {bad} is outside the vocabulary of {vocab}")));
+        }
+        self.check(out, "embedding output")?;
+        let mut st = self.state()?;
+        let ids_dev = self.put(&mut st, Slot::Ids, as_bytes(ids))?;
+        let (g, dt, n) = (&self.gpu, self.dtype, ids.len());
+        match table {
+            Weight::Dense(t) => {
+                self.check(t, "embedding table")?;
+                ew::embedding(g, dt, ptr(out), ptr(t), ids_dev, n, hidden)
+            }
+            Weight::Int8(q) => {
+                ew::embedding_q8(g, dt, ptr(out), ptr(&q.packed), ptr(&q.scales), ids_dev, n, hidden, q.group_size)
+            }
+            Weight::Int4(q) => {
+                let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
+                ew::embedding_q4(
+                    g,
+                    dt,
+                    ptr(out),
+                    ptr(&q.packed),
+                    ptr(&q.scales),
+                    ptr(mins),
+                    ids_dev,
+                    n,
+                    hidden,
+                    q.group_size,
+                )
+            }
+        }
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
+        same_numel("rms_norm", x, out)?;
+        let cols = weight.numel();
+        let rows = rows_of("rms_norm", x, cols)?;
+        for (t, what) in [(x, "rms_norm input"), (weight, "rms_norm weight"), (&*out, "rms_norm output")] {
+            self.check(t, what)?;
+        }
+        ew::rms_norm(&self.gpu, self.dtype, ptr(out), ptr(x), ptr(weight), eps, rows, cols)
+    }
+
+    fn add_rms_norm(
+        &self,
+        x: &Tensor,
+        residual: &mut Tensor,
+        weight: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        same_numel("add_rms_norm", x, out)?;
+        same_numel("add_rms_norm", x, residual)?;
+        let cols = weight.numel();
+        let rows = rows_of("add_rms_norm", x, cols)?;
+        for (t, what) in [(x, "add_rms_norm input"), (&*residual, "residual"), (weight, "weight"), (&*out, "output")] {
+            self.check(t, what)?;
+        }
+        ew::add_rms_norm(&self.gpu, self.dtype, ptr(out), ptr(residual), ptr(x), ptr(weight), eps, rows, cols)
+    }
+
+    fn matmul(&self, x: &Tensor, w: &Weight, bias: Option<&Tensor>, out: &mut Tensor) -> Result<()> {
+        let (rows, cols) = w.dims();
+        let n = rows_of("matmul input", x, cols)?;
+        if out.numel() != n * rows {
+            return Err(Error::shape("matmul output", [n, rows], out.shape()));
+        }
+        self.check(x, "matmul input")?;
+        self.check(out, "matmul output")?;
+        match w {
+            Weight::Dense(t) => {
+                self.check(t, "matmul weight")?;
+                self.blas.gemm(self.dtype, n, rows, cols, ptr(x), ptr(t), ptr(out))?;
+            }
+            Weight::Int4(q) => self.quant_matmul(x, q, true, n, out)?,
+            Weight::Int8(q) => self.quant_matmul(x, q, false, n, out)?,
+        }
+        if let Some(b) = bias {
+            self.check(b, "bias")?;
+            if b.numel() != rows {
+                return Err(Error::shape("bias", [rows], b.shape()));
+            }
+            ew::add_bias(&self.gpu, self.dtype, ptr(out), ptr(b), n, rows)?;
+        }
+        Ok(())
+    }
+
+    fn rope(&self, x: &mut Tensor, positions: &[u32], freqs: &RopeFreqs) -> Result<()> {
+        let head_dim = 2 * freqs.inv_freq.len();
+        let tokens = positions.len();
+        if tokens == 0 || head_dim == 0 || !x.numel().is_multiple_of(tokens * head_dim) {
+            return Err(Error::shape("rope", format!("[{tokens}, heads * {head_dim}]"), x.shape()));
+        }
+        self.check(x, "rope input")?;
+        let heads = x.numel() / (tokens * head_dim);
+        let mut st = self.state()?;
+        let pos = self.put(&mut st, Slot::Positions, as_bytes(positions))?;
+        let inv = self.put(&mut st, Slot::InvFreq, as_bytes(&freqs.inv_freq))?;
+        let interleaved = freqs.style == RopeStyle::Interleaved;
+        ew::rope(&self.gpu, self.dtype, ptr(x), pos, inv, freqs.attention_factor, tokens, heads, head_dim, interleaved)
+    }
+
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
+        same_numel("silu_mul", gate, up)?;
+        same_numel("silu_mul", gate, out)?;
+        for (t, what) in [(gate, "gate"), (up, "up"), (&*out, "silu_mul output")] {
+            self.check(t, what)?;
+        }
+        ew::silu_mul(&self.gpu, self.dtype, ptr(out), ptr(gate), ptr(up), out.numel())
+    }
+
+    fn add_in_place(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
+        same_numel("add_in_place", x, y)?;
+        self.check(x, "add_in_place")?;
+        self.check(y, "addend")?;
+        ew::add(&self.gpu, self.dtype, ptr(x), ptr(y), x.numel())
+    }
+
+    fn write_kv(
+        &self,
+        k: &Tensor,
+        v: &Tensor,
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+        slot_mapping: &[u32],
+    ) -> Result<()> {
+        same_numel("write_kv", k, v)?;
+        let shape = k_cache.shape().to_vec();
+        if shape.len() != 4 || v_cache.shape() != shape.as_slice() {
+            return Err(Error::shape("kv cache", "[blocks, block_size, kv_heads, head_dim]", shape));
+        }
+        let width = shape[2] * shape[3];
+        let slots = shape[0] * shape[1];
+        if k.numel() != slot_mapping.len() * width {
+            return Err(Error::shape("write_kv", [slot_mapping.len(), width], k.shape()));
+        }
+        if let Some(&bad) = slot_mapping.iter().find(|&&s| s as usize >= slots) {
+            return Err(Error::invalid(format!("kv slot {bad} is outside the cache of {slots} slots")));
+        }
+        for (t, what) in [(k, "k"), (v, "v"), (&*k_cache, "k cache"), (&*v_cache, "v cache")] {
+            self.check(t, what)?;
+        }
+        let mut st = self.state()?;
+        let s = self.put(&mut st, Slot::Slots, as_bytes(slot_mapping))?;
+        ew::write_kv(&self.gpu, self.dtype, ptr(k_cache), ptr(v_cache), ptr(k), ptr(v), s, slot_mapping.len(), width)
+    }
+
+    fn attention(
+        &self,
+        q: &Tensor,
+        k_cache: &Tensor,
+        v_cache: &Tensor,
+        meta: &AttentionMeta<'_>,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        same_numel("attention", q, out)?;
+        let shape = k_cache.shape();
+        if shape.len() != 4 || v_cache.shape() != shape || shape[1] != meta.block_size {
+            return Err(Error::shape(
+                "attention kv cache",
+                format!("[blocks, {}, kv_heads, head_dim]", meta.block_size),
+                shape,
+            ));
+        }
+        let (blocks, kv_heads, head_dim) = (shape[0], shape[2], shape[3]);
+        let tokens: usize = meta.seqs.iter().map(|s| s.query_len).sum();
+        if tokens == 0 || !q.numel().is_multiple_of(tokens * head_dim) {
+            return Err(Error::shape("attention q", format!("[{tokens}, heads * {head_dim}]"), q.shape()));
+        }
+        let heads = q.numel() / (tokens * head_dim);
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(Error::invalid(format!("{heads} query heads cannot be grouped onto {kv_heads} kv heads")));
+        }
+        for (t, what) in [(q, "q"), (k_cache, "k cache"), (v_cache, "v cache"), (&*out, "attention output")] {
+            self.check(t, what)?;
+        }
+        let ns = meta.seqs.len();
+        let mut st = self.state()?;
+        // One upload: q_start, q_len, ctx_len, bt_start (i32 each, `ns` of them), then the tables.
+        let mut host = std::mem::take(&mut st.attn_host);
+        host.clear();
+        host.resize(4 * ns, 0);
+        let (mut next, mut max_q, mut max_ctx) = (0usize, 0usize, 0usize);
+        for (i, s) in meta.seqs.iter().enumerate() {
+            let needed = s.context_len.div_ceil(meta.block_size);
+            if s.query_start != next || s.query_len > s.context_len || s.block_table.len() < needed {
+                st.attn_host = host;
+                return Err(Error::invalid(format!("bad attention metadata for a sequence: {s:?}")));
+            }
+            if let Some(&b) = s.block_table[..needed].iter().find(|&&b| b as usize >= blocks) {
+                st.attn_host = host;
+                return Err(Error::invalid(format!("block {b} is outside the cache of {blocks} blocks")));
+            }
+            let bt_start = host.len() - 4 * ns;
+            host[i] = s.query_start as u32;
+            host[ns + i] = s.query_len as u32;
+            host[2 * ns + i] = s.context_len as u32;
+            host[3 * ns + i] = bt_start as u32;
+            host.extend_from_slice(&s.block_table[..needed]);
+            next += s.query_len;
+            max_q = max_q.max(s.query_len);
+            max_ctx = max_ctx.max(s.context_len);
+        }
+        let base = self.put(&mut st, Slot::Attention, as_bytes(&host));
+        st.attn_host = host;
+        let base = base?;
+        let batch = attn::AttentionBatch {
+            num_seqs: ns,
+            total_q: tokens,
+            max_q_len: max_q,
+            max_ctx_len: max_ctx,
+            all_decode: max_q == 1,
+            q_start: base,
+            q_len: base + 4 * ns as u64,
+            ctx_len: base + 8 * ns as u64,
+            bt_start: base + 12 * ns as u64,
+            block_tables: base + 16 * ns as u64,
+        };
+        let shape = attn::AttentionShape {
+            heads,
+            kv_heads,
+            head_dim,
+            block_size: meta.block_size,
+            scale: meta.scale,
+            window: meta.sliding_window.unwrap_or(0),
+        };
+        let need = attn::scratch_bytes(&shape, &batch);
+        let scratch = self.scratch(&mut st, need)?;
+        let scratch_len = st.scratch.as_ref().map_or(0, Buffer::len);
+        attn::attention(
+            &self.gpu,
+            self.dtype,
+            ptr(q),
+            ptr(k_cache),
+            ptr(v_cache),
+            ptr(out),
+            &shape,
+            &batch,
+            scratch,
+            scratch_len,
+        )
+    }
+
+    fn gather_rows(&self, x: &Tensor, rows: &[u32], out: &mut Tensor) -> Result<()> {
+        let n_rows = x.shape().first().copied().unwrap_or(0);
+        let width = x.numel().checked_div(n_rows).unwrap_or(0);
+        if out.numel() != rows.len() * width {
+            return Err(Error::shape("gather_rows output", [rows.len(), width], out.shape()));
+        }
+        if let Some(&bad) = rows.iter().find(|&&r| r as usize >= n_rows) {
+            return Err(Error::invalid(format!("row {bad} is outside a tensor of {n_rows} rows")));
+        }
+        self.check(x, "gather_rows input")?;
+        self.check(out, "gather_rows output")?;
+        let mut st = self.state()?;
+        let r = self.put(&mut st, Slot::Rows, as_bytes(rows))?;
+        ew::gather_rows(&self.gpu, self.dtype, ptr(out), ptr(x), r, rows.len(), width)
+    }
+
+    fn sample(&self, logits: &Tensor, requests: &mut [SampleRequest<'_>]) -> Result<Vec<u32>> {
+        let shape = logits.shape();
+        if shape.len() != 2 || shape[0] != requests.len() {
+            return Err(Error::shape("sample", format!("[{}, vocab]", requests.len()), shape));
+        }
+        self.check(logits, "logits")?;
+        let (n, vocab) = (shape[0], shape[1]);
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let mut guard = self.state()?;
+        let st = &mut *guard;
+        sampling::build_inputs(requests, &mut st.sample_inputs);
+        let inputs = &st.sample_inputs;
+        let params = st.meta.put(Slot::SampleParams, inputs.params_bytes(), &self.allocator, &self.staging)?;
+        let toks = st.meta.put(Slot::PenaltyTokens, inputs.tokens_bytes(), &self.allocator, &self.staging)?;
+        let counts = st.meta.put(Slot::PenaltyCounts, inputs.counts_bytes(), &self.allocator, &self.staging)?;
+        let out_bytes = n * 4;
+        match &mut st.tokens {
+            Some(b) => b.grow(out_bytes, "workspace")?,
+            none => *none = Some(Buffer::new(&self.allocator, out_bytes.max(1024), "workspace")?),
+        }
+        let out = st.tokens.as_ref().map_or(0, Buffer::addr);
+        let need = sampling::scratch_bytes(n, vocab);
+        let scratch = self.scratch(st, need)?;
+        let scratch_len = st.scratch.as_ref().map_or(0, Buffer::len);
+        sampling::sample(
+            &self.gpu,
+            self.dtype,
+            ptr(logits),
+            n,
+            vocab,
+            params,
+            toks,
+            counts,
+            out,
+            scratch,
+            scratch_len,
+        )?;
+        st.tokens_host.resize(n, 0);
+        self.staging.download(out, bytemuck::cast_slice_mut(&mut st.tokens_host[..]))?;
+        Ok(st.tokens_host.clone())
     }
 }

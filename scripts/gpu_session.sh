@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call: the CUDA test suite, then the Llama-3-8B-shaped benchmark, logs under $OUT.
+# Run from the repository root on the GPU machine after scripts/gpu_bundle.sh built the bundle:
+#   OUT=/some/dir bash scripts/gpu_session.sh [suite|bench|all]
+set -uo pipefail
+OUT="${OUT:-target/gpu-logs}"
+mkdir -p "$OUT"
+WHAT="${1:-all}"
+CLI=target/gpu-bundle/bin/tm-cli
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 - <<'PY' 2>&1 | tee "$OUT/bandwidth.txt"
+import torch
+n = 4 << 30
+a = torch.empty(n, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
+a.random_(0, 255)
+for _ in range(3): b.copy_(a)
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+times = []
+for _ in range(10):
+    s.record(); b.copy_(a); e.record(); torch.cuda.synchronize(); times.append(s.elapsed_time(e) / 1e3)
+times.sort(); t = times[len(times) // 2]
+print(f"copy bandwidth (read+write): {2 * n / t / 1e12:.2f} TB/s")
+PY
+if [ "$WHAT" = all ] || [ "$WHAT" = suite ]; then
+    $CLI check-env > "$OUT/check-env.txt" 2>&1
+    TM_TEST_TIMEOUT=${TM_TEST_TIMEOUT:-150} OUT="$OUT/suite" bash target/gpu-bundle/run.sh > "$OUT/suite.txt" 2>&1
+    echo "suite exit $?"; tail -15 "$OUT/suite/summary.txt" 2>/dev/null
+fi
+if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
+    python3 scripts/make_llama8b.py /tmp/l8b > "$OUT/make8b.txt" 2>&1 || { echo "make8b failed"; tail "$OUT/make8b.txt"; }
+    export RUST_LOG=info
+    b() { local name=$1; shift; timeout 200 $CLI bench --model /tmp/l8b --backend cuda "$@" > "$OUT/bench-$name.txt" 2>&1; echo "== bench $name (exit $?)"; tail -12 "$OUT/bench-$name.txt"; }
+    b b1 --num-prompts 3 --concurrency 1 --input-len 512 --output-len 128
+    b b64 --num-prompts 64 --concurrency 64 --input-len 512 --output-len 256
+    b c256 --num-prompts 256 --concurrency 256 --input-len 512 --output-len 256
+fi
