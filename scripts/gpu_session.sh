@@ -7,6 +7,7 @@ OUT="${OUT:-target/gpu-logs}"
 mkdir -p "$OUT"
 WHAT="${1:-all}"
 CLI=target/gpu-bundle/bin/tm-cli
+export TM_KERNELS_DIR="${TM_KERNELS_DIR:-$PWD/target/gpu-bundle/kernels}"
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 - <<'PY' 2>&1 | tee "$OUT/bandwidth.txt"
 import torch
@@ -23,13 +24,13 @@ print(f"copy bandwidth (read+write): {2 * n / t / 1e12:.2f} TB/s")
 PY
 if [ "$WHAT" = all ] || [ "$WHAT" = suite ]; then
     $CLI check-env > "$OUT/check-env.txt" 2>&1
-    TM_TEST_TIMEOUT=${TM_TEST_TIMEOUT:-150} OUT="$OUT/suite" bash target/gpu-bundle/run.sh > "$OUT/suite.txt" 2>&1
+    TM_TEST_TIMEOUT=${TM_TEST_TIMEOUT:-90} OUT="$OUT/suite" bash target/gpu-bundle/run.sh > "$OUT/suite.txt" 2>&1
     echo "suite exit $?"; tail -15 "$OUT/suite/summary.txt" 2>/dev/null
 fi
 if [ "$WHAT" = all ] || [ "$WHAT" = bench ]; then
     python3 scripts/make_llama8b.py /tmp/l8b > "$OUT/make8b.txt" 2>&1 || { echo "make8b failed"; tail "$OUT/make8b.txt"; }
     export RUST_LOG=info
-    b() { local name=$1; shift; timeout 200 $CLI bench --model /tmp/l8b --backend cuda "$@" > "$OUT/bench-$name.txt" 2>&1; echo "== bench $name (exit $?)"; tail -12 "$OUT/bench-$name.txt"; }
+    b() { local name=$1; shift; timeout 100 $CLI bench --model /tmp/l8b --backend cuda "$@" > "$OUT/bench-$name.txt" 2>&1; echo "== bench $name (exit $?)"; tail -12 "$OUT/bench-$name.txt"; }
     b b1 --num-prompts 3 --concurrency 1 --input-len 512 --output-len 128
     b b64 --num-prompts 64 --concurrency 64 --input-len 512 --output-len 256
     b c256 --num-prompts 256 --concurrency 256 --input-len 512 --output-len 256

@@ -165,7 +165,17 @@ impl Gpu {
 
 /// Chooses the image for `module` on arch `sm`: an exact cubin, else a cubin of the same major and
 /// a lower minor, else PTX of an arch `<= sm`, else NVRTC.
+///
+/// `TM_KERNELS_DIR` set at run time names a folder of `{module}.sm_{NN}.cubin` files (what
+/// `cargo xtask build-kernels --out DIR` writes) that take precedence over the embedded ones: the
+/// GPU test bundle carries its kernels once this way instead of inside every binary.
 fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String)> {
+    if let Some(dir) = std::env::var_os("TM_KERNELS_DIR") {
+        let path = std::path::Path::new(&dir).join(format!("{module}.sm_{sm}.cubin"));
+        if let Ok(bytes) = std::fs::read(&path) {
+            return Ok((Ptx::from_binary(bytes), format!("cubin {}", path.display())));
+        }
+    }
     let mine = || kernels::artefacts().iter().filter(move |a| a.module == module);
     let cubin = mine()
         .filter_map(|a| match a.target {
