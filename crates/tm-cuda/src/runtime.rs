@@ -142,23 +142,31 @@ impl Gpu {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
-        // Each argument lives in `values` while the launch reads it.
-        let mut values: Vec<u64> = args
-            .iter()
-            .map(|a| match *a {
+        // Each argument lives in `values` while the launch reads it (no allocation per launch).
+        const MAX_ARGS: usize = 32;
+        if args.len() > MAX_ARGS {
+            return Err(Error::invalid(format!("{name}: {} kernel arguments (at most {MAX_ARGS})", args.len())));
+        }
+        let mut values = [0u64; MAX_ARGS];
+        for (v, a) in values.iter_mut().zip(args) {
+            *v = match *a {
                 KernelArg::Ptr(p) => p,
                 KernelArg::I32(v) => v as u32 as u64,
                 KernelArg::U32(v) => v as u64,
                 KernelArg::I64(v) => v as u64,
                 KernelArg::F32(v) => v.to_bits() as u64,
-            })
-            .collect();
-        let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+            };
+        }
+        let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+        for (p, v) in params.iter_mut().zip(values.iter_mut()) {
+            *p = v as *mut u64 as *mut c_void;
+        }
+        let params = &mut params[..args.len()];
         self.bind()?;
         // SAFETY: every parameter points at a little-endian u64 holding the value in its low
         // bytes, which is how 4- and 8-byte kernel parameters are read; the kernel's signature is
         // the launcher's contract (see tm-kernels/cuda/ABI.md).
-        unsafe { result::launch_kernel(f.cu_function(), grid, block, shared_mem, self.stream.cu_stream(), &mut params) }
+        unsafe { result::launch_kernel(f.cu_function(), grid, block, shared_mem, self.stream.cu_stream(), params) }
             .map_err(|e| Error::Backend { backend: "cuda".into(), message: format!("launching {name}: {:?}", e.0) })
     }
 }

@@ -278,7 +278,11 @@ __device__ __forceinline__ void rope_impl(T* x, const unsigned* positions, const
                                           int interleaved) {
     extern __shared__ float rope_cs[];  // [half] cos, then [half] sin
     const int half = head_dim / 2;
-    const int pairs = heads * half;
+    // blockIdx.y takes a contiguous range of heads (several blocks per token when decoding).
+    const int per_block = (heads + (int)gridDim.y - 1) / (int)gridDim.y;
+    const int h0 = (int)blockIdx.y * per_block;
+    const int h1 = min(heads, h0 + per_block);
+    const int pairs = max(0, h1 - h0) * half;
     for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
         const float pos = (float)positions[t];
         for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -290,7 +294,7 @@ __device__ __forceinline__ void rope_impl(T* x, const unsigned* positions, const
         __syncthreads();
         T* xt = x + (i64)t * heads * head_dim;
         for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-            const int h = p / half, i = p - h * half;
+            const int hr = p / half, i = p - hr * half, h = h0 + hr;
             const int a = interleaved ? 2 * i : i;
             const int b = interleaved ? 2 * i + 1 : i + half;
             T* xh = xt + h * head_dim;

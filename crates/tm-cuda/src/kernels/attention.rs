@@ -33,7 +33,7 @@ const DECODE_TILE: usize = 64;
 /// Query rows (heads of one KV group) per decode CTA.
 const DECODE_ROWS: usize = 16;
 /// Fewest keys a decode split covers.
-const MIN_PARTITION: usize = 512;
+const MIN_PARTITION: usize = 128;
 /// Most decode splits (`attn_combine` keeps one weight per split in shared memory, up to 128).
 const MAX_SPLITS: usize = 64;
 /// Decode CTAs to aim for before splitting the context further (several waves on an H200).

@@ -272,10 +272,12 @@ pub fn rope(
             MAX_ROPE_SHARED / 4
         )));
     }
-    let threads = threads_for(heads * head_dim / 2, THREADS);
+    // Few tokens (decoding): spread each token's heads over several blocks, 4 heads per block.
+    let head_blocks = if tokens < 128 { heads.div_ceil(4) } else { 1 };
+    let threads = threads_for(heads.div_ceil(head_blocks) * head_dim / 2, THREADS);
     gpu.launch(
         &name(op, dt)?,
-        row_grid(t32),
+        (t32 as u32, head_blocks as u32, 1),
         (threads, 1, 1),
         shared as u32,
         &[
