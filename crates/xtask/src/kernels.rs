@@ -225,7 +225,11 @@ fn compile(nvcc: &Path, src_dir: &Path, out_dir: &Path, job: &Job) -> Result<Com
     let tmp = out_dir.join(format!(".{cubin}.tmp"));
     let keep_dir = out_dir.join(format!(".{cubin}.keep"));
     let mut cmd = Command::new(nvcc);
-    cmd.args(["-O3", "-std=c++17", "-lineinfo", "-cubin"]).arg(format!("-arch=sm_{}", job.sm));
+    cmd.args(["-O3", "-std=c++17", "-cubin"]).arg(format!("-arch=sm_{}", job.sm));
+    // Line tables double the artefacts (they are embedded in every binary): opt in for profiling.
+    if std::env::var_os("TM_KERNELS_LINEINFO").is_some_and(|v| v == "1") {
+        cmd.arg("-lineinfo");
+    }
     if job.ptx {
         let _ = fs::remove_dir_all(&keep_dir);
         fs::create_dir_all(&keep_dir).with_context(|| format!("creating {}", keep_dir.display()))?;
