@@ -53,6 +53,9 @@ pub struct ModelArgs {
     /// Compute dtype on GPUs.
     #[arg(long, value_enum, default_value_t = DTypeChoice::Auto)]
     pub dtype: DTypeChoice,
+    /// Replay decode steps as CUDA graphs (experimental until checked on a GPU; see NOTES).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub cuda_graphs: bool,
     /// Longest sequence (prompt plus output) in tokens.
     #[arg(long, default_value_t = 4096)]
     pub max_len: usize,
@@ -216,7 +219,8 @@ pub fn backend(args: &ModelArgs) -> Result<Box<dyn Ops>> {
     };
     let open_cuda = || -> Result<Box<dyn Ops>> {
         tm_cuda::probe().map_err(|e| anyhow::anyhow!("no usable CUDA GPU: {e}"))?;
-        let opts = tm_cuda::CudaOptions { ordinal: args.device, dtype, memory_cap: None };
+        let opts =
+            tm_cuda::CudaOptions { ordinal: args.device, dtype, memory_cap: None, cuda_graphs: args.cuda_graphs };
         let b = tm_cuda::CudaBackend::open(opts).context("opening the CUDA backend")?;
         tracing::info!("backend: cuda device {} ({}), {dtype}", args.device, b.gpu().info().name);
         Ok(Box::new(b))

@@ -230,6 +230,10 @@ impl Blas {
         if cols == 0 {
             return Err(Error::invalid("gemm with cols = 0 (nothing to reduce; zero the output instead)"));
         }
+        if self.gpu.mode() == crate::runtime::LaunchMode::Record {
+            self.gpu.record(&[0x6765_6d6d, dtype as u64, n as u64, rows as u64, cols as u64, x, w, out]);
+            return Ok(());
+        }
         let key = Key { dtype, n, rows, cols, align: [alignment(w), alignment(x), alignment(out)] };
         let mut plans = self.plans.lock().map_err(|_| Error::invalid("cuBLASLt plan cache poisoned"))?;
         self.gpu.bind()?;

@@ -33,6 +33,31 @@ pub enum KernelArg {
 /// Grid or block dimensions.
 pub type Dim3 = (u32, u32, u32);
 
+/// What [`Gpu::launch`] (and the cuBLASLt wrapper) do with a kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaunchMode {
+    /// Launch it.
+    Eager,
+    /// Do not launch; fold the launch (kernel, dimensions, arguments) into the step's signature.
+    /// Two steps with the same signature launch the same kernels on the same memory, so a CUDA
+    /// graph captured from one replays the other.
+    Record,
+    /// Launch into a stream capture (the stream records instead of running).
+    Capture,
+}
+
+/// FNV-1a over 64-bit words.
+fn fnv(hash: u64, word: u64) -> u64 {
+    let mut h = hash;
+    for b in word.to_le_bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100_0000_01b3);
+    }
+    h
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
 /// Turns a cudarc driver error into tm's error, naming the call.
 pub fn driver_err(call: &str) -> impl Fn(DriverError) -> Error + '_ {
     move |e| Error::Backend { backend: "cuda".into(), message: format!("{call}: {:?}", e.0) }
@@ -47,6 +72,7 @@ pub struct Gpu {
     modules: Vec<(String, Arc<CudaModule>)>,
     functions: Mutex<HashMap<String, CudaFunction>>,
     kernel_source: String,
+    recorder: Mutex<(LaunchMode, u64)>,
 }
 
 impl Gpu {
@@ -69,7 +95,15 @@ impl Gpu {
         }
         let kernel_source = if sources.is_empty() { "no kernel modules".to_string() } else { sources.join(", ") };
         tracing::debug!("cuda device {ordinal}: kernels from {kernel_source}");
-        Ok(Arc::new(Gpu { info, ctx, stream, modules, functions: Mutex::new(HashMap::new()), kernel_source }))
+        Ok(Arc::new(Gpu {
+            info,
+            ctx,
+            stream,
+            modules,
+            functions: Mutex::new(HashMap::new()),
+            kernel_source,
+            recorder: Mutex::new((LaunchMode::Eager, FNV_OFFSET)),
+        }))
     }
 
     /// What the driver said about the device.
@@ -107,6 +141,34 @@ impl Gpu {
         self.stream.synchronize().map_err(driver_err("cuStreamSynchronize"))
     }
 
+    /// The current launch mode.
+    pub fn mode(&self) -> LaunchMode {
+        self.recorder.lock().map_or(LaunchMode::Eager, |r| r.0)
+    }
+
+    /// Switches the launch mode; entering [`LaunchMode::Record`] starts a new signature.
+    pub fn set_mode(&self, mode: LaunchMode) {
+        if let Ok(mut r) = self.recorder.lock() {
+            if mode == LaunchMode::Record {
+                r.1 = FNV_OFFSET;
+            }
+            r.0 = mode;
+        }
+    }
+
+    /// The signature recorded since the last switch to [`LaunchMode::Record`].
+    pub fn signature(&self) -> u64 {
+        self.recorder.lock().map_or(0, |r| r.1)
+    }
+
+    /// Folds `words` into the signature (for work that is not a plain kernel launch, e.g. a
+    /// cuBLASLt product).
+    pub fn record(&self, words: &[u64]) {
+        if let Ok(mut r) = self.recorder.lock() {
+            r.1 = words.iter().fold(r.1, |h, &w| fnv(h, w));
+        }
+    }
+
     /// Finds a kernel by name in any loaded module.
     pub fn function(&self, name: &str) -> Result<CudaFunction> {
         let mut cache = self.functions.lock().map_err(|_| Error::invalid("cuda function cache poisoned"))?;
@@ -131,6 +193,27 @@ impl Gpu {
 
     /// Launches kernel `name` on the stream. Dynamic shared memory above 48 KiB is opted into.
     pub fn launch(&self, name: &str, grid: Dim3, block: Dim3, shared_mem: u32, args: &[KernelArg]) -> Result<()> {
+        if self.mode() == LaunchMode::Record {
+            let mut r = self.recorder.lock().map_err(|_| Error::invalid("cuda launch recorder poisoned"))?;
+            let mut h = name.bytes().fold(r.1, |h, b| fnv(h, b as u64));
+            for w in [grid.0, grid.1, grid.2, block.0, block.1, block.2, shared_mem] {
+                h = fnv(h, w as u64);
+            }
+            for a in args {
+                h = fnv(
+                    h,
+                    match *a {
+                        KernelArg::Ptr(p) => p,
+                        KernelArg::I32(v) => v as u32 as u64,
+                        KernelArg::U32(v) => v as u64,
+                        KernelArg::I64(v) => v as u64,
+                        KernelArg::F32(v) => v.to_bits() as u64,
+                    },
+                );
+            }
+            r.1 = h;
+            return Ok(());
+        }
         let f = self.function(name)?;
         if shared_mem > 48 * 1024 {
             f.set_attribute(

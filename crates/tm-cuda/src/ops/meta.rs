@@ -59,12 +59,19 @@ impl MetaBuffers {
         bytes: &[u8],
         allocator: &Arc<dyn Allocator>,
         staging: &Staging,
+        may_upload: bool,
     ) -> Result<u64> {
         let e = &mut self.entries[slot as usize];
         let need = bytes.len().max(4);
         let buffer = match &mut e.buffer {
             Some(b) if b.len() >= need => b,
             other => {
+                if !may_upload {
+                    return Err(tm_core::Error::Backend {
+                        backend: "cuda".into(),
+                        message: format!("{slot:?} input buffer grew while a CUDA graph was being captured"),
+                    });
+                }
                 // Grow geometrically so a growing batch does not allocate every step.
                 let size = need.next_power_of_two().max(4096);
                 e.valid = false;
@@ -72,6 +79,12 @@ impl MetaBuffers {
             }
         };
         if !(e.valid && e.last == bytes) {
+            if !may_upload {
+                return Err(tm_core::Error::Backend {
+                    backend: "cuda".into(),
+                    message: format!("{slot:?} input changed while a CUDA graph was being captured"),
+                });
+            }
             if !bytes.is_empty() {
                 staging.upload(buffer.addr(), bytes)?;
             }

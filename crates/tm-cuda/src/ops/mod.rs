@@ -5,6 +5,7 @@
 //! dtype (bf16, f16 or f32); int4/int8 weights stay packed and are dequantized inside the matrix
 //! kernels. Dense products go through cuBLASLt.
 
+mod graphs;
 mod meta;
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -17,7 +18,7 @@ use tm_core::{Allocator, Buffer, DType, Device, Error, Ops, Result, Tensor, Tens
 use crate::allocator::CudaAllocator;
 use crate::blas::Blas;
 use crate::kernels::{attention as attn, elementwise as ew, quant, sampling};
-use crate::runtime::Gpu;
+use crate::runtime::{Gpu, LaunchMode};
 use crate::staging::Staging;
 use crate::CudaDevice;
 use meta::{MetaBuffers, Slot};
@@ -31,6 +32,8 @@ pub struct CudaOptions {
     pub dtype: DType,
     /// Hard cap on device memory tm may take, in bytes (`None`: the device's usable memory).
     pub memory_cap: Option<u64>,
+    /// Replay repeated steps (decoding) as CUDA graphs.
+    pub cuda_graphs: bool,
 }
 
 /// Bytes of the pinned staging buffer for host↔device copies.
@@ -58,6 +61,7 @@ pub struct CudaBackend {
     blas: Blas,
     dtype: DType,
     state: Mutex<StepState>,
+    graphs: Option<Mutex<graphs::GraphCache>>,
 }
 
 fn ptr(t: &Tensor) -> u64 {
@@ -109,12 +113,20 @@ impl CudaBackend {
             blas,
             dtype: opts.dtype,
             state: Mutex::new(StepState::default()),
+            graphs: opts.cuda_graphs.then(|| Mutex::new(graphs::GraphCache::default())),
         })
     }
 
     /// The GPU's driver state.
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+
+    /// CUDA graph use so far: (steps replayed from a graph, steps run eagerly, graphs captured);
+    /// `None` when graphs are off.
+    pub fn graph_stats(&self) -> Option<(u64, u64, u64)> {
+        let cache = self.graphs.as_ref()?.lock().ok()?;
+        Some((cache.counts[0], cache.counts[1], cache.counts[2]))
     }
 
     /// The capped caching allocator.
@@ -130,13 +142,21 @@ impl CudaBackend {
         t.expect_dtype(what, self.dtype)
     }
 
-    /// Uploads a small input into its per-kind device buffer.
+    /// Uploads a small input into its per-kind device buffer. While a graph is being captured
+    /// the buffers must already hold the step's inputs (the eager run just uploaded them).
     fn put(&self, st: &mut StepState, slot: Slot, bytes: &[u8]) -> Result<u64> {
-        st.meta.put(slot, bytes, &self.allocator, &self.staging)
+        let capturing = self.gpu.mode() == LaunchMode::Capture;
+        st.meta.put(slot, bytes, &self.allocator, &self.staging, !capturing)
     }
 
     /// A device scratch buffer of at least `bytes` (grown, never shrunk).
     fn scratch(&self, st: &mut StepState, bytes: usize) -> Result<u64> {
+        if self.gpu.mode() == LaunchMode::Capture && st.scratch.as_ref().is_none_or(|b| b.len() < bytes.max(1)) {
+            return Err(Error::Backend {
+                backend: "cuda".into(),
+                message: "the scratch buffer grew while a CUDA graph was being captured".into(),
+            });
+        }
         match &mut st.scratch {
             Some(b) => b.grow(bytes.max(1), "workspace")?,
             none => *none = Some(Buffer::new(&self.allocator, bytes.max(1), "workspace")?),
@@ -197,7 +217,13 @@ impl Ops for CudaBackend {
 
     fn run_step(&self, step: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
         self.gpu.bind()?;
-        step()
+        match &self.graphs {
+            None => step(),
+            Some(cache) => {
+                let mut cache = cache.lock().map_err(|_| Error::invalid("cuda graph cache poisoned"))?;
+                graphs::run_step(&self.gpu, &mut cache, step)
+            }
+        }
     }
 
     fn upload(&self, dst: &mut Tensor, src: &[u8]) -> Result<()> {
@@ -531,9 +557,9 @@ impl Ops for CudaBackend {
         let st = &mut *guard;
         sampling::build_inputs(requests, &mut st.sample_inputs);
         let inputs = &st.sample_inputs;
-        let params = st.meta.put(Slot::SampleParams, inputs.params_bytes(), &self.allocator, &self.staging)?;
-        let toks = st.meta.put(Slot::PenaltyTokens, inputs.tokens_bytes(), &self.allocator, &self.staging)?;
-        let counts = st.meta.put(Slot::PenaltyCounts, inputs.counts_bytes(), &self.allocator, &self.staging)?;
+        let params = st.meta.put(Slot::SampleParams, inputs.params_bytes(), &self.allocator, &self.staging, true)?;
+        let toks = st.meta.put(Slot::PenaltyTokens, inputs.tokens_bytes(), &self.allocator, &self.staging, true)?;
+        let counts = st.meta.put(Slot::PenaltyCounts, inputs.counts_bytes(), &self.allocator, &self.staging, true)?;
         let out_bytes = n * 4;
         match &mut st.tokens {
             Some(b) => b.grow(out_bytes, "workspace")?,
