@@ -2,6 +2,14 @@
 //!
 //! Every call takes a deadline: a collective that cannot complete in time returns
 //! [`Error::Timeout`](crate::Error::Timeout) naming the rank and the step instead of waiting forever.
+//!
+//! - [`SingleRank`]: the communicator of a world of one (every collective is the identity).
+//! - [`LocalComm`]: ranks that are threads of one process exchanging host memory (the CPU
+//!   backend's tensor parallelism, and the test bed for the sharded model).
+
+mod local;
+
+pub use local::LocalComm;
 
 use crate::{Error, Result, Tensor};
 use std::fmt::Debug;
@@ -22,6 +30,13 @@ pub trait Comm: Send + Sync + Debug {
     fn broadcast(&self, tensor: &mut Tensor, root: usize, step: &str, deadline: Duration) -> Result<()>;
     /// Waits until every rank reaches this point.
     fn barrier(&self, step: &str, deadline: Duration) -> Result<()>;
+    /// Aborts the communicator: collectives in flight on any rank, and every later one, fail at
+    /// once instead of waiting. A rank that fails (or gives up waiting) calls this so the others
+    /// do not wait out their deadlines for it. `reason` is put in the other ranks' errors. The
+    /// default does nothing (a world of one has nobody to tell).
+    fn abort(&self, reason: &str) {
+        let _ = reason;
+    }
 }
 
 /// The communicator of a single rank: every collective is the identity.

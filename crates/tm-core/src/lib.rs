@@ -4,7 +4,8 @@
 //! - [`tensor`]: tensor descriptors and device tensors that own their memory.
 //! - [`device`] and [`alloc`]: the `Device` and `Allocator` traits; memory is handed out as owning
 //!   RAII [`alloc::Buffer`]s tied to their allocator.
-//! - [`comm`]: the `Comm` trait for collectives with deadlines, and the single-rank implementation.
+//! - [`comm`]: the `Comm` trait for collectives with deadlines; the single-rank and in-process
+//!   (CPU ranks) implementations.
 //! - [`ops`]: the kernel-ops interface the model is written against (one kernel per call).
 //! - [`quant`]: the group-wise int4/int8 weight layout shared by importers and kernels.
 //! - [`rope`]: rotary-embedding frequencies for every scaling type the models use.
@@ -25,7 +26,7 @@ pub mod sampling;
 pub mod tensor;
 
 pub use alloc::{Allocator, Buffer};
-pub use comm::{Comm, SingleRank};
+pub use comm::{Comm, LocalComm, SingleRank};
 pub use device::{Device, DeviceKind, MemoryInfo};
 pub use dtype::DType;
 pub use error::{Error, Result};

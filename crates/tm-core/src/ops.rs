@@ -86,6 +86,39 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
 
     /// `out[t] = table[ids[t]]`.
     fn embedding(&self, table: &Weight, ids: &[u32], out: &mut Tensor) -> Result<()>;
+    /// The vocab-parallel embedding of one tensor-parallel rank: `table` holds vocabulary rows
+    /// `first_id..first_id + rows`; `out[t] = table[ids[t] - first_id]` for ids in that range and
+    /// zeros for the others (another rank holds them; an all-reduce sums the ranks' rows).
+    ///
+    /// The default runs [`Ops::embedding`] on ids mapped into the slice, then zeroes the rows of
+    /// the ids outside it on the host (through a download and upload when the tensor is not
+    /// host-accessible); GPU backends override it with a kernel.
+    fn embedding_slice(&self, table: &Weight, ids: &[u32], first_id: u32, out: &mut Tensor) -> Result<()> {
+        let (rows, _) = table.dims();
+        let inside = |id: u32| id.checked_sub(first_id).filter(|&l| (l as usize) < rows);
+        let local: Vec<u32> = ids.iter().map(|&id| inside(id).unwrap_or(0)).collect();
+        self.embedding(table, &local, out)?;
+        if ids.iter().all(|&id| inside(id).is_some()) {
+            return Ok(());
+        }
+        let row_bytes = out.desc().bytes() / ids.len().max(1);
+        let zero = |bytes: &mut [u8]| {
+            for (t, &id) in ids.iter().enumerate() {
+                if inside(id).is_none() {
+                    bytes[t * row_bytes..(t + 1) * row_bytes].fill(0);
+                }
+            }
+        };
+        let n = out.desc().bytes();
+        if let Some(bytes) = out.buffer_mut().host_bytes_mut() {
+            zero(&mut bytes[..n]);
+            return Ok(());
+        }
+        let mut host = vec![0u8; n];
+        self.download(out, &mut host)?;
+        zero(&mut host);
+        self.upload(out, &host)
+    }
     /// RMSNorm over rows of `weight.numel()` features: `out = x / rms(x) * weight`.
     fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()>;
     /// Fused residual add and RMSNorm: `residual += x; out = rms_norm(residual)`.
@@ -126,6 +159,32 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
     ) -> Result<()>;
     /// `out[i] = x[rows[i]]`.
     fn gather_rows(&self, x: &Tensor, rows: &[u32], out: &mut Tensor) -> Result<()>;
+
+    /// Copies chunks of `chunk_bytes` bytes within `t`: for each `(src, dst)`, chunk `src` onto
+    /// chunk `dst` (KV-cache copy-on-write). The default works on host-accessible memory and
+    /// otherwise goes through the host; device backends override it with device copies.
+    fn copy_chunks(&self, t: &mut Tensor, chunk_bytes: usize, pairs: &[(u32, u32)]) -> Result<()> {
+        let total = t.desc().bytes();
+        if let Some(&(s, d)) = pairs.iter().find(|&&(s, d)| (s.max(d) as usize + 1) * chunk_bytes > total) {
+            return Err(Error::invalid(format!(
+                "chunk copy {s} -> {d} of {chunk_bytes} bytes is outside {total} bytes"
+            )));
+        }
+        let copy = |bytes: &mut [u8]| {
+            for &(s, d) in pairs {
+                let (s, d) = (s as usize * chunk_bytes, d as usize * chunk_bytes);
+                bytes.copy_within(s..s + chunk_bytes, d);
+            }
+        };
+        if let Some(bytes) = t.buffer_mut().host_bytes_mut() {
+            copy(bytes);
+            return Ok(());
+        }
+        let mut staging = vec![0u8; total];
+        self.download(t, &mut staging)?;
+        copy(&mut staging);
+        self.upload(t, &staging)
+    }
 
     /// Draws one token per row of `logits: [n, vocab]`. The default downloads the logits and
     /// runs the host sampler; GPU backends override it to sample on the device.

@@ -1682,3 +1682,30 @@ fn zz_invalid_inputs_are_errors() {
         add_in_place(s, 3, 576);
     });
 }
+
+/// KV-cache copy-on-write (`copy_chunks`) copies exactly the chunks asked for on the device.
+#[test]
+fn copy_chunks_on_device() {
+    if no_gpu("copy_chunks_on_device") {
+        return;
+    }
+    let backend = cuda(DType::BF16).unwrap_or_else(|e| panic!("opening CUDA: {e}"));
+    let (chunks, chunk_elems) = (16usize, 4096usize);
+    let values: Vec<u16> = (0..chunks * chunk_elems).map(|i| (i * 7919 % 65521) as u16).collect();
+    let mut t = backend
+        .zeros(tm_core::TensorDesc::new(DType::BF16, &[chunks, chunk_elems]), "kv cache")
+        .unwrap_or_else(|e| panic!("zeros: {e}"));
+    backend.upload(&mut t, bytemuck::cast_slice(&values)).unwrap_or_else(|e| panic!("upload: {e}"));
+    let pairs = [(3u32, 9u32), (0, 15), (15, 1)];
+    backend.copy_chunks(&mut t, chunk_elems * 2, &pairs).unwrap_or_else(|e| panic!("copy_chunks: {e}"));
+    let mut want = values.clone();
+    for &(s, d) in &pairs {
+        let (s, d) = (s as usize * chunk_elems, d as usize * chunk_elems);
+        want.copy_within(s..s + chunk_elems, d);
+    }
+    let mut got = vec![0u16; values.len()];
+    backend.download(&t, bytemuck::cast_slice_mut(&mut got)).unwrap_or_else(|e| panic!("download: {e}"));
+    assert!(got == want, "copy_chunks moved the wrong bytes");
+    assert!(backend.copy_chunks(&mut t, chunk_elems * 2, &[(16, 0)]).is_err(), "an out-of-range chunk must be refused");
+    println!("ok   copy_chunks: {} chunks of {} bytes", pairs.len(), chunk_elems * 2);
+}

@@ -54,24 +54,10 @@ impl KvCache {
                 self.num_blocks
             )));
         }
-        let mut staging = Vec::new();
         for (k, v) in &mut self.layers {
             for t in [k, v] {
                 let block_bytes = t.desc().bytes() / self.num_blocks;
-                let copy = |bytes: &mut [u8]| {
-                    for &(s, d) in pairs {
-                        let (s, d) = (s as usize * block_bytes, d as usize * block_bytes);
-                        bytes.copy_within(s..s + block_bytes, d);
-                    }
-                };
-                if let Some(bytes) = t.buffer_mut().host_bytes_mut() {
-                    copy(bytes);
-                } else {
-                    staging.resize(t.desc().bytes(), 0);
-                    ops.download(t, &mut staging)?;
-                    copy(&mut staging);
-                    ops.upload(t, &staging)?;
-                }
+                ops.copy_chunks(t, block_bytes, pairs)?;
             }
         }
         Ok(())

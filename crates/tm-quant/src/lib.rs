@@ -10,19 +10,26 @@
 //! - [`reference`]: the obvious, slow reference dequantizer for the tm layout and nibble
 //!   packing helpers.
 //! - [`quantize`]: round-to-nearest quantizers (asymmetric min/max int4, symmetric int8).
+//! - [`zero_point`], [`awq`], [`gptq`]: AutoAWQ "GEMM" and GPTQ int4 checkpoints
+//!   (`qweight`/`qzeros`/`scales`, `w = (q - z) * s`) repacked into the tm layout, with their
+//!   nibble orders.
 //!
 //! # Which layout a weight uses
 //! An int4 weight always has `mins` (the layout is `w = q * scale + min`); an int8 weight never
 //! has them (`w = q * scale`). [`HostQuant::kind`] reads the kind off that, and validation checks
 //! that `packed` has the matching length (`rows * cols / 2` or `rows * cols`).
 
+pub mod awq;
 pub mod gguf;
+pub mod gptq;
 pub mod quantize;
 pub mod reference;
+pub mod zero_point;
 
 pub use gguf::{dequantize_gguf_reference, import_gguf, import_q4_0, import_q4_1, import_q8_0, GgufType};
 pub use quantize::{quantize_int4, quantize_int8};
 pub use reference::{dequantize, dequantize_view, pack_int4, unpack_int4};
+pub use zero_point::{ZeroPointFormat, ZeroPointInt4};
 
 use half::f16;
 use tm_core::{Error, Result};

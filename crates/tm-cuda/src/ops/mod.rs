@@ -543,6 +543,25 @@ impl Ops for CudaBackend {
         ew::gather_rows(&self.gpu, self.dtype, ptr(out), ptr(x), r, rows.len(), width)
     }
 
+    fn copy_chunks(&self, t: &mut Tensor, chunk_bytes: usize, pairs: &[(u32, u32)]) -> Result<()> {
+        let total = t.desc().bytes();
+        if let Some(&(s, d)) = pairs.iter().find(|&&(s, d)| (s.max(d) as usize + 1) * chunk_bytes > total) {
+            return Err(Error::invalid(format!(
+                "chunk copy {s} -> {d} of {chunk_bytes} bytes is outside {total} bytes"
+            )));
+        }
+        self.gpu.bind()?;
+        let base = ptr(t);
+        for &(s, d) in pairs {
+            let (src, dst) = (base + s as u64 * chunk_bytes as u64, base + d as u64 * chunk_bytes as u64);
+            // SAFETY: both ranges lie inside `t`'s allocation (checked above); the copy is ordered
+            // on the stream with every kernel that reads or writes the cache.
+            unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, chunk_bytes, self.gpu.stream().cu_stream()) }
+                .map_err(crate::runtime::driver_err("cuMemcpyDtoDAsync"))?;
+        }
+        Ok(())
+    }
+
     fn sample(&self, logits: &Tensor, requests: &mut [SampleRequest<'_>]) -> Result<Vec<u32>> {
         let shape = logits.shape();
         if shape.len() != 2 || shape[0] != requests.len() {
