@@ -27,17 +27,27 @@ use tm_core::{Allocator, DType, Device, Error, Ops, Result, Tensor};
 #[derive(Debug)]
 pub struct CpuBackend {
     allocator: Arc<dyn Allocator>,
+    step_in_pool: bool,
 }
 
 impl CpuBackend {
     /// A backend with an uncapped allocator.
     pub fn new() -> Self {
-        CpuBackend { allocator: Arc::new(CpuAllocator::new()) }
+        CpuBackend { allocator: Arc::new(CpuAllocator::new()), step_in_pool: true }
     }
 
     /// A backend whose allocator refuses to hold more than `cap` bytes.
     pub fn with_memory_cap(cap: u64) -> Self {
-        CpuBackend { allocator: Arc::new(CpuAllocator::with_cap(Some(cap))) }
+        CpuBackend { allocator: Arc::new(CpuAllocator::with_cap(Some(cap))), step_in_pool: true }
+    }
+
+    /// A backend for one rank thread of a tensor-parallel group: `run_step` runs the step on
+    /// the calling thread instead of inside the rayon pool (kernels still fan out over the pool).
+    /// A step blocks in collectives while it waits for the other ranks; inside the shared pool
+    /// that would hold a worker, and with more ranks than workers the last ranks' steps would
+    /// never start.
+    pub fn for_rank_thread() -> Self {
+        CpuBackend { allocator: Arc::new(CpuAllocator::new()), step_in_pool: false }
     }
 }
 
@@ -91,6 +101,9 @@ impl Ops for CpuBackend {
     }
 
     fn run_step(&self, step: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
+        if !self.step_in_pool {
+            return step();
+        }
         // Inside the pool, each kernel's parallel fan-out costs far less than from an outside
         // thread (about 7 µs per call otherwise, over 200 calls per token).
         rayon::scope(|_| step())

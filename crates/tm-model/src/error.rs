@@ -89,6 +89,18 @@ pub enum ModelError {
     /// A backend error.
     #[error(transparent)]
     Core(#[from] tm_core::Error),
+    /// A tensor-parallel rank failed (deadline expiries are [`ModelError::Core`] timeouts, which
+    /// already name the rank and the collective).
+    #[error("tensor-parallel rank {rank} failed in {step}: {source}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// What the rank was doing (`loading`, `forward step 12`, ...).
+        step: String,
+        /// What went wrong.
+        #[source]
+        source: Box<ModelError>,
+    },
 }
 
 impl ModelError {

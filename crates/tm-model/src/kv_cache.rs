@@ -1,8 +1,10 @@
 //! Paged KV-cache storage: per layer, a key and a value tensor of
-//! `[num_blocks, block_size, kv_heads, head_dim]`, and a free list of blocks.
+//! `[num_blocks, block_size, kv_heads, head_dim]`, and a free list of blocks. A tensor-parallel
+//! rank's cache holds only its KV heads ([`KvCache::for_shard`]).
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::llama::ShardLayout;
 use tm_core::{DType, Ops, Tensor, TensorDesc};
 
 /// Key/value storage for every layer.
@@ -21,12 +23,30 @@ impl KvCache {
         (2 * cfg.num_layers * dtype.storage_bytes(block_size * cfg.kv_dim())) as u64
     }
 
+    /// Bytes one block takes on the rank `layout` describes (its KV heads only).
+    pub fn bytes_per_block_shard(cfg: &ModelConfig, layout: &ShardLayout, dtype: DType, block_size: usize) -> u64 {
+        (2 * cfg.num_layers * dtype.storage_bytes(block_size * layout.kv_dim())) as u64
+    }
+
     /// Allocates `num_blocks` blocks of `block_size` tokens for every layer.
     pub fn new(ops: &dyn Ops, cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Result<KvCache> {
+        Self::for_shard(ops, cfg, &ShardLayout::single(cfg), num_blocks, block_size)
+    }
+
+    /// Allocates `num_blocks` blocks of `block_size` tokens for every layer, holding the KV heads
+    /// of the rank `layout` describes.
+    pub fn for_shard(
+        ops: &dyn Ops,
+        cfg: &ModelConfig,
+        layout: &ShardLayout,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<KvCache> {
         if num_blocks == 0 || block_size == 0 {
             return Err(ModelError::InvalidInput("the KV cache needs at least one block of at least one token".into()));
         }
-        let desc = TensorDesc::new(ops.activation_dtype(), &[num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim]);
+        let desc =
+            TensorDesc::new(ops.activation_dtype(), &[num_blocks, block_size, layout.kv_heads.len(), cfg.head_dim]);
         let layers = (0..cfg.num_layers)
             .map(|_| Ok((ops.zeros(desc.clone(), "kv cache")?, ops.zeros(desc.clone(), "kv cache")?)))
             .collect::<Result<Vec<_>>>()?;
@@ -87,5 +107,39 @@ impl BlockPool {
     /// Number of free blocks.
     pub fn free_count(&self) -> usize {
         self.free.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tm_cpu::CpuBackend;
+
+    #[test]
+    fn copy_blocks_copies_whole_blocks_in_every_layer() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/llama");
+        let cfg = ModelConfig::from_dir(&dir).expect("fixture config");
+        let ops = CpuBackend::new();
+        let mut kv = KvCache::new(&ops, &cfg, 6, 4).expect("cache");
+        for i in 0..cfg.num_layers {
+            let (k, v) = kv.layer_mut(i);
+            for (j, x) in k.host_mut::<f32>().unwrap().iter_mut().enumerate() {
+                *x = (i * 100_000 + j) as f32;
+            }
+            for (j, x) in v.host_mut::<f32>().unwrap().iter_mut().enumerate() {
+                *x = -((i * 100_000 + j) as f32);
+            }
+        }
+        kv.copy_blocks(&ops, &[(1, 4), (5, 0)]).expect("copy");
+        let per_block = 4 * cfg.kv_dim();
+        for i in 0..cfg.num_layers {
+            let (k, _) = kv.layer_mut(i);
+            let k = k.host::<f32>().unwrap();
+            for (src, dst) in [(1usize, 4usize), (5, 0)] {
+                assert_eq!(k[dst * per_block..(dst + 1) * per_block], k[src * per_block..(src + 1) * per_block]);
+            }
+            assert_eq!(k[2 * per_block], (i * 100_000 + 2 * per_block) as f32, "other blocks untouched");
+        }
+        assert!(kv.copy_blocks(&ops, &[(6, 0)]).is_err());
     }
 }

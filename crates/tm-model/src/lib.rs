@@ -12,6 +12,7 @@
 //! - [`loader`]: opens a model directory or `.gguf` file into a ready model.
 //! - [`plan`]: the memory plan: weights, workspace and KV blocks sized before anything is allocated.
 //! - [`engine`]: the serving engine: paged KV blocks with prefix caching, continuous batching, streams.
+//! - [`tp`]: tensor parallelism: one thread per rank, each with its own backend and shard, in lockstep.
 
 pub mod chat_template;
 pub mod config;
@@ -25,6 +26,7 @@ pub mod llama;
 pub mod loader;
 pub mod plan;
 pub mod tokenizer;
+pub mod tp;
 pub mod weights;
 
 pub use error::{ModelError, Result};

@@ -1,7 +1,13 @@
 //! Checkpoint tensors, memory-mapped: safetensors (one file, or shards listed in
 //! `model.safetensors.index.json`). GGUF files provide the same [`TensorSource`] interface.
+//!
+//! AWQ and GPTQ checkpoints (a `quantization_config` in `config.json`, see [`crate::hf_quant`])
+//! store a quantized matrix `X.weight` as `X.qweight`, `X.qzeros`, `X.scales` (and `X.g_idx`);
+//! [`SafetensorsCheckpoint`] presents them as one tensor `X.weight` of encoding
+//! [`Encoding::Awq`] or [`Encoding::Gptq`] whose parts are in [`TensorRef::parts`].
 
 use crate::error::{ModelError, Result};
+use crate::hf_quant::HfQuantConfig;
 use memmap2::Mmap;
 use std::collections::HashMap;
 use std::fs::File;
@@ -19,6 +25,10 @@ pub enum Encoding {
     Q4_1,
     /// GGUF Q8_0 blocks.
     Q8_0,
+    /// AutoAWQ "GEMM" int4 (`qweight`, `qzeros`, `scales`: see [`QuantParts`]).
+    Awq,
+    /// GPTQ int4 (`qweight`, `qzeros`, `scales`, optional `g_idx`: see [`QuantParts`]).
+    Gptq,
 }
 
 /// A tensor in a checkpoint: metadata plus its bytes in the memory map.
@@ -34,6 +44,46 @@ pub struct TensorRef<'a> {
     pub bytes: &'a [u8],
     /// The file holding it.
     pub file: &'a Path,
+    /// For [`Encoding::Awq`] and [`Encoding::Gptq`]: the checkpoint tensors the matrix is stored
+    /// in (`bytes` and `file` are then those of `qweight`); `None` for every other encoding.
+    pub parts: Option<Box<QuantParts<'a>>>,
+}
+
+impl TensorRef<'_> {
+    /// Bytes the tensor takes in the checkpoint: `bytes`, or the sum of all its parts.
+    pub fn stored_bytes(&self) -> u64 {
+        match &self.parts {
+            Some(p) => p.stored_bytes(),
+            None => self.bytes.len() as u64,
+        }
+    }
+}
+
+/// The tensors of a matrix that an AWQ or GPTQ checkpoint stores quantized (see
+/// [`tm_quant::zero_point`] for the formats). The shapes and dtypes have been checked against
+/// each other and the quantization config when the [`TensorRef`] was made.
+#[derive(Debug)]
+pub struct QuantParts<'a> {
+    /// The packing (AWQ, or GPTQ with its zero-point offset).
+    pub format: tm_quant::ZeroPointFormat,
+    /// Inputs per group (`in_features` for one group per output channel).
+    pub group_size: usize,
+    /// `X.qweight`: int32, AWQ `[in, out / 8]`, GPTQ `[in / 8, out]`.
+    pub qweight: TensorRef<'a>,
+    /// `X.qzeros`: int32 `[in / group_size, out / 8]`.
+    pub qzeros: TensorRef<'a>,
+    /// `X.scales`: `[in / group_size, out]`, f16 (bf16 and f32 are accepted too).
+    pub scales: TensorRef<'a>,
+    /// `X.g_idx` (GPTQ, when present): int32 `[in]`, checked to be `i / group_size`.
+    pub g_idx: Option<TensorRef<'a>>,
+}
+
+impl QuantParts<'_> {
+    /// Bytes of all the parts in the checkpoint.
+    pub fn stored_bytes(&self) -> u64 {
+        let g = self.g_idx.as_ref().map_or(0, |t| t.bytes.len());
+        (self.qweight.bytes.len() + self.qzeros.bytes.len() + self.scales.bytes.len() + g) as u64
+    }
 }
 
 /// Anything the model can load tensors from.
@@ -55,11 +105,12 @@ struct Shard {
     tensors: HashMap<String, (DType, Vec<usize>, usize, usize)>,
 }
 
-/// A safetensors checkpoint, single-file or sharded.
+/// A safetensors checkpoint, single-file or sharded, possibly AWQ/GPTQ-quantized.
 pub struct SafetensorsCheckpoint {
     dir: PathBuf,
     shards: Vec<Shard>,
     index: HashMap<String, usize>,
+    quant: Option<HfQuantConfig>,
 }
 
 fn map_dtype(d: safetensors::Dtype) -> Option<DType> {
@@ -110,8 +161,11 @@ fn open_shard(path: &Path) -> Result<Shard> {
 }
 
 impl SafetensorsCheckpoint {
-    /// Opens `model.safetensors`, or the shards named by `model.safetensors.index.json`, in `dir`.
+    /// Opens `model.safetensors`, or the shards named by `model.safetensors.index.json`, in `dir`,
+    /// and reads the quantization config (see [`HfQuantConfig::from_dir`]), which errors for
+    /// quantized checkpoints tm cannot load.
     pub fn open(dir: &Path) -> Result<Self> {
+        let quant = HfQuantConfig::from_dir(dir)?;
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path).map_err(|e| ModelError::io(&index_path, e))?;
@@ -141,30 +195,52 @@ impl SafetensorsCheckpoint {
             }
             shards.push(shard);
         }
-        Ok(SafetensorsCheckpoint { dir: dir.to_path_buf(), shards, index })
+        Ok(SafetensorsCheckpoint { dir: dir.to_path_buf(), shards, index, quant })
     }
 
-    /// Names of all tensors.
+    /// Names of all tensors (as stored: the parts of quantized matrices, not `X.weight`).
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.index.keys().map(String::as_str)
     }
-}
 
-impl TensorSource for SafetensorsCheckpoint {
-    fn tensor(&self, name: &str) -> Result<TensorRef<'_>> {
-        let missing = || ModelError::MissingTensor { name: name.into(), path: self.dir.clone() };
-        let shard = &self.shards[*self.index.get(name).ok_or_else(missing)?];
-        let (dtype, shape, start, end) = shard.tensors.get(name).ok_or_else(missing)?;
-        Ok(TensorRef {
+    /// The AWQ/GPTQ quantization config, if the checkpoint has one.
+    pub fn quantization(&self) -> Option<&HfQuantConfig> {
+        self.quant.as_ref()
+    }
+
+    /// A tensor as stored, or `None`.
+    fn stored(&self, name: &str) -> Option<TensorRef<'_>> {
+        let shard = &self.shards[*self.index.get(name)?];
+        let (dtype, shape, start, end) = shard.tensors.get(name)?;
+        Some(TensorRef {
             name: name.into(),
             encoding: Encoding::Plain(*dtype),
             shape: shape.clone(),
             bytes: &shard.mmap[shard.data_start + start..shard.data_start + end],
             file: &shard.path,
+            parts: None,
         })
     }
+
+    /// `X` when `name` is `X.weight` and the checkpoint stores `X.qweight` instead.
+    fn quantized_base<'n>(&self, name: &'n str) -> Option<&'n str> {
+        let base = name.strip_suffix(".weight")?;
+        (!self.index.contains_key(name) && self.index.contains_key(&format!("{base}.qweight"))).then_some(base)
+    }
+}
+
+impl TensorSource for SafetensorsCheckpoint {
+    fn tensor(&self, name: &str) -> Result<TensorRef<'_>> {
+        if let Some(t) = self.stored(name) {
+            return Ok(t);
+        }
+        if let Some(base) = self.quantized_base(name) {
+            return crate::hf_quant::quantized_matrix(self.quant.as_ref(), &self.dir, name, base, &|n| self.stored(n));
+        }
+        Err(ModelError::MissingTensor { name: name.into(), path: self.dir.clone() })
+    }
     fn contains(&self, name: &str) -> bool {
-        self.index.contains_key(name)
+        self.index.contains_key(name) || self.quantized_base(name).is_some()
     }
     fn location(&self) -> &Path {
         &self.dir

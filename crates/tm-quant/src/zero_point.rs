@@ -146,8 +146,7 @@ impl ZeroPointInt4<'_> {
     }
 
     /// Repacks into tm's int4 layout (`[rows = out, cols = in]`, see the module docs for the
-    /// mapping and its error). The only buffers are the result and nothing the size of the
-    /// weights besides it.
+    /// mapping and its error). Nothing the size of the weights is allocated besides the result.
     ///
     /// Errors on bad dimensions or lengths, and on a group whose scale or `-z · s` is not finite
     /// in f16 (naming its output row and group).

@@ -6,7 +6,10 @@
 //! `output` → `lm_head`, and the packed `attention.wqkv` is split into q, k and v: its rows are
 //! grouped per KV head, each group holding `heads/kv_heads` query heads, then one key head, then
 //! one value head (`head_dim` rows each).
+//!
+//! A tensor-parallel rank loads only its part of each weight ([`super::shard`]).
 
+use super::shard::{load_matrix_cut, load_vector_cut, Cut, ShardLayout};
 use super::LayerWeights;
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
@@ -19,6 +22,8 @@ pub(super) struct Loader<'a> {
     pub ops: &'a dyn Ops,
     pub src: &'a dyn TensorSource,
     pub cfg: &'a ModelConfig,
+    /// The part of the model this rank holds.
+    pub layout: &'a ShardLayout,
     /// Called with the bytes of each tensor loaded (for progress bars).
     pub on_tensor: &'a mut dyn FnMut(u64),
 }
@@ -57,13 +62,25 @@ impl<'a> Loader<'a> {
         Ok(())
     }
 
-    /// A matrix `[rows, cols]`.
-    pub fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+    /// The part `cut` of a matrix `[rows, cols]`.
+    pub fn matrix(&mut self, name: &str, rows: usize, cols: usize, cut: Cut) -> Result<Weight> {
         let t = self.get(name)?;
         Self::check_shape(&t, &[rows, cols])?;
-        let w = tensor_to_weight(self.ops, &t)?;
-        (self.on_tensor)(t.bytes.len() as u64);
+        let w = load_matrix_cut(self.ops, &t, &cut)?;
+        (self.on_tensor)(super::shard::cut_stored_bytes(&t, &cut));
         Ok(w)
+    }
+
+    /// Rows `range` of a vector of `len` (a bias), or all of it when `range` is `None`.
+    pub fn vector_rows(&mut self, name: &str, len: usize, range: std::ops::Range<usize>) -> Result<Tensor> {
+        if range == (0..len) {
+            return self.vector(name, len);
+        }
+        let t = self.get(name)?;
+        Self::check_shape(&t, &[len])?;
+        let v = load_vector_cut(self.ops, &t, &range)?;
+        (self.on_tensor)(super::shard::cut_stored_bytes(&t, &Cut::Rows(range)));
+        Ok(v)
     }
 
     /// A vector of `len` (norm weights, biases), stored as the backend's activation dtype.
@@ -91,13 +108,14 @@ impl<'a> Loader<'a> {
 
     /// q, k and v projections of layer `i`.
     fn qkv(&mut self, i: usize) -> Result<(Weight, Weight, Weight)> {
-        let c = self.cfg;
+        let (c, l) = (self.cfg, self.layout);
         let p = format!("model.layers.{i}.self_attn");
         if c.arch != Arch::InternLM2 {
+            let (q, kv) = (Cut::rows(l.q_range(), c.q_dim()), Cut::rows(l.kv_range(), c.kv_dim()));
             return Ok((
-                self.matrix(&format!("{p}.q_proj.weight"), c.q_dim(), c.hidden_size)?,
-                self.matrix(&format!("{p}.k_proj.weight"), c.kv_dim(), c.hidden_size)?,
-                self.matrix(&format!("{p}.v_proj.weight"), c.kv_dim(), c.hidden_size)?,
+                self.matrix(&format!("{p}.q_proj.weight"), c.q_dim(), c.hidden_size, q)?,
+                self.matrix(&format!("{p}.k_proj.weight"), c.kv_dim(), c.hidden_size, kv.clone())?,
+                self.matrix(&format!("{p}.v_proj.weight"), c.kv_dim(), c.hidden_size, kv)?,
             ));
         }
         let name = format!("model.layers.{i}.attention.wqkv.weight");
@@ -115,34 +133,45 @@ impl<'a> Loader<'a> {
             if chunk.len() != head_bytes * (group + 2) {
                 return Err(ModelError::format(t.file, format!("`{name}`: kv group {g} is truncated")));
             }
-            q.extend_from_slice(&chunk[..group * head_bytes]);
+            if !l.kv_heads.contains(&g) {
+                continue;
+            }
+            // This rank's query heads of KV group g.
+            let heads = l.heads.start.max(g * group)..l.heads.end.min((g + 1) * group);
+            q.extend_from_slice(&chunk[(heads.start - g * group) * head_bytes..(heads.end - g * group) * head_bytes]);
             k.extend_from_slice(&chunk[group * head_bytes..(group + 1) * head_bytes]);
             v.extend_from_slice(&chunk[(group + 1) * head_bytes..]);
         }
         let load = |bytes: &[u8], rows| self.ops.load_dense(dtype, &[rows, c.hidden_size], bytes, "weights");
         let out = (
-            Weight::Dense(load(&q, c.q_dim())?),
-            Weight::Dense(load(&k, c.kv_dim())?),
-            Weight::Dense(load(&v, c.kv_dim())?),
+            Weight::Dense(load(&q, l.q_dim())?),
+            Weight::Dense(load(&k, l.kv_dim())?),
+            Weight::Dense(load(&v, l.kv_dim())?),
         );
-        (self.on_tensor)(t.bytes.len() as u64);
+        (self.on_tensor)((q.len() + k.len() + v.len()) as u64);
         Ok(out)
     }
 
     /// Every weight of layer `i`.
     pub fn layer(&mut self, i: usize) -> Result<LayerWeights> {
-        let c = self.cfg;
+        let (c, lay) = (self.cfg, self.layout);
         let p = format!("model.layers.{i}");
         let (q, k, v) = self.qkv(i)?;
-        let bias = |l: &mut Self, n: &str, len| -> Result<Option<Tensor>> {
+        let bias = |l: &mut Self, n: &str, len, range| -> Result<Option<Tensor>> {
             if c.qkv_bias {
-                Ok(Some(l.vector(&format!("{p}.self_attn.{n}.bias"), len)?))
+                Ok(Some(l.vector_rows(&format!("{p}.self_attn.{n}.bias"), len, range)?))
             } else {
                 Ok(None)
             }
         };
-        let qkv_bias =
-            (bias(self, "q_proj", c.q_dim())?, bias(self, "k_proj", c.kv_dim())?, bias(self, "v_proj", c.kv_dim())?);
+        let qkv_bias = (
+            bias(self, "q_proj", c.q_dim(), lay.q_range())?,
+            bias(self, "k_proj", c.kv_dim(), lay.kv_range())?,
+            bias(self, "v_proj", c.kv_dim(), lay.kv_range())?,
+        );
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let (mlp_rows, mlp_cols) =
+            (Cut::rows(lay.intermediate.clone(), inter), Cut::cols(lay.intermediate.clone(), inter));
         let qk_norm = if c.qk_norm {
             Some((
                 self.vector(&format!("{p}.self_attn.q_norm.weight"), c.head_dim)?,
@@ -158,11 +187,16 @@ impl<'a> Loader<'a> {
             v,
             qkv_bias,
             qk_norm,
-            o: self.matrix(&format!("{p}.self_attn.o_proj.weight"), c.hidden_size, c.q_dim())?,
-            mlp_norm: self.vector(&format!("{p}.post_attention_layernorm.weight"), c.hidden_size)?,
-            gate: self.matrix(&format!("{p}.mlp.gate_proj.weight"), c.intermediate_size, c.hidden_size)?,
-            up: self.matrix(&format!("{p}.mlp.up_proj.weight"), c.intermediate_size, c.hidden_size)?,
-            down: self.matrix(&format!("{p}.mlp.down_proj.weight"), c.hidden_size, c.intermediate_size)?,
+            o: self.matrix(
+                &format!("{p}.self_attn.o_proj.weight"),
+                h,
+                c.q_dim(),
+                Cut::cols(lay.q_range(), c.q_dim()),
+            )?,
+            mlp_norm: self.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
+            gate: self.matrix(&format!("{p}.mlp.gate_proj.weight"), inter, h, mlp_rows.clone())?,
+            up: self.matrix(&format!("{p}.mlp.up_proj.weight"), inter, h, mlp_rows)?,
+            down: self.matrix(&format!("{p}.mlp.down_proj.weight"), h, inter, mlp_cols)?,
         })
     }
 }

@@ -4,21 +4,33 @@
 //!
 //! One [`LlamaModel::forward`] call runs a flat batch of tokens from any number of sequences
 //! (prefill chunks and decode tokens mixed) described by a [`StepInput`].
+//!
+//! # Tensor parallelism
+//! [`LlamaModel::load_shard`] loads one rank's part of the model ([`shard`] says which part) and
+//! [`LlamaModel::forward_tp`] runs that rank's share of a step, exchanging activations through a
+//! [`Comm`]: an all-reduce after the embedding, after each o_proj and after each down_proj, and
+//! an all-gather of the logits. Every rank runs the same steps in lockstep, each with its own
+//! `Ops`, KV cache (its KV heads) and workspace; `crate::tp::TpGroup` runs the ranks as threads.
 
 mod load;
 pub mod quant_load;
+pub mod shard;
 mod workspace;
 
 pub use load::{internlm2_name, tensor_to_weight};
+pub use shard::{ShardLayout, ShardSpec};
 pub use workspace::Workspace;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
 use crate::weights::TensorSource;
+use shard::Cut;
+use std::time::Duration;
 use tm_core::ops::{AttentionMeta, SeqAttention};
 use tm_core::quant::Weight;
-use tm_core::{Ops, Tensor};
+use tm_core::rope::RopeFreqs;
+use tm_core::{Comm, Ops, SingleRank, Tensor};
 
 /// Weights of one decoder layer.
 #[derive(Debug)]
@@ -62,15 +74,28 @@ pub struct StepInput<'a> {
     pub logit_rows: &'a [u32],
 }
 
-/// A loaded Llama-family model.
+/// A loaded Llama-family model (or one tensor-parallel rank's part of it).
 #[derive(Debug)]
 pub struct LlamaModel {
-    /// Hyper-parameters.
+    /// Hyper-parameters (of the whole model, also on a rank).
     pub config: ModelConfig,
+    layout: ShardLayout,
     embed: Weight,
     layers: Vec<LayerWeights>,
     final_norm: Tensor,
     lm_head: Option<Weight>,
+    /// Names of the collectives of each layer (after o_proj, after down_proj), for errors.
+    step_names: Vec<[String; 2]>,
+}
+
+/// What one step's layers need besides the weights.
+struct StepCtx<'a> {
+    ops: &'a dyn Ops,
+    comm: &'a dyn Comm,
+    timeout: Duration,
+    step: &'a StepInput<'a>,
+    freqs: &'a RopeFreqs,
+    meta: &'a AttentionMeta<'a>,
 }
 
 impl LlamaModel {
@@ -82,17 +107,40 @@ impl LlamaModel {
         config: ModelConfig,
         on_tensor: &mut dyn FnMut(u64),
     ) -> Result<Self> {
+        Self::load_shard(ops, src, config, ShardSpec::SINGLE, on_tensor)
+    }
+
+    /// Loads rank `shard.rank`'s part of the model (of `shard.world` ranks) onto the backend,
+    /// reading only that part of each tensor from `src`. Fails, saying why, when the model cannot
+    /// be split that way (see [`shard`]).
+    pub fn load_shard(
+        ops: &dyn Ops,
+        src: &dyn TensorSource,
+        config: ModelConfig,
+        shard: ShardSpec,
+        on_tensor: &mut dyn FnMut(u64),
+    ) -> Result<Self> {
         let c = config.clone();
-        let mut l = load::Loader { ops, src, cfg: &c, on_tensor };
-        let embed = l.matrix("model.embed_tokens.weight", c.vocab_size, c.hidden_size)?;
+        let layout = ShardLayout::new(&c, shard)?;
+        let mut l = load::Loader { ops, src, cfg: &c, layout: &layout, on_tensor };
+        let (vocab, h) = (c.vocab_size, c.hidden_size);
+        let vocab_cut = Cut::rows(layout.vocab.clone(), vocab);
+        let embed = l.matrix("model.embed_tokens.weight", vocab, h, vocab_cut.clone())?;
         let layers = (0..c.num_layers).map(|i| l.layer(i)).collect::<Result<Vec<_>>>()?;
-        let final_norm = l.vector("model.norm.weight", c.hidden_size)?;
+        let final_norm = l.vector("model.norm.weight", h)?;
         let lm_head = if c.tie_word_embeddings && !l.has("lm_head.weight") {
             None
         } else {
-            Some(l.matrix("lm_head.weight", c.vocab_size, c.hidden_size)?)
+            Some(l.matrix("lm_head.weight", vocab, h, vocab_cut)?)
         };
-        Ok(LlamaModel { config, embed, layers, final_norm, lm_head })
+        let step_names =
+            (0..c.num_layers).map(|i| [format!("layer {i} o_proj"), format!("layer {i} down_proj")]).collect();
+        Ok(LlamaModel { config, layout, embed, layers, final_norm, lm_head, step_names })
+    }
+
+    /// The part of the model this instance holds.
+    pub fn layout(&self) -> &ShardLayout {
+        &self.layout
     }
 
     /// Bytes of weights held on the device.
@@ -119,6 +167,7 @@ impl LlamaModel {
     }
 
     /// Runs one step and returns the logits `[logit_rows.len(), vocab]` (a view into `ws`).
+    /// The model must be whole (not a tensor-parallel shard; see [`LlamaModel::forward_tp`]).
     pub fn forward<'w>(
         &self,
         ops: &dyn Ops,
@@ -126,7 +175,33 @@ impl LlamaModel {
         step: &StepInput<'_>,
         ws: &'w mut Workspace,
     ) -> Result<&'w Tensor> {
+        self.forward_tp(ops, &SingleRank, Duration::MAX, kv, step, ws)
+    }
+
+    /// Runs this rank's share of one step; every rank of `comm` must call it with the same
+    /// `step`. Each collective waits at most `timeout` for the other ranks (then fails with
+    /// [`tm_core::Error::Timeout`] naming the rank and the collective). Returns the full logits
+    /// `[logit_rows.len(), vocab]` (a view into `ws`) on every rank.
+    pub fn forward_tp<'w>(
+        &self,
+        ops: &dyn Ops,
+        comm: &dyn Comm,
+        timeout: Duration,
+        kv: &mut KvCache,
+        step: &StepInput<'_>,
+        ws: &'w mut Workspace,
+    ) -> Result<&'w Tensor> {
         let c = &self.config;
+        let spec = self.layout.spec;
+        if comm.rank() != spec.rank || comm.world_size() != spec.world {
+            return Err(ModelError::InvalidInput(format!(
+                "the model holds rank {} of {} but the communicator is rank {} of {}",
+                spec.rank,
+                spec.world,
+                comm.rank(),
+                comm.world_size()
+            )));
+        }
         let n = step.tokens.len();
         if n == 0 || step.positions.len() != n || step.slot_mapping.len() != n {
             return Err(ModelError::InvalidInput(format!(
@@ -135,7 +210,10 @@ impl LlamaModel {
                 step.slot_mapping.len()
             )));
         }
-        ws.prepare(ops, c, n, step.logit_rows.len())?;
+        if ws.layout() != &self.layout {
+            return Err(ModelError::InvalidInput("the workspace was made for another shard layout".into()));
+        }
+        ws.prepare(ops, n, step.logit_rows.len())?;
         let max_pos = step.positions.iter().copied().max().unwrap_or(0) as usize;
         let freqs = c.rope.freqs(max_pos);
         let meta = AttentionMeta {
@@ -144,23 +222,22 @@ impl LlamaModel {
             scale: 1.0 / (c.head_dim as f32).sqrt(),
             sliding_window: c.sliding_window,
         };
-        ops.run_step(&mut || self.run_layers(ops, kv, step, ws, &freqs, &meta))?;
+        let cx = StepCtx { ops, comm, timeout, step, freqs: &freqs, meta: &meta };
+        ops.run_step(&mut || self.run_layers(&cx, kv, ws))?;
         Ok(&ws.logits)
     }
 
     /// The layers, final norm and LM head of one step (run inside the backend's step context).
-    fn run_layers(
-        &self,
-        ops: &dyn Ops,
-        kv: &mut KvCache,
-        step: &StepInput<'_>,
-        ws: &mut Workspace,
-        freqs: &tm_core::rope::RopeFreqs,
-        meta: &AttentionMeta<'_>,
-    ) -> Result<(), tm_core::Error> {
-        let c = &self.config;
-        let eps = c.rms_norm_eps;
-        ops.embedding(&self.embed, step.tokens, &mut ws.residual)?;
+    fn run_layers(&self, cx: &StepCtx<'_>, kv: &mut KvCache, ws: &mut Workspace) -> Result<(), tm_core::Error> {
+        let (ops, step, freqs, meta) = (cx.ops, cx.step, cx.freqs, cx.meta);
+        let sharded = self.layout.is_sharded();
+        let eps = self.config.rms_norm_eps;
+        if sharded && self.layout.vocab_parallel {
+            ops.embedding_slice(&self.embed, step.tokens, self.layout.vocab.start as u32, &mut ws.residual)?;
+            cx.comm.all_reduce_sum(&mut ws.residual, "embedding", cx.timeout)?;
+        } else {
+            ops.embedding(&self.embed, step.tokens, &mut ws.residual)?;
+        }
         for (i, layer) in self.layers.iter().enumerate() {
             if i == 0 {
                 ops.rms_norm(&ws.residual, &layer.attn_norm, eps, &mut ws.normed)?;
@@ -183,15 +260,50 @@ impl LlamaModel {
             ops.write_kv(&ws.k, &ws.v, k_cache, v_cache, step.slot_mapping)?;
             ops.attention(&ws.q, k_cache, v_cache, meta, &mut ws.attn)?;
             ops.matmul(&ws.attn, &layer.o, None, &mut ws.delta)?;
+            if sharded {
+                cx.comm.all_reduce_sum(&mut ws.delta, &self.step_names[i][0], cx.timeout)?;
+            }
             ops.add_rms_norm(&ws.delta, &mut ws.residual, &layer.mlp_norm, eps, &mut ws.normed)?;
             ops.matmul(&ws.normed, &layer.gate, None, &mut ws.gate)?;
             ops.matmul(&ws.normed, &layer.up, None, &mut ws.up)?;
             ops.silu_mul(&ws.gate, &ws.up, &mut ws.act)?;
             ops.matmul(&ws.act, &layer.down, None, &mut ws.delta)?;
+            if sharded {
+                cx.comm.all_reduce_sum(&mut ws.delta, &self.step_names[i][1], cx.timeout)?;
+            }
         }
         ops.add_rms_norm(&ws.delta, &mut ws.residual, &self.final_norm, eps, &mut ws.normed)?;
         ops.gather_rows(&ws.normed, step.logit_rows, &mut ws.last)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        ops.matmul(&ws.last, head, None, &mut ws.logits)
+        if !self.layout.gathers_logits() {
+            return ops.matmul(&ws.last, head, None, &mut ws.logits);
+        }
+        self.gather_logits(cx, head, ws)
+    }
+
+    /// The vocab-parallel LM head: this rank's slice of the logits, then an all-gather. The
+    /// gather stacks the ranks' `[rows, slice]` blocks; with more than one row they are put back
+    /// in `[rows, vocab]` order by one `gather_rows` (row `r` of rank `w` is the `w`-th slice of
+    /// logits row `r`).
+    fn gather_logits(&self, cx: &StepCtx<'_>, head: &Weight, ws: &mut Workspace) -> Result<(), tm_core::Error> {
+        let (ops, world) = (cx.ops, self.layout.spec.world);
+        let rows = cx.step.logit_rows.len();
+        let slice = self.layout.vocab_rows();
+        let Workspace { last, logits, logits_local, gathered, perm, .. } = ws;
+        let (Some(local), Some(gathered)) = (logits_local.as_mut(), gathered.as_mut()) else {
+            return Err(tm_core::Error::invalid("the workspace has no tensor-parallel logits buffers"));
+        };
+        ops.matmul(last, head, None, local)?;
+        if rows == 1 {
+            logits.reshape(&[world, slice])?;
+            cx.comm.all_gather(local, logits, "lm_head", cx.timeout)?;
+        } else {
+            cx.comm.all_gather(local, gathered, "lm_head", cx.timeout)?;
+            perm.clear();
+            perm.extend((0..rows).flat_map(|r| (0..world).map(move |w| (w * rows + r) as u32)));
+            logits.reshape(&[rows * world, slice])?;
+            ops.gather_rows(gathered, perm, logits)?;
+        }
+        logits.reshape(&[rows, self.config.vocab_size])
     }
 }

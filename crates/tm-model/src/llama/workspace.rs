@@ -1,13 +1,16 @@
 //! Reusable activation buffers for a forward step, sized for the largest step seen so far, so
 //! steady-state decoding allocates nothing.
 
+use super::shard::ShardLayout;
 use crate::config::ModelConfig;
 use crate::error::Result;
 use tm_core::{Ops, Tensor, TensorDesc};
 
-/// Activation buffers of the Llama graph.
+/// Activation buffers of the Llama graph (of one tensor-parallel rank: q/k/v and MLP buffers are
+/// this rank's width).
 #[derive(Debug)]
 pub struct Workspace {
+    layout: ShardLayout,
     capacity: usize,
     logit_capacity: usize,
     pub(super) residual: Tensor,
@@ -24,56 +27,97 @@ pub struct Workspace {
     pub(super) act: Tensor,
     pub(super) last: Tensor,
     pub(super) logits: Tensor,
+    /// This rank's slice of the logits `[rows, vocab / world]` (vocab-parallel LM head only).
+    pub(super) logits_local: Option<Tensor>,
+    /// Every rank's slice, stacked: `[world × rows, vocab / world]` (vocab-parallel LM head only).
+    pub(super) gathered: Option<Tensor>,
+    /// The row order that puts `gathered` back into `[rows, vocab]`.
+    pub(super) perm: Vec<u32>,
 }
 
 impl Workspace {
-    /// Buffers for steps of up to `tokens` tokens and `logit_rows` logit rows.
+    /// Buffers for steps of up to `tokens` tokens and `logit_rows` logit rows of the whole model.
     pub fn new(ops: &dyn Ops, cfg: &ModelConfig, tokens: usize, logit_rows: usize) -> Result<Workspace> {
+        Self::for_shard(ops, &ShardLayout::single(cfg), tokens, logit_rows)
+    }
+
+    /// Buffers of the rank `layout` describes, for steps of up to `tokens` tokens and
+    /// `logit_rows` logit rows.
+    pub fn for_shard(ops: &dyn Ops, layout: &ShardLayout, tokens: usize, logit_rows: usize) -> Result<Workspace> {
         let tokens = tokens.max(1);
         let logit_rows = logit_rows.max(1);
         let dt = ops.activation_dtype();
         let t = |w: usize| ops.zeros(TensorDesc::new(dt, &[tokens, w]), "workspace");
+        let l = layout;
+        let (hidden, q, kv, inter) = (l.hidden, l.q_dim(), l.kv_dim(), l.intermediate_size());
+        let (logits_local, gathered) = if l.gathers_logits() {
+            let slice = l.vocab_rows();
+            (
+                Some(ops.zeros(TensorDesc::new(dt, &[logit_rows, slice]), "workspace")?),
+                Some(ops.zeros(TensorDesc::new(dt, &[l.spec.world * logit_rows, slice]), "workspace")?),
+            )
+        } else {
+            (None, None)
+        };
         Ok(Workspace {
+            layout: layout.clone(),
             capacity: tokens,
             logit_capacity: logit_rows,
-            residual: t(cfg.hidden_size)?,
-            normed: t(cfg.hidden_size)?,
-            q: t(cfg.q_dim())?,
-            k: t(cfg.kv_dim())?,
-            v: t(cfg.kv_dim())?,
-            scratch_q: t(cfg.q_dim())?,
-            scratch_k: t(cfg.kv_dim())?,
-            attn: t(cfg.q_dim())?,
-            delta: t(cfg.hidden_size)?,
-            gate: t(cfg.intermediate_size)?,
-            up: t(cfg.intermediate_size)?,
-            act: t(cfg.intermediate_size)?,
-            last: ops.zeros(TensorDesc::new(dt, &[logit_rows, cfg.hidden_size]), "workspace")?,
-            logits: ops.zeros(TensorDesc::new(dt, &[logit_rows, cfg.vocab_size]), "workspace")?,
+            residual: t(hidden)?,
+            normed: t(hidden)?,
+            q: t(q)?,
+            k: t(kv)?,
+            v: t(kv)?,
+            scratch_q: t(q)?,
+            scratch_k: t(kv)?,
+            attn: t(q)?,
+            delta: t(hidden)?,
+            gate: t(inter)?,
+            up: t(inter)?,
+            act: t(inter)?,
+            last: ops.zeros(TensorDesc::new(dt, &[logit_rows, hidden]), "workspace")?,
+            logits: ops.zeros(TensorDesc::new(dt, &[logit_rows, l.vocab_size]), "workspace")?,
+            logits_local,
+            gathered,
+            perm: Vec::with_capacity(l.spec.world * logit_rows),
         })
+    }
+
+    /// The shard these buffers are shaped for.
+    pub fn layout(&self) -> &ShardLayout {
+        &self.layout
     }
 
     /// Shapes every buffer for a step of `tokens` tokens and `logit_rows` logit rows, growing
     /// (reallocating) only when the step is larger than any before.
-    pub fn prepare(&mut self, ops: &dyn Ops, cfg: &ModelConfig, tokens: usize, logit_rows: usize) -> Result<()> {
+    pub fn prepare(&mut self, ops: &dyn Ops, tokens: usize, logit_rows: usize) -> Result<()> {
         if tokens > self.capacity || logit_rows > self.logit_capacity {
-            *self = Workspace::new(ops, cfg, tokens.max(self.capacity), logit_rows.max(self.logit_capacity))?;
+            let layout = self.layout.clone();
+            *self = Workspace::for_shard(ops, &layout, tokens.max(self.capacity), logit_rows.max(self.logit_capacity))?;
         }
-        let n = tokens;
-        self.residual.reshape(&[n, cfg.hidden_size])?;
-        self.normed.reshape(&[n, cfg.hidden_size])?;
-        self.q.reshape(&[n, cfg.q_dim()])?;
-        self.k.reshape(&[n, cfg.kv_dim()])?;
-        self.v.reshape(&[n, cfg.kv_dim()])?;
-        self.scratch_q.reshape(&[n, cfg.q_dim()])?;
-        self.scratch_k.reshape(&[n, cfg.kv_dim()])?;
-        self.attn.reshape(&[n, cfg.q_dim()])?;
-        self.delta.reshape(&[n, cfg.hidden_size])?;
-        self.gate.reshape(&[n, cfg.intermediate_size])?;
-        self.up.reshape(&[n, cfg.intermediate_size])?;
-        self.act.reshape(&[n, cfg.intermediate_size])?;
-        self.last.reshape(&[logit_rows, cfg.hidden_size])?;
-        self.logits.reshape(&[logit_rows, cfg.vocab_size])?;
+        let l = &self.layout;
+        let (n, hidden, q, kv, inter) = (tokens, l.hidden, l.q_dim(), l.kv_dim(), l.intermediate_size());
+        self.residual.reshape(&[n, hidden])?;
+        self.normed.reshape(&[n, hidden])?;
+        self.q.reshape(&[n, q])?;
+        self.k.reshape(&[n, kv])?;
+        self.v.reshape(&[n, kv])?;
+        self.scratch_q.reshape(&[n, q])?;
+        self.scratch_k.reshape(&[n, kv])?;
+        self.attn.reshape(&[n, q])?;
+        self.delta.reshape(&[n, hidden])?;
+        self.gate.reshape(&[n, inter])?;
+        self.up.reshape(&[n, inter])?;
+        self.act.reshape(&[n, inter])?;
+        self.last.reshape(&[logit_rows, hidden])?;
+        self.logits.reshape(&[logit_rows, l.vocab_size])?;
+        let slice = l.vocab_rows();
+        if let Some(t) = self.logits_local.as_mut() {
+            t.reshape(&[logit_rows, slice])?;
+        }
+        if let Some(t) = self.gathered.as_mut() {
+            t.reshape(&[l.spec.world * logit_rows, slice])?;
+        }
         Ok(())
     }
 }

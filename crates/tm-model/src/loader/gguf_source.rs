@@ -158,6 +158,7 @@ impl TensorSource for GgufSource {
             shape: info.shape(),
             bytes: self.file.tensor_data(&gname)?,
             file: self.file.path(),
+            parts: None,
         })
     }
     fn contains(&self, name: &str) -> bool {
