@@ -5,7 +5,8 @@
 
 Reads each fixture's config.json / safetensors / tokenizer.json the way an inference engine would
 (legacy `rope_scaling` + `rope_theta` or transformers-v5 `rope_parameters`; sharded or single file;
-tied embeddings; InternLM2 packed wqkv), runs a plain-torch float32 Llama-family forward pass with a
+tied embeddings; InternLM2 packed wqkv; AWQ/GPTQ int4 projections, dequantized to (q - z) * scale
+by dequantize_int4() below), runs a plain-torch float32 Llama-family forward pass with a
 KV cache and checks it against reference.json: prompt logits, cached greedy ids, per-step top logits,
 and tokenizer ids.  It documents, in executable form, the RoPE-scaling formulas the Rust side must
 reproduce (see rope_inv_freq() and the dynamic-NTK handling in Runner.forward()).
@@ -38,10 +39,50 @@ def load_config(d: Path) -> dict:
     return c
 
 
+def dequantize_int4(sd: dict, q: dict) -> dict:
+    """Replaces every X.qweight/X.qzeros/X.scales(/X.g_idx) by X.weight = (q - z) * scale, [out, in].
+    AWQ (GEMM): qweight [in, out/8], output 8c + k in nibble [0, 4, 1, 5, 2, 6, 3, 7][k] of word c;
+    qzeros [groups, out/8] alike. GPTQ: qweight [in/8, out], input 8r + n in nibble n of row r;
+    qzeros [groups, out/8], output 8c + n in nibble n, stored z - 1 unless checkpoint_format gptq_v2."""
+    assert q["bits"] == 4, q
+    awq = q["quant_method"] == "awq"
+    offset = 0 if awq or q.get("checkpoint_format", "gptq") == "gptq_v2" else 1
+    awq_nibble = [0, 4, 1, 5, 2, 6, 3, 7]
+
+    def nib(words, n):
+        return (words >> (4 * n)) & 0xF
+
+    out = {}
+    for k, v in sd.items():
+        if not k.endswith(".qweight"):
+            if not k.endswith((".qzeros", ".scales", ".g_idx")):
+                out[k] = v.float()
+            continue
+        base = k[: -len(".qweight")]
+        qw, qz, sc = v, sd[base + ".qzeros"], sd[base + ".scales"].float()
+        if awq:
+            n_in, n_out = qw.shape[0], qw.shape[1] * 8
+            qv = torch.stack([nib(qw[:, o // 8], awq_nibble[o % 8]) for o in range(n_out)], dim=1)  # [in, out]
+            zv = torch.stack([nib(qz[:, o // 8], awq_nibble[o % 8]) for o in range(n_out)], dim=1)
+        else:
+            n_in, n_out = qw.shape[0] * 8, qw.shape[1]
+            qv = torch.stack([nib(qw[i // 8], i % 8) for i in range(n_in)], dim=0)  # [in, out]
+            zv = torch.stack([nib(qz[:, o // 8], o % 8) for o in range(n_out)], dim=1) + offset
+        group = n_in // sc.shape[0]
+        g = torch.arange(n_in) // group
+        if not awq and base + ".g_idx" in sd:
+            assert torch.equal(sd[base + ".g_idx"].long(), g), base  # tm loads trivial g_idx only
+        out[base + ".weight"] = ((qv - zv[g]).float() * sc[g]).t().contiguous()
+    return out
+
+
 def load_weights(d: Path, c: dict) -> dict:
     sd = {}
     for f in sorted(d.glob("*.safetensors")):
-        sd.update({k: v.float() for k, v in load_file(f).items()})
+        sd.update(load_file(f))
+    if c.get("quantization_config"):
+        sd = dequantize_int4(sd, c["quantization_config"])
+    sd = {k: v.float() for k, v in sd.items()}
     L, H, KV, hd = c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"], c["_head_dim"]
     if c["model_type"] == "internlm2":
         g = H // KV

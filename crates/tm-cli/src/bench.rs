@@ -51,6 +51,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.num_prompts == 0 || args.input_len == 0 || args.output_len == 0 || args.concurrency == 0 {
         bail!("--num-prompts, --input-len, --output-len and --concurrency must be at least 1");
     }
+    args.model.single_rank_only("bench")?;
     let ops: Arc<dyn Ops> = Arc::from(backend(&args.model)?);
     let bs = args.model.block_size;
     let seq_len = args.input_len + args.output_len;

@@ -1,13 +1,13 @@
 //! `tm-cli chat`: multi-turn chat with streamed replies. On a terminal it prompts; otherwise each
 //! input line is one user turn.
 
-use crate::common::{backend, load_model, ModelArgs, SamplingArgs};
+use crate::common::{load_runnable, ModelArgs, SamplingArgs};
 use anyhow::Result;
 use clap::Args;
 use std::io::{BufRead, IsTerminal, Write};
 use std::ops::ControlFlow;
 use tm_model::chat_template::ChatMessage;
-use tm_model::generate::{GenerateOptions, Session};
+use tm_model::generate::GenerateOptions;
 use tm_model::tokenizer::IncrementalDecoder;
 
 /// Arguments of `chat`.
@@ -25,16 +25,14 @@ pub struct ChatArgs {
 /// Runs `chat`.
 pub fn run(args: ChatArgs) -> Result<()> {
     let params = args.sampling.params()?;
-    let ops = backend(&args.model)?;
-    let m = load_model(&args.model, ops.as_ref())?;
-    let tok = &m.tokenizer;
-    let mut session = Session::new(&m.model, ops.as_ref(), args.model.max_len, args.model.block_size)?;
+    let mut loaded = load_runnable(&args.model)?;
+    let (tok, template, name, mut session) = loaded.session(args.model.max_len, args.model.block_size)?;
     let opts =
         GenerateOptions { max_tokens: args.sampling.max_tokens, sampling: params, stop_ids: tok.eos_ids().to_vec() };
     let interactive = std::io::stdin().is_terminal();
     let mut messages: Vec<ChatMessage> = args.system.iter().map(|s| ChatMessage::new("system", s)).collect();
     if interactive {
-        eprintln!("chatting with {} — type a message, Ctrl-D to quit, /reset to start over", m.name);
+        eprintln!("chatting with {name} — type a message, Ctrl-D to quit, /reset to start over");
     }
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();
@@ -56,14 +54,14 @@ pub fn run(args: ChatArgs) -> Result<()> {
         }
         messages.push(ChatMessage::new("user", text));
         let rendered =
-            m.template.render(&messages, true, tok.bos_token().unwrap_or(""), tok.eos_token().unwrap_or(""))?;
+            template.render(&messages, true, tok.bos_token().unwrap_or(""), tok.eos_token().unwrap_or(""))?;
         let mut ids = tok.encode(&rendered, false)?;
         // Keep the conversation inside the context: drop the oldest turns first.
         while ids.len() + opts.max_tokens.min(256) >= session.max_len() && messages.len() > 1 {
             let first_non_system = messages.iter().position(|m| m.role != "system").unwrap_or(0);
             messages.remove(first_non_system);
             let rendered =
-                m.template.render(&messages, true, tok.bos_token().unwrap_or(""), tok.eos_token().unwrap_or(""))?;
+                template.render(&messages, true, tok.bos_token().unwrap_or(""), tok.eos_token().unwrap_or(""))?;
             ids = tok.encode(&rendered, false)?;
         }
         let mut decoder = IncrementalDecoder::new(true);

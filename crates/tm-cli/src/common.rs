@@ -7,12 +7,17 @@ use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use tm_core::sampling::SamplingParams;
 use tm_core::Ops;
+use tm_core::{Comm, LocalComm};
 use tm_cpu::CpuBackend;
+use tm_model::chat_template::ChatTemplate;
 use tm_model::config::ModelConfig;
 use tm_model::engine::EngineConfig;
+use tm_model::generate::Session;
 use tm_model::kv_cache::KvCache;
-use tm_model::loader::{load, Checkpoint, LoadedModel};
+use tm_model::loader::{load, load_tp, Checkpoint, LoadedModel, LoadedTp};
 use tm_model::plan::{human, plan, PlanRequest, PlanTarget};
+use tm_model::tokenizer::Tokenizer;
+use tm_model::tp::{cpu_backend_factory, TpOptions};
 
 /// Which backend runs the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -62,6 +67,33 @@ pub struct ModelArgs {
     /// Tokens per KV-cache block.
     #[arg(long, default_value_t = 64)]
     pub block_size: usize,
+    /// Tensor-parallel ranks: the model is split over this many ranks (CPU backend: one thread
+    /// per rank; `generate`, `chat` and `plan`).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Seconds any collective between tensor-parallel ranks may wait before the run fails with an
+    /// error naming the rank and step that stalled.
+    #[arg(long, default_value_t = 60.0)]
+    pub comm_timeout: f64,
+}
+
+impl ModelArgs {
+    /// `--comm-timeout` as a duration, checked.
+    pub fn comm_timeout(&self) -> Result<std::time::Duration> {
+        match std::time::Duration::try_from_secs_f64(self.comm_timeout) {
+            Ok(d) if !d.is_zero() => Ok(d),
+            _ => bail!("--comm-timeout must be a positive number of seconds, got {}", self.comm_timeout),
+        }
+    }
+
+    /// Fails for `--tp` above 1 in commands that run the serving engine, which has no
+    /// tensor-parallel path yet.
+    pub fn single_rank_only(&self, command: &str) -> Result<()> {
+        if self.tp > 1 {
+            bail!("`{command}` does not support --tp yet (the serving engine runs one rank); use generate or chat");
+        }
+        Ok(())
+    }
 }
 
 /// Engine flags shared by the commands that run the serving engine (`bench`, `serve`).
@@ -124,6 +156,7 @@ impl EngineArgs {
             block_size: model.block_size,
             memory_fraction: 0.9,
             kv_cache_bytes: Some(blocks as u64 * per_block),
+            tp: 1,
         };
         let plan = plan(&ckpt, &PlanTarget::for_backend(ops)?, &request)?;
         tracing::info!(
@@ -236,6 +269,88 @@ pub fn backend(args: &ModelArgs) -> Result<Box<dyn Ops>> {
             }
         },
     }
+}
+
+/// A model loaded for `generate` and `chat`: on one backend, or split over `--tp` CPU ranks.
+pub enum Runnable {
+    /// The whole model on one backend.
+    Single {
+        /// The backend.
+        ops: Box<dyn Ops>,
+        /// The model.
+        model: Box<LoadedModel>,
+    },
+    /// The model split over tensor-parallel ranks.
+    Tp(Box<LoadedTp>),
+}
+
+impl Runnable {
+    /// The tokenizer, chat template and name, and a session of up to `max_len` tokens.
+    pub fn session(
+        &mut self,
+        max_len: usize,
+        block_size: usize,
+    ) -> Result<(&Tokenizer, &ChatTemplate, &str, Session<'_>)> {
+        match self {
+            Runnable::Single { ops, model } => {
+                let model: &LoadedModel = model;
+                let ops: &dyn Ops = &**ops;
+                let s = Session::new(&model.model, ops, max_len, block_size)?;
+                Ok((&model.tokenizer, &model.template, &model.name, s))
+            }
+            Runnable::Tp(tp) => {
+                let LoadedTp { group, tokenizer, template, name, .. } = &mut **tp;
+                let s = Session::tensor_parallel(group, max_len)?;
+                Ok((tokenizer, template, name, s))
+            }
+        }
+    }
+}
+
+/// Loads the model for `generate` and `chat`: on the chosen backend, or with `--tp N` on N CPU
+/// ranks (threads exchanging activations in memory, every exchange with `--comm-timeout`).
+pub fn load_runnable(args: &ModelArgs) -> Result<Runnable> {
+    if args.tp == 0 {
+        bail!("--tp must be at least 1");
+    }
+    let timeout = args.comm_timeout()?;
+    if args.tp == 1 {
+        let ops = backend(args)?;
+        let model = load_model(args, ops.as_ref())?;
+        return Ok(Runnable::Single { ops, model: Box::new(model) });
+    }
+    match args.backend {
+        BackendChoice::Cuda => bail!(
+            "--tp {} runs on the CPU backend for now (tensor parallelism over GPUs with NCCL is not available \
+             yet); use --backend cpu or --tp 1",
+            args.tp
+        ),
+        BackendChoice::Auto => tracing::info!("--tp {}: running {} CPU ranks", args.tp, args.tp),
+        BackendChoice::Cpu => {}
+    }
+    if args.block_size == 0 || args.max_len == 0 {
+        bail!("--block-size and --max-len must be positive");
+    }
+    let path = resolve_model(args)?;
+    let opts = TpOptions {
+        comm_timeout: timeout,
+        num_blocks: args.max_len.div_ceil(args.block_size),
+        block_size: args.block_size,
+        max_tokens: 1,
+        max_logit_rows: 1,
+    };
+    let comms = LocalComm::group(args.tp).into_iter().map(|c| Box::new(c) as Box<dyn Comm>).collect();
+    let loaded = load_tp(&path, comms, cpu_backend_factory(), opts)
+        .with_context(|| format!("loading {} on {} tensor-parallel ranks", path.display(), args.tp))?;
+    let bytes: Vec<String> = loaded.group.weight_bytes().iter().map(|&b| human(b)).collect();
+    tracing::info!(
+        "loaded {} on {} CPU ranks ({:?}, weights per rank: {})",
+        loaded.name,
+        args.tp,
+        loaded.group.config().arch,
+        bytes.join(", ")
+    );
+    Ok(Runnable::Tp(Box::new(loaded)))
 }
 
 /// Loads the model with a progress bar on stderr.

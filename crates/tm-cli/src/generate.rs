@@ -1,12 +1,12 @@
 //! `tm-cli generate`: one prompt in, the completion on stdout.
 
-use crate::common::{backend, load_model, ModelArgs, SamplingArgs};
+use crate::common::{load_runnable, ModelArgs, SamplingArgs};
 use anyhow::Result;
 use clap::Args;
 use std::io::Write;
 use std::ops::ControlFlow;
 use tm_model::chat_template::ChatMessage;
-use tm_model::generate::{GenerateOptions, Session};
+use tm_model::generate::GenerateOptions;
 use tm_model::tokenizer::IncrementalDecoder;
 
 /// Arguments of `generate`.
@@ -30,11 +30,10 @@ pub struct GenerateArgs {
 /// Runs `generate`.
 pub fn run(args: GenerateArgs) -> Result<()> {
     let params = args.sampling.params()?;
-    let ops = backend(&args.model)?;
-    let m = load_model(&args.model, ops.as_ref())?;
-    let tok = &m.tokenizer;
+    let mut loaded = load_runnable(&args.model)?;
+    let (tok, template, _, mut session) = loaded.session(args.model.max_len, args.model.block_size)?;
     let prompt_ids = if args.chat {
-        let text = m.template.render(
+        let text = template.render(
             &[ChatMessage::new("user", &args.prompt)],
             true,
             tok.bos_token().unwrap_or(""),
@@ -45,7 +44,6 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         tok.encode(&args.prompt, true)?
     };
     tracing::debug!("prompt: {} tokens: {:?}", prompt_ids.len(), prompt_ids);
-    let mut session = Session::new(&m.model, ops.as_ref(), args.model.max_len, args.model.block_size)?;
     let opts =
         GenerateOptions { max_tokens: args.sampling.max_tokens, sampling: params, stop_ids: tok.eos_ids().to_vec() };
     let mut decoder = IncrementalDecoder::new(true);

@@ -34,6 +34,7 @@ impl MemoryArgs {
             block_size: model.block_size,
             memory_fraction: self.memory_fraction,
             kv_cache_bytes: self.kv_cache_bytes,
+            tp: model.tp,
         }
     }
 }

@@ -103,3 +103,14 @@ fn plan_uses_the_default_model() {
     assert!(out.status.success(), "{stderr}");
     assert!(stdout.contains("SmolLM2") && stdout.contains("Q4_1 -> int4"), "{stdout}");
 }
+
+#[test]
+fn plan_counts_awq_and_gptq_weights_as_int4() {
+    for (name, label) in [("llama-awq", "AWQ g32 -> int4"), ("llama-gptq", "GPTQ g32 -> int4")] {
+        let out = tm(&["plan", "--model", &fixture(name), "--max-len", "128"]);
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stderr}");
+        assert!(stdout.contains(label) && stdout.contains("14 tensors"), "{label} missing from\n{stdout}");
+        assert!(!stdout.contains("tensors tm does not load"), "qzeros/scales/g_idx are counted as loaded:\n{stdout}");
+    }
+}

@@ -1,7 +1,7 @@
 //! Collective communication between tensor-parallel ranks.
 //!
 //! Every call takes a deadline: a collective that cannot complete in time returns
-//! [`Error::Timeout`](crate::Error::Timeout) naming the rank and the step instead of waiting forever.
+//! [`Error::Timeout`] naming the rank and the step instead of waiting forever.
 //!
 //! - [`SingleRank`]: the communicator of a world of one (every collective is the identity).
 //! - [`LocalComm`]: ranks that are threads of one process exchanging host memory (the CPU

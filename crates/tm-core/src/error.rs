@@ -62,6 +62,17 @@ pub enum Error {
         /// What to try.
         hint: String,
     },
+    /// A collective or barrier was cut short because the communicator was aborted (another rank
+    /// failed or timed out, or the group is shutting down).
+    #[error("rank {rank}: {step} was aborted: {reason}")]
+    Aborted {
+        /// Rank whose collective was cut short.
+        rank: usize,
+        /// The collective and the step it belonged to.
+        step: String,
+        /// Why the communicator was aborted.
+        reason: String,
+    },
     /// A backend (driver, library) reported an error.
     #[error("{backend} error: {message}")]
     Backend {

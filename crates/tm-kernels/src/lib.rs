@@ -7,3 +7,4 @@
 //! with NVRTC at run time.
 
 pub mod cuda;
+pub mod wgsl;

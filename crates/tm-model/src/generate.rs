@@ -1,13 +1,15 @@
 //! Single-sequence generation: prefill the prompt (in chunks), then decode token by token with
 //! sampling, reading and writing the paged KV cache through a block table. The serving engine
-//! batches many of these; this is the path `generate` and `chat` use.
+//! batches many of these; this is the path `generate` and `chat` use, on one backend or on a
+//! tensor-parallel group.
 
 use crate::error::{ModelError, Result};
 use crate::kv_cache::{BlockPool, KvCache};
 use crate::llama::{LlamaModel, StepInput, Workspace};
+use crate::tp::TpGroup;
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
-use tm_core::ops::{SampleRequest, SeqAttention};
+use tm_core::ops::{sample_rows, SampleRequest, SeqAttention};
 use tm_core::sampling::{Rng, SamplingParams};
 use tm_core::{Ops, Tensor};
 
@@ -59,14 +61,49 @@ impl GenerationStats {
     }
 }
 
+/// What runs a session's steps: one model on one backend, or a tensor-parallel group.
+enum Exec<'m> {
+    Local { model: &'m LlamaModel, ops: &'m dyn Ops, kv: KvCache, ws: Box<Workspace> },
+    Tp(&'m mut TpGroup),
+}
+
+/// A step's logits: on the backend (sampled there), or rank 0's on the host.
+enum Logits<'a> {
+    Device(&'a dyn Ops, &'a Tensor),
+    Host(&'a [f32]),
+}
+
+impl Logits<'_> {
+    fn to_vec(&self) -> Result<Vec<f32>> {
+        match self {
+            Logits::Device(ops, t) => Ok(ops.download_f32(t)?),
+            Logits::Host(v) => Ok(v.to_vec()),
+        }
+    }
+
+    fn sample(&self, vocab: usize, requests: &mut [SampleRequest<'_>], scratch: &mut Scratch) -> Result<u32> {
+        let tokens = match self {
+            Logits::Device(ops, t) => ops.sample(t, requests)?,
+            Logits::Host(v) => sample_rows(v, vocab, requests, &mut scratch.0, &mut scratch.1),
+        };
+        tokens.first().copied().ok_or_else(|| ModelError::InvalidInput("the sampler returned no token".into()))
+    }
+}
+
+/// Host sampling buffers (tensor-parallel sessions sample rank 0's logits on the host).
+type Scratch = (Vec<f32>, Vec<(f32, u32)>);
+
 /// One sequence with its own KV cache. Consecutive calls reuse the cache for a shared prefix
 /// (multi-turn chat re-sends the conversation; only the new part is computed).
+///
+/// A session runs on one backend ([`Session::new`]) or on a tensor-parallel group
+/// ([`Session::tensor_parallel`]), with the same results.
 pub struct Session<'m> {
-    model: &'m LlamaModel,
-    ops: &'m dyn Ops,
-    kv: KvCache,
+    exec: Exec<'m>,
+    vocab: usize,
+    context_length: usize,
+    block_size: usize,
     pool: BlockPool,
-    ws: Workspace,
     block_table: Vec<u32>,
     tokens: Vec<u32>,
     max_len: usize,
@@ -80,23 +117,51 @@ pub struct Session<'m> {
 impl<'m> Session<'m> {
     /// A session holding up to `max_len` tokens in blocks of `block_size`.
     pub fn new(model: &'m LlamaModel, ops: &'m dyn Ops, max_len: usize, block_size: usize) -> Result<Self> {
-        let max_len = max_len.min(model.config.context_length().max(1)).max(1);
-        let num_blocks = max_len.div_ceil(block_size);
-        let prefill_chunk = 512.min(max_len);
-        Ok(Session {
+        let context_length = model.config.context_length();
+        let max_len = max_len.min(context_length.max(1)).max(1);
+        let num_blocks = max_len.div_ceil(block_size.max(1));
+        let exec = Exec::Local {
             model,
             ops,
             kv: KvCache::new(ops, &model.config, num_blocks, block_size)?,
+            ws: Box::new(Workspace::new(ops, &model.config, 1, 1)?),
+        };
+        Ok(Self::with_exec(exec, model.config.vocab_size, context_length, max_len, block_size, num_blocks))
+    }
+
+    /// A session on a tensor-parallel group, holding up to `max_len` tokens (at most what the
+    /// group's KV cache holds). Every step runs on every rank; rank 0's logits are sampled on
+    /// the host.
+    pub fn tensor_parallel(group: &'m mut TpGroup, max_len: usize) -> Result<Self> {
+        let context_length = group.config().context_length();
+        let (block_size, num_blocks) = (group.block_size(), group.num_blocks());
+        let max_len = max_len.min(context_length.max(1)).min(num_blocks * block_size).max(1);
+        let vocab = group.config().vocab_size;
+        Ok(Self::with_exec(Exec::Tp(group), vocab, context_length, max_len, block_size, num_blocks))
+    }
+
+    fn with_exec(
+        exec: Exec<'m>,
+        vocab: usize,
+        context_length: usize,
+        max_len: usize,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Self {
+        Session {
+            exec,
+            vocab,
+            context_length,
+            block_size,
             pool: BlockPool::new(num_blocks),
-            ws: Workspace::new(ops, &model.config, 1, 1)?,
             block_table: Vec::new(),
             tokens: Vec::new(),
             max_len,
-            prefill_chunk,
+            prefill_chunk: 512.min(max_len),
             positions: Vec::new(),
             slots: Vec::new(),
             rows: Vec::new(),
-        })
+        }
     }
 
     /// Longest sequence (prompt plus output) this session holds.
@@ -113,23 +178,22 @@ impl<'m> Session<'m> {
     pub fn truncate(&mut self, len: usize) {
         let len = len.min(self.tokens.len());
         self.tokens.truncate(len);
-        let keep = len.div_ceil(self.kv.block_size);
+        let keep = len.div_ceil(self.block_size);
         self.pool.give_back(self.block_table.drain(keep..));
     }
 
     /// Runs `new` tokens through the model after those already cached; returns logits for the
     /// rows selected by `all_logits` (every new token) or just the last.
-    fn feed(&mut self, new: &[u32], all_logits: bool) -> Result<&Tensor> {
+    fn feed(&mut self, new: &[u32], all_logits: bool) -> Result<Logits<'_>> {
         let start = self.tokens.len();
         let end = start + new.len();
         if end > self.max_len {
             return Err(ModelError::InvalidInput(format!(
                 "the sequence would be {end} tokens but the context holds {} (raise --max-len, up to the model's {})",
-                self.max_len,
-                self.model.config.context_length()
+                self.max_len, self.context_length
             )));
         }
-        let bs = self.kv.block_size;
+        let bs = self.block_size;
         while self.block_table.len() < end.div_ceil(bs) {
             let b = self.pool.take().ok_or_else(|| ModelError::InvalidInput("the KV cache is full".into()))?;
             self.block_table.push(b);
@@ -154,13 +218,14 @@ impl<'m> Session<'m> {
             logit_rows: &self.rows,
         };
         self.tokens.extend_from_slice(new);
-        match self.model.forward(self.ops, &mut self.kv, &step, &mut self.ws) {
-            Ok(logits) => Ok(logits),
-            Err(e) => {
-                self.tokens.truncate(start);
-                Err(e)
-            }
+        let result = match &mut self.exec {
+            Exec::Local { model, ops, kv, ws } => model.forward(*ops, kv, &step, ws).map(|t| Logits::Device(*ops, t)),
+            Exec::Tp(group) => group.forward(&step).map(Logits::Host),
+        };
+        if result.is_err() {
+            self.tokens.truncate(start);
         }
+        result
     }
 
     /// Appends `tokens` to the cached sequence and returns the logits after the last one.
@@ -168,9 +233,7 @@ impl<'m> Session<'m> {
         if tokens.is_empty() {
             return Err(ModelError::InvalidInput("nothing to append".into()));
         }
-        let ops = self.ops;
-        let logits = self.feed(tokens, false)?;
-        Ok(ops.download_f32(logits)?)
+        self.feed(tokens, false)?.to_vec()
     }
 
     /// Logits `[prompt.len(), vocab]` for every position of `prompt`, from an empty cache.
@@ -179,9 +242,7 @@ impl<'m> Session<'m> {
         if prompt.is_empty() {
             return Err(ModelError::InvalidInput("empty prompt".into()));
         }
-        let ops = self.ops;
-        let logits = self.feed(prompt, true)?;
-        Ok(ops.download_f32(logits)?)
+        self.feed(prompt, true)?.to_vec()
     }
 
     /// Generates after `prompt`, calling `on_token` with each new token; it may return
@@ -216,13 +277,14 @@ impl<'m> Session<'m> {
             self.feed(&rest[..self.prefill_chunk], false)?;
             rest = &rest[self.prefill_chunk..];
         }
-        let ops = self.ops;
         let mut rng = Rng::new(opts.sampling.seed);
         let mut output = Vec::new();
+        let mut scratch: Scratch = (Vec::new(), Vec::new());
+        let vocab = self.vocab;
         let mut next = {
             let logits = self.feed(rest, false)?;
             let mut req = [SampleRequest { params: &opts.sampling, prompt, output: &output, rng: &mut rng }];
-            ops.sample(logits, &mut req)?[0]
+            logits.sample(vocab, &mut req, &mut scratch)?
         };
         stats.prefill_time = t0.elapsed();
         let t1 = Instant::now();
@@ -240,7 +302,7 @@ impl<'m> Session<'m> {
             }
             let logits = self.feed(&[next], false)?;
             let mut req = [SampleRequest { params: &opts.sampling, prompt, output: &output, rng: &mut rng }];
-            next = ops.sample(logits, &mut req)?[0];
+            next = logits.sample(vocab, &mut req, &mut scratch)?;
         };
         stats.decode_time = t1.elapsed();
         Ok((output, finish, stats))

@@ -2,6 +2,7 @@
 //!
 //! - [`config`]: model hyper-parameters from `config.json` (or GGUF metadata).
 //! - [`weights`]: memory-mapped safetensors (single or sharded) with tensor lookup by name.
+//! - [`hf_quant`]: AWQ and GPTQ int4 checkpoints (quantization config, repacking at load).
 //! - [`gguf`]: the GGUF reader (spec versions 2 and 3).
 //! - [`tokenizer`]: tokenizers-crate tokenizer, stop tokens and incremental detokenization.
 //! - [`chat_template`]: Hugging Face chat templates rendered with minijinja.
@@ -21,6 +22,7 @@ pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod gguf;
+pub mod hf_quant;
 pub mod kv_cache;
 pub mod llama;
 pub mod loader;

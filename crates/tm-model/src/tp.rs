@@ -253,7 +253,7 @@ impl TpGroup {
                         c.abort("start-up failed");
                     }
                     let mut partial = TpGroup::assemble(config, &opts, ranks, watched, replies, progress);
-                    partial.stop();
+                    let _ = partial.stop();
                     return Err(ModelError::Core(tm_core::Error::Backend {
                         backend: "tp".into(),
                         message: format!("could not start the thread of rank {rank}: {e}"),
@@ -275,7 +275,7 @@ impl TpGroup {
                     .collect();
             }
             Err(e) => {
-                group.stop();
+                let _ = group.stop();
                 return Err(e);
             }
         }
@@ -283,9 +283,9 @@ impl TpGroup {
         let id = group.next();
         if let Err(e) = group
             .send_all(|_| Command::SelfTest(id, self_test))
-            .and_then(|_| group.collect(id, "the start-up all-reduce self-test", Some(self_test.saturating_mul(2))))
+            .and_then(|_| group.collect(id, "start-up", Some(self_test.saturating_mul(2))))
         {
-            group.stop();
+            let _ = group.stop();
             return Err(e);
         }
         tracing::info!("tensor parallelism: {world} ranks ready, comm timeout {:?}", opts.comm_timeout);
@@ -358,6 +358,7 @@ impl TpGroup {
 
     /// Runs `step` on every rank and returns rank 0's logits, `[logit_rows.len(), vocab]` row-major.
     pub fn forward(&mut self, step: &StepInput<'_>) -> Result<&[f32]> {
+        validate(step)?;
         let id = self.next();
         let owned = Arc::new(OwnedStep::new(step));
         let what = format!("forward step {id}");
@@ -503,7 +504,11 @@ impl TpGroup {
                         Ok(p) => got[r] = Some(p),
                         Err(e) => {
                             got[r] = Some(Payload::Done);
-                            if first_err.as_ref().is_none_or(|(at, _, _)| reply.at < *at) {
+                            let better = match &first_err {
+                                None => true,
+                                Some((at, _, old)) => (cause_rank(&e), reply.at) < (cause_rank(old), *at),
+                            };
+                            if better {
                                 first_err = Some((reply.at, r, e));
                             }
                         }
@@ -586,6 +591,35 @@ impl TpGroup {
 impl Drop for TpGroup {
     fn drop(&mut self) {
         let _ = self.stop();
+    }
+}
+
+/// Checks a step's shape on the caller's thread: a malformed step is the caller's error, not a
+/// rank failure (which would stop the group).
+fn validate(step: &StepInput<'_>) -> Result<()> {
+    let n = step.tokens.len();
+    let query: usize = step.seqs.iter().map(|s| s.query_len).sum();
+    if n == 0 || step.positions.len() != n || step.slot_mapping.len() != n || query != n {
+        return Err(ModelError::InvalidInput(format!(
+            "step with {n} tokens, {} positions, {} slots and {query} query tokens",
+            step.positions.len(),
+            step.slot_mapping.len()
+        )));
+    }
+    if step.logit_rows.is_empty() || step.logit_rows.iter().any(|&r| r as usize >= n) {
+        return Err(ModelError::InvalidInput(format!("logit rows {:?} of a {n}-token step", step.logit_rows)));
+    }
+    Ok(())
+}
+
+/// How likely an error is to be the cause of a group's failure rather than a consequence (lower
+/// is likelier): a rank's own failure, then a deadline that expired (the longest wait first: the
+/// rank that gave up first), then collectives cut short by the abort.
+fn cause_rank(e: &ModelError) -> (u8, std::cmp::Reverse<Duration>) {
+    match e {
+        ModelError::Core(tm_core::Error::Aborted { .. }) => (2, std::cmp::Reverse(Duration::ZERO)),
+        ModelError::Core(tm_core::Error::Timeout { waited, .. }) => (1, std::cmp::Reverse(*waited)),
+        _ => (0, std::cmp::Reverse(Duration::ZERO)),
     }
 }
 

@@ -10,8 +10,10 @@ use tm_model::llama::{LlamaModel, Workspace};
 use tm_model::loader::Checkpoint;
 use tm_model::plan::{estimate, plan, PlanRequest, PlanTarget, WeightPolicy};
 
-const FIXTURES: [&str; 9] = [
+const FIXTURES: [&str; 11] = [
     "llama",
+    "llama-awq",
+    "llama-gptq",
     "llama3_rope",
     "llama_linear_rope",
     "llama_dynamic_rope",
@@ -44,6 +46,7 @@ fn request() -> PlanRequest {
         block_size: 16,
         memory_fraction: 1.0,
         kv_cache_bytes: None,
+        tp: 1,
     }
 }
 

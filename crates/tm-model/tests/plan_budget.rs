@@ -24,6 +24,7 @@ fn request() -> PlanRequest {
         block_size: 16,
         memory_fraction: 1.0,
         kv_cache_bytes: None,
+        tp: 1,
     }
 }
 

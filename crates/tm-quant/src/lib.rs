@@ -7,7 +7,7 @@
 //! - [`gguf`]: import of GGUF/ggml `Q4_0`, `Q4_1` and `Q8_0` blocks into the tm layout by copying
 //!   the packed bits (never expanding to floats), and a reference dequantizer written straight
 //!   from the ggml block formulas.
-//! - [`reference`]: the obvious, slow reference dequantizer for the tm layout and nibble
+//! - [`reference`](mod@reference): the obvious, slow reference dequantizer for the tm layout and nibble
 //!   packing helpers.
 //! - [`quantize`]: round-to-nearest quantizers (asymmetric min/max int4, symmetric int8).
 //! - [`zero_point`], [`awq`], [`gptq`]: AutoAWQ "GEMM" and GPTQ int4 checkpoints

@@ -1,7 +1,8 @@
 //! `cargo xtask <task>`: build chores for tm.
 //!
 //! Tasks:
-//! - `fixtures`: regenerates the Hugging Face reference fixtures (needs python3 with torch and
+//! - `fixtures`: regenerates the Hugging Face reference fixtures, the AWQ/GPTQ ones included
+//!   (scripts/make_fixtures.py, then scripts/make_quant_fixtures.py; needs python3 with torch and
 //!   transformers).
 //! - `build-kernels [--arch sm_80,sm_86,sm_87,sm_89,sm_90] [--out DIR] [--jobs N]`: compiles the
 //!   CUDA kernels with nvcc (no GPU needed) into `target/kernels`, which tm-kernels embeds.
@@ -20,13 +21,17 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("build-kernels") => kernels::build_kernels(&root, &args[1..]),
         Some("fixtures") => {
-            let status = Command::new("python3")
-                .arg("scripts/make_fixtures.py")
-                .current_dir(&root)
-                .status()
-                .context("running python3 scripts/make_fixtures.py")?;
-            if !status.success() {
-                bail!("make_fixtures.py failed: {status}");
+            // make_fixtures.py rewrites fixtures/ from scratch; the AWQ/GPTQ fixtures are made
+            // from its llama/ fixture afterwards.
+            for script in ["scripts/make_fixtures.py", "scripts/make_quant_fixtures.py"] {
+                let status = Command::new("python3")
+                    .arg(script)
+                    .current_dir(&root)
+                    .status()
+                    .with_context(|| format!("running python3 {script}"))?;
+                if !status.success() {
+                    bail!("{script} failed: {status}");
+                }
             }
             Ok(())
         }

@@ -79,6 +79,7 @@ const DEFAULT_KV_BYTES: u64 = 1 << 30;
 
 /// Runs `serve` until SIGINT or SIGTERM.
 pub fn run(args: ServeArgs) -> Result<()> {
+    args.model.single_rank_only("serve")?;
     let ops: Arc<dyn Ops> = Arc::from(backend(&args.model)?);
     let bs = args.model.block_size.max(1);
     let num_blocks = args.engine.plan_blocks(&args.model, ops.as_ref(), |cfg| {

@@ -10,8 +10,9 @@
 //! [`Error::Timeout`] naming itself, the collective (`all_reduce #37 (layer 5 o_proj)`: the
 //! rank's 38th collective, and the caller's step) and which ranks never arrived, and marks the
 //! group *aborted*: every other rank's wait ends at once with an error, and so does every later
-//! collective. [`Comm::abort`] does the same for a rank that fails outside a collective, so the
-//! others do not wait out their deadlines for a rank that will never come.
+//! collective (with [`Error::Timeout`] too when a deadline caused the abort, else
+//! [`Error::Aborted`]). [`Comm::abort`] does the same for a rank that fails outside a collective,
+//! so the others do not wait out their deadlines for a rank that will never come.
 //!
 //! # Fault injection
 //! [`LocalComm::stall_after`] makes a rank stop answering at a chosen collective (as a hung
@@ -134,10 +135,17 @@ impl LocalComm {
     /// Why the group was aborted, if it was.
     pub fn abort_reason(&self) -> Option<String> {
         let st = self.lock();
-        st.aborted.as_ref().map(|cause| match cause {
-            AbortCause::Expired { rank, label, missing } => format!("rank {rank} timed out in {label} ({missing})"),
-            AbortCause::Failed(msg) => msg.clone(),
-        })
+        st.aborted.is_some().then(|| self.abort_reason_of(&st))
+    }
+
+    fn abort_reason_of(&self, st: &State) -> String {
+        match &st.aborted {
+            Some(AbortCause::Expired { rank, label, missing }) => {
+                format!("rank {rank} timed out in {label} ({missing})")
+            }
+            Some(AbortCause::Failed(msg)) => msg.clone(),
+            None => "not aborted".into(),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -165,9 +173,10 @@ impl LocalComm {
                      or a crash), raise --comm-timeout if the step is only slow, or use fewer ranks"
                 ),
             },
-            AbortCause::Failed(msg) => Error::Backend {
-                backend: "comm".into(),
-                message: format!("rank {}: {label} aborted after {:?}: {msg}", self.rank, start.elapsed()),
+            AbortCause::Failed(msg) => Error::Aborted {
+                rank: self.rank,
+                step: format!("{label} (after {:?})", start.elapsed()),
+                reason: msg.clone(),
             },
         }
     }
@@ -178,7 +187,8 @@ impl LocalComm {
         if st.ready.is_some() || absent.is_empty() {
             return "every rank arrived but the round was not handed out in time".into();
         }
-        let mut s = format!("rank{} {absent:?} did not arrive", if absent.len() == 1 { "" } else { "s" });
+        let list: Vec<String> = absent.iter().map(usize::to_string).collect();
+        let mut s = format!("rank{} {} did not arrive", if absent.len() == 1 { "" } else { "s" }, list.join(", "));
         for r in absent {
             match &st.last[r] {
                 Some(l) => {
@@ -235,16 +245,21 @@ impl LocalComm {
     fn stall(&self, mut st: MutexGuard<'_, State>, label: &str, start: Instant, deadline: Duration) -> Error {
         tracing::warn!("rank {} stalls in {label} (LocalComm::stall_after test hook)", self.rank);
         let until = start.checked_add(deadline.saturating_mul(4));
+        let stalled = |reason: String| Error::Aborted {
+            rank: self.rank,
+            step: format!("{label} (stalled by the test hook for {:?})", start.elapsed()),
+            reason,
+        };
         loop {
-            if let Some(cause) = &st.aborted {
-                return self.aborted_error(cause, label, start);
+            if st.aborted.is_some() {
+                return stalled(self.abort_reason_of(&st));
             }
             let now = Instant::now();
             match until {
                 Some(t) if now >= t => {
                     let msg = format!("rank {} stalled in {label} (test hook)", self.rank);
                     self.abort_with(&mut st, AbortCause::Failed(msg.clone()));
-                    return Error::Backend { backend: "comm".into(), message: msg };
+                    return stalled(msg);
                 }
                 Some(t) => st = self.group.cv.wait_timeout(st, t - now).unwrap_or_else(|e| e.into_inner()).0,
                 None => st = self.group.cv.wait(st).unwrap_or_else(|e| e.into_inner()),
@@ -285,7 +300,7 @@ impl LocalComm {
             let msg =
                 format!("rank {} entered {label} after round {} had started: ranks out of step", self.rank, st.round);
             self.abort_with(&mut st, AbortCause::Failed(msg.clone()));
-            return Err(Error::Backend { backend: "comm".into(), message: msg });
+            return Err(Error::invalid(msg));
         }
         let mut st = self.wait(st, &label, start, until, |s| s.round == seq && s.ready.is_none())?;
         st.deposits[self.rank] = Some(Deposit { kind, label: label.clone(), dtype, root, bytes });
@@ -294,7 +309,7 @@ impl LocalComm {
             let deposits: Vec<Deposit> = st.deposits.iter_mut().filter_map(Option::take).collect();
             if let Some(msg) = mismatch(&deposits) {
                 self.abort_with(&mut st, AbortCause::Failed(msg.clone()));
-                return Err(Error::Backend { backend: "comm".into(), message: msg });
+                return Err(Error::invalid(msg));
             }
             st.ready = Some(Arc::new(deposits));
             st.readers = self.group.world;
@@ -452,7 +467,7 @@ impl Comm for LocalComm {
             Ok((input.dtype(), 0, host_bytes(input, label)?.to_vec()))
         })?;
         let out = host_bytes_mut(output, &label)?;
-        for (chunk, p) in out.chunks_exact_mut(parts[0].bytes.len().max(1)).zip(parts.iter()) {
+        for (chunk, p) in out.chunks_exact_mut(parts.first().map_or(1, |p| p.bytes.len().max(1))).zip(parts.iter()) {
             chunk.copy_from_slice(&p.bytes);
         }
         Ok(())

@@ -202,7 +202,8 @@ impl<'a> Loader<'a> {
 }
 
 /// Turns a checkpoint tensor into a backend weight: dense floats widened or kept as the backend
-/// prefers, GGUF blocks imported into tm's int4/int8 layout without expanding.
+/// prefers, GGUF blocks imported into tm's int4/int8 layout without expanding, AWQ/GPTQ matrices
+/// repacked into the int4 layout ([`crate::hf_quant`]).
 pub fn tensor_to_weight(ops: &dyn Ops, t: &TensorRef<'_>) -> Result<Weight> {
     match t.encoding {
         Encoding::Plain(d) if d.is_float() => Ok(Weight::Dense(ops.load_dense(d, &t.shape, t.bytes, "weights")?)),
@@ -210,5 +211,6 @@ pub fn tensor_to_weight(ops: &dyn Ops, t: &TensorRef<'_>) -> Result<Weight> {
             Err(ModelError::format(t.file, format!("tensor `{}` has dtype {d}, expected a float type", t.name)))
         }
         Encoding::Q4_0 | Encoding::Q4_1 | Encoding::Q8_0 => crate::llama::quant_load::import_gguf_weight(ops, t),
+        Encoding::Awq | Encoding::Gptq => crate::hf_quant::import_matrix(ops, t),
     }
 }

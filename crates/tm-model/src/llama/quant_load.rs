@@ -14,7 +14,7 @@ pub fn import_gguf_weight(ops: &dyn Ops, t: &TensorRef<'_>) -> Result<Weight> {
         Encoding::Q4_0 => GgufType::Q4_0,
         Encoding::Q4_1 => GgufType::Q4_1,
         Encoding::Q8_0 => GgufType::Q8_0,
-        Encoding::Plain(d) => return Err(ModelError::format(t.file, format!("`{}` is {d}, not quantized", t.name))),
+        other => return Err(ModelError::format(t.file, format!("`{}` is {other:?}, not a GGUF block type", t.name))),
     };
     let (rows, cols) = match t.shape.as_slice() {
         [r, c] => (*r, *c),

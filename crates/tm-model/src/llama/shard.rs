@@ -196,6 +196,33 @@ impl ShardLayout {
     pub fn gathers_logits(&self) -> bool {
         self.is_sharded() && self.vocab_parallel
     }
+
+    /// The part of the checkpoint tensor with Hugging Face name `hf` this rank holds (the cuts
+    /// the loader makes, by name; the memory plan sizes weights with it).
+    pub(crate) fn cut_for(&self, hf: &str, cfg: &ModelConfig) -> Cut {
+        let (q, kv, inter, vocab) = (cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size, cfg.vocab_size);
+        let any = |names: &[&str]| names.iter().any(|n| hf.ends_with(n));
+        if any(&["self_attn.q_proj.weight", "self_attn.q_proj.bias"]) {
+            Cut::rows(self.q_range(), q)
+        } else if any(&[
+            "self_attn.k_proj.weight",
+            "self_attn.k_proj.bias",
+            "self_attn.v_proj.weight",
+            "self_attn.v_proj.bias",
+        ]) {
+            Cut::rows(self.kv_range(), kv)
+        } else if any(&["self_attn.o_proj.weight"]) {
+            Cut::cols(self.q_range(), q)
+        } else if any(&["mlp.gate_proj.weight", "mlp.up_proj.weight"]) {
+            Cut::rows(self.intermediate.clone(), inter)
+        } else if any(&["mlp.down_proj.weight"]) {
+            Cut::cols(self.intermediate.clone(), inter)
+        } else if any(&["model.embed_tokens.weight", "lm_head.weight"]) {
+            Cut::rows(self.vocab.clone(), vocab)
+        } else {
+            Cut::Whole
+        }
+    }
 }
 
 /// Which part of a `[rows, cols]` checkpoint matrix (or a `[rows]` vector) to load.
@@ -231,7 +258,11 @@ impl Cut {
         let mut s = shape.to_vec();
         match self {
             Cut::Whole => {}
-            Cut::Rows(r) => s[0] = r.len(),
+            Cut::Rows(r) => {
+                if let Some(first) = s.first_mut() {
+                    *first = r.len();
+                }
+            }
             Cut::Cols(c) => {
                 if let Some(last) = s.last_mut() {
                     *last = c.len();
@@ -242,19 +273,82 @@ impl Cut {
     }
 }
 
-/// The GGUF block type of a quantized encoding, or `None` for plain dtypes.
-fn block_type(t: &TensorRef<'_>) -> Result<Option<GgufType>> {
+/// How a checkpoint matrix is cut.
+enum Stored {
+    /// Plain elements: rows and columns are byte ranges.
+    Plain(tm_core::DType),
+    /// GGUF blocks: rows are byte ranges, columns whole blocks.
+    Gguf(GgufType),
+    /// AWQ/GPTQ: repacked on the host into tm's int4 layout, then cut there.
+    Repacked,
+}
+
+fn stored(t: &TensorRef<'_>) -> Result<Stored> {
     #[allow(unreachable_patterns)]
     match t.encoding {
-        Encoding::Plain(_) => Ok(None),
-        Encoding::Q4_0 => Ok(Some(GgufType::Q4_0)),
-        Encoding::Q4_1 => Ok(Some(GgufType::Q4_1)),
-        Encoding::Q8_0 => Ok(Some(GgufType::Q8_0)),
+        Encoding::Plain(d) => Ok(Stored::Plain(d)),
+        Encoding::Q4_0 => Ok(Stored::Gguf(GgufType::Q4_0)),
+        Encoding::Q4_1 => Ok(Stored::Gguf(GgufType::Q4_1)),
+        Encoding::Q8_0 => Ok(Stored::Gguf(GgufType::Q8_0)),
+        Encoding::Awq | Encoding::Gptq => Ok(Stored::Repacked),
         other => Err(ModelError::format(
             t.file,
             format!("tensor `{}`: tensor-parallel loading of {other:?} weights is not supported", t.name),
         )),
     }
+}
+
+/// The error for a column cut that would split quantization groups.
+fn split_groups(t: &TensorRef<'_>, what: &str, group: usize, range: &Range<usize>) -> ModelError {
+    ModelError::InvalidInput(format!(
+        "tensor `{}` ({what}) cannot be split at columns {}..{}: quantization groups of {group} columns must stay \
+         whole on a rank (choose a --tp for which each rank's share of heads × head_dim and of the MLP width is a \
+         multiple of {group})",
+        t.name, range.start, range.end
+    ))
+}
+
+/// Rows or columns `range` of a host-side int4/int8 matrix; a column cut must keep its groups whole.
+fn cut_host_quant(
+    t: &TensorRef<'_>,
+    q: &tm_quant::HostQuant,
+    by_rows: bool,
+    range: &Range<usize>,
+) -> Result<tm_quant::HostQuant> {
+    let int4 = q.mins.is_some();
+    let row_bytes = if int4 { q.cols / 2 } else { q.cols };
+    let groups = q.cols / q.group_size.max(1);
+    let rows_of = |v: &[half::f16], width: usize| -> Vec<half::f16> {
+        if by_rows {
+            v[range.start * width..range.end * width].to_vec()
+        } else {
+            let (g0, g1) = (range.start / q.group_size, range.end / q.group_size);
+            (0..q.rows).flat_map(|r| v[r * width + g0..r * width + g1].iter().copied()).collect()
+        }
+    };
+    if by_rows {
+        return Ok(tm_quant::HostQuant {
+            rows: range.len(),
+            cols: q.cols,
+            group_size: q.group_size,
+            packed: q.packed[range.start * row_bytes..range.end * row_bytes].to_vec(),
+            scales: rows_of(&q.scales, groups),
+            mins: q.mins.as_ref().map(|m| rows_of(m, groups)),
+        });
+    }
+    if !range.start.is_multiple_of(q.group_size) || !range.len().is_multiple_of(q.group_size) {
+        return Err(split_groups(t, &format!("{:?}", t.encoding), q.group_size, range));
+    }
+    // Groups are multiples of 32 columns, so an int4 column range is a byte range of each row.
+    let (b0, b1) = if int4 { (range.start / 2, range.end / 2) } else { (range.start, range.end) };
+    Ok(tm_quant::HostQuant {
+        rows: q.rows,
+        cols: range.len(),
+        group_size: q.group_size,
+        packed: copy_cols(&q.packed, q.rows, row_bytes, b0, b1 - b0),
+        scales: rows_of(&q.scales, groups),
+        mins: q.mins.as_ref().map(|m| rows_of(m, groups)),
+    })
 }
 
 /// Copies bytes `start..start + len` of each of `rows` rows of `row_bytes` bytes.
@@ -270,7 +364,7 @@ fn copy_cols(bytes: &[u8], rows: usize, row_bytes: usize, start: usize, len: usi
 pub(crate) fn cut_stored_bytes(t: &TensorRef<'_>, cut: &Cut) -> u64 {
     let full: usize = t.shape.iter().product();
     let part: usize = cut.shape(&t.shape).iter().product();
-    (t.bytes.len() as u128 * part as u128 / full.max(1) as u128) as u64
+    (t.stored_bytes() as u128 * part as u128 / full.max(1) as u128) as u64
 }
 
 /// Loads the `cut` of checkpoint matrix `t` (`[rows, cols]`) as a backend weight.
@@ -285,17 +379,15 @@ pub(crate) fn load_matrix_cut(ops: &dyn Ops, t: &TensorRef<'_>, cut: &Cut) -> Re
     };
     check_range(t, &range, if by_rows { rows } else { cols }, if by_rows { "rows" } else { "columns" })?;
     let out_shape = cut.shape(&t.shape);
-    match block_type(t)? {
-        None => {
-            let d = match t.encoding {
-                Encoding::Plain(d) if d.is_float() => d,
-                other => {
-                    return Err(ModelError::format(
-                        t.file,
-                        format!("tensor `{}` is {other:?}, expected a float type", t.name),
-                    ))
-                }
-            };
+    match stored(t)? {
+        Stored::Repacked => {
+            let host = crate::hf_quant::import_host(t)?;
+            super::quant_load::upload_quant(ops, &cut_host_quant(t, &host, by_rows, &range)?)
+        }
+        Stored::Plain(d) => {
+            if !d.is_float() {
+                return Err(ModelError::format(t.file, format!("tensor `{}` is {d}, expected a float type", t.name)));
+            }
             let row_bytes = d.storage_bytes(cols);
             let w = if by_rows {
                 ops.load_dense(d, &out_shape, &t.bytes[range.start * row_bytes..range.end * row_bytes], "weights")?
@@ -306,7 +398,7 @@ pub(crate) fn load_matrix_cut(ops: &dyn Ops, t: &TensorRef<'_>, cut: &Cut) -> Re
             };
             Ok(Weight::Dense(w))
         }
-        Some(ty) => {
+        Stored::Gguf(ty) => {
             let block = tm_quant::BLOCK;
             let row_bytes =
                 ty.tensor_bytes(1, cols).map_err(|e| ModelError::format(t.file, format!("`{}`: {e}", t.name)))?;
@@ -320,15 +412,7 @@ pub(crate) fn load_matrix_cut(ops: &dyn Ops, t: &TensorRef<'_>, cut: &Cut) -> Re
                 import_gguf(ty, range.len(), cols, &t.bytes[range.start * row_bytes..range.end * row_bytes])
             } else {
                 if !range.start.is_multiple_of(block) || !range.len().is_multiple_of(block) {
-                    return Err(ModelError::InvalidInput(format!(
-                        "tensor `{}` ({}) cannot be split at columns {}..{}: quantization groups of {block} columns \
-                         must stay whole on a rank (choose a --tp for which each rank's share of heads × head_dim \
-                         and of the MLP width is a multiple of {block})",
-                        t.name,
-                        ty.name(),
-                        range.start,
-                        range.end
-                    )));
+                    return Err(split_groups(t, ty.name(), block, &range));
                 }
                 let bb = ty.block_bytes();
                 let staged = copy_cols(t.bytes, rows, row_bytes, range.start / block * bb, range.len() / block * bb);

@@ -11,9 +11,11 @@ use crate::error::{ModelError, Result};
 use crate::gguf::tokenizer::hf_tokenizer_from_gguf;
 use crate::llama::LlamaModel;
 use crate::tokenizer::Tokenizer;
+use crate::tp::{BackendFactory, TpGroup, TpOptions};
 use crate::weights::{SafetensorsCheckpoint, TensorSource};
 use std::path::{Path, PathBuf};
-use tm_core::Ops;
+use std::sync::Arc;
+use tm_core::{Comm, Ops};
 
 /// A checkpoint opened (memory-mapped) but not loaded: enough to plan memory.
 pub struct Checkpoint {
@@ -85,4 +87,30 @@ pub fn load(path: &Path, ops: &dyn Ops, progress: &mut dyn FnMut(u64, u64)) -> R
     })?;
     let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     Ok(LoadedModel { path: path.to_path_buf(), name, model, tokenizer, template })
+}
+
+/// A model split over tensor-parallel ranks, ready to generate.
+pub struct LoadedTp {
+    /// Where it came from.
+    pub path: PathBuf,
+    /// A short name (directory or file stem).
+    pub name: String,
+    /// The ranks, each holding its shard.
+    pub group: TpGroup,
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The chat template (ChatML when the model has none).
+    pub template: ChatTemplate,
+}
+
+/// Loads a model onto tensor-parallel ranks: one per communicator in `comms` (rank `r` gets
+/// `comms[r]` and the backend `backend(r)`); see [`TpGroup::start`].
+pub fn load_tp(path: &Path, comms: Vec<Box<dyn Comm>>, backend: BackendFactory, opts: TpOptions) -> Result<LoadedTp> {
+    let ckpt = Checkpoint::open(path)?;
+    let tokenizer = ckpt.tokenizer()?;
+    let template = ChatTemplate::for_tokenizer(&tokenizer)?;
+    let source: Arc<dyn TensorSource> = Arc::from(ckpt.source);
+    let group = TpGroup::start(source, ckpt.config, comms, backend, opts)?;
+    let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    Ok(LoadedTp { path: path.to_path_buf(), name, group, tokenizer, template })
 }

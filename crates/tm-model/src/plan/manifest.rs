@@ -7,7 +7,8 @@
 use super::WeightPolicy;
 use crate::config::{Arch, ModelConfig};
 use crate::error::{ModelError, Result};
-use crate::weights::{Encoding, TensorSource};
+use crate::llama::shard::{Cut, ShardLayout};
+use crate::weights::{Encoding, TensorRef, TensorSource};
 use serde::Serialize;
 use tm_core::DType;
 use tm_quant::BLOCK;
@@ -15,7 +16,8 @@ use tm_quant::BLOCK;
 /// Weights of one stored encoding that the backend holds in one layout.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct WeightGroup {
-    /// How the checkpoint stores them: a dtype (`bf16`, `f32`, ...) or a GGUF block type (`Q4_1`, ...).
+    /// How the checkpoint stores them: a dtype (`bf16`, `f32`, ...), a GGUF block type (`Q4_1`, ...)
+    /// or an AWQ/GPTQ packing with its group size (`AWQ g128`, `GPTQ g32`).
     pub stored: String,
     /// How the backend holds them: a dtype, or tm's `int4`/`int8` group layout.
     pub held: String,
@@ -70,7 +72,14 @@ struct Walker<'a> {
     src: &'a dyn TensorSource,
     cfg: &'a ModelConfig,
     policy: WeightPolicy,
+    /// The tensor-parallel rank planned for (the whole model when not split).
+    layout: &'a ShardLayout,
     out: WeightSummary,
+}
+
+/// `part` of `whole`, rounded down (exact for the even splits sharding makes).
+fn share(bytes: u64, (part, whole): (u64, u64)) -> u64 {
+    (bytes as u128 * part as u128 / whole.max(1) as u128) as u64
 }
 
 /// `(stored label, held label, held bytes, staging bytes)` of a tensor.
@@ -88,7 +97,8 @@ impl Walker<'_> {
         self.src.contains(&self.name(hf))
     }
 
-    fn size(&self, name: &str, encoding: Encoding, shape: &[usize], kind: Kind) -> Result<Sized> {
+    fn size(&self, t: &TensorRef<'_>, kind: Kind) -> Result<Sized> {
+        let (name, encoding, shape) = (&t.name, t.encoding, t.shape.as_slice());
         let loc = self.src.location();
         let numel: usize = shape.iter().product();
         match encoding {
@@ -103,6 +113,16 @@ impl Walker<'_> {
             }
             q if kind == Kind::Vector => {
                 Err(ModelError::format(loc, format!("tensor `{name}` must be a float vector, found {q:?}")))
+            }
+            Encoding::Awq | Encoding::Gptq => {
+                let (Some(parts), &[rows, cols]) = (t.parts.as_deref(), shape) else {
+                    return Err(ModelError::format(loc, format!("`{name}`: quantized tensor of shape {shape:?}")));
+                };
+                let bytes = crate::hf_quant::int4_bytes(rows, cols, parts.group_size);
+                let stored =
+                    format!("{} g{}", if encoding == Encoding::Awq { "AWQ" } else { "GPTQ" }, parts.group_size);
+                // The repacking builds the tm layout in host memory, then uploads it.
+                Ok((stored, "int4".to_string(), bytes, bytes))
             }
             q => {
                 let [rows, cols] = *shape else {
@@ -136,9 +156,16 @@ impl Walker<'_> {
                 dtype: format!("{:?}", t.encoding),
             });
         }
-        let (stored, held, bytes, staging) = self.size(&t.name, t.encoding, &t.shape, kind)?;
+        let (stored, held, bytes, staging) = self.size(&t, kind)?;
         self.out.any_quantized |= !matches!(t.encoding, Encoding::Plain(_));
-        self.out.add(stored, held, t.bytes.len() as u64, bytes, staging);
+        // A tensor-parallel rank holds its cut; a column cut is first copied out row by row.
+        let cut = self.layout.cut_for(hf, self.cfg);
+        let whole: usize = t.shape.iter().product();
+        let f = (cut.shape(&t.shape).iter().product::<usize>() as u64, whole as u64);
+        let copied = if matches!(cut, Cut::Cols(_)) { share(t.stored_bytes(), f) } else { 0 };
+        // AWQ/GPTQ matrices are repacked whole on the host before the cut.
+        let staging = if matches!(t.encoding, Encoding::Awq | Encoding::Gptq) { staging } else { share(staging, f) };
+        self.out.add(stored, held, share(t.stored_bytes(), f), share(bytes, f), staging + copied);
         Ok(())
     }
 
@@ -160,11 +187,15 @@ impl Walker<'_> {
         let Encoding::Plain(d) = t.encoding else {
             return Err(ModelError::format(t.file, format!("`{name}`: quantized wqkv is not supported")));
         };
-        let (stored, held, bytes, _) = self.size(&name, t.encoding, &t.shape, Kind::Matrix)?;
+        let (stored, held, bytes, _) = self.size(&t, Kind::Matrix)?;
         // Staging: the q, k and v row copies (the stored bytes), plus q widened while it loads.
         let held_dtype = self.policy.dense(d);
         let widened_q = if held_dtype == d { 0 } else { held_dtype.storage_bytes(c.q_dim() * c.hidden_size) as u64 };
-        self.out.add(stored, held, t.bytes.len() as u64, bytes, t.bytes.len() as u64 + widened_q);
+        // A tensor-parallel rank keeps only its heads' rows.
+        let l = self.layout;
+        let f = ((l.q_dim() + 2 * l.kv_dim()) as u64, (c.q_dim() + 2 * c.kv_dim()) as u64);
+        let stored_part = share(t.bytes.len() as u64, f);
+        self.out.add(stored, held, stored_part, share(bytes, f), stored_part + share(widened_q, f));
         Ok(())
     }
 
@@ -197,9 +228,15 @@ impl Walker<'_> {
     }
 }
 
-/// Walks every tensor the Llama loader would load and sizes it under `policy`.
-pub(super) fn summarize(src: &dyn TensorSource, cfg: &ModelConfig, policy: WeightPolicy) -> Result<WeightSummary> {
-    let mut w = Walker { src, cfg, policy, out: WeightSummary::default() };
+/// Walks every tensor the Llama loader would load and sizes it under `policy`, as the rank
+/// `layout` describes holds it.
+pub(super) fn summarize(
+    src: &dyn TensorSource,
+    cfg: &ModelConfig,
+    policy: WeightPolicy,
+    layout: &ShardLayout,
+) -> Result<WeightSummary> {
+    let mut w = Walker { src, cfg, policy, layout, out: WeightSummary::default() };
     let (vocab, h) = (cfg.vocab_size, cfg.hidden_size);
     w.tensor("model.embed_tokens.weight", &[vocab, h], Kind::Matrix)?;
     for i in 0..cfg.num_layers {

@@ -47,6 +47,14 @@
 //! The plan assumes the weights are loaded before the workspace is allocated; the KV cache may be
 //! allocated before or after loading.
 //!
+//! # Tensor parallelism
+//! With [`PlanRequest::tp`] ranks, every figure is *per rank*: each rank holds its shard of the
+//! weights (`crate::llama::shard`: split matrices, replicated norms), its KV heads of every block
+//! (replicated KV heads count on every rank that holds them) and a workspace of its widths plus
+//! the gathered logits. Every rank gets the same plan, so the target is the smallest device
+//! ([`PlanTarget::smallest`]). CPU ranks share the host's memory: their budget is the host's
+//! divided by the number of ranks.
+//!
 //! Without `kv_cache_bytes`, the cache is never made larger than `max_batch_size` sequences of
 //! `max_len` tokens (more blocks could not all be in use at once); the plan notes when that leaves
 //! budget unused ([`MemoryPlan::kv_blocks_fit`] still says how many would fit).
@@ -60,6 +68,7 @@ pub use profiles::{DeviceProfile, CUDA_RUNTIME_RESERVE, DEFAULT_HOST_RESERVE, DE
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
+use crate::llama::{ShardLayout, ShardSpec};
 use crate::loader::Checkpoint;
 use serde::Serialize;
 use std::fmt::Write as _;
@@ -129,6 +138,12 @@ pub struct PlanTarget {
 }
 
 impl PlanTarget {
+    /// The device with the least usable memory of several (the ranks of a tensor-parallel
+    /// group, which all get the same plan); `None` for none.
+    pub fn smallest(targets: impl IntoIterator<Item = PlanTarget>) -> Option<PlanTarget> {
+        targets.into_iter().min_by_key(|t| t.memory.usable.saturating_sub(t.reserve_bytes))
+    }
+
     /// The target of a live backend: its device's current memory facts and dtypes. No runtime
     /// reserve: a live device's usable memory is measured with the runtime already up.
     pub fn for_backend(ops: &dyn Ops) -> Result<PlanTarget> {
@@ -159,6 +174,8 @@ pub struct PlanRequest {
     pub memory_fraction: f64,
     /// Exact size of the KV cache (`--kv-cache-bytes`), instead of what is left of the budget.
     pub kv_cache_bytes: Option<u64>,
+    /// Tensor-parallel ranks (`--tp`): the plan is per rank.
+    pub tp: usize,
 }
 
 impl Default for PlanRequest {
@@ -170,6 +187,7 @@ impl Default for PlanRequest {
             block_size: 64,
             memory_fraction: 0.9,
             kv_cache_bytes: None,
+            tp: 1,
         }
     }
 }
@@ -183,6 +201,7 @@ impl PlanRequest {
             ("--max-batch-size", self.max_batch_size),
             ("--max-batched-tokens", self.max_batched_tokens),
             ("--block-size", self.block_size),
+            ("--tp", self.tp),
         ] {
             if v == 0 {
                 return bad(format!("{flag} must be at least 1"));
@@ -233,15 +252,20 @@ pub struct MemoryPlan {
     pub total_memory: u64,
     /// Device memory tm may use now.
     pub usable_memory: u64,
+    /// Tensor-parallel ranks; every figure below is per rank.
+    pub tp: usize,
+    /// Ranks that share the device's memory (all of them on the CPU, else 1): the budget is
+    /// divided among them.
+    pub ranks_per_memory: usize,
     /// Whether the device shares memory with the host (host-side buffers then count).
     pub shared_with_host: bool,
-    /// `usable_memory × memory_fraction`.
+    /// `usable_memory × memory_fraction / ranks_per_memory`: one rank's budget.
     pub budget: u64,
     /// Weights per (stored, held) encoding.
     pub weights_by_dtype: Vec<WeightGroup>,
-    /// Bytes the backend holds for the weights.
+    /// Bytes the backend holds for the weights (of one rank).
     pub weights_total: u64,
-    /// Bytes those tensors take in the checkpoint.
+    /// Bytes those tensors (the rank's parts of them) take in the checkpoint.
     pub weights_stored: u64,
     /// Bytes of every tensor in the checkpoint, loaded or not.
     pub checkpoint_bytes: u64,
@@ -304,9 +328,18 @@ pub fn plan(ckpt: &Checkpoint, target: &PlanTarget, req: &PlanRequest) -> Result
 pub fn estimate(ckpt: &Checkpoint, target: &PlanTarget, req: &PlanRequest) -> Result<MemoryPlan> {
     req.validate()?;
     let cfg = &ckpt.config;
-    let weights = manifest::summarize(ckpt.source.as_ref(), cfg, target.weights)?;
-    let sizer =
-        Sizer { cfg, target, any_quantized: weights.any_quantized, weights: weights.held, staging: weights.staging };
+    // Every rank holds as much as rank 0 (even splits; replicated KV heads count on each).
+    let layout = ShardLayout::new(cfg, ShardSpec { rank: 0, world: req.tp })?;
+    let weights = manifest::summarize(ckpt.source.as_ref(), cfg, target.weights, &layout)?;
+    let sizer = Sizer {
+        cfg,
+        layout: &layout,
+        target,
+        any_quantized: weights.any_quantized,
+        weights: weights.held,
+        staging: weights.staging,
+    };
+    let ranks_per_memory = if target.kind == DeviceKind::Cpu { req.tp } else { 1 };
     let mut warnings = Vec::new();
     let mut notes = Vec::new();
 
@@ -321,8 +354,8 @@ pub fn estimate(ckpt: &Checkpoint, target: &PlanTarget, req: &PlanRequest) -> Re
 
     let (tokens, rows) = (req.max_batched_tokens, req.max_batch_size);
     let fixed = sizer.fixed(tokens, rows);
-    let budget = (target.memory.usable as f64 * req.memory_fraction).floor() as u64;
-    let bpb = KvCache::bytes_per_block(cfg, target.activation_dtype, req.block_size);
+    let budget = (target.memory.usable as f64 * req.memory_fraction / ranks_per_memory as f64).floor() as u64;
+    let bpb = KvCache::bytes_per_block_shard(cfg, &layout, target.activation_dtype, req.block_size);
     if bpb == 0 {
         return Err(ModelError::InvalidInput(format!("{}: the model has no KV cache to plan", ckpt.path.display())));
     }
@@ -380,6 +413,8 @@ pub fn estimate(ckpt: &Checkpoint, target: &PlanTarget, req: &PlanRequest) -> Re
         request: req.clone(),
         total_memory: target.memory.total,
         usable_memory: target.memory.usable,
+        tp: req.tp,
+        ranks_per_memory,
         shared_with_host: target.memory.shared_with_host,
         budget,
         weights_by_dtype: weights.groups.clone(),
@@ -391,8 +426,8 @@ pub fn estimate(ckpt: &Checkpoint, target: &PlanTarget, req: &PlanRequest) -> Re
         workspace: fixed.workspace,
         workspace_tokens: tokens,
         workspace_logit_rows: rows,
-        workspace_per_token: workspace_parts(cfg, target.activation_dtype, 1, 0).0,
-        workspace_per_logit_row: workspace_parts(cfg, target.activation_dtype, 0, 1).1,
+        workspace_per_token: workspace_parts(&layout, target.activation_dtype, 1, 0).0,
+        workspace_per_logit_row: workspace_parts(&layout, target.activation_dtype, 0, 1).1,
         kernel_scratch: fixed.scratch,
         runtime_reserve: target.reserve_bytes,
         activation_dtype: target.activation_dtype,
@@ -426,6 +461,7 @@ struct Fixed {
 
 struct Sizer<'a> {
     cfg: &'a ModelConfig,
+    layout: &'a ShardLayout,
     target: &'a PlanTarget,
     any_quantized: bool,
     weights: u64,
@@ -442,7 +478,7 @@ impl Sizer<'_> {
     }
 
     fn fixed(&self, tokens: usize, rows: usize) -> Fixed {
-        let workspace = workspace_bytes(self.cfg, self.target.activation_dtype, tokens, rows);
+        let workspace = workspace_bytes_shard(self.layout, self.target.activation_dtype, tokens, rows);
         let scratch = scratch_bytes(self.cfg, self.target.kind, tokens, rows, self.any_quantized);
         let total = self.weights + self.target.reserve_bytes + self.staging_counted().max(workspace + scratch.total);
         Fixed { workspace, scratch, total }
@@ -454,13 +490,15 @@ impl Sizer<'_> {
         let budget = plan.budget;
         let need = (plan.peak - plan.kv_bytes).saturating_add(plan.kv_bytes.max(bpb));
         let mut out = vec![format!(
-            "{} does not fit on {}: it needs {} but the budget is {} ({} × {} usable): short by {} ({} bytes)",
+            "{} does not fit on {}: it needs {}{} but the budget is {} ({} × {} usable{}): short by {} ({} bytes)",
             plan.model,
             plan.target,
             human(need),
+            if plan.tp > 1 { format!(" per rank of {}", plan.tp) } else { String::new() },
             human(budget),
             req.memory_fraction,
             human(plan.usable_memory),
+            if plan.ranks_per_memory > 1 { format!(" / {} ranks", plan.ranks_per_memory) } else { String::new() },
             human(need.saturating_sub(budget)),
             need.saturating_sub(budget),
         )];
@@ -540,7 +578,7 @@ impl Sizer<'_> {
             }
         }
         let needed = fixed_now.saturating_add(kv_need);
-        let fraction = needed as f64 / plan.usable_memory.max(1) as f64;
+        let fraction = needed as f64 * plan.ranks_per_memory as f64 / plan.usable_memory.max(1) as f64;
         if fraction <= 1.0 && fraction > req.memory_fraction {
             fixes.push(format!("--memory-fraction {:.2}", (fraction * 100.0).ceil() / 100.0));
         }
@@ -584,17 +622,27 @@ fn largest(lo: usize, hi: usize, ok: impl Fn(usize) -> bool) -> Option<usize> {
 /// Bytes of `llama::Workspace::new(ops, cfg, tokens, logit_rows)` in dtype `dt` (mirrors its
 /// buffers one for one; both counts are at least 1, as there).
 pub fn workspace_bytes(cfg: &ModelConfig, dt: DType, tokens: usize, logit_rows: usize) -> u64 {
-    let (per_token, per_row) = workspace_parts(cfg, dt, tokens.max(1), logit_rows.max(1));
+    workspace_bytes_shard(&ShardLayout::single(cfg), dt, tokens, logit_rows)
+}
+
+/// Bytes of `llama::Workspace::for_shard(ops, layout, tokens, logit_rows)` in dtype `dt`: one
+/// tensor-parallel rank's workspace.
+pub fn workspace_bytes_shard(layout: &ShardLayout, dt: DType, tokens: usize, logit_rows: usize) -> u64 {
+    let (per_token, per_row) = workspace_parts(layout, dt, tokens.max(1), logit_rows.max(1));
     per_token + per_row
 }
 
 /// `(per-token buffers, logit-row buffers)` of the workspace for `tokens` and `rows`: residual,
 /// normed, delta (hidden); q, scratch_q, attn (q_dim); k, v, scratch_k (kv_dim); gate, up, act
-/// (intermediate); and last (hidden) and logits (vocab) per logit row.
-fn workspace_parts(cfg: &ModelConfig, dt: DType, tokens: usize, rows: usize) -> (u64, u64) {
-    let widths = [cfg.hidden_size, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size];
+/// (intermediate), at the rank's widths; and last (hidden) and logits (vocab) per logit row, plus
+/// the rank's slice of the logits and every rank's slices when the LM head is vocab-parallel.
+fn workspace_parts(layout: &ShardLayout, dt: DType, tokens: usize, rows: usize) -> (u64, u64) {
+    let widths = [layout.hidden, layout.q_dim(), layout.kv_dim(), layout.intermediate_size()];
     let per_token: usize = widths.iter().map(|&w| 3 * dt.storage_bytes(tokens * w)).sum();
-    let per_row = dt.storage_bytes(rows * cfg.hidden_size) + dt.storage_bytes(rows * cfg.vocab_size);
+    let mut per_row = dt.storage_bytes(rows * layout.hidden) + dt.storage_bytes(rows * layout.vocab_size);
+    if layout.gathers_logits() {
+        per_row += (1 + layout.spec.world) * dt.storage_bytes(rows * layout.vocab_rows());
+    }
     (per_token as u64, per_row as u64)
 }
 
@@ -654,6 +702,21 @@ impl MemoryPlan {
     pub fn table(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "memory plan for {} on {}", self.model, self.target);
+        if self.tp > 1 {
+            let _ = writeln!(
+                s,
+                "tensor parallelism: {} ranks; every figure is per rank{}",
+                self.tp,
+                if self.ranks_per_memory > 1 {
+                    format!(
+                        " (the {} ranks share this memory: each gets 1/{} of it)",
+                        self.ranks_per_memory, self.ranks_per_memory
+                    )
+                } else {
+                    String::new()
+                }
+            );
+        }
         let _ = writeln!(
             s,
             "device memory: {} total, {} usable{}",
@@ -663,9 +726,10 @@ impl MemoryPlan {
         );
         let _ = writeln!(
             s,
-            "budget: {} = {} × usable{}",
+            "budget: {} = {} × usable{}{}",
             human(self.budget),
             self.request.memory_fraction,
+            if self.ranks_per_memory > 1 { format!(" / {} ranks", self.ranks_per_memory) } else { String::new() },
             self.request
                 .kv_cache_bytes
                 .map_or(String::new(), |n| format!(" (KV cache fixed at {}: --kv-cache-bytes {n})", human(n)))
@@ -674,8 +738,12 @@ impl MemoryPlan {
         let mut rows: Vec<(String, String, String)> = Vec::new();
         let mut row = |a: String, b: u64, c: String| rows.push((a, human(b), c));
         let tensors: usize = self.weights_by_dtype.iter().map(|g| g.tensors).sum();
-        let mut detail = format!("{tensors} tensors, {} in the file", human(self.weights_stored));
-        if self.checkpoint_bytes > self.weights_stored {
+        let mut detail = if self.tp > 1 {
+            format!("this rank's share of {tensors} tensors: {} of the file", human(self.weights_stored))
+        } else {
+            format!("{tensors} tensors, {} in the file", human(self.weights_stored))
+        };
+        if self.tp == 1 && self.checkpoint_bytes > self.weights_stored {
             let _ = write!(
                 detail,
                 " (+{} in tensors tm does not load)",

@@ -1,0 +1,10 @@
+// int8 weight (tm_core::quant layout) for matmul_tiled.wgsl: w = q * scale.
+@group(0) @binding(4) var<storage, read> packed: array<u32>;
+@group(0) @binding(5) var<storage, read> scales: array<u32>;
+
+fn load_w(r: u32, c: u32) -> f32 {
+    let cols = P(2u);
+    let b = r * cols + c;
+    let g = r * (cols / P(4u)) + c / P(4u);
+    return i8_in(packed[b / 4u], b) * half_in(scales[g / 2u], g);
+}

@@ -1,0 +1,14 @@
+// out = silu(gate) * up. Params: n.
+@group(0) @binding(1) var<storage, read> gate: array<f32>;
+@group(0) @binding(2) var<storage, read> up: array<f32>;
+@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = flat_id(gid, nwg);
+    if (i >= P(0u)) {
+        return;
+    }
+    let g = gate[i];
+    out[i] = g / (1.0 + exp(-g)) * up[i];
+}

@@ -1,0 +1,401 @@
+//! Every wgpu op against the CPU reference backend on random inputs of model-like shapes, and
+//! the `fixtures/llama` checkpoint end to end (same greedy tokens as on the CPU).
+//!
+//! The tests need a wgpu adapter; a software one (Mesa lavapipe) counts only with
+//! `TM_WGPU_ALLOW_CPU=1`. Without one they print `skipped: no wgpu adapter (...)` and pass.
+
+use half::f16;
+use std::path::Path;
+use std::sync::OnceLock;
+use std::time::Instant;
+use tm_core::ops::{AttentionMeta, SeqAttention};
+use tm_core::quant::{QuantWeight, Weight};
+use tm_core::rope::{RopeFreqs, RopeStyle};
+use tm_core::{DType, Ops, Tensor, TensorDesc};
+use tm_cpu::CpuBackend;
+use tm_model::config::ModelConfig;
+use tm_model::generate::Session;
+use tm_model::llama::LlamaModel;
+use tm_model::weights::SafetensorsCheckpoint;
+use tm_wgpu::{WgpuBackend, WgpuOptions};
+
+fn gpu() -> Option<&'static WgpuBackend> {
+    static GPU: OnceLock<Result<WgpuBackend, String>> = OnceLock::new();
+    match GPU.get_or_init(|| WgpuBackend::open(WgpuOptions::from_env()).map_err(|e| e.to_string())) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            println!("skipped: no wgpu adapter ({e})");
+            None
+        }
+    }
+}
+
+/// A small deterministic generator (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in [-1, 1).
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn floats(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+fn tensor(ops: &dyn Ops, dtype: DType, shape: &[usize], bytes: &[u8]) -> Tensor {
+    let mut t = ops.zeros(TensorDesc::new(dtype, shape), "test").unwrap();
+    ops.upload(&mut t, bytes).unwrap();
+    t
+}
+
+fn f32t(ops: &dyn Ops, shape: &[usize], v: &[f32]) -> Tensor {
+    tensor(ops, DType::F32, shape, bytemuck::cast_slice(v))
+}
+
+/// A pair of identical tensors, one per backend.
+fn pair(g: &WgpuBackend, c: &CpuBackend, shape: &[usize], v: &[f32]) -> (Tensor, Tensor) {
+    (f32t(g, shape, v), f32t(c, shape, v))
+}
+
+#[track_caller]
+fn close(what: &str, g: &WgpuBackend, gt: &Tensor, c: &CpuBackend, ct: &Tensor) {
+    let (a, b) = (g.download_f32(gt).unwrap(), c.download_f32(ct).unwrap());
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let rms = (b.iter().map(|v| v * v).sum::<f32>() / b.len().max(1) as f32).sqrt();
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        let tol = 1e-4 * (y.abs() + rms + 1e-6);
+        assert!((x - y).abs() <= tol, "{what}: element {i}: wgpu {x} vs cpu {y} (tol {tol})");
+    }
+}
+
+/// A weight on both backends: dense f32, int4 or int8 (random packed values and f16 scales).
+fn weights(g: &WgpuBackend, c: &CpuBackend, kind: &str, rows: usize, cols: usize, rng: &mut Rng) -> (Weight, Weight) {
+    let group = 32;
+    let groups = rows * cols / group;
+    let scales: Vec<f16> = (0..groups).map(|_| f16::from_f32(rng.f() * 0.1)).collect();
+    let mins: Vec<f16> = (0..groups).map(|_| f16::from_f32(rng.f() * 0.1)).collect();
+    let make = |ops: &dyn Ops, packed: &[u8]| -> Weight {
+        let q = |dtype, shape: &[usize]| QuantWeight {
+            rows,
+            cols,
+            group_size: group,
+            packed: tensor(ops, dtype, shape, packed),
+            scales: tensor(ops, DType::F16, &[rows, cols / group], bytemuck::cast_slice(&scales)),
+            mins: (dtype == DType::U8)
+                .then(|| tensor(ops, DType::F16, &[rows, cols / group], bytemuck::cast_slice(&mins))),
+        };
+        match kind {
+            "int4" => Weight::Int4(q(DType::U8, &[rows, cols / 2])),
+            "int8" => Weight::Int8(q(DType::I8, &[rows, cols])),
+            _ => Weight::Dense(tensor(ops, DType::F32, &[rows, cols], packed)),
+        }
+    };
+    let packed = match kind {
+        "int4" => rng.bytes(rows * cols / 2),
+        "int8" => rng.bytes(rows * cols),
+        _ => bytemuck::cast_slice(&rng.floats(rows * cols)).to_vec(),
+    };
+    (make(g, &packed), make(c, &packed))
+}
+
+#[test]
+fn elementwise_norm_rope_gather() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng(7);
+    let start = Instant::now();
+    for (tokens, hidden) in [(1, 64), (7, 128), (5, 96)] {
+        let n = tokens * hidden;
+        let (x, y, w) = (rng.floats(n), rng.floats(n), rng.floats(hidden));
+        let (gx, cx) = pair(g, &c, &[tokens, hidden], &x);
+        let (gy, cy) = pair(g, &c, &[tokens, hidden], &y);
+        let (gw, cw) = pair(g, &c, &[hidden], &w);
+        let (mut go, mut co) = pair(g, &c, &[tokens, hidden], &vec![0.0; n]);
+
+        g.rms_norm(&gx, &gw, 1e-5, &mut go).unwrap();
+        c.rms_norm(&cx, &cw, 1e-5, &mut co).unwrap();
+        close("rms_norm", g, &go, &c, &co);
+
+        let (mut gr, mut cr) = pair(g, &c, &[tokens, hidden], &y);
+        g.add_rms_norm(&gx, &mut gr, &gw, 1e-6, &mut go).unwrap();
+        c.add_rms_norm(&cx, &mut cr, &cw, 1e-6, &mut co).unwrap();
+        close("add_rms_norm out", g, &go, &c, &co);
+        close("add_rms_norm residual", g, &gr, &c, &cr);
+
+        g.silu_mul(&gx, &gy, &mut go).unwrap();
+        c.silu_mul(&cx, &cy, &mut co).unwrap();
+        close("silu_mul", g, &go, &c, &co);
+
+        let (mut ga, mut ca) = pair(g, &c, &[tokens, hidden], &x);
+        g.add_in_place(&mut ga, &gy).unwrap();
+        c.add_in_place(&mut ca, &cy).unwrap();
+        close("add_in_place", g, &ga, &c, &ca);
+
+        let rows: Vec<u32> = (0..3).map(|_| rng.below(tokens) as u32).collect();
+        let (mut gg, mut cg) = pair(g, &c, &[3, hidden], &vec![0.0; 3 * hidden]);
+        g.gather_rows(&gx, &rows, &mut gg).unwrap();
+        c.gather_rows(&cx, &rows, &mut cg).unwrap();
+        close("gather_rows", g, &gg, &c, &cg);
+
+        for (head_dim, style) in [(32, RopeStyle::Half), (32, RopeStyle::Interleaved), (hidden, RopeStyle::Half)] {
+            let freqs = RopeFreqs {
+                inv_freq: (0..head_dim / 2).map(|i| 10000f32.powf(-((2 * i) as f32) / head_dim as f32)).collect(),
+                attention_factor: 1.0 + rng.f().abs() * 0.1,
+                style,
+            };
+            let positions: Vec<u32> = (0..tokens).map(|_| rng.below(200) as u32).collect();
+            let (mut gq, mut cq) = pair(g, &c, &[tokens, hidden], &x);
+            g.rope(&mut gq, &positions, &freqs).unwrap();
+            c.rope(&mut cq, &positions, &freqs).unwrap();
+            close(&format!("rope {style:?} head_dim {head_dim}"), g, &gq, &c, &cq);
+        }
+    }
+    println!("elementwise_norm_rope_gather: {:?}", start.elapsed());
+}
+
+#[test]
+fn adapters_listed_and_every_kernel_compiles() {
+    for a in tm_wgpu::list_adapters() {
+        println!("wgpu adapter: {a}");
+    }
+    let Some(g) = gpu() else { return };
+    println!("using {}", g.device().name());
+    g.warm_up().unwrap();
+}
+
+#[test]
+fn embedding_all_layouts() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng(11);
+    for kind in ["dense", "int4", "int8"] {
+        let (vocab, hidden) = (300, 128);
+        let (gt, ct) = weights(g, &c, kind, vocab, hidden, &mut rng);
+        let ids: Vec<u32> = (0..9).map(|_| rng.below(vocab) as u32).collect();
+        let (mut go, mut co) = pair(g, &c, &[ids.len(), hidden], &vec![0.0; ids.len() * hidden]);
+        g.embedding(&gt, &ids, &mut go).unwrap();
+        c.embedding(&ct, &ids, &mut co).unwrap();
+        close(&format!("embedding {kind}"), g, &go, &c, &co);
+        assert!(g.embedding(&gt, &[vocab as u32], &mut go).is_err(), "out-of-vocab id must fail");
+    }
+}
+
+#[test]
+fn matmul_dense_and_quantized() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng(13);
+    let start = Instant::now();
+    for kind in ["dense", "int4", "int8"] {
+        for (n, rows, cols, bias) in [(1, 96, 64, false), (7, 352, 128, true), (17, 130, 96, false)] {
+            let (gw, cw) = weights(g, &c, kind, rows, cols, &mut rng);
+            let x = rng.floats(n * cols);
+            let (gx, cx) = pair(g, &c, &[n, cols], &x);
+            let b = rng.floats(rows);
+            let (gb, cb) = pair(g, &c, &[rows], &b);
+            let (mut go, mut co) = pair(g, &c, &[n, rows], &vec![0.0; n * rows]);
+            g.matmul(&gx, &gw, bias.then_some(&gb), &mut go).unwrap();
+            c.matmul(&cx, &cw, bias.then_some(&cb), &mut co).unwrap();
+            close(&format!("matmul {kind} n={n} {rows}x{cols} bias={bias}"), g, &go, &c, &co);
+        }
+    }
+    println!("matmul_dense_and_quantized: {:?}", start.elapsed());
+}
+
+#[test]
+fn write_kv_and_paged_attention() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng(17);
+    let start = Instant::now();
+    for (heads, kv_heads, head_dim, window) in [(4, 2, 32, None), (4, 4, 64, Some(8)), (6, 2, 128, None)] {
+        let (blocks, bs) = (8, 16);
+        let width = kv_heads * head_dim;
+        let cache = rng.floats(blocks * bs * width);
+        let shape = [blocks, bs, kv_heads, head_dim];
+        let (mut gk, mut ck) = pair(g, &c, &shape, &cache);
+        let cache_v = rng.floats(blocks * bs * width);
+        let (mut gv, mut cv) = pair(g, &c, &shape, &cache_v);
+        // Sequence A: a prefill chunk of 5 ending at position 36 (blocks 5, 2, 7); sequence B:
+        // one decode token at position 19 (blocks 0, 3).
+        let (table_a, table_b) = ([5u32, 2, 7], [0u32, 3]);
+        let slot = |table: &[u32], pos: usize| table[pos / bs] * bs as u32 + (pos % bs) as u32;
+        let mut slots: Vec<u32> = (32..37).map(|p| slot(&table_a, p)).collect();
+        slots.push(slot(&table_b, 19));
+        let tokens = slots.len();
+        let (k, v) = (rng.floats(tokens * width), rng.floats(tokens * width));
+        let (gkn, ckn) = pair(g, &c, &[tokens, width], &k);
+        let (gvn, cvn) = pair(g, &c, &[tokens, width], &v);
+        g.write_kv(&gkn, &gvn, &mut gk, &mut gv, &slots).unwrap();
+        c.write_kv(&ckn, &cvn, &mut ck, &mut cv, &slots).unwrap();
+        close("write_kv k", g, &gk, &c, &ck);
+        close("write_kv v", g, &gv, &c, &cv);
+
+        let seqs = [
+            SeqAttention { query_start: 0, query_len: 5, context_len: 37, block_table: &table_a },
+            SeqAttention { query_start: 5, query_len: 1, context_len: 20, block_table: &table_b },
+        ];
+        let meta = AttentionMeta {
+            seqs: &seqs,
+            block_size: bs,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            sliding_window: window,
+        };
+        let q = rng.floats(tokens * heads * head_dim);
+        let (gq, cq) = pair(g, &c, &[tokens, heads * head_dim], &q);
+        let (mut go, mut co) = pair(g, &c, &[tokens, heads * head_dim], &vec![0.0; q.len()]);
+        g.attention(&gq, &gk, &gv, &meta, &mut go).unwrap();
+        c.attention(&cq, &ck, &cv, &meta, &mut co).unwrap();
+        close(&format!("attention {heads}/{kv_heads} heads, head_dim {head_dim}, window {window:?}"), g, &go, &c, &co);
+    }
+    println!("write_kv_and_paged_attention: {:?}", start.elapsed());
+}
+
+#[test]
+fn allocator_stats_limits_and_copy() {
+    // Its own backend: the shared one's counters move with the other tests.
+    let g = match WgpuBackend::open(WgpuOptions::from_env()) {
+        Ok(g) => g,
+        Err(e) => {
+            println!("skipped: no wgpu adapter ({e})");
+            return;
+        }
+    };
+    let g = &g;
+    let a = g.allocator();
+    let before = a.stats().in_use;
+    {
+        let mut t = f32t(g, &[3], &[1.0, 2.0, 3.0]);
+        assert!(a.stats().in_use >= before + 12);
+        t.buffer_mut().grow(64, "test").unwrap();
+        assert_eq!(g.download_f32(&t).unwrap(), vec![1.0, 2.0, 3.0]);
+        // Odd byte counts round-trip too.
+        let b = tensor(g, DType::U8, &[5], &[1, 2, 3, 4, 5]);
+        let mut back = [0u8; 5];
+        g.download(&b, &mut back).unwrap();
+        assert_eq!(back, [1, 2, 3, 4, 5]);
+    }
+    assert_eq!(a.stats().in_use, before, "buffers free on drop");
+    let limit = g.gpu().max_binding();
+    let err = g.zeros(TensorDesc::new(DType::U8, &[limit as usize + 4]), "huge weight").unwrap_err().to_string();
+    assert!(err.contains("huge weight") && err.contains("max_storage_buffer_binding_size"), "{err}");
+}
+
+/// Greedy-decodes `steps` tokens after `prompt` on both backends; asserts the same tokens and
+/// logits within 1e-3 of their range.
+fn greedy_matches(
+    what: &str,
+    cpu: (&LlamaModel, &dyn Ops),
+    gpu: (&LlamaModel, &dyn Ops),
+    prompt: &[u32],
+    steps: usize,
+) {
+    let mut runs = Vec::new();
+    for (model, ops) in [cpu, gpu] {
+        let mut session = Session::new(model, ops, 256, 16).unwrap();
+        let mut logits = session.append(prompt).unwrap();
+        let (mut out, mut all) = (Vec::new(), Vec::new());
+        for step in 0..steps {
+            let t = tm_core::sampling::argmax(&logits);
+            out.push(t);
+            all.extend_from_slice(&logits);
+            if step + 1 < steps {
+                logits = session.append(&[t]).unwrap();
+            }
+        }
+        runs.push((out, all));
+    }
+    let (c, g) = (&runs[0], &runs[1]);
+    let (lo, hi) = c.1.iter().fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+    let max_diff = c.1.iter().zip(&g.1).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(max_diff <= 1e-3 * (hi - lo), "{what}: max |logit diff| {max_diff} over a range of {}", hi - lo);
+    assert_eq!(g.0, c.0, "{what}: greedy tokens differ");
+}
+
+/// An HF fixture (f32/bf16 safetensors) on both backends, every reference prompt.
+fn hf_fixture_matches_cpu(name: &str) {
+    let Some(g) = gpu() else { return };
+    let start = Instant::now();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name);
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let c = CpuBackend::new();
+    let ckpt = SafetensorsCheckpoint::open(&dir).unwrap();
+    let cpu_model = LlamaModel::load(&c, &ckpt, ModelConfig::from_dir(&dir).unwrap(), &mut |_| {}).unwrap();
+    let gpu_model = LlamaModel::load(g, &ckpt, ModelConfig::from_dir(&dir).unwrap(), &mut |_| {}).unwrap();
+    for prompt in reference["prompts"].as_array().unwrap() {
+        let ids: Vec<u32> = prompt["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        let steps = prompt["greedy_ids"].as_array().unwrap().len();
+        greedy_matches(name, (&cpu_model, &c), (&gpu_model, g), &ids, steps);
+    }
+    println!("{name} fixture: {:?}", start.elapsed());
+}
+
+#[test]
+fn llama_fixture_greedy_matches_cpu() {
+    hf_fixture_matches_cpu("llama");
+}
+
+#[test]
+fn other_hf_fixtures_greedy_match_cpu() {
+    for name in ["llama3_rope", "llama_yarn_rope", "mistral", "qwen2", "qwen3", "internlm2"] {
+        hf_fixture_matches_cpu(name);
+    }
+}
+
+/// The default GGUF model (SmolLM2-135M Q4_1 with Q8_0 tensors): the int4/int8 embedding and
+/// matrix kernels on real weights. Skips, saying so, when the model is not available.
+#[test]
+fn default_gguf_model_greedy_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let path = match tm_model::default_model::default_model_path(&mut |m| eprintln!("{m}")) {
+        Ok(p) => p,
+        Err(e) => {
+            println!("skipped: default model not available ({e})");
+            return;
+        }
+    };
+    let start = Instant::now();
+    let c = CpuBackend::new();
+    let cpu_model = tm_model::loader::load(&path, &c, &mut |_, _| {}).unwrap();
+    let gpu_model = tm_model::loader::load(&path, g, &mut |_, _| {}).unwrap();
+    println!("default gguf model loaded on both backends: {:?}", start.elapsed());
+    let prompt = cpu_model.tokenizer.encode("The capital of France is", true).unwrap();
+    greedy_matches("default gguf model", (&cpu_model.model, &c), (&gpu_model.model, g), &prompt, 4);
+    println!("default_gguf_model_greedy_matches_cpu: {:?}", start.elapsed());
+}
+
+#[test]
+fn bad_inputs_are_errors_not_panics() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let x = f32t(g, &[2, 8], &[0.5; 16]);
+    let w = Weight::Dense(f32t(g, &[4, 8], &[0.5; 32]));
+    let mut wrong = f32t(g, &[2, 5], &[0.0; 10]);
+    assert!(g.matmul(&x, &w, None, &mut wrong).is_err(), "matmul output shape");
+    let foreign = f32t(&c, &[2, 8], &[0.5; 16]);
+    let mut out = f32t(g, &[2, 4], &[0.0; 8]);
+    assert!(g.matmul(&foreign, &w, None, &mut out).is_err(), "a CPU tensor on the wgpu backend");
+    let mut kc = f32t(g, &[2, 4, 1, 8], &[0.0; 64]);
+    let mut vc = f32t(g, &[2, 4, 1, 8], &[0.0; 64]);
+    assert!(g.write_kv(&x, &x, &mut kc, &mut vc, &[0, 8]).is_err(), "slot outside the cache");
+    let seqs = [SeqAttention { query_start: 0, query_len: 2, context_len: 2, block_table: &[5] }];
+    let meta = AttentionMeta { seqs: &seqs, block_size: 4, scale: 1.0, sliding_window: None };
+    let mut ao = f32t(g, &[2, 8], &[0.0; 16]);
+    assert!(g.attention(&x, &kc, &vc, &meta, &mut ao).is_err(), "block outside the cache");
+    let mut short = vec![0u8; 3];
+    assert!(g.download(&x, &mut short).is_err(), "download into a buffer of the wrong size");
+}
