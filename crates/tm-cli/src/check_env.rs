@@ -36,6 +36,8 @@ struct Report {
     nvrtc_version: Option<(i32, i32)>,
     kernels: Kernels,
     libraries: Vec<LibraryStatus>,
+    /// wgpu adapters: (description, is a software adapter).
+    wgpu_adapters: Vec<(String, bool)>,
 }
 
 /// The kernels embedded in this build.
@@ -95,6 +97,7 @@ fn gather() -> Report {
         nvrtc_version: tm_cuda::nvrtc::version().ok(),
         kernels: kernels(),
         libraries: tm_cuda::libs::libraries(),
+        wgpu_adapters: tm_wgpu::list_adapters().into_iter().map(|a| (a.to_string(), a.is_cpu)).collect(),
     }
 }
 
@@ -110,8 +113,16 @@ fn auto_backend(r: &Report) -> (&'static str, String) {
             }
             ("cuda", why)
         }
-        Ok(_) => ("cpu", "no CUDA devices".to_string()),
-        Err(e) => ("cpu", format!("CUDA not available: {e}")),
+        Ok(_) => wgpu_or_cpu(r, "no CUDA devices".to_string()),
+        Err(e) => wgpu_or_cpu(r, format!("CUDA not available: {e}")),
+    }
+}
+
+/// Without CUDA, `auto` takes the first real (not software) wgpu adapter, else the CPU.
+fn wgpu_or_cpu(r: &Report, no_cuda: String) -> (&'static str, String) {
+    match r.wgpu_adapters.iter().find(|(_, cpu)| !cpu) {
+        Some((a, _)) => ("wgpu", format!("{no_cuda}; wgpu adapter {a}")),
+        None => ("cpu", no_cuda),
     }
 }
 
@@ -225,6 +236,15 @@ fn to_text(r: &Report) -> String {
     s += &format!("kernels: {cubins}, {ptx}; sources (NVRTC fallback): {modules}\n");
     s += "libraries:\n";
     s += &library_lines(&r.libraries);
+    s += "wgpu adapters:";
+    if r.wgpu_adapters.is_empty() {
+        s += " none\n";
+    } else {
+        s += "\n";
+        for (a, cpu) in &r.wgpu_adapters {
+            s += &format!("  {a}{}\n", if *cpu { " (software; --backend wgpu only)" } else { "" });
+        }
+    }
     let (backend, why) = auto_backend(r);
     s += &format!("--backend auto: {backend} ({why})\n");
     s
@@ -272,6 +292,7 @@ fn to_json(r: &Report) -> Value {
             "warning": l.warning,
             "tried": l.tried,
         })).collect::<Vec<_>>(),
+        "wgpu_adapters": r.wgpu_adapters.iter().map(|(a, cpu)| json!({ "adapter": a, "software": cpu })).collect::<Vec<_>>(),
         "backend_auto": { "backend": backend, "reason": why },
     })
 }
@@ -295,6 +316,7 @@ mod tests {
                 ptx_arches: vec![80],
                 modules: vec!["elementwise.cu".into()],
             },
+            wgpu_adapters: vec![],
             libraries: vec![
                 LibraryStatus {
                     name: tm_cuda::libs::DRIVER,

@@ -22,12 +22,15 @@ use tm_model::tp::{cpu_backend_factory, TpOptions};
 /// Which backend runs the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendChoice {
-    /// CUDA when a usable NVIDIA GPU is present, else the CPU.
+    /// CUDA when a usable NVIDIA GPU is present, else a real GPU through wgpu, else the CPU.
     Auto,
     /// The CPU reference backend.
     Cpu,
     /// An NVIDIA GPU (`--device` picks which).
     Cuda,
+    /// Any GPU through wgpu (Vulkan, Metal, DX12; `TM_WGPU_ADAPTER` picks one,
+    /// `TM_WGPU_ALLOW_CPU=1` allows a software adapter such as Mesa lavapipe).
+    Wgpu,
 }
 
 /// The dtype activations, dense weights and the KV cache use on a GPU.
@@ -258,15 +261,26 @@ pub fn backend(args: &ModelArgs) -> Result<Box<dyn Ops>> {
         tracing::info!("backend: cuda device {} ({}), {dtype}", args.device, b.gpu().info().name);
         Ok(Box::new(b))
     };
+    let open_wgpu = |allow_cpu: bool| -> Result<Box<dyn Ops>> {
+        let mut opts = tm_wgpu::WgpuOptions::from_env();
+        opts.allow_cpu_adapter &= allow_cpu;
+        let b = tm_wgpu::WgpuBackend::open(opts).context("opening the wgpu backend")?;
+        tracing::info!("backend: wgpu ({})", b.device().name());
+        Ok(Box::new(b))
+    };
     match args.backend {
         BackendChoice::Cpu => Ok(Box::new(CpuBackend::new())),
         BackendChoice::Cuda => open_cuda(),
+        BackendChoice::Wgpu => open_wgpu(true),
         BackendChoice::Auto => match open_cuda() {
             Ok(b) => Ok(b),
-            Err(e) => {
-                tracing::info!("backend: cpu ({e:#})");
-                Ok(Box::new(CpuBackend::new()))
-            }
+            Err(cuda) => match open_wgpu(false) {
+                Ok(b) => Ok(b),
+                Err(wgpu) => {
+                    tracing::info!("backend: cpu ({cuda:#}; {wgpu:#})");
+                    Ok(Box::new(CpuBackend::new()))
+                }
+            },
         },
     }
 }
@@ -320,9 +334,9 @@ pub fn load_runnable(args: &ModelArgs) -> Result<Runnable> {
         return Ok(Runnable::Single { ops, model: Box::new(model) });
     }
     match args.backend {
-        BackendChoice::Cuda => bail!(
-            "--tp {} runs on the CPU backend for now (tensor parallelism over GPUs with NCCL is not available \
-             yet); use --backend cpu or --tp 1",
+        BackendChoice::Cuda | BackendChoice::Wgpu => bail!(
+            "--tp {} runs on the CPU backend for now (tensor parallelism over GPUs is not available yet); use \
+             --backend cpu or --tp 1",
             args.tp
         ),
         BackendChoice::Auto => tracing::info!("--tp {}: running {} CPU ranks", args.tp, args.tp),
