@@ -274,6 +274,10 @@ pub fn backend(args: &ModelArgs) -> Result<Box<dyn Ops>> {
         BackendChoice::Wgpu => open_wgpu(true),
         BackendChoice::Auto => match open_cuda() {
             Ok(b) => Ok(b),
+            Err(cuda) if !may_have_gpu_adapter() => {
+                tracing::info!("backend: cpu ({cuda:#}; no GPU device nodes for wgpu)");
+                Ok(Box::new(CpuBackend::new()))
+            }
             Err(cuda) => match open_wgpu(false) {
                 Ok(b) => Ok(b),
                 Err(wgpu) => {
@@ -283,6 +287,19 @@ pub fn backend(args: &ModelArgs) -> Result<Box<dyn Ops>> {
             },
         },
     }
+}
+
+/// Whether a real GPU adapter can exist for wgpu. On Linux a GPU shows up as a DRM render node
+/// or an NVIDIA device node; without one, `auto` does not start a Vulkan instance (whose loader
+/// prints warnings on headless machines) just to find the software adapter it would refuse.
+fn may_have_gpu_adapter() -> bool {
+    if !cfg!(target_os = "linux") {
+        return true;
+    }
+    let render_node = std::fs::read_dir("/dev/dri")
+        .map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with("renderD")))
+        .unwrap_or(false);
+    render_node || std::path::Path::new("/dev/nvidia0").exists()
 }
 
 /// A model loaded for `generate` and `chat`: on one backend, or split over `--tp` CPU ranks.
