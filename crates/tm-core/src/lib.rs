@@ -14,6 +14,7 @@
 //! - [`error`]: the error type.
 
 pub mod alloc;
+pub mod checks;
 pub mod comm;
 pub mod device;
 pub mod dtype;

@@ -21,6 +21,7 @@ use tm_core::ops::{sample_rows, to_f32, AttentionMeta, SampleRequest};
 use tm_core::quant::Weight;
 use tm_core::rope::RopeFreqs;
 
+use tm_core::checks::{self, rows_of, same_numel};
 use tm_core::{Allocator, DType, Device, Error, Ops, Result, Tensor};
 
 /// The CPU backend.
@@ -65,21 +66,6 @@ fn f32s<'a>(t: &'a Tensor, what: &str) -> Result<&'a [f32]> {
 fn f32s_mut<'a>(t: &'a mut Tensor, what: &str) -> Result<&'a mut [f32]> {
     t.expect_dtype(what, DType::F32)?;
     t.host_mut::<f32>()
-}
-
-fn same_numel(op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
-    if a.numel() != b.numel() {
-        return Err(Error::shape(op, a.shape(), b.shape()));
-    }
-    Ok(())
-}
-
-/// Rows of a `[rows, features]` activation, checking the feature count.
-fn rows_of(op: &str, t: &Tensor, features: usize) -> Result<usize> {
-    if features == 0 || !t.numel().is_multiple_of(features) {
-        return Err(Error::shape(op, format!("[_, {features}]"), t.shape()));
-    }
-    Ok(t.numel() / features)
 }
 
 impl Ops for CpuBackend {
@@ -167,13 +153,7 @@ impl Ops for CpuBackend {
     }
 
     fn embedding(&self, table: &Weight, ids: &[u32], out: &mut Tensor) -> Result<()> {
-        let (vocab, hidden) = table.dims();
-        if out.numel() != ids.len() * hidden {
-            return Err(Error::shape("embedding output", [ids.len(), hidden], out.shape()));
-        }
-        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-            return Err(Error::invalid(format!("token id {bad} is outside the vocabulary of {vocab}")));
-        }
+        let hidden = checks::embedding(table, ids, out)?;
         let o = f32s_mut(out, "embedding output")?;
         for (row, &id) in o.chunks_mut(hidden).zip(ids) {
             matmul::weight_row(table, id as usize, row)?;
@@ -275,19 +255,7 @@ impl Ops for CpuBackend {
         v_cache: &mut Tensor,
         slot_mapping: &[u32],
     ) -> Result<()> {
-        same_numel("write_kv", k, v)?;
-        let shape = k_cache.shape().to_vec();
-        if shape.len() != 4 || v_cache.shape() != shape.as_slice() {
-            return Err(Error::shape("kv cache", "[blocks, block_size, kv_heads, head_dim]", shape));
-        }
-        let width = shape[2] * shape[3];
-        let slots = shape[0] * shape[1];
-        if k.numel() != slot_mapping.len() * width {
-            return Err(Error::shape("write_kv", [slot_mapping.len(), width], k.shape()));
-        }
-        if let Some(&bad) = slot_mapping.iter().find(|&&s| s as usize >= slots) {
-            return Err(Error::invalid(format!("kv slot {bad} is outside the cache of {slots} slots")));
-        }
+        let width = checks::write_kv(k, v, k_cache, v_cache, slot_mapping)?;
         let (ks, vs) = (f32s(k, "k")?, f32s(v, "v")?);
         for (cache, src) in [(f32s_mut(k_cache, "k cache")?, ks), (f32s_mut(v_cache, "v cache")?, vs)] {
             for (t, &slot) in slot_mapping.iter().enumerate() {
@@ -306,35 +274,8 @@ impl Ops for CpuBackend {
         meta: &AttentionMeta<'_>,
         out: &mut Tensor,
     ) -> Result<()> {
-        same_numel("attention", q, out)?;
-        let shape = k_cache.shape();
-        if shape.len() != 4 || v_cache.shape() != shape || shape[1] != meta.block_size {
-            return Err(Error::shape(
-                "attention kv cache",
-                format!("[blocks, {}, kv_heads, head_dim]", meta.block_size),
-                shape,
-            ));
-        }
-        let (blocks, kv_heads, head_dim) = (shape[0], shape[2], shape[3]);
-        let tokens: usize = meta.seqs.iter().map(|s| s.query_len).sum();
-        if tokens == 0 || !q.numel().is_multiple_of(tokens * head_dim) {
-            return Err(Error::shape("attention q", format!("[{tokens}, heads * {head_dim}]"), q.shape()));
-        }
-        let heads = q.numel() / (tokens * head_dim);
-        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(Error::invalid(format!("{heads} query heads cannot be grouped onto {kv_heads} kv heads")));
-        }
-        let mut next = 0;
-        for s in meta.seqs {
-            let blocks_needed = s.context_len.div_ceil(meta.block_size);
-            if s.query_start != next || s.query_len > s.context_len || s.block_table.len() < blocks_needed {
-                return Err(Error::invalid(format!("bad attention metadata for a sequence: {s:?}")));
-            }
-            if let Some(&b) = s.block_table[..blocks_needed].iter().find(|&&b| b as usize >= blocks) {
-                return Err(Error::invalid(format!("block {b} is outside the cache of {blocks} blocks")));
-            }
-            next += s.query_len;
-        }
+        let checks::AttentionDims { heads, kv_heads, head_dim, .. } =
+            checks::attention(q, k_cache, v_cache, meta, out)?;
         attention::paged_attention(
             f32s(q, "q")?,
             f32s(k_cache, "k cache")?,
@@ -347,14 +288,7 @@ impl Ops for CpuBackend {
     }
 
     fn gather_rows(&self, x: &Tensor, rows: &[u32], out: &mut Tensor) -> Result<()> {
-        let n_rows = x.shape().first().copied().unwrap_or(0);
-        let width = x.numel().checked_div(n_rows).unwrap_or(0);
-        if out.numel() != rows.len() * width {
-            return Err(Error::shape("gather_rows output", [rows.len(), width], out.shape()));
-        }
-        if let Some(&bad) = rows.iter().find(|&&r| r as usize >= n_rows) {
-            return Err(Error::invalid(format!("row {bad} is outside a tensor of {n_rows} rows")));
-        }
+        let width = checks::gather_rows(x, rows, out)?;
         let xs = f32s(x, "gather_rows input")?;
         let os = f32s_mut(out, "gather_rows output")?;
         for (o, &r) in os.chunks_mut(width).zip(rows) {

@@ -9,6 +9,7 @@ use crate::allocator::{padded, WgpuAllocator};
 use crate::context::{Gpu, WgpuOptions};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use tm_core::checks::{self, rows_of, same_numel};
 use tm_core::ops::{to_f32, AttentionMeta};
 use tm_core::quant::{QuantWeight, Weight};
 use tm_core::rope::{RopeFreqs, RopeStyle};
@@ -28,21 +29,6 @@ pub struct WgpuBackend {
     allocator: Arc<dyn Allocator>,
     pipelines: Mutex<HashMap<&'static str, wgpu::ComputePipeline>>,
     dummy: wgpu::Buffer,
-}
-
-fn same_numel(op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
-    if a.numel() != b.numel() {
-        return Err(Error::shape(op, a.shape(), b.shape()));
-    }
-    Ok(())
-}
-
-/// Rows of a `[rows, features]` activation, checking the feature count.
-fn rows_of(op: &str, t: &Tensor, features: usize) -> Result<usize> {
-    if features == 0 || !t.numel().is_multiple_of(features) {
-        return Err(Error::shape(op, format!("[_, {features}]"), t.shape()));
-    }
-    Ok(t.numel() / features)
 }
 
 fn f32_check(t: &Tensor, what: &str) -> Result<()> {
@@ -297,13 +283,7 @@ impl Ops for WgpuBackend {
     }
 
     fn embedding(&self, table: &Weight, ids: &[u32], out: &mut Tensor) -> Result<()> {
-        let (vocab, hidden) = table.dims();
-        if out.numel() != ids.len() * hidden {
-            return Err(Error::shape("embedding output", [ids.len(), hidden], out.shape()));
-        }
-        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-            return Err(Error::invalid(format!("token id {bad} is outside the vocabulary of {vocab}")));
-        }
+        let hidden = checks::embedding(table, ids, out)?;
         f32_check(out, "embedding output")?;
         if ids.is_empty() {
             return Ok(());
@@ -313,7 +293,7 @@ impl Ops for WgpuBackend {
         let n = ids.len() * hidden;
         let hidden32 = u32_of(hidden, "hidden size")?;
         let tokens = u32_of(ids.len(), "tokens")?;
-        u32_of(vocab * hidden, "embedding table size")?;
+        u32_of(table.dims().0 * hidden, "embedding table size")?;
         match table {
             Weight::Dense(t) => {
                 f32_check(t, "embedding table")?;
@@ -493,23 +473,11 @@ impl Ops for WgpuBackend {
         v_cache: &mut Tensor,
         slot_mapping: &[u32],
     ) -> Result<()> {
-        same_numel("write_kv", k, v)?;
-        let shape = k_cache.shape().to_vec();
-        if shape.len() != 4 || v_cache.shape() != shape.as_slice() {
-            return Err(Error::shape("kv cache", "[blocks, block_size, kv_heads, head_dim]", shape));
-        }
-        let width = shape[2] * shape[3];
-        let slots = shape[0] * shape[1];
-        if k.numel() != slot_mapping.len() * width {
-            return Err(Error::shape("write_kv", [slot_mapping.len(), width], k.shape()));
-        }
-        if let Some(&bad) = slot_mapping.iter().find(|&&s| s as usize >= slots) {
-            return Err(Error::invalid(format!("kv slot {bad} is outside the cache of {slots} slots")));
-        }
+        let width = checks::write_kv(k, v, k_cache, v_cache, slot_mapping)?;
         for (t, what) in [(k, "k"), (v, "v"), (&*k_cache, "k cache"), (&*v_cache, "v cache")] {
             f32_check(t, what)?;
         }
-        u32_of(slots * width, "kv cache size")?;
+        u32_of(k_cache.numel(), "kv cache size")?;
         let sb = self.temp("slots", bytemuck::cast_slice(slot_mapping));
         let (kb, vb, kcb, vcb) = (self.buf(k)?, self.buf(v)?, self.buf(k_cache)?, self.buf(v_cache)?);
         let params = [width as u32, u32_of(slot_mapping.len(), "tokens")?];
@@ -524,24 +492,8 @@ impl Ops for WgpuBackend {
         meta: &AttentionMeta<'_>,
         out: &mut Tensor,
     ) -> Result<()> {
-        same_numel("attention", q, out)?;
-        let shape = k_cache.shape();
-        if shape.len() != 4 || v_cache.shape() != shape || shape[1] != meta.block_size {
-            return Err(Error::shape(
-                "attention kv cache",
-                format!("[blocks, {}, kv_heads, head_dim]", meta.block_size),
-                shape,
-            ));
-        }
-        let (blocks, kv_heads, head_dim) = (shape[0], shape[2], shape[3]);
-        let tokens: usize = meta.seqs.iter().map(|s| s.query_len).sum();
-        if tokens == 0 || head_dim == 0 || !q.numel().is_multiple_of(tokens * head_dim) {
-            return Err(Error::shape("attention q", format!("[{tokens}, heads * {head_dim}]"), q.shape()));
-        }
-        let heads = q.numel() / (tokens * head_dim);
-        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(Error::invalid(format!("{heads} query heads cannot be grouped onto {kv_heads} kv heads")));
-        }
+        let checks::AttentionDims { tokens, heads, kv_heads, head_dim, .. } =
+            checks::attention(q, k_cache, v_cache, meta, out)?;
         if head_dim > MAX_HEAD_DIM {
             return Err(Error::Unsupported(format!(
                 "wgpu attention handles head_dim up to {MAX_HEAD_DIM}, not {head_dim}"
@@ -553,15 +505,8 @@ impl Ops for WgpuBackend {
         u32_of(k_cache.numel(), "kv cache size")?;
         let mut info = vec![0u32; 2 * tokens];
         let mut tables: Vec<u32> = Vec::new();
-        let mut next = 0;
         for s in meta.seqs {
             let blocks_needed = s.context_len.div_ceil(meta.block_size);
-            if s.query_start != next || s.query_len > s.context_len || s.block_table.len() < blocks_needed {
-                return Err(Error::invalid(format!("bad attention metadata for a sequence: {s:?}")));
-            }
-            if let Some(&b) = s.block_table[..blocks_needed].iter().find(|&&b| b as usize >= blocks) {
-                return Err(Error::invalid(format!("block {b} is outside the cache of {blocks} blocks")));
-            }
             let offset = u32_of(tables.len(), "block table offset")?;
             tables.extend_from_slice(&s.block_table[..blocks_needed]);
             let first_pos = s.context_len - s.query_len;
@@ -570,7 +515,6 @@ impl Ops for WgpuBackend {
                 info[2 * t] = offset;
                 info[2 * t + 1] = u32_of(first_pos + i, "position")?;
             }
-            next += s.query_len;
         }
         let window = match meta.sliding_window {
             Some(0) => return Err(Error::invalid("a sliding window of 0 positions")),
@@ -595,14 +539,7 @@ impl Ops for WgpuBackend {
     }
 
     fn gather_rows(&self, x: &Tensor, rows: &[u32], out: &mut Tensor) -> Result<()> {
-        let n_rows = x.shape().first().copied().unwrap_or(0);
-        let width = x.numel().checked_div(n_rows).unwrap_or(0);
-        if out.numel() != rows.len() * width {
-            return Err(Error::shape("gather_rows output", [rows.len(), width], out.shape()));
-        }
-        if let Some(&bad) = rows.iter().find(|&&r| r as usize >= n_rows) {
-            return Err(Error::invalid(format!("row {bad} is outside a tensor of {n_rows} rows")));
-        }
+        let width = checks::gather_rows(x, rows, out)?;
         f32_check(x, "gather_rows input")?;
         f32_check(out, "gather_rows output")?;
         if out.numel() == 0 {

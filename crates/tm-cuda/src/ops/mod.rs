@@ -10,6 +10,7 @@ mod meta;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use tm_core::checks::{self, rows_of, same_numel};
 use tm_core::ops::{AttentionMeta, SampleRequest};
 use tm_core::quant::{QuantWeight, Weight};
 use tm_core::rope::{RopeFreqs, RopeStyle};
@@ -66,21 +67,6 @@ pub struct CudaBackend {
 
 fn ptr(t: &Tensor) -> u64 {
     t.buffer().addr()
-}
-
-fn same_numel(op: &str, a: &Tensor, b: &Tensor) -> Result<()> {
-    if a.numel() != b.numel() {
-        return Err(Error::shape(op, a.shape(), b.shape()));
-    }
-    Ok(())
-}
-
-/// Rows of a `[rows, features]` activation, checking the feature count.
-fn rows_of(op: &str, t: &Tensor, features: usize) -> Result<usize> {
-    if features == 0 || !t.numel().is_multiple_of(features) {
-        return Err(Error::shape(op, format!("[_, {features}]"), t.shape()));
-    }
-    Ok(t.numel() / features)
 }
 
 fn as_bytes<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
@@ -280,13 +266,7 @@ impl Ops for CudaBackend {
     }
 
     fn embedding(&self, table: &Weight, ids: &[u32], out: &mut Tensor) -> Result<()> {
-        let (vocab, hidden) = table.dims();
-        if out.numel() != ids.len() * hidden {
-            return Err(Error::shape("embedding output", [ids.len(), hidden], out.shape()));
-        }
-        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-            return Err(Error::invalid(format!("token id {bad} is outside the vocabulary of {vocab}")));
-        }
+        let hidden = checks::embedding(table, ids, out)?;
         self.check(out, "embedding output")?;
         let mut st = self.state()?;
         let ids_dev = self.put(&mut st, Slot::Ids, as_bytes(ids))?;
@@ -410,19 +390,7 @@ impl Ops for CudaBackend {
         v_cache: &mut Tensor,
         slot_mapping: &[u32],
     ) -> Result<()> {
-        same_numel("write_kv", k, v)?;
-        let shape = k_cache.shape().to_vec();
-        if shape.len() != 4 || v_cache.shape() != shape.as_slice() {
-            return Err(Error::shape("kv cache", "[blocks, block_size, kv_heads, head_dim]", shape));
-        }
-        let width = shape[2] * shape[3];
-        let slots = shape[0] * shape[1];
-        if k.numel() != slot_mapping.len() * width {
-            return Err(Error::shape("write_kv", [slot_mapping.len(), width], k.shape()));
-        }
-        if let Some(&bad) = slot_mapping.iter().find(|&&s| s as usize >= slots) {
-            return Err(Error::invalid(format!("kv slot {bad} is outside the cache of {slots} slots")));
-        }
+        let width = checks::write_kv(k, v, k_cache, v_cache, slot_mapping)?;
         for (t, what) in [(k, "k"), (v, "v"), (&*k_cache, "k cache"), (&*v_cache, "v cache")] {
             self.check(t, what)?;
         }
@@ -439,24 +407,8 @@ impl Ops for CudaBackend {
         meta: &AttentionMeta<'_>,
         out: &mut Tensor,
     ) -> Result<()> {
-        same_numel("attention", q, out)?;
-        let shape = k_cache.shape();
-        if shape.len() != 4 || v_cache.shape() != shape || shape[1] != meta.block_size {
-            return Err(Error::shape(
-                "attention kv cache",
-                format!("[blocks, {}, kv_heads, head_dim]", meta.block_size),
-                shape,
-            ));
-        }
-        let (blocks, kv_heads, head_dim) = (shape[0], shape[2], shape[3]);
-        let tokens: usize = meta.seqs.iter().map(|s| s.query_len).sum();
-        if tokens == 0 || !q.numel().is_multiple_of(tokens * head_dim) {
-            return Err(Error::shape("attention q", format!("[{tokens}, heads * {head_dim}]"), q.shape()));
-        }
-        let heads = q.numel() / (tokens * head_dim);
-        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(Error::invalid(format!("{heads} query heads cannot be grouped onto {kv_heads} kv heads")));
-        }
+        let checks::AttentionDims { tokens, heads, kv_heads, head_dim, .. } =
+            checks::attention(q, k_cache, v_cache, meta, out)?;
         for (t, what) in [(q, "q"), (k_cache, "k cache"), (v_cache, "v cache"), (&*out, "attention output")] {
             self.check(t, what)?;
         }
@@ -466,24 +418,15 @@ impl Ops for CudaBackend {
         let mut host = std::mem::take(&mut st.attn_host);
         host.clear();
         host.resize(4 * ns, 0);
-        let (mut next, mut max_q, mut max_ctx) = (0usize, 0usize, 0usize);
+        let (mut max_q, mut max_ctx) = (0usize, 0usize);
         for (i, s) in meta.seqs.iter().enumerate() {
             let needed = s.context_len.div_ceil(meta.block_size);
-            if s.query_start != next || s.query_len > s.context_len || s.block_table.len() < needed {
-                st.attn_host = host;
-                return Err(Error::invalid(format!("bad attention metadata for a sequence: {s:?}")));
-            }
-            if let Some(&b) = s.block_table[..needed].iter().find(|&&b| b as usize >= blocks) {
-                st.attn_host = host;
-                return Err(Error::invalid(format!("block {b} is outside the cache of {blocks} blocks")));
-            }
             let bt_start = host.len() - 4 * ns;
             host[i] = s.query_start as u32;
             host[ns + i] = s.query_len as u32;
             host[2 * ns + i] = s.context_len as u32;
             host[3 * ns + i] = bt_start as u32;
             host.extend_from_slice(&s.block_table[..needed]);
-            next += s.query_len;
             max_q = max_q.max(s.query_len);
             max_ctx = max_ctx.max(s.context_len);
         }
@@ -528,14 +471,7 @@ impl Ops for CudaBackend {
     }
 
     fn gather_rows(&self, x: &Tensor, rows: &[u32], out: &mut Tensor) -> Result<()> {
-        let n_rows = x.shape().first().copied().unwrap_or(0);
-        let width = x.numel().checked_div(n_rows).unwrap_or(0);
-        if out.numel() != rows.len() * width {
-            return Err(Error::shape("gather_rows output", [rows.len(), width], out.shape()));
-        }
-        if let Some(&bad) = rows.iter().find(|&&r| r as usize >= n_rows) {
-            return Err(Error::invalid(format!("row {bad} is outside a tensor of {n_rows} rows")));
-        }
+        let width = checks::gather_rows(x, rows, out)?;
         self.check(x, "gather_rows input")?;
         self.check(out, "gather_rows output")?;
         let mut st = self.state()?;
