@@ -1,14 +1,13 @@
 //! `tm-cli bench`: drives the engine in-process with random prompts and reports throughput,
 //! time to first token and time per output token.
 
-use crate::common::{backend, load_model, EngineArgs, ModelArgs};
-use anyhow::{bail, Context, Result};
+use crate::common::{start_engine, EngineArgs, ModelArgs};
+use anyhow::{bail, Result};
 use clap::Args;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tm_core::sampling::{Rng, SamplingParams};
-use tm_core::Ops;
 use tm_model::engine::{Engine, EngineStats, Event, FinishReason, Request};
 
 /// Arguments of `bench`.
@@ -51,17 +50,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.num_prompts == 0 || args.input_len == 0 || args.output_len == 0 || args.concurrency == 0 {
         bail!("--num-prompts, --input-len, --output-len and --concurrency must be at least 1");
     }
-    args.model.single_rank_only("bench")?;
-    let ops: Arc<dyn Ops> = Arc::from(backend(&args.model)?);
     let bs = args.model.block_size;
     let seq_len = args.input_len + args.output_len;
-    let num_blocks = args.engine.plan_blocks(&args.model, ops.as_ref(), |_| {
+    let started = start_engine(&args.model, &args.engine, args.num_prompts, |_, _| {
         args.concurrency.min(args.num_prompts) * seq_len.div_ceil(bs.max(1))
     })?;
-    let m = Arc::new(load_model(&args.model, ops.as_ref())?);
-    let cfg = &m.model.config;
-    let config = args.engine.config(&args.model, num_blocks, args.num_prompts);
-    let engine = Engine::start(Arc::clone(&m), Arc::clone(&ops), config).context("starting the engine")?;
+    let (engine, num_blocks, cfg) = (started.engine, started.num_blocks, &started.config);
     if seq_len > engine.max_model_len() {
         bail!(
             "--input-len + --output-len = {seq_len} tokens but requests may hold at most {}: the least of --max-len \
@@ -99,8 +93,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let wall = start.elapsed();
     let stats = engine.stats();
     let timings = timings.into_inner().map_err(|_| anyhow::anyhow!("a bench thread panicked"))?;
+    let failure = engine.failure();
     engine.shutdown(Duration::from_secs(5))?;
-    let report = Report::new(&args, &m.name, ops.device().name(), num_blocks, wall, &timings, &stats);
+    if let Some(why) = failure {
+        bail!("the benchmark failed: {why}");
+    }
+    let device =
+        if args.model.tp > 1 { format!("{} (--tp {})", started.device, args.model.tp) } else { started.device };
+    let report = Report::new(&args, &started.name, device, num_blocks, wall, &timings, &stats);
     if args.json {
         println!("{}", report.json());
     } else {

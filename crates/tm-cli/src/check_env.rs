@@ -1,7 +1,9 @@
 //! `tm-cli check-env`: what this machine offers tm — CPU threads, host memory, CUDA driver and
 //! devices (compute capability, memory, integrated or discrete), the GPU peer-access matrix, the
 //! kernel arches embedded in this build, the NVIDIA libraries found (driver, cuBLASLt, NVRTC, NCCL)
-//! and which backend `--backend auto` picks — or why CUDA is not available.
+//! and which backend `--backend auto` picks — or why CUDA is not available. With two GPUs or
+//! more: the transport NCCL is expected to use and the result of an all-reduce self-test over
+//! every GPU (with a deadline: it reports a hang instead of hanging).
 
 use anyhow::Result;
 use clap::Args;
@@ -19,6 +21,10 @@ pub struct CheckEnvArgs {
     /// Print the report as JSON instead of text.
     #[arg(long)]
     json: bool,
+    /// Seconds the NCCL self-test (two GPUs or more) may take before it is reported as hung
+    /// (0 skips it).
+    #[arg(long, default_value_t = 20.0)]
+    self_test_timeout: f64,
 }
 
 /// Everything `check-env` reports, gathered once.
@@ -77,14 +83,43 @@ struct Cuda {
     driver_version: Option<(u32, u32)>,
     devices: Vec<CudaDeviceInfo>,
     peer_access: Result<Vec<Vec<bool>>, ProbeError>,
+    /// With two GPUs or more: the transport NCCL is expected to pick.
+    transport: Option<Result<String, String>>,
+    /// With two GPUs or more: the NCCL all-reduce self-test over every GPU.
+    self_test: Option<Result<String, String>>,
 }
 
-fn gather() -> Report {
+/// The NCCL self-test over GPUs `0..n`: initialisation and an all-reduce (plus a 64 MiB one for
+/// the bandwidth), each with `timeout`.
+fn nccl_self_test(n: usize, timeout: std::time::Duration) -> Result<String, String> {
+    let api = tm_cuda::nccl::Api::get().map_err(|e| e.to_string())?;
+    let gpus =
+        (0..n).map(tm_cuda::runtime::Gpu::open).collect::<tm_core::Result<Vec<_>>>().map_err(|e| e.to_string())?;
+    let comms = tm_cuda::nccl::NcclComm::group(&gpus, timeout).map_err(|e| e.to_string())?;
+    let t = tm_cuda::nccl::self_test(&comms, timeout, 64 << 20).map_err(|e| e.to_string())?;
+    Ok(format!("NCCL {} ({}): {}", api.version(), api.path(), t.summary()))
+}
+
+fn gather(self_test_timeout: Option<std::time::Duration>) -> Report {
     let mem = host_memory();
-    let cuda = tm_cuda::probe().map(|devices| Cuda {
-        driver_version: tm_cuda::driver_version().ok(),
-        peer_access: tm_cuda::peer_access_matrix(devices.len()),
-        devices,
+    let cuda = tm_cuda::probe().map(|devices| {
+        let n = devices.len();
+        let ordinals: Vec<usize> = (0..n).collect();
+        let multi = n >= 2;
+        Cuda {
+            driver_version: tm_cuda::driver_version().ok(),
+            peer_access: tm_cuda::peer_access_matrix(n),
+            transport: multi.then(|| {
+                tm_cuda::nccl::peer_links(&ordinals)
+                    .map(|l| tm_cuda::nccl::expected_transport(&l))
+                    .map_err(|e| e.to_string())
+            }),
+            self_test: match self_test_timeout {
+                Some(t) if multi => Some(nccl_self_test(n, t)),
+                _ => None,
+            },
+            devices,
+        }
     });
     Report {
         cpu_model: cpu_model(),
@@ -168,7 +203,9 @@ fn cpu_model() -> Option<String> {
 
 /// Runs `check-env`: prints the report; never fails for lack of a GPU.
 pub fn run(args: CheckEnvArgs) -> Result<()> {
-    let r = gather();
+    let timeout = std::time::Duration::try_from_secs_f64(args.self_test_timeout)
+        .map_err(|_| anyhow::anyhow!("--self-test-timeout must be a number of seconds"))?;
+    let r = gather((!timeout.is_zero()).then_some(timeout));
     let text = if args.json { serde_json::to_string_pretty(&to_json(&r))? + "\n" } else { to_text(&r) };
     // A closed pipe (`check-env | head`) is not an error.
     match std::io::stdout().lock().write_all(text.as_bytes()) {
@@ -199,6 +236,16 @@ fn to_text(r: &Report) -> String {
                     human(d.total_memory),
                     human(d.free_memory)
                 );
+            }
+            match &c.transport {
+                Some(Ok(t)) => s += &format!("NCCL transport (expected): {t}\n"),
+                Some(Err(e)) => s += &format!("NCCL transport: unknown ({e})\n"),
+                None => {}
+            }
+            match &c.self_test {
+                Some(Ok(t)) => s += &format!("NCCL self-test: {t}\n"),
+                Some(Err(e)) => s += &format!("NCCL self-test: FAILED: {e}\n"),
+                None => {}
             }
             match &c.peer_access {
                 Err(e) => s += &format!("peer access: unknown ({e})\n"),
@@ -268,6 +315,16 @@ fn to_json(r: &Report) -> Value {
             "peer_access": match &c.peer_access {
                 Ok(m) => json!(m),
                 Err(e) => json!({ "error": e.to_string() }),
+            },
+            "nccl_transport": match &c.transport {
+                Some(Ok(t)) => json!(t),
+                Some(Err(e)) => json!({ "error": e }),
+                None => Value::Null,
+            },
+            "nccl_self_test": match &c.self_test {
+                Some(Ok(t)) => json!({ "passed": true, "result": t }),
+                Some(Err(e)) => json!({ "passed": false, "error": e }),
+                None => Value::Null,
             },
         }),
     };
@@ -361,7 +418,7 @@ mod tests {
 
     #[test]
     fn gather_never_panics() {
-        let r = gather();
+        let r = gather(None);
         let t = to_text(&r);
         assert!(t.contains("--backend auto: "), "{t}");
         assert_eq!(r.libraries.len(), 4);
@@ -384,12 +441,16 @@ mod tests {
             driver_version: Some((13, 0)),
             devices: vec![dev(0), dev(1)],
             peer_access: Ok(vec![vec![true, false], vec![false, true]]),
+            transport: Some(Ok("SHM, through host memory (not every pair of GPUs has peer access)".into())),
+            self_test: Some(Err("rank 1 timed out".into())),
         };
         let r = report(Ok(cuda));
         let t = to_text(&r);
         assert!(t.contains("CUDA: 2 device(s), driver CUDA 13.0"), "{t}");
         assert!(t.contains("GPU 1: NVIDIA H200, compute capability 9.0, 132 SMs"), "{t}");
         assert!(t.contains("  GPU0  yes   no"), "{t}");
+        assert!(t.contains("NCCL transport (expected): SHM, through host memory"), "{t}");
+        assert!(t.contains("NCCL self-test: FAILED: rank 1 timed out"), "{t}");
         let j = to_json(&r);
         assert_eq!(j["cuda"]["devices"][1]["compute_capability"], "9.0");
         assert_eq!(j["cuda"]["peer_access"][0][1], false);

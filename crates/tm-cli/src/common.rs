@@ -5,19 +5,21 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 use tm_core::sampling::SamplingParams;
-use tm_core::Ops;
-use tm_core::{Comm, LocalComm};
+use tm_core::{Comm, DType, LocalComm, Ops};
 use tm_cpu::CpuBackend;
 use tm_model::chat_template::ChatTemplate;
 use tm_model::config::ModelConfig;
-use tm_model::engine::EngineConfig;
+use tm_model::engine::{Engine, EngineConfig, TpModelInfo};
 use tm_model::generate::Session;
 use tm_model::kv_cache::KvCache;
+use tm_model::llama::{ShardLayout, ShardSpec};
 use tm_model::loader::{load, load_tp, Checkpoint, LoadedModel, LoadedTp};
 use tm_model::plan::{human, plan, PlanRequest, PlanTarget};
 use tm_model::tokenizer::Tokenizer;
-use tm_model::tp::{cpu_backend_factory, TpOptions};
+use tm_model::tp::{cpu_backend_factory, BackendFactory, TpOptions};
 
 /// Which backend runs the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -70,14 +72,55 @@ pub struct ModelArgs {
     /// Tokens per KV-cache block.
     #[arg(long, default_value_t = 64)]
     pub block_size: usize,
-    /// Tensor-parallel ranks: the model is split over this many ranks (CPU backend: one thread
-    /// per rank; `generate`, `chat` and `plan`).
+    /// Tensor-parallel ranks: the model is split over this many ranks, one thread each (CUDA:
+    /// GPUs --device .. --device+N-1, exchanging activations through NCCL; CPU: in memory).
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
     /// Seconds any collective between tensor-parallel ranks may wait before the run fails with an
     /// error naming the rank and step that stalled.
     #[arg(long, default_value_t = 60.0)]
     pub comm_timeout: f64,
+    /// CUDA memory variant: unified (GPU shares the host's DRAM, as on Jetson: budget from the
+    /// system, weights read in place), discrete, or auto (unified on integrated GPUs;
+    /// TM_CUDA_MEMORY_MODEL overrides auto).
+    #[arg(long, value_enum, default_value_t = MemoryModelChoice::Auto)]
+    pub memory_model: MemoryModelChoice,
+    /// Host memory left to the OS and other processes with unified memory (and on integrated
+    /// device profiles): bytes, or with a unit (1.5GiB, 512M).
+    #[arg(long, default_value = "1.5GiB", value_parser = crate::plan::parse_bytes_or_zero)]
+    pub host_reserve: u64,
+}
+
+/// `--memory-model`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MemoryModelChoice {
+    /// Unified on integrated GPUs, discrete otherwise (TM_CUDA_MEMORY_MODEL overrides).
+    Auto,
+    /// The GPU shares the host's memory.
+    Unified,
+    /// The GPU has its own memory.
+    Discrete,
+}
+
+/// The CUDA backend options the flags ask for.
+pub fn cuda_options(args: &ModelArgs) -> tm_cuda::CudaOptions {
+    let dtype = match args.dtype {
+        DTypeChoice::Auto | DTypeChoice::Bf16 => tm_core::DType::BF16,
+        DTypeChoice::F16 => tm_core::DType::F16,
+        DTypeChoice::F32 => tm_core::DType::F32,
+    };
+    let model = match args.memory_model {
+        MemoryModelChoice::Auto => tm_cuda::MemoryModel::Auto,
+        MemoryModelChoice::Unified => tm_cuda::MemoryModel::Unified,
+        MemoryModelChoice::Discrete => tm_cuda::MemoryModel::Discrete,
+    };
+    tm_cuda::CudaOptions {
+        ordinal: args.device,
+        dtype,
+        memory_cap: None,
+        cuda_graphs: args.cuda_graphs,
+        memory_model: tm_cuda::MemoryConfig { model, host_reserve: args.host_reserve },
+    }
 }
 
 impl ModelArgs {
@@ -89,13 +132,21 @@ impl ModelArgs {
         }
     }
 
-    /// Fails for `--tp` above 1 in commands that run the serving engine, which has no
-    /// tensor-parallel path yet.
+    /// Fails for `--tp` above 1 in commands that run one rank only.
     pub fn single_rank_only(&self, command: &str) -> Result<()> {
         if self.tp > 1 {
-            bail!("`{command}` does not support --tp yet (the serving engine runs one rank); use generate or chat");
+            bail!("`{command}` runs one rank; --tp {} is for generate, chat, bench, serve and plan", self.tp);
         }
         Ok(())
+    }
+
+    /// The compute dtype the flags ask for on GPUs.
+    pub fn gpu_dtype(&self) -> DType {
+        match self.dtype {
+            DTypeChoice::Auto | DTypeChoice::Bf16 => DType::BF16,
+            DTypeChoice::F16 => DType::F16,
+            DTypeChoice::F32 => DType::F32,
+        }
     }
 }
 
@@ -146,24 +197,39 @@ impl EngineArgs {
         ops: &dyn Ops,
         default_blocks: impl FnOnce(&ModelConfig) -> usize,
     ) -> Result<usize> {
+        self.plan_blocks_for(model, &PlanTarget::for_backend(ops)?, 1, default_blocks)
+    }
+
+    /// [`EngineArgs::plan_blocks`] for `target` (one rank's device) and `tp` ranks: the KV blocks
+    /// every rank allocates (each holding its KV heads of every block).
+    pub fn plan_blocks_for(
+        &self,
+        model: &ModelArgs,
+        target: &PlanTarget,
+        tp: usize,
+        default_blocks: impl FnOnce(&ModelConfig) -> usize,
+    ) -> Result<usize> {
         let path = resolve_model(model)?;
         let ckpt = Checkpoint::open(&path).with_context(|| format!("opening {}", path.display()))?;
         let cfg = &ckpt.config;
-        let dtype = ops.activation_dtype();
+        let dtype = target.activation_dtype;
         let blocks = self.num_blocks(model, cfg, dtype, || default_blocks(cfg));
-        let per_block = KvCache::bytes_per_block(cfg, dtype, model.block_size.max(1));
+        let layout = ShardLayout::new(cfg, ShardSpec { rank: 0, world: tp.max(1) })?;
+        let per_block = KvCache::bytes_per_block_shard(cfg, &layout, dtype, model.block_size.max(1));
         let request = PlanRequest {
             max_len: model.max_len,
             max_batch_size: self.max_batch_size.min(self.max_batched_tokens),
             max_batched_tokens: self.max_batched_tokens,
             block_size: model.block_size,
             memory_fraction: 0.9,
+            // One rank's bytes of every block (its KV heads).
             kv_cache_bytes: Some(blocks as u64 * per_block),
-            tp: 1,
+            tp,
         };
-        let plan = plan(&ckpt, &PlanTarget::for_backend(ops)?, &request)?;
+        let plan = plan(&ckpt, target, &request)?;
         tracing::info!(
-            "memory plan: weights {}, workspace {}, KV cache {} blocks ({}) of a {} budget",
+            "memory plan{}: weights {}, workspace {}, KV cache {} blocks ({}) of a {} budget",
+            if tp > 1 { format!(" per rank of {tp}") } else { String::new() },
             human(plan.weights_total),
             human(plan.workspace),
             plan.num_blocks,
@@ -248,15 +314,10 @@ pub fn resolve_model(args: &ModelArgs) -> Result<PathBuf> {
 /// The backend the flags ask for. `auto` takes the GPU when one is usable and says why not
 /// otherwise; an explicit `cuda` that cannot start is an error.
 pub fn backend(args: &ModelArgs) -> Result<Box<dyn Ops>> {
-    let dtype = match args.dtype {
-        DTypeChoice::Auto | DTypeChoice::Bf16 => tm_core::DType::BF16,
-        DTypeChoice::F16 => tm_core::DType::F16,
-        DTypeChoice::F32 => tm_core::DType::F32,
-    };
+    let dtype = args.gpu_dtype();
     let open_cuda = || -> Result<Box<dyn Ops>> {
         tm_cuda::probe().map_err(|e| anyhow::anyhow!("no usable CUDA GPU: {e}"))?;
-        let opts =
-            tm_cuda::CudaOptions { ordinal: args.device, dtype, memory_cap: None, cuda_graphs: args.cuda_graphs };
+        let opts = cuda_options(args);
         let b = tm_cuda::CudaBackend::open(opts).context("opening the CUDA backend")?;
         tracing::info!("backend: cuda device {} ({}), {dtype}", args.device, b.gpu().info().name);
         Ok(Box::new(b))
@@ -264,8 +325,10 @@ pub fn backend(args: &ModelArgs) -> Result<Box<dyn Ops>> {
     let open_wgpu = |allow_cpu: bool| -> Result<Box<dyn Ops>> {
         let mut opts = tm_wgpu::WgpuOptions::from_env();
         opts.allow_cpu_adapter &= allow_cpu;
+        opts.f16_weights |= dtype != tm_core::DType::F32;
+        let f16 = opts.f16_weights;
         let b = tm_wgpu::WgpuBackend::open(opts).context("opening the wgpu backend")?;
-        tracing::info!("backend: wgpu ({})", b.device().name());
+        tracing::info!("backend: wgpu ({}), {} weights", b.device().name(), if f16 { "f16" } else { "f32" });
         Ok(Box::new(b))
     };
     match args.backend {
@@ -338,8 +401,168 @@ impl Runnable {
     }
 }
 
-/// Loads the model for `generate` and `chat`: on the chosen backend, or with `--tp N` on N CPU
-/// ranks (threads exchanging activations in memory, every exchange with `--comm-timeout`).
+/// The ranks of a tensor-parallel group before the model is loaded: one communicator and one
+/// backend factory per rank, and the device every rank's memory plan is made for.
+pub struct Ranks {
+    /// `comms[r]` is rank `r`'s communicator.
+    pub comms: Vec<Box<dyn Comm>>,
+    /// Makes rank `r`'s backend on its thread.
+    pub factory: BackendFactory,
+    /// The smallest rank's device (every rank gets the same plan).
+    pub target: PlanTarget,
+    /// What the ranks run on, for logs and reports.
+    pub device: String,
+    /// Whether the ranks are GPUs (workspaces are then sized at start: nothing is allocated
+    /// while collectives are in flight).
+    pub gpu: bool,
+}
+
+/// `TM_TP_STALL=RANK:N`, a test hook: rank RANK stops answering at its N-th collective after
+/// start-up (the start-up self-test's all-reduce is collective 0), as a hung rank would. The
+/// other ranks then fail with the deadline error of `--comm-timeout`.
+fn stall_hook(world: usize) -> Result<Option<(usize, u64)>> {
+    let Ok(v) = std::env::var("TM_TP_STALL") else { return Ok(None) };
+    let parsed = v.split_once(':').and_then(|(r, n)| Some((r.trim().parse().ok()?, n.trim().parse().ok()?)));
+    match parsed {
+        Some((r, n)) if r < world => {
+            tracing::warn!("TM_TP_STALL: rank {r} will stall at its collective #{n} (test hook)");
+            Ok(Some((r, n)))
+        }
+        _ => bail!("TM_TP_STALL must be RANK:N with RANK below --tp {world}, got `{v}`"),
+    }
+}
+
+/// Sets up `args.tp` ranks: CPU ranks exchanging activations in memory, or one GPU each
+/// (devices `--device` .. `--device + tp - 1`) with NCCL. For GPUs this checks the peer links,
+/// logs the transport NCCL is expected to use, creates the communicators and runs an all-reduce
+/// self-test, each with a deadline (the smaller of `--comm-timeout` and 20 s for start-up), and
+/// fails with what was tried and what to try rather than hang.
+pub fn tp_ranks(args: &ModelArgs) -> Result<Ranks> {
+    let world = args.tp;
+    if world < 2 {
+        bail!("tensor parallelism needs --tp 2 or more");
+    }
+    let stall = stall_hook(world)?;
+    let use_cuda = match args.backend {
+        BackendChoice::Cuda => true,
+        BackendChoice::Cpu => false,
+        BackendChoice::Wgpu => {
+            bail!("--tp {world} runs on CUDA GPUs or CPU ranks, not on wgpu; use --backend cuda or cpu")
+        }
+        BackendChoice::Auto => match tm_cuda::probe() {
+            Ok(d) if d.len() >= args.device + world => true,
+            Ok(d) => {
+                tracing::info!(
+                    "--tp {world}: {} CUDA GPU(s) from --device {} is not enough; running {world} CPU ranks",
+                    d.len().saturating_sub(args.device),
+                    args.device
+                );
+                false
+            }
+            Err(e) => {
+                tracing::info!("--tp {world}: no CUDA ({e}); running {world} CPU ranks");
+                false
+            }
+        },
+    };
+    if !use_cuda {
+        let comms = LocalComm::group(world)
+            .into_iter()
+            .map(|c| match stall {
+                Some((r, n)) if c.rank() == r => Box::new(c.stall_after(n)) as Box<dyn Comm>,
+                _ => Box::new(c) as Box<dyn Comm>,
+            })
+            .collect();
+        let target = PlanTarget::for_backend(&CpuBackend::new())?;
+        return Ok(Ranks {
+            comms,
+            factory: cpu_backend_factory(),
+            target,
+            device: format!("{world} CPU ranks"),
+            gpu: false,
+        });
+    }
+    cuda_ranks(args, stall)
+}
+
+fn cuda_ranks(args: &ModelArgs, stall: Option<(usize, u64)>) -> Result<Ranks> {
+    use tm_cuda::nccl;
+    let world = args.tp;
+    let devices =
+        tm_cuda::probe().map_err(|e| anyhow::anyhow!("--tp {world} --backend cuda: no usable CUDA GPU: {e}"))?;
+    let ordinals: Vec<usize> = (args.device..args.device + world).collect();
+    if ordinals.iter().any(|&o| o >= devices.len()) {
+        bail!(
+            "--tp {world} from --device {} needs GPUs {:?}, but this machine shows {} (CUDA_VISIBLE_DEVICES picks \
+             them); use fewer ranks",
+            args.device,
+            ordinals,
+            devices.len()
+        );
+    }
+    let timeout = args.comm_timeout()?;
+    let startup = timeout.min(Duration::from_secs(20));
+    let links = nccl::peer_links(&ordinals).context("reading the peer links between the GPUs")?;
+    let mut matrix = String::new();
+    for (i, row) in links.iter().enumerate() {
+        let cells: Vec<String> = row
+            .iter()
+            .map(|l| match l {
+                None => "-".into(),
+                Some(l) if !l.access => "no".into(),
+                Some(l) if l.native_atomics => "nvlink".into(),
+                Some(_) => "pcie".into(),
+            })
+            .collect();
+        matrix += &format!(" GPU{}[{}]", ordinals[i], cells.join(" "));
+    }
+    tracing::info!("peer access:{matrix}");
+    let transport = nccl::expected_transport(&links);
+    tracing::info!("NCCL transport (expected): {transport}");
+    if args.cuda_graphs {
+        tracing::warn!("--cuda-graphs is off under --tp (collectives are not captured into graphs)");
+    }
+    let gpus = ordinals
+        .iter()
+        .map(|&o| tm_cuda::runtime::Gpu::open(o).with_context(|| format!("opening GPU {o}")))
+        .collect::<Result<Vec<_>>>()?;
+    let comms = nccl::NcclComm::group(&gpus, startup)
+        .with_context(|| format!("starting NCCL on GPUs {ordinals:?} (transport expected: {transport})"))?;
+    let test = nccl::self_test(&comms, startup, 32 << 20)
+        .with_context(|| format!("the NCCL self-test on GPUs {ordinals:?} (transport expected: {transport})"))?;
+    tracing::info!("NCCL self-test: {}", test.summary());
+    let comms: Vec<Box<dyn Comm>> = comms
+        .into_iter()
+        .map(|c| match stall {
+            Some((r, n)) if c.rank() == r => {
+                let at = c.collectives_started() + n;
+                Box::new(c.stall_after(at)) as Box<dyn Comm>
+            }
+            _ => Box::new(c) as Box<dyn Comm>,
+        })
+        .collect();
+    let opts = tm_cuda::CudaOptions { cuda_graphs: false, ..cuda_options(args) };
+    // The plan's target: rank 0's backend, with the smallest GPU's usable memory.
+    let target = {
+        let b =
+            tm_cuda::CudaBackend::open_on(Arc::clone(&gpus[0]), opts.clone()).context("opening the CUDA backend")?;
+        let mut t = PlanTarget::for_backend(&b)?;
+        for &o in &ordinals[1..] {
+            let usable = tm_core::Device::memory_info(&tm_cuda::CudaDevice::new(o)?)?.usable;
+            t.memory.usable = t.memory.usable.min(usable);
+        }
+        t
+    };
+    let names: Vec<String> = gpus.iter().map(|g| format!("{} {}", g.info().ordinal, g.info().name)).collect();
+    let factory: BackendFactory = Arc::new(move |r| {
+        let gpu = gpus.get(r).cloned().ok_or_else(|| tm_core::Error::invalid(format!("no GPU for rank {r}")))?;
+        Ok(Box::new(tm_cuda::CudaBackend::open_on(gpu, opts.clone())?) as Box<dyn Ops>)
+    });
+    Ok(Ranks { comms, factory, target, device: format!("GPUs {} ({transport})", names.join(", ")), gpu: true })
+}
+
+/// Loads the model for `generate` and `chat`: on the chosen backend, or with `--tp N` on N ranks
+/// ([`tp_ranks`]), every exchange between them with `--comm-timeout`.
 pub fn load_runnable(args: &ModelArgs) -> Result<Runnable> {
     if args.tp == 0 {
         bail!("--tp must be at least 1");
@@ -350,38 +573,98 @@ pub fn load_runnable(args: &ModelArgs) -> Result<Runnable> {
         let model = load_model(args, ops.as_ref())?;
         return Ok(Runnable::Single { ops, model: Box::new(model) });
     }
-    match args.backend {
-        BackendChoice::Cuda | BackendChoice::Wgpu => bail!(
-            "--tp {} runs on the CPU backend for now (tensor parallelism over GPUs is not available yet); use \
-             --backend cpu or --tp 1",
-            args.tp
-        ),
-        BackendChoice::Auto => tracing::info!("--tp {}: running {} CPU ranks", args.tp, args.tp),
-        BackendChoice::Cpu => {}
-    }
     if args.block_size == 0 || args.max_len == 0 {
         bail!("--block-size and --max-len must be positive");
     }
     let path = resolve_model(args)?;
+    let ranks = tp_ranks(args)?;
     let opts = TpOptions {
         comm_timeout: timeout,
         num_blocks: args.max_len.div_ceil(args.block_size),
         block_size: args.block_size,
-        max_tokens: 1,
+        // GPUs: the workspace for a whole prompt up front (no allocation between collectives).
+        max_tokens: if ranks.gpu { args.max_len.min(8192) } else { 1 },
         max_logit_rows: 1,
     };
-    let comms = LocalComm::group(args.tp).into_iter().map(|c| Box::new(c) as Box<dyn Comm>).collect();
-    let loaded = load_tp(&path, comms, cpu_backend_factory(), opts)
+    let loaded = load_tp(&path, ranks.comms, ranks.factory, opts)
         .with_context(|| format!("loading {} on {} tensor-parallel ranks", path.display(), args.tp))?;
     let bytes: Vec<String> = loaded.group.weight_bytes().iter().map(|&b| human(b)).collect();
     tracing::info!(
-        "loaded {} on {} CPU ranks ({:?}, weights per rank: {})",
+        "loaded {} on {} ({:?}, weights per rank: {})",
         loaded.name,
-        args.tp,
+        ranks.device,
         loaded.group.config().arch,
         bytes.join(", ")
     );
     Ok(Runnable::Tp(Box::new(loaded)))
+}
+
+/// The serving engine of `bench` and `serve`, with what they report.
+pub struct StartedEngine {
+    /// The engine.
+    pub engine: Engine,
+    /// The model's name.
+    pub name: String,
+    /// The model's hyper-parameters.
+    pub config: ModelConfig,
+    /// What it runs on.
+    pub device: String,
+    /// KV blocks (per rank, under tensor parallelism).
+    pub num_blocks: usize,
+}
+
+/// Plans memory, loads the model and starts the engine: on one backend, or with `--tp N` over N
+/// ranks ([`tp_ranks`]; every rank's KV cache and workspace allocated at start from the plan of
+/// the smallest device). `default_blocks(config, dtype)` is the KV-cache size when no flag sets it.
+pub fn start_engine(
+    model: &ModelArgs,
+    engine: &EngineArgs,
+    max_queue: usize,
+    default_blocks: impl FnOnce(&ModelConfig, DType) -> usize,
+) -> Result<StartedEngine> {
+    if model.tp <= 1 {
+        let ops: Arc<dyn Ops> = Arc::from(backend(model)?);
+        let dtype = ops.activation_dtype();
+        let num_blocks = engine.plan_blocks(model, ops.as_ref(), |cfg| default_blocks(cfg, dtype))?;
+        let m = Arc::new(load_model(model, ops.as_ref())?);
+        let config = engine.config(model, num_blocks, max_queue);
+        let started = Engine::start(Arc::clone(&m), Arc::clone(&ops), config).context("starting the engine")?;
+        return Ok(StartedEngine {
+            engine: started,
+            name: m.name.clone(),
+            config: m.model.config.clone(),
+            device: ops.device().name(),
+            num_blocks,
+        });
+    }
+    if model.block_size == 0 || model.max_len == 0 {
+        bail!("--block-size and --max-len must be positive");
+    }
+    let path = resolve_model(model)?;
+    let ranks = tp_ranks(model)?;
+    let dtype = ranks.target.activation_dtype;
+    let num_blocks = engine.plan_blocks_for(model, &ranks.target, model.tp, |cfg| default_blocks(cfg, dtype))?;
+    let opts = TpOptions {
+        comm_timeout: model.comm_timeout()?,
+        num_blocks,
+        block_size: model.block_size,
+        max_tokens: engine.max_batched_tokens,
+        max_logit_rows: engine.max_batch_size.min(engine.max_batched_tokens),
+    };
+    let loaded = load_tp(&path, ranks.comms, ranks.factory, opts)
+        .with_context(|| format!("loading {} on {} tensor-parallel ranks", path.display(), model.tp))?;
+    let LoadedTp { path, name, group, tokenizer, template } = loaded;
+    let config = group.config().clone();
+    tracing::info!(
+        "loaded {name} on {} ({:?}, weights per rank: {})",
+        ranks.device,
+        config.arch,
+        group.weight_bytes().iter().map(|&b| human(b)).collect::<Vec<_>>().join(", ")
+    );
+    let info = Arc::new(TpModelInfo { path, name: name.clone(), tokenizer, template, config: config.clone() });
+    let cfg = engine.config(model, num_blocks, max_queue);
+    let started = Engine::start_tp(info, group, cfg).context("starting the engine")?;
+    Ok(StartedEngine { engine: started, name, config, device: ranks.device, num_blocks })
 }
 
 /// Loads the model with a progress bar on stderr.

@@ -7,7 +7,9 @@ mod chat;
 mod check_env;
 mod common;
 mod generate;
+mod measure;
 mod plan;
+mod quantize;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -37,6 +39,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Show the machine: CPU, memory, CUDA devices and peer access.
     CheckEnv(check_env::CheckEnvArgs),
+    /// Quantize a Hugging Face model to int4 with AWQ (writes an AutoAWQ GEMM checkpoint).
+    Quantize(quantize::QuantizeArgs),
 }
 
 fn main() {
@@ -55,6 +59,7 @@ fn main() {
         Command::Bench(a) => bench::run(a),
         Command::Serve(a) => serve::run(a),
         Command::CheckEnv(a) => check_env::run(a),
+        Command::Quantize(a) => quantize::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", describe(&e));

@@ -1,11 +1,13 @@
 //! `tm-cli plan`: the memory plan (weights, workspace, KV blocks) for a model on this machine's
-//! backend or on a device profile, printed without loading any weights.
+//! backend or on a device profile, printed without loading any weights; with `--measure`, the
+//! model is then loaded and served on this machine and the memory really used is printed next
+//! to the plan (`measure.rs`).
 
 use crate::common::{backend, resolve_model, ModelArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use tm_model::loader::Checkpoint;
-use tm_model::plan::{estimate, DeviceProfile, PlanRequest, PlanTarget, DEFAULT_HOST_RESERVE, DEVICE_PROFILES};
+use tm_model::plan::{estimate, DeviceProfile, PlanRequest, PlanTarget, DEVICE_PROFILES};
 
 /// The serving flags that size memory (shared by the commands that plan memory).
 #[derive(Args, Debug, Clone)]
@@ -52,6 +54,16 @@ pub struct PlanArgs {
     /// Print the plan as JSON instead of a table.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    measure: crate::measure::MeasureArgs,
+}
+
+/// [`parse_bytes`], also accepting zero (`--host-reserve 0`).
+pub fn parse_bytes_or_zero(s: &str) -> std::result::Result<u64, String> {
+    if s.trim().trim_end_matches(|c: char| c.is_ascii_alphabetic()).trim().parse::<f64>() == Ok(0.0) {
+        return Ok(0);
+    }
+    parse_bytes(s)
 }
 
 /// Parses a byte count: digits with an optional unit (B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB;
@@ -80,18 +92,38 @@ pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// With `--tp N` on CUDA, the plan is for the GPU with the least usable memory among the N the
+/// ranks would use (`--device` ..); `target` is the first one's.
+fn smallest_rank(mut target: PlanTarget, model: &ModelArgs) -> Result<PlanTarget> {
+    if model.tp > 1 && target.kind == tm_core::DeviceKind::Cuda {
+        for o in model.device + 1..model.device + model.tp {
+            let dev = tm_cuda::CudaDevice::new(o)
+                .with_context(|| format!("--tp {} needs GPU {o} (from --device {})", model.tp, model.device))?;
+            let usable = tm_core::Device::memory_info(&dev)?.usable;
+            target.memory.usable = target.memory.usable.min(usable);
+        }
+    }
+    Ok(target)
+}
+
 /// Runs `plan`.
 pub fn run(args: PlanArgs) -> Result<()> {
     let path = resolve_model(&args.model)?;
     let ckpt = Checkpoint::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    let request = args.memory.request(&args.model);
+    if args.measure.measure {
+        if args.device_profile.is_some() {
+            bail!("--measure loads the model on this machine's device; drop --device-profile");
+        }
+        return crate::measure::run(&args.model, &args.measure, ckpt, &request, args.json);
+    }
     let target = match &args.device_profile {
         Some(name) => match DeviceProfile::find(name) {
-            Some(p) => p.target(DEFAULT_HOST_RESERVE),
+            Some(p) => p.target(args.model.host_reserve),
             None => bail!("unknown --device-profile `{name}`; known: {}", DeviceProfile::names()),
         },
-        None => PlanTarget::for_backend(backend(&args.model)?.as_ref())?,
+        None => smallest_rank(PlanTarget::for_backend(backend(&args.model)?.as_ref())?, &args.model)?,
     };
-    let request = args.memory.request(&args.model);
     let plan = estimate(&ckpt, &target, &request).with_context(|| format!("planning {}", path.display()))?;
     if args.json {
         println!("{}", plan.to_json()?);
@@ -104,7 +136,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_bytes;
+    use super::{parse_bytes, parse_bytes_or_zero};
 
     #[test]
     fn byte_counts_with_units() {
@@ -116,5 +148,9 @@ mod tests {
         for bad in ["", "abc", "-1", "0", "4 parsecs", "1e99"] {
             assert!(parse_bytes(bad).is_err(), "{bad}");
         }
+        assert_eq!(parse_bytes_or_zero("0"), Ok(0));
+        assert_eq!(parse_bytes_or_zero("0GiB"), Ok(0));
+        assert_eq!(parse_bytes_or_zero("1.5GiB"), Ok(3 << 29));
+        assert!(parse_bytes_or_zero("-1").is_err());
     }
 }

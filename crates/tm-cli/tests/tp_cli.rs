@@ -1,5 +1,6 @@
-//! `--tp N` in `tm-cli generate` and `chat` (CPU ranks): the same greedy text as one rank, and
-//! clear errors where tensor parallelism cannot run.
+//! `--tp N` in `tm-cli generate`, `chat` and `bench` (CPU ranks): the same greedy text as one
+//! rank, clear errors where tensor parallelism cannot run, and a stalled rank (the `TM_TP_STALL`
+//! test hook) makes the command fail with the deadline error and exit, instead of hanging.
 
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -57,8 +58,8 @@ fn impossible_tp_settings_are_clear_errors() {
         (&["generate", "--model", &llama, "--prompt", "x", "--tp", "3"], "4 attention heads"),
         (&["generate", "--model", &llama, "--prompt", "x", "--tp", "0"], "--tp must be at least 1"),
         (&["generate", "--model", &llama, "--prompt", "x", "--tp", "2", "--comm-timeout", "0"], "--comm-timeout"),
-        (&["generate", "--model", &llama, "--prompt", "x", "--tp", "2", "--backend", "cuda"], "CPU backend"),
-        (&["bench", "--model", &llama, "--tp", "2"], "does not support --tp"),
+        (&["generate", "--model", &llama, "--prompt", "x", "--tp", "2", "--backend", "wgpu"], "not on wgpu"),
+        (&["bench", "--model", &llama, "--tp", "2", "--backend", "wgpu"], "not on wgpu"),
     ];
     for (args, needle) in cases {
         let out = tm().args(args).output().unwrap();
@@ -86,4 +87,50 @@ fn plan_with_tp_is_per_rank() {
     let kv = |p: &serde_json::Value| p["kv_bytes_per_block"].as_u64().unwrap();
     assert!(w(&two) < w(&one) && w(&two) * 2 > w(&one), "{} vs {}", w(&two), w(&one));
     assert_eq!(kv(&two) * 2, kv(&one));
+}
+
+#[test]
+fn cuda_tp_without_enough_gpus_is_a_clear_error() {
+    let out = tm()
+        .args(["generate", "--model", &fixture("llama"), "--prompt", "x", "--tp", "2", "--backend", "cuda"])
+        .args(["--device", "64"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    // No GPU here: "no usable CUDA GPU"; a GPU machine: GPUs 64 and 65 do not exist.
+    assert!(err.contains("CUDA GPU") || err.contains("needs GPUs [64, 65]"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn bench_with_tp_runs_the_engine_on_ranks() {
+    let out = tm()
+        .args(["bench", "--model", &fixture("llama"), "--backend", "cpu", "--tp", "2", "--num-prompts", "6"])
+        .args(["--concurrency", "3", "--input-len", "12", "--output-len", "6", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report.to_string().contains("2 CPU ranks"), "{report}");
+}
+
+#[test]
+fn a_stalled_rank_makes_generate_fail_within_the_deadline() {
+    for (hook, stalled) in [("1:3", 1), ("0:5", 0)] {
+        let t0 = std::time::Instant::now();
+        let out = tm()
+            .env("TM_TP_STALL", hook)
+            .args(["generate", "--model", &fixture("llama"), "--prompt", "Hello", "--temperature", "0"])
+            .args(["--max-tokens", "8", "--backend", "cpu", "--tp", "2", "--comm-timeout", "1"])
+            .output()
+            .unwrap();
+        let took = t0.elapsed();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{hook}: {err}");
+        assert!(err.contains(&format!("rank {stalled} did not arrive")) && err.contains("timed out"), "{hook}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        // The deadline (1 s) + 10%, plus loading the fixture and starting the process.
+        assert!(took < std::time::Duration::from_millis(2500), "{hook}: exited after {took:?}");
+    }
 }

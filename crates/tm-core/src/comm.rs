@@ -6,6 +6,10 @@
 //! - [`SingleRank`]: the communicator of a world of one (every collective is the identity).
 //! - [`LocalComm`]: ranks that are threads of one process exchanging host memory (the CPU
 //!   backend's tensor parallelism, and the test bed for the sharded model).
+//!
+//! GPU ranks use NCCL (`tm_cuda::nccl::NcclComm`), whose collectives are queued on the device:
+//! there the deadline is kept by a watchdog thread and [`Comm::synchronize`] is where a rank
+//! waits for its queued collectives.
 
 mod local;
 
@@ -30,6 +34,15 @@ pub trait Comm: Send + Sync + Debug {
     fn broadcast(&self, tensor: &mut Tensor, root: usize, step: &str, deadline: Duration) -> Result<()>;
     /// Waits until every rank reaches this point.
     fn barrier(&self, step: &str, deadline: Duration) -> Result<()>;
+    /// Waits (at most `deadline`) until this rank's collectives so far have completed, and
+    /// reports the communicator's failure if it was aborted meanwhile. Communicators whose
+    /// collectives complete before they return (this crate's) only report the failure; those that
+    /// queue collectives on a device (NCCL) wait for the device here. A rank calls this at the end
+    /// of every step, so a failure that happened on the device surfaces in that step.
+    fn synchronize(&self, step: &str, deadline: Duration) -> Result<()> {
+        let _ = (step, deadline);
+        Ok(())
+    }
     /// Aborts the communicator: collectives in flight on any rank, and every later one, fail at
     /// once instead of waiting. A rank that fails (or gives up waiting) calls this so the others
     /// do not wait out their deadlines for it. `reason` is put in the other ranks' errors. The

@@ -22,6 +22,13 @@
 //! new block would cross it, or `cuMemAlloc` reports out-of-memory, the cached blocks are released
 //! and the allocation is retried once; after that the caller gets [`Error::OutOfMemory`] naming the
 //! device, the phase, the bytes asked for and what is free under the cap and on the device.
+//!
+//! # The unified variant
+//!
+//! [`CudaAllocator::new_unified`] makes the allocator of the unified memory model
+//! ([`crate::memory_model`]): the cap also counts the weights read in place from file pages
+//! ([`CudaAllocator::zero_copy_tensor`]), and at most a cache limit of freed blocks stays cached
+//! (a new block from the driver first returns the excess), so freed memory goes back to the host.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -31,6 +38,7 @@ use tm_core::alloc::{AllocStats, AllocatorId, RawAllocation};
 use tm_core::{Allocator, Device, Error, Result};
 
 use crate::runtime::{driver_err, Gpu};
+use crate::zero_copy::{self, ZeroCopyStats};
 
 /// Smallest block handed out, in bytes.
 pub const MIN_BLOCK: usize = 512;
@@ -107,6 +115,12 @@ pub struct CudaAllocator {
     label: String,
     cap: u64,
     pool: Mutex<Pool>,
+    /// Unified variant: most bytes of freed blocks kept cached.
+    cache_limit: Option<u64>,
+    /// Unified variant: weights read in place (counted against the cap).
+    zero_copy: Arc<ZeroCopyStats>,
+    /// Why zero-copy weights are not used (`None` when they are).
+    zero_copy_off: Option<String>,
 }
 
 impl CudaAllocator {
@@ -121,7 +135,71 @@ impl CudaAllocator {
             label,
             cap: cap_bytes,
             pool: Mutex::new(Pool::default()),
+            cache_limit: None,
+            zero_copy: Arc::default(),
+            zero_copy_off: Some("the discrete memory model copies every weight to the device".into()),
         })
+    }
+
+    /// The allocator of the unified memory model: `cap_bytes` covers device blocks *and* the
+    /// weights read in place; at most `cache_limit` bytes of freed blocks stay cached. Zero-copy
+    /// weights are used when the device supports them ([`zero_copy::unsupported_reason`]).
+    pub fn new_unified(gpu: Arc<Gpu>, device: Arc<dyn Device>, cap_bytes: u64, cache_limit: u64) -> Arc<CudaAllocator> {
+        let label = format!("cuda:{} ({}, unified memory)", device.ordinal(), device.name());
+        let zero_copy_off = zero_copy::unsupported_reason(&gpu);
+        match &zero_copy_off {
+            None => tracing::info!("{label}: weights in their stored dtype are read in place (zero-copy)"),
+            Some(why) => tracing::info!("{label}: zero-copy weights off ({why}); weights are copied"),
+        }
+        Arc::new(CudaAllocator {
+            id: AllocatorId::fresh(),
+            gpu,
+            device,
+            label,
+            cap: cap_bytes,
+            pool: Mutex::new(Pool::default()),
+            cache_limit: Some(cache_limit),
+            zero_copy: Arc::default(),
+            zero_copy_off,
+        })
+    }
+
+    /// Whether this is the unified variant's allocator.
+    pub fn is_unified(&self) -> bool {
+        self.cache_limit.is_some()
+    }
+
+    /// Bytes of weights read in place from file pages now, and the most at any time.
+    pub fn zero_copy_bytes(&self) -> (u64, u64) {
+        (self.zero_copy.bytes(), self.zero_copy.peak())
+    }
+
+    /// Why weights are not read in place, or `None` when they are.
+    pub fn zero_copy_off(&self) -> Option<&str> {
+        self.zero_copy_off.as_deref()
+    }
+
+    /// In the unified variant, a tensor of `desc` whose bytes `src` are already in the layout the
+    /// kernels read, served straight from the file pages `src` lies in (see [`crate::zero_copy`]);
+    /// `None` when that is not possible (the caller copies it), with the reason logged at debug
+    /// level. The registered bytes count against the cap.
+    pub fn zero_copy_tensor(&self, src: &[u8], desc: tm_core::TensorDesc) -> Result<Option<tm_core::Tensor>> {
+        if self.zero_copy_off.is_some() || src.len() != desc.bytes() || src.len() < 4096 {
+            return Ok(None);
+        }
+        {
+            let pool = self.lock();
+            if pool.reserved + self.zero_copy.bytes() + src.len() as u64 > self.cap {
+                return Err(self.oom(&pool, src.len(), src.len(), "weights (zero-copy)"));
+            }
+        }
+        match zero_copy::map_tensor(&self.gpu, &self.device, &self.zero_copy, src)? {
+            Ok(buffer) => Ok(Some(tm_core::Tensor::from_buffer(buffer, desc)?)),
+            Err(why) => {
+                tracing::debug!("weight of {} bytes copied instead of read in place: {why}", src.len());
+                Ok(None)
+            }
+        }
     }
 
     /// The cap on reserved bytes.
@@ -174,7 +252,7 @@ impl CudaAllocator {
 
     /// The out-of-memory error for a request of `bytes` in `phase`.
     fn oom(&self, pool: &Pool, bytes: usize, class: usize, phase: &str) -> Error {
-        let under_cap = self.cap.saturating_sub(pool.reserved);
+        let under_cap = self.cap.saturating_sub(pool.reserved + self.zero_copy.bytes());
         let device = result::mem_get_info().ok().map(|(free, total)| (free as u64, total as u64));
         let device_text = match device {
             Some((free, total)) => format!("{} free on the device of {}", human(free), human(total)),
@@ -187,20 +265,27 @@ impl CudaAllocator {
             requested: bytes as u64,
             free: device.map_or(under_cap, |(free, _)| under_cap.min(free)),
             hint: format!(
-                "{rounded}; {} free under the {} cap ({} reserved, {} in use), {device_text}; {OOM_HINT}",
+                "{rounded}; {} free under the {} cap ({} reserved, {} in use{}), {device_text}; {OOM_HINT}{}",
                 human(under_cap),
                 human(self.cap),
                 human(pool.reserved),
                 human(pool.in_use),
+                if self.zero_copy.bytes() > 0 {
+                    format!(", {} of weights read in place", human(self.zero_copy.bytes()))
+                } else {
+                    String::new()
+                },
+                if self.is_unified() { ", or lower --host-reserve" } else { "" },
             ),
         }
     }
 
     /// Gets a new block of `class` bytes from the driver, within the cap.
     fn reserve(&self, pool: &mut Pool, bytes: usize, class: usize, phase: &str) -> Result<u64> {
-        if pool.reserved + class as u64 > self.cap {
+        let external = self.zero_copy.bytes();
+        if pool.reserved + external + class as u64 > self.cap {
             self.release_cached(pool)?;
-            if pool.reserved + class as u64 > self.cap {
+            if pool.reserved + external + class as u64 > self.cap {
                 return Err(self.oom(pool, bytes, class, phase));
             }
         }
@@ -261,7 +346,13 @@ impl Allocator for CudaAllocator {
         self.gpu.bind()?;
         let addr = match pool.take_cached(class) {
             Some(addr) => addr,
-            None => self.reserve(&mut pool, bytes, class, phase)?,
+            None => {
+                // Unified variant: freed blocks beyond the limit go back to the host first.
+                if self.cache_limit.is_some_and(|limit| pool.cached > limit) {
+                    self.release_cached(&mut pool)?;
+                }
+                self.reserve(&mut pool, bytes, class, phase)?
+            }
         };
         // SAFETY: `addr` is a live block of `class >= bytes` bytes owned by this allocator; the
         // memset is ordered on the stream after all earlier users of a reused block.

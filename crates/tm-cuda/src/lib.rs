@@ -9,9 +9,14 @@
 //! - [`runtime::Gpu`]: context, stream and kernel modules of one GPU; kernel launches.
 //! - [`allocator`]: the capped caching pool over `cuMemAlloc`.
 //! - [`staging`]: bounded pinned host buffers for host↔device copies.
+//! - [`memory_model`]: the discrete and unified (integrated GPU, Jetson) memory variants, and the
+//!   system memory budget of the unified one.
+//! - [`zero_copy`]: weights the GPU reads in place from the checkpoint's file pages (unified).
 //! - [`blas`]: matrix products through cuBLASLt.
 //! - [`nvrtc`]: compiling the embedded kernel sources when no cubin fits the device.
 //! - [`kernels`]: typed launchers for the `tm-kernels` CUDA kernels.
+//! - [`nccl`]: tm-core's `Comm` over NCCL for GPU ranks (non-blocking communicators, a watchdog
+//!   with deadlines, `ncclCommAbort`), the start-up self-test and the peer links.
 //! - [`CudaBackend`]: tm-core's `Ops` on one GPU.
 //!
 //! Features: `cuda-13` (default) or `cuda-12` chooses the CUDA bindings cudarc uses; enable exactly
@@ -25,12 +30,16 @@ pub mod blas;
 mod device;
 pub mod kernels;
 pub mod libs;
+pub mod memory_model;
+pub mod nccl;
 pub mod nvrtc;
 mod ops;
 mod probe;
 pub mod runtime;
 pub mod staging;
+pub mod zero_copy;
 
 pub use device::CudaDevice;
+pub use memory_model::{MemoryConfig, MemoryModel};
 pub use ops::{CudaBackend, CudaOptions};
 pub use probe::{driver_version, peer_access_matrix, probe, CudaDeviceInfo, ProbeError};

@@ -306,6 +306,22 @@ pub fn libraries() -> Vec<LibraryStatus> {
     specs().iter().map(find_spec).collect()
 }
 
+/// The status of one library ([`DRIVER`], [`CUBLASLT`], [`NVRTC`] or [`NCCL`]), as in
+/// [`libraries`]; an unknown name is reported as not found.
+pub fn find(name: &str) -> LibraryStatus {
+    match specs().iter().find(|s| s.name == name) {
+        Some(spec) => find_spec(spec),
+        None => LibraryStatus {
+            name: "unknown",
+            found: None,
+            path: None,
+            cudarc_loads: None,
+            warning: Some(format!("tm does not look for a library called {name}")),
+            tried: Vec::new(),
+        },
+    }
+}
+
 /// Libraries opened by [`preload`], kept open for the life of the process.
 static PRELOADED: Mutex<Vec<libloading::Library>> = Mutex::new(Vec::new());
 

@@ -125,7 +125,7 @@ fn cuda(dtype: DType) -> Result<Arc<dyn Ops>, String> {
         return b.clone();
     }
     let ordinal = std::env::var("TM_CUDA_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-    let opts = CudaOptions { ordinal, dtype, memory_cap: None, cuda_graphs: false };
+    let opts = CudaOptions { ordinal, dtype, memory_cap: None, cuda_graphs: false, memory_model: Default::default() };
     let b = match catch_unwind(|| CudaBackend::open(opts)) {
         Ok(Ok(b)) => Ok(Arc::new(b) as Arc<dyn Ops>),
         Ok(Err(e)) => Err(format!("CudaBackend::open(device {ordinal}, {dtype}) failed: {e}")),

@@ -88,9 +88,15 @@ fn cuda(dtype: DType) -> Result<Arc<dyn Ops>, String> {
     }
     let ordinal = std::env::var("TM_CUDA_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     let b = guarded("CudaBackend::open", || {
-        CudaBackend::open(CudaOptions { ordinal, dtype, memory_cap: None, cuda_graphs: false })
-            .map(|b| Arc::new(b) as Arc<dyn Ops>)
-            .ctx(format!("CudaBackend::open(device {ordinal}, {dtype})"))
+        CudaBackend::open(CudaOptions {
+            ordinal,
+            dtype,
+            memory_cap: None,
+            cuda_graphs: false,
+            memory_model: Default::default(),
+        })
+        .map(|b| Arc::new(b) as Arc<dyn Ops>)
+        .ctx(format!("CudaBackend::open(device {ordinal}, {dtype})"))
     });
     opened.push((dtype, b.clone()));
     b
@@ -370,6 +376,9 @@ fn next_logits(m: &LoadedModel, ops: &dyn Ops, ids: &[u32]) -> Result<Vec<f32>, 
     s.append(ids).ctx("append")
 }
 
+/// Layers of the whole default model, which `fixtures/smollm2_reference.json` describes.
+const SMOLLM2_LAYERS: usize = 30;
+
 /// Largest CPU logit margin at which a CUDA run may pick another greedy token (f32: the CPU's
 /// int16-activation products differ from exact f32 by up to ~0.012 on this model).
 fn near_tie(dtype: DType) -> f32 {
@@ -438,7 +447,16 @@ fn default_model_greedy_text_matches_cpu() {
                     report.fail(what);
                 }
             }
-            // Logits against transformers (fixtures/smollm2_reference.json).
+            // Logits against transformers (fixtures/smollm2_reference.json), made from the whole
+            // model: a copy cut to fewer layers (scripts/truncate_gguf.py) is checked against the
+            // CPU only.
+            let layers = gm.model.config.num_layers;
+            if layers != SMOLLM2_LAYERS {
+                println!(
+                    "{head}: transformers comparison skipped: the model has {layers} layers, not {SMOLLM2_LAYERS}"
+                );
+                return Ok(());
+            }
             let reference = read_json(&fixtures_dir().join("smollm2_reference.json"));
             let vocab = gm.model.config.vocab_size;
             for case in reference["cases"].as_array().expect("cases") {
@@ -626,8 +644,14 @@ fn cuda_graphs_replay_matches_eager() {
         let head = format!("graphs {fixture} {dtype}");
         let r = guarded(&head, || {
             let ordinal = std::env::var("TM_CUDA_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-            let graphs = CudaBackend::open(CudaOptions { ordinal, dtype, memory_cap: None, cuda_graphs: true })
-                .ctx("CudaBackend::open with graphs")?;
+            let graphs = CudaBackend::open(CudaOptions {
+                ordinal,
+                dtype,
+                memory_cap: None,
+                cuda_graphs: true,
+                memory_model: Default::default(),
+            })
+            .ctx("CudaBackend::open with graphs")?;
             let eager = cuda(dtype)?;
             let path = fixtures_dir().join(fixture);
             let (m_graph, m_eager) = (load(&path, &graphs, "cuda+graphs")?, load(&path, eager.as_ref(), "cuda")?);
@@ -650,4 +674,106 @@ fn cuda_graphs_replay_matches_eager() {
         }
     }
     report.finish("cuda_graphs_replay_matches_eager");
+}
+
+// ---------------------------------------------------------------------------------------------
+// (e) The AWQ and GPTQ int4 fixtures (self-contained: uses only the helpers above).
+// ---------------------------------------------------------------------------------------------
+
+/// `fixtures/llama-awq` and `fixtures/llama-gptq` on CUDA (f32, f16, bf16) against their
+/// transformers references, as `tm-model/tests/hf_int4_fixtures.rs` checks them on the CPU: the
+/// reference runs on the dequantized weights `(q - z) * s`, and tm holds `q * s + f16(-z * s)`,
+/// whose effect on the logits the generator measured (`f16_min_logit_change`), so at every prompt
+/// position the logits must be within that plus the backend's tolerance
+/// ([`logit_tolerance`] of the logit range); the last position is also compared with transformers
+/// run on exactly tm's weights (`last_logits_f16_min`) within the backend's tolerance alone.
+/// Greedy tokens must be transformers' while its top1-top2 margin exceeds twice the tolerance
+/// (f32: at least 5 steps compared, like the CPU test).
+#[test]
+fn int4_fixtures_awq_gptq() {
+    let test = "int4_fixtures_awq_gptq";
+    if no_gpu(test) {
+        return;
+    }
+    let mut report = Report::default();
+    for name in ["llama-awq", "llama-gptq"] {
+        let dir = fixtures_dir().join(name);
+        let reference = read_json(&dir.join("reference.json"));
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let head = format!("{name} [{dtype}]");
+            let r = guarded(&head, || int4_fixture_on(&head, &dir, &reference, dtype, &mut report));
+            report.record(&head, r);
+        }
+    }
+    report.finish(test);
+}
+
+/// The int4 fixture checks for one dtype; mismatches go to `report`, errors are returned.
+fn int4_fixture_on(head: &str, dir: &Path, reference: &Value, dtype: DType, report: &mut Report) -> Result<(), String> {
+    let gpu = cuda(dtype)?;
+    let m = load(dir, gpu.as_ref(), &format!("cuda {dtype}"))?;
+    let vocab = m.model.config.vocab_size;
+    for (pi, prompt) in reference["prompts"].as_array().expect("prompts").iter().enumerate() {
+        let ids = u32s(&prompt["ids"]);
+        let head = format!("{head} prompt {pi} ({} tokens)", ids.len());
+        let mut s = Session::new(&m.model, gpu.as_ref(), 256, BLOCK).ctx("cuda Session::new")?;
+        let got = s.prompt_logits(&ids).ctx("cuda prompt_logits")?;
+        let want: Vec<Vec<f32>> = prompt["logits"].as_array().expect("logits").iter().map(f32s).collect();
+        if got.len() != want.len() * vocab {
+            report.fail(format!("{head}: {} logits, want {} × {vocab}", got.len(), want.len()));
+            continue;
+        }
+        let (mut lo, mut hi, mut max_diff) = (f32::MAX, f32::MIN, 0f32);
+        for (p, row) in want.iter().enumerate() {
+            for (t, &w) in row.iter().enumerate() {
+                lo = lo.min(w);
+                hi = hi.max(w);
+                let d = (got[p * vocab + t] - w).abs();
+                max_diff = max_diff.max(if d.is_nan() { f32::INFINITY } else { d });
+            }
+        }
+        let backend_tol = logit_tolerance(dtype) * (hi - lo);
+        let layout = prompt["f16_min_logit_change"].as_f64().expect("f16_min_logit_change") as f32;
+        let tol = layout + backend_tol;
+        let as_tm = f32s(&prompt["last_logits_f16_min"]);
+        let last = &got[(want.len() - 1) * vocab..];
+        let own = last.iter().zip(&as_tm).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let own = if own.is_nan() { f32::INFINITY } else { own };
+        let what = format!(
+            "{head}: max |logit diff| vs dequantized weights {max_diff:.3e} (tolerance {tol:.3e} = layout {layout:.3e} \
+             + backend {backend_tol:.3e}); last position vs tm's own weights {own:.3e} (tolerance {backend_tol:.3e})"
+        );
+        if max_diff <= tol && own <= backend_tol {
+            report.ok(&what);
+        } else {
+            report.fail(what);
+        }
+
+        let want_ids = u32s(&prompt["greedy_ids"]);
+        let margins = f32s(&prompt["greedy_margins"]);
+        s.truncate(0);
+        let mut logits = s.append(&ids).ctx("cuda append (prefill)")?;
+        let mut compared = 0;
+        let mut bad = None;
+        for (step, &want_id) in want_ids.iter().enumerate() {
+            if margins[step] <= 2.0 * tol {
+                break;
+            }
+            let t = argmax(&logits);
+            if t != want_id {
+                bad = Some(format!("step {step}: cuda picks {t}, transformers {want_id} (margin {})", margins[step]));
+                break;
+            }
+            compared += 1;
+            logits = s.append(&[t]).ctx(format!("cuda append (step {step})"))?;
+        }
+        match bad {
+            Some(b) => report.fail(format!("{head}: greedy: {b}")),
+            None if dtype == DType::F32 && compared < 5 => {
+                report.fail(format!("{head}: greedy: only {compared} steps compared"))
+            }
+            None => report.ok(&format!("{head}: greedy {compared} steps agree with transformers (until a near-tie)")),
+        }
+    }
+    Ok(())
 }

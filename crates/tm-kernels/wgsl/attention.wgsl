@@ -1,14 +1,21 @@
 // Causal paged attention, one workgroup of 64 per (token, query head), online softmax over
-// tiles of 64 cached positions read through the block table. Params: tokens, heads, kv_heads,
-// head_dim (<= 256), block_size, scale (f32 bits), window (0 = none), grid width.
-// `token_info[2t]` is the offset of token t's block table in `block_tables`, `token_info[2t+1]`
-// its position in its sequence.
-@group(0) @binding(1) var<storage, read> q: array<f32>;
-@group(0) @binding(2) var<storage, read> k_cache: array<f32>;
-@group(0) @binding(3) var<storage, read> v_cache: array<f32>;
-@group(0) @binding(4) var<storage, read> token_info: array<u32>;
-@group(0) @binding(5) var<storage, read> block_tables: array<u32>;
-@group(0) @binding(6) var<storage, read_write> out: array<f32>;
+// tiles of 64 cached positions read through the block table.
+//
+// The cache buffers may be a window of the cache: blocks block0 .. block0 + window_blocks, bound
+// from block0. Positions whose block lies outside the window are skipped. Mode 0 (the whole
+// cache in one window) writes the normalized output `[tokens, heads * head_dim]`; mode 1 writes
+// the window's partial state for attention_combine.wgsl: per (token, head), head_dim
+// unnormalized sums, then the running max and the softmax denominator, at slot `window_index`.
+//
+// Params: tokens, heads, kv_heads, head_dim (<= 256), block_size, scale (f32 bits), sliding
+// window (0 = none), grid width, mode, block0, window_blocks, window_index, tables offset.
+// Inputs: per token the offset of its block table and its position (2 words), then the block
+// tables from the tables offset.
+@group(0) @binding(1) var<storage, read> inputs: array<u32>;
+@group(0) @binding(2) var<storage, read> q: array<f32>;
+@group(0) @binding(3) var<storage, read> k_cache: array<f32>;
+@group(0) @binding(4) var<storage, read> v_cache: array<f32>;
+@group(0) @binding(5) var<storage, read_write> out: array<f32>;
 
 const WG: u32 = 64u;
 const NEG: f32 = -3.0e38;
@@ -27,12 +34,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     if (idx >= P(0u) * heads) {
         return;
     }
+    let block0 = P(9u);
+    let window_blocks = P(10u);
     let lid = lid3.x;
     let t = idx / heads;
     let h = idx % heads;
     let kvh = h / (heads / kv_heads);
-    let table = token_info[2u * t];
-    let pos = token_info[2u * t + 1u];
+    let table = P(12u) + inputs[2u * t];
+    let pos = inputs[2u * t + 1u];
     let window = P(6u);
     var start = 0u;
     if (window > 0u && pos + 1u > window) {
@@ -52,13 +61,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
         var s = NEG;
         var base = 0u;
         if (j < end) {
-            let slot = block_tables[table + j / bs] * bs + j % bs;
-            base = (slot * kv_heads + kvh) * hd;
-            var sdot = 0.0;
-            for (var d = 0u; d < hd; d = d + 1u) {
-                sdot = sdot + qs[d] * k_cache[base + d];
+            let block = inputs[table + j / bs];
+            if (block >= block0 && block - block0 < window_blocks) {
+                let slot = (block - block0) * bs + j % bs;
+                base = (slot * kv_heads + kvh) * hd;
+                var sdot = 0.0;
+                for (var d = 0u; d < hd; d = d + 1u) {
+                    sdot = sdot + qs[d] * k_cache[base + d];
+                }
+                s = sdot;
             }
-            s = sdot;
         }
         scores[lid] = s;
         bases[lid] = base;
@@ -68,30 +80,48 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
         for (var jj = 0u; jj < count; jj = jj + 1u) {
             tile_max = max(tile_max, scores[jj]);
         }
-        let new_m = max(m, tile_max);
-        let corr = exp(m - new_m);
-        l = l * corr;
-        for (var k = 0u; k < 4u; k = k + 1u) {
-            acc[k] = acc[k] * corr;
-        }
-        for (var jj = 0u; jj < count; jj = jj + 1u) {
-            let p = exp(scores[jj] - new_m);
-            l = l + p;
-            let b = bases[jj];
+        if (tile_max > NEG) {
+            let new_m = max(m, tile_max);
+            let corr = exp(m - new_m);
+            l = l * corr;
             for (var k = 0u; k < 4u; k = k + 1u) {
-                let d = lid + k * WG;
-                if (d < hd) {
-                    acc[k] = acc[k] + p * v_cache[b + d];
+                acc[k] = acc[k] * corr;
+            }
+            for (var jj = 0u; jj < count; jj = jj + 1u) {
+                if (scores[jj] > NEG) {
+                    let p = exp(scores[jj] - new_m);
+                    l = l + p;
+                    let b = bases[jj];
+                    for (var k = 0u; k < 4u; k = k + 1u) {
+                        let d = lid + k * WG;
+                        if (d < hd) {
+                            acc[k] = acc[k] + p * v_cache[b + d];
+                        }
+                    }
                 }
             }
+            m = new_m;
         }
-        m = new_m;
         workgroupBarrier();
     }
+    if (P(8u) == 0u) {
+        for (var k = 0u; k < 4u; k = k + 1u) {
+            let d = lid + k * WG;
+            if (d < hd) {
+                out[idx * hd + d] = acc[k] / l;
+            }
+        }
+        return;
+    }
+    let base = (P(11u) * P(0u) * heads + idx) * (hd + 2u);
     for (var k = 0u; k < 4u; k = k + 1u) {
         let d = lid + k * WG;
         if (d < hd) {
-            out[idx * hd + d] = acc[k] / l;
+            out[base + d] = acc[k];
         }
+    }
+    if (lid == 0u) {
+        out[base + hd] = m;
+        out[base + hd + 1u] = l;
     }
 }

@@ -1,5 +1,6 @@
-// Embedding from an int4 table (see tm_core::quant). Params: hidden, tokens, group_size.
-@group(0) @binding(1) var<storage, read> ids: array<u32>;
+// Embedding from an int4 table (see tm_core::quant), windowed as embedding_f32.wgsl.
+// Params: hidden, tokens, group_size, row0, window_rows.
+@group(0) @binding(1) var<storage, read> inputs: array<u32>;
 @group(0) @binding(2) var<storage, read> packed: array<u32>;
 @group(0) @binding(3) var<storage, read> scales: array<u32>;
 @group(0) @binding(4) var<storage, read> mins: array<u32>;
@@ -12,7 +13,11 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     if (i >= hidden * P(1u)) {
         return;
     }
-    let r = ids[i / hidden];
+    let id = inputs[i / hidden];
+    if (id < P(3u) || id - P(3u) >= P(4u)) {
+        return;
+    }
+    let r = id - P(3u);
     let c = i % hidden;
     let b = r * (hidden / 2u) + int4_byte(c);
     let q = (byte_in(packed[b / 4u], b) >> int4_shift(c)) & 15u;

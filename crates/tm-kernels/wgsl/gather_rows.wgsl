@@ -1,5 +1,5 @@
-// out[i] = x[rows[i]]. Params: width, output rows.
-@group(0) @binding(1) var<storage, read> rows: array<u32>;
+// out[i] = x[rows[i]]. Params: width, output rows. Inputs: the row indices.
+@group(0) @binding(1) var<storage, read> inputs: array<u32>;
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 
@@ -10,5 +10,5 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     if (i >= w * P(1u)) {
         return;
     }
-    out[i] = x[rows[i / w] * w + i % w];
+    out[i] = x[inputs[i / w] * w + i % w];
 }

@@ -1,4 +1,4 @@
-// int4 weight (tm_core::quant layout) for matmul_tiled.wgsl: w = q * scale + min.
+// int4 weight (tm_core::quant layout) for matmul_tiled.wgsl and matmul_gemv.wgsl: w = q * scale + min.
 @group(0) @binding(4) var<storage, read> packed: array<u32>;
 @group(0) @binding(5) var<storage, read> scales: array<u32>;
 @group(0) @binding(6) var<storage, read> mins: array<u32>;

@@ -1,4 +1,4 @@
-// int8 weight (tm_core::quant layout) for matmul_tiled.wgsl: w = q * scale.
+// int8 weight (tm_core::quant layout) for matmul_tiled.wgsl and matmul_gemv.wgsl: w = q * scale.
 @group(0) @binding(4) var<storage, read> packed: array<u32>;
 @group(0) @binding(5) var<storage, read> scales: array<u32>;
 

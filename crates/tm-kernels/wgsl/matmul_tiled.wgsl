@@ -1,6 +1,9 @@
 // out[n, rows] = x[n, cols] W^T (+ bias), 16x16 output tiles, 16-column steps through shared
 // memory. The weight variant (dense, int4, int8) supplies `load_w(row, col)`, so quantized weights
-// are dequantized as the tile is loaded. Params: n, rows, cols, has_bias, group_size.
+// are dequantized as the tile is loaded. The weight (and bias) may be a window of rows of a larger
+// matrix: its rows land at columns row0.. of `out`, whose rows are out_stride wide.
+// Params: n, rows (of this window), cols, has_bias, group_size, grid width (unused), row0,
+// out_stride.
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read> bias: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
@@ -39,6 +42,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
         if (P(3u) == 1u) {
             acc = acc + bias[j];
         }
-        out[i * rows + j] = acc;
+        out[i * P(7u) + P(6u) + j] = acc;
     }
 }

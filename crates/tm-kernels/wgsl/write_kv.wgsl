@@ -1,5 +1,7 @@
-// k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]. Params: width (kv_heads * head_dim), tokens.
-@group(0) @binding(1) var<storage, read> slots: array<u32>;
+// k_cache[slot] = k[t], v_cache[slot] = v[t] for slot = slots[t] inside this window of the cache
+// (slots slot0 .. slot0 + window_slots; the cache buffers are bound from slot0). Params: width
+// (kv_heads * head_dim), tokens, slot0, window_slots. Inputs: the slot mapping.
+@group(0) @binding(1) var<storage, read> inputs: array<u32>;
 @group(0) @binding(2) var<storage, read> k: array<f32>;
 @group(0) @binding(3) var<storage, read> v: array<f32>;
 @group(0) @binding(4) var<storage, read_write> k_cache: array<f32>;
@@ -12,7 +14,11 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     if (i >= w * P(1u)) {
         return;
     }
-    let dst = slots[i / w] * w + i % w;
+    let slot = inputs[i / w];
+    if (slot < P(2u) || slot - P(2u) >= P(3u)) {
+        return;
+    }
+    let dst = (slot - P(2u)) * w + i % w;
     k_cache[dst] = k[i];
     v_cache[dst] = v[i];
 }

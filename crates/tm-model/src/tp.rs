@@ -31,9 +31,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use tm_core::ops::SeqAttention;
+use tm_core::ops::{SampleRequest, SeqAttention};
+use tm_core::sampling::{Rng, SamplingParams};
 use tm_core::{Comm, DType, LocalComm, Ops, Tensor, TensorDesc};
 
 /// The default deadline of every collective (`--comm-timeout`).
@@ -105,8 +107,46 @@ impl OwnedStep {
     }
 }
 
+/// One sequence's sampling state, owned, for rank 0's sampler ([`TpGroup::forward_sample`]).
+#[derive(Clone, Debug)]
+pub struct OwnedSample {
+    /// Sampling parameters.
+    pub params: SamplingParams,
+    /// Prompt tokens (only read by the repetition penalty: may be empty when it is off).
+    pub prompt: Vec<u32>,
+    /// Tokens generated so far (only read by the penalties: may be empty when they are off).
+    pub output: Vec<u32>,
+    /// The sequence's random stream; [`Sampled::rngs`] returns it advanced.
+    pub rng: Rng,
+}
+
+impl OwnedSample {
+    /// Whether the sampler reads the prompt and output tokens of `params` (penalties).
+    pub fn needs_history(params: &SamplingParams) -> bool {
+        params.repetition_penalty != 1.0 || params.presence_penalty != 0.0 || params.frequency_penalty != 0.0
+    }
+}
+
+/// What [`TpGroup::forward_sample`] returns.
+#[derive(Debug, Default)]
+pub struct Sampled {
+    /// One token per request.
+    pub tokens: Vec<u32>,
+    /// The requests' random streams after the draw, in request order.
+    pub rngs: Vec<Rng>,
+    /// The logits `[requests, vocab]`, when asked for (log-probabilities).
+    pub logits: Option<Vec<f32>>,
+}
+
+/// A sampling job for rank 0.
+#[derive(Debug)]
+struct SampleJob {
+    requests: Vec<OwnedSample>,
+    want_logits: bool,
+}
+
 enum Command {
-    Forward(u64, Arc<OwnedStep>),
+    Forward(u64, Arc<OwnedStep>, Option<Arc<Mutex<Option<SampleJob>>>>),
     CopyBlocks(u64, Arc<Vec<(u32, u32)>>),
     SelfTest(u64, Duration),
     Shutdown,
@@ -116,6 +156,7 @@ enum Payload {
     Loaded { weight_bytes: u64 },
     Done,
     Logits(Vec<f32>),
+    Sampled(Sampled),
     Exited,
 }
 
@@ -161,6 +202,9 @@ impl Comm for Watched {
     }
     fn barrier(&self, step: &str, deadline: Duration) -> tm_core::Result<()> {
         self.tick(|| self.inner.barrier(step, deadline))
+    }
+    fn synchronize(&self, step: &str, deadline: Duration) -> tm_core::Result<()> {
+        self.tick(|| self.inner.synchronize(step, deadline))
     }
     fn abort(&self, reason: &str) {
         self.inner.abort(reason)
@@ -362,7 +406,7 @@ impl TpGroup {
         let id = self.next();
         let owned = Arc::new(OwnedStep::new(step));
         let what = format!("forward step {id}");
-        self.send_all(|_| Command::Forward(id, Arc::clone(&owned)))?;
+        self.send_all(|_| Command::Forward(id, Arc::clone(&owned), None))?;
         let mut payloads = self.collect(id, &what, None)?;
         match payloads.first_mut().map(|p| std::mem::replace(p, Payload::Done)) {
             Some(Payload::Logits(v)) => {
@@ -370,6 +414,35 @@ impl TpGroup {
                 Ok(&self.logits)
             }
             _ => Err(self.fail_with(0, &what, ModelError::InvalidInput("rank 0 returned no logits".into()))),
+        }
+    }
+
+    /// Runs `step` on every rank, then rank 0 draws one token per request from the logits on
+    /// its own device (`Ops::sample`: only the token ids travel back, and the logits too when
+    /// `want_logits`). `requests[i]` samples logit row `step.logit_rows[i]`.
+    pub fn forward_sample(
+        &mut self,
+        step: &StepInput<'_>,
+        requests: Vec<OwnedSample>,
+        want_logits: bool,
+    ) -> Result<Sampled> {
+        validate(step)?;
+        if requests.len() != step.logit_rows.len() {
+            return Err(ModelError::InvalidInput(format!(
+                "{} sampling requests for {} logit rows",
+                requests.len(),
+                step.logit_rows.len()
+            )));
+        }
+        let id = self.next();
+        let owned = Arc::new(OwnedStep::new(step));
+        let what = format!("forward step {id}");
+        let job = Arc::new(Mutex::new(Some(SampleJob { requests, want_logits })));
+        self.send_all(|r| Command::Forward(id, Arc::clone(&owned), (r == 0).then(|| Arc::clone(&job))))?;
+        let mut payloads = self.collect(id, &what, None)?;
+        match payloads.first_mut().map(|p| std::mem::replace(p, Payload::Done)) {
+            Some(Payload::Sampled(s)) => Ok(s),
+            _ => Err(self.fail_with(0, &what, ModelError::InvalidInput("rank 0 returned no tokens".into()))),
         }
     }
 
@@ -401,7 +474,7 @@ impl TpGroup {
         id
     }
 
-    fn send_all(&mut self, cmd: impl Fn(usize) -> Command) -> Result<()> {
+    fn send_all(&mut self, mut cmd: impl FnMut(usize) -> Command) -> Result<()> {
         if let Some(f) = &self.failed {
             return Err(ModelError::Unavailable(format!("the tensor-parallel group stopped after an error: {f}")));
         }
@@ -687,7 +760,7 @@ fn rank_thread(ctx: RankCtx, rx: Receiver<Command>) {
         while let Ok(cmd) = rx.recv() {
             let (id, result) = match cmd {
                 Command::Shutdown => break,
-                Command::Forward(id, step) => (id, guarded("forward", || forward(&ctx, st, &step))),
+                Command::Forward(id, step, job) => (id, guarded("forward", || forward(&ctx, st, &step, job))),
                 Command::CopyBlocks(id, pairs) => {
                     (id, guarded("copy_blocks", || st.kv.copy_blocks(st.ops.as_ref(), &pairs).map(|_| Payload::Done)))
                 }
@@ -714,7 +787,31 @@ fn load_rank(ctx: &RankCtx) -> Result<RankState> {
     Ok(RankState { ops, model, kv, ws })
 }
 
-fn forward(ctx: &RankCtx, st: &mut RankState, s: &OwnedStep) -> Result<Payload> {
+fn forward(
+    ctx: &RankCtx,
+    st: &mut RankState,
+    s: &OwnedStep,
+    job: Option<Arc<Mutex<Option<SampleJob>>>>,
+) -> Result<Payload> {
+    let result = forward_inner(ctx, st, s, job);
+    // The collectives may still be queued on a device (NCCL): wait for them, with the deadline.
+    // A collective's own error (a deadline, an abort) stays the step's error; any other error
+    // (e.g. a copy cut short when the communicator was aborted) gives way to the
+    // communicator's, which says why.
+    let synced = ctx.comm.synchronize("end of forward step", ctx.opts.comm_timeout);
+    match (result, synced) {
+        (Err(e @ ModelError::Core(tm_core::Error::Timeout { .. } | tm_core::Error::Aborted { .. })), _) => Err(e),
+        (_, Err(e)) => Err(e.into()),
+        (r, Ok(())) => r,
+    }
+}
+
+fn forward_inner(
+    ctx: &RankCtx,
+    st: &mut RankState,
+    s: &OwnedStep,
+    job: Option<Arc<Mutex<Option<SampleJob>>>>,
+) -> Result<Payload> {
     let seqs: Vec<SeqAttention<'_>> = s
         .seqs
         .iter()
@@ -735,11 +832,26 @@ fn forward(ctx: &RankCtx, st: &mut RankState, s: &OwnedStep) -> Result<Payload> 
     let ops = st.ops.as_ref();
     let comm: &dyn Comm = ctx.comm.as_ref();
     let logits = st.model.forward_tp(ops, comm, ctx.opts.comm_timeout, &mut st.kv, &step, &mut st.ws)?;
-    if ctx.rank == 0 {
-        Ok(Payload::Logits(ops.download_f32(logits)?))
-    } else {
-        Ok(Payload::Done)
+    if ctx.rank != 0 {
+        return Ok(Payload::Done);
     }
+    let Some(job) = job else {
+        return Ok(Payload::Logits(ops.download_f32(logits)?));
+    };
+    let job = job.lock().ok().and_then(|mut j| j.take());
+    let Some(SampleJob { mut requests, want_logits }) = job else {
+        return Err(ModelError::InvalidInput("rank 0 got a sampling step without its requests".into()));
+    };
+    let host_logits = if want_logits { Some(ops.download_f32(logits)?) } else { None };
+    let tokens = {
+        let mut reqs: Vec<SampleRequest<'_>> = requests
+            .iter_mut()
+            .map(|r| SampleRequest { params: &r.params, prompt: &r.prompt, output: &r.output, rng: &mut r.rng })
+            .collect();
+        ops.sample(logits, &mut reqs)?
+    };
+    let rngs = requests.into_iter().map(|r| r.rng).collect();
+    Ok(Payload::Sampled(Sampled { tokens, rngs, logits: host_logits }))
 }
 
 /// A small all-reduce: rank `r` contributes `r + 1` in slot `r`; everyone must get `1..=world`.
@@ -751,6 +863,7 @@ fn self_test(ctx: &RankCtx, st: &mut RankState, deadline: Duration) -> Result<Pa
     mine[ctx.rank] = (ctx.rank + 1) as f32;
     ops.upload(&mut t, bytemuck::cast_slice(&mine))?;
     ctx.comm.all_reduce_sum(&mut t, "start-up self-test", deadline)?;
+    ctx.comm.synchronize("start-up self-test", deadline)?;
     let got = ops.download_f32(&t)?;
     let want: Vec<f32> = (1..=world).map(|v| v as f32).collect();
     if got != want {

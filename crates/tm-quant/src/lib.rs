@@ -13,6 +13,8 @@
 //! - [`zero_point`], [`awq`], [`gptq`]: AutoAWQ "GEMM" and GPTQ int4 checkpoints
 //!   (`qweight`/`qzeros`/`scales`, `w = (q - z) * s`) repacked into the tm layout, with their
 //!   nibble orders.
+//! - [`awq_quantizer`]: the AWQ algorithm (scale and clipping searches from calibration
+//!   statistics) writing AutoAWQ GEMM tensors.
 //!
 //! # Which layout a weight uses
 //! An int4 weight always has `mins` (the layout is `w = q * scale + min`); an int8 weight never
@@ -20,6 +22,7 @@
 //! that `packed` has the matching length (`rows * cols / 2` or `rows * cols`).
 
 pub mod awq;
+pub mod awq_quantizer;
 pub mod gguf;
 pub mod gptq;
 pub mod quantize;

@@ -1,7 +1,10 @@
 //! Device memory: one wgpu storage buffer per allocation, behind tm-core's RAII `Buffer`.
 //!
-//! A [`RawAllocation`]'s address is an id into the allocator's slab of `wgpu::Buffer`s. Sizes
-//! are rounded up to 4 bytes (wgpu's copy alignment); wgpu zero-fills new buffers.
+//! A [`RawAllocation`]'s address is an id into the allocator's slab of `wgpu::Buffer`s (ids are
+//! never reused). Sizes are rounded up to 4 bytes (wgpu's copy alignment); wgpu zero-fills new
+//! buffers. A tensor may be as large as the adapter's `max_buffer_size`; the kernels bind tensors
+//! larger than the storage binding limit in windows. Freeing drops the buffer handle, so recorded
+//! but unsubmitted work that uses it keeps it alive until that work is done.
 
 use crate::context::Gpu;
 use std::collections::HashMap;
@@ -117,13 +120,10 @@ impl Allocator for WgpuAllocator {
     }
     fn alloc_raw(&self, bytes: usize, phase: &str) -> Result<RawAllocation> {
         let size = padded(bytes);
-        let max = self.gpu.max_binding();
+        let max = self.gpu.max_tensor();
         if size > max {
             return Err(Error::Unsupported(format!(
-                "{phase}: a tensor of {bytes} bytes exceeds the adapter's limit of {max} bytes per buffer \
-                 (min of max_storage_buffer_binding_size {} and max_buffer_size {}); splitting large tensors \
-                 is not implemented yet",
-                self.gpu.limits.max_storage_buffer_binding_size, self.gpu.limits.max_buffer_size
+                "{phase}: a tensor of {bytes} bytes exceeds the adapter's max_buffer_size of {max} bytes"
             )));
         }
         let in_use = self.usage.in_use.load(Ordering::Relaxed);
@@ -160,7 +160,8 @@ impl Allocator for WgpuAllocator {
         let removed = self.slab()?.remove(&raw.addr());
         match removed {
             Some(buffer) => {
-                buffer.destroy();
+                self.gpu.forget_buffer(raw.addr());
+                drop(buffer);
                 self.usage.in_use.fetch_sub(padded(raw.bytes()), Ordering::Relaxed);
                 Ok(())
             }
@@ -179,9 +180,7 @@ impl Allocator for WgpuAllocator {
             return Ok(());
         }
         let (s, d) = (self.buffer(src.addr())?, self.buffer(dst.addr())?);
-        let mut enc = self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("copy") });
-        enc.copy_buffer_to_buffer(&s, 0, &d, 0, padded(bytes));
-        self.gpu.queue.submit([enc.finish()]);
+        self.gpu.record(|enc| enc.copy_buffer_to_buffer(&s, 0, &d, 0, padded(bytes)))?;
         self.gpu.take_error()
     }
     fn stats(&self) -> AllocStats {

@@ -1,6 +1,15 @@
-//! Adapter listing and selection, and the opened device.
+//! Adapter listing and selection, the opened device, and the command recorder every kernel
+//! launch and device copy goes through.
+//!
+//! Work is recorded into one pending command encoder and submitted only when something needs
+//! its results on the host (a download), when host data is about to be written into a tensor
+//! (an upload), or when the staging buffers for parameters and host inputs are full: a decode
+//! step is one submission. The parameter blocks and host inputs of the recorded launches live at
+//! distinct offsets of two staging buffers, written with `Queue::write_buffer` (applied at the
+//! next submission, before the recorded work), so no buffer is created per launch.
 
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 use tm_core::{Error, Result};
 
 /// How to choose and open a wgpu adapter.
@@ -14,16 +23,55 @@ pub struct WgpuOptions {
     /// Hard cap on the bytes tm may allocate on the device. `None`: the host's available
     /// memory for CPU and integrated adapters, 8 GiB otherwise (wgpu does not report VRAM).
     pub memory_cap: Option<u64>,
+    /// Store dense float weights (matrices and embedding tables) as f16 instead of f32. They are
+    /// read with WGSL's `unpack2x16float`, so this works on every adapter (`SHADER_F16` is not
+    /// needed); activations and the KV cache stay f32.
+    pub f16_weights: bool,
+    /// Bind at most this many bytes of a tensor at once (never more than the adapter allows).
+    /// Larger tensors are bound in windows; a small value exercises that path on any adapter.
+    pub max_binding: Option<u64>,
+    /// Do not use subgroup operations even where the adapter has them.
+    pub no_subgroups: bool,
 }
 
 impl WgpuOptions {
-    /// Options from the environment: `TM_WGPU_ADAPTER` (an index into [`list_adapters`]) and
-    /// `TM_WGPU_ALLOW_CPU=1` (allow a software adapter).
+    /// Options from the environment: `TM_WGPU_ADAPTER` (an index into [`list_adapters`]),
+    /// `TM_WGPU_ALLOW_CPU=1` (allow a software adapter), `TM_WGPU_MEMORY_CAP` (bytes, or with a
+    /// `K`/`M`/`G` suffix, powers of 1024), `TM_WGPU_F16=1` (f16 weights),
+    /// `TM_WGPU_MAX_BINDING` (bytes, as the cap) and `TM_WGPU_NO_SUBGROUPS=1`. Unparsable values
+    /// are ignored with a warning.
     pub fn from_env() -> Self {
-        let adapter = std::env::var("TM_WGPU_ADAPTER").ok().and_then(|v| v.trim().parse().ok());
-        let allow_cpu_adapter = std::env::var("TM_WGPU_ALLOW_CPU").is_ok_and(|v| v.trim() == "1");
-        WgpuOptions { adapter, allow_cpu_adapter, memory_cap: None }
+        let var = |name: &str| std::env::var(name).ok().map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+        let flag = |name: &str| var(name).is_some_and(|v| v == "1");
+        let bytes = |name: &str| {
+            let v = var(name)?;
+            let parsed = parse_bytes(&v);
+            if parsed.is_none() {
+                tracing::warn!("ignoring {name}={v}: not a byte count");
+            }
+            parsed
+        };
+        WgpuOptions {
+            adapter: var("TM_WGPU_ADAPTER").and_then(|v| v.parse().ok()),
+            allow_cpu_adapter: flag("TM_WGPU_ALLOW_CPU"),
+            memory_cap: bytes("TM_WGPU_MEMORY_CAP"),
+            f16_weights: flag("TM_WGPU_F16"),
+            max_binding: bytes("TM_WGPU_MAX_BINDING"),
+            no_subgroups: flag("TM_WGPU_NO_SUBGROUPS"),
+        }
     }
+}
+
+/// `"123"`, `"64K"`, `"512M"`, `"100G"` (powers of 1024) as bytes.
+pub fn parse_bytes(v: &str) -> Option<u64> {
+    let v = v.trim();
+    let (digits, shift) = match v.char_indices().last()? {
+        (i, 'k' | 'K') => (&v[..i], 10),
+        (i, 'm' | 'M') => (&v[..i], 20),
+        (i, 'g' | 'G') => (&v[..i], 30),
+        _ => (v, 0),
+    };
+    digits.trim().parse::<u64>().ok()?.checked_mul(1 << shift)
 }
 
 /// One adapter as `check-env` shows it.
@@ -99,6 +147,33 @@ fn rank(t: wgpu::DeviceType) -> u8 {
     }
 }
 
+/// Bytes of the parameter staging buffer (one aligned slot per recorded launch).
+const PARAMS_BYTES: u64 = 1 << 20;
+/// Bytes of one launch's parameter block (16 u32 words).
+pub const PARAM_BYTES: u64 = 64;
+/// Bytes of the host-input staging buffer, not counting the binding window at its end.
+const INPUTS_BYTES: u64 = 8 << 20;
+/// Bytes of host inputs one launch may stage (its binding window); larger inputs go up in a
+/// buffer of their own.
+pub const INPUT_WINDOW: u64 = 1 << 20;
+
+/// The pending command encoder and how much of the staging buffers it has used.
+#[derive(Debug, Default)]
+struct Recorder {
+    encoder: Option<wgpu::CommandEncoder>,
+    params_used: u64,
+    inputs_used: u64,
+}
+
+/// Where one launch's parameter block and host inputs were staged.
+#[derive(Clone, Copy, Debug)]
+pub struct Staged {
+    /// Offset of the parameter block in [`Gpu::params`].
+    pub params: u32,
+    /// Offset of the host inputs in [`Gpu::inputs`].
+    pub inputs: u32,
+}
+
 /// An opened wgpu device and queue, with the adapter's facts and the errors wgpu reported.
 #[derive(Debug)]
 pub struct Gpu {
@@ -110,8 +185,24 @@ pub struct Gpu {
     pub summary: AdapterSummary,
     /// The limits the device was opened with (the adapter's own).
     pub limits: wgpu::Limits,
+    /// Whether kernels may use subgroup operations.
+    pub subgroups: bool,
+    /// The parameter staging buffer (uniform, bound with dynamic offsets).
+    pub params: wgpu::Buffer,
+    /// The host-input staging buffer (storage, bound with dynamic offsets).
+    pub inputs: wgpu::Buffer,
+    max_binding: u64,
+    uniform_align: u64,
+    storage_align: u64,
+    recorder: Mutex<Recorder>,
+    submissions: std::sync::atomic::AtomicU64,
+    unsubmitted_writes: std::sync::atomic::AtomicU64,
+    bind_groups: Mutex<HashMap<Vec<u64>, wgpu::BindGroup>>,
     errors: Arc<Mutex<Vec<String>>>,
 }
+
+/// Most bind groups kept; the cache starts over when it would grow past this.
+const MAX_BIND_GROUPS: usize = 16384;
 
 fn backend_err(message: impl Into<String>) -> Error {
     Error::Backend { backend: "wgpu".into(), message: message.into() }
@@ -157,9 +248,11 @@ impl Gpu {
         let adapter = &all[index];
         let summary = summary(index, adapter);
         let limits = adapter.limits();
+        let subgroups = !opts.no_subgroups && adapter.features().contains(wgpu::Features::SUBGROUP);
+        let features = if subgroups { wgpu::Features::SUBGROUP } else { wgpu::Features::empty() };
         let desc = wgpu::DeviceDescriptor {
             label: Some("tm"),
-            required_features: wgpu::Features::empty(),
+            required_features: features,
             required_limits: limits.clone(),
             ..Default::default()
         };
@@ -173,7 +266,143 @@ impl Gpu {
                 v.push(e.to_string());
             }
         }));
-        Ok(Gpu { device, queue, summary, limits, errors })
+        let staging = |label, size, usage| {
+            device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size,
+                usage: usage | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        };
+        let params = staging("params", PARAMS_BYTES, wgpu::BufferUsages::UNIFORM);
+        let inputs = staging("inputs", INPUTS_BYTES + INPUT_WINDOW, wgpu::BufferUsages::STORAGE);
+        let adapter_max = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size);
+        let storage_align = u64::from(limits.min_storage_buffer_offset_alignment).max(4);
+        // At least a few aligned rows must fit a window.
+        let max_binding = opts.max_binding.map_or(adapter_max, |m| m.min(adapter_max)).max(16 * storage_align);
+        Ok(Gpu {
+            device,
+            queue,
+            summary,
+            uniform_align: u64::from(limits.min_uniform_buffer_offset_alignment).max(PARAM_BYTES),
+            storage_align,
+            limits,
+            subgroups,
+            params,
+            inputs,
+            max_binding,
+            recorder: Mutex::new(Recorder::default()),
+            submissions: Default::default(),
+            unsubmitted_writes: Default::default(),
+            bind_groups: Mutex::new(HashMap::new()),
+            errors,
+        })
+    }
+
+    fn recorder(&self) -> Result<MutexGuard<'_, Recorder>> {
+        self.recorder.lock().map_err(|_| backend_err("command recorder poisoned by an earlier panic"))
+    }
+
+    fn submit(&self, r: &mut Recorder) {
+        if let Some(enc) = r.encoder.take() {
+            self.unsubmitted_writes.store(0, std::sync::atomic::Ordering::Relaxed);
+            self.queue.submit([enc.finish()]);
+            self.submissions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        r.params_used = 0;
+        r.inputs_used = 0;
+    }
+
+    /// The cached bind group under `key` (a kernel id, then `(buffer id, offset, size)` per
+    /// binding), made by `make` on first use.
+    pub fn bind_group(&self, key: Vec<u64>, make: impl FnOnce() -> wgpu::BindGroup) -> Result<wgpu::BindGroup> {
+        let mut cache = self.bind_groups.lock().map_err(|_| backend_err("bind group cache poisoned"))?;
+        if let Some(g) = cache.get(&key) {
+            return Ok(g.clone());
+        }
+        if cache.len() >= MAX_BIND_GROUPS {
+            cache.clear();
+        }
+        let g = make();
+        cache.insert(key, g.clone());
+        Ok(g)
+    }
+
+    /// Writes `data` (a whole number of words) into `buffer` at `offset` through the queue, in
+    /// pieces of at most 64 MiB (the caller has flushed any recorded work that touches it). Past
+    /// 256 MiB of writes not yet submitted (loading a model), submits them and waits, so their
+    /// staging memory is given back.
+    pub fn write(&self, buffer: &wgpu::Buffer, offset: u64, data: &[u8]) -> Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
+        const PIECE: usize = 64 << 20;
+        for (i, piece) in data.chunks(PIECE).enumerate() {
+            self.queue.write_buffer(buffer, offset + (i * PIECE) as u64, piece);
+            let pending = self.unsubmitted_writes.fetch_add(piece.len() as u64, Relaxed) + piece.len() as u64;
+            if pending > 256 << 20 {
+                self.unsubmitted_writes.store(0, Relaxed);
+                self.queue.submit(std::iter::empty());
+                self.wait()?;
+            }
+        }
+        self.take_error()
+    }
+
+    /// Command buffers submitted so far (a decode step should cost one).
+    pub fn submissions(&self) -> u64 {
+        self.submissions.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Drops the cached bind groups that use buffer `id` (it is being freed).
+    pub fn forget_buffer(&self, id: u64) {
+        if let Ok(mut cache) = self.bind_groups.lock() {
+            cache.retain(|k, _| !k[1..].chunks(3).any(|c| c[0] == id));
+        }
+    }
+
+    /// Submits the recorded work (if any) and reports wgpu's errors.
+    pub fn flush(&self) -> Result<()> {
+        let mut r = self.recorder()?;
+        self.submit(&mut r);
+        drop(r);
+        self.take_error()
+    }
+
+    /// Records `f`'s commands into the pending encoder.
+    pub fn record<T>(&self, f: impl FnOnce(&mut wgpu::CommandEncoder) -> T) -> Result<T> {
+        let mut r = self.recorder()?;
+        let device = &self.device;
+        let enc = r.encoder.get_or_insert_with(|| {
+            device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("tm step") })
+        });
+        Ok(f(enc))
+    }
+
+    /// Stages a launch's parameter block and host inputs (at most [`INPUT_WINDOW`] bytes, a
+    /// multiple of 4), then records `f` with their offsets. Submits the pending work first when
+    /// the staging buffers are full.
+    pub fn record_launch<T>(
+        &self,
+        params: &[u32; 16],
+        inputs: &[u8],
+        f: impl FnOnce(&mut wgpu::CommandEncoder, Staged) -> T,
+    ) -> Result<T> {
+        let mut r = self.recorder()?;
+        let input_bytes = (inputs.len() as u64).div_ceil(self.storage_align) * self.storage_align;
+        if r.params_used + self.uniform_align > PARAMS_BYTES || r.inputs_used + input_bytes > INPUTS_BYTES {
+            self.submit(&mut r);
+        }
+        let staged = Staged { params: r.params_used as u32, inputs: r.inputs_used as u32 };
+        self.queue.write_buffer(&self.params, r.params_used, bytemuck::cast_slice(params));
+        if !inputs.is_empty() {
+            self.queue.write_buffer(&self.inputs, r.inputs_used, inputs);
+        }
+        r.params_used += self.uniform_align;
+        r.inputs_used += input_bytes;
+        let device = &self.device;
+        let enc = r.encoder.get_or_insert_with(|| {
+            device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("tm step") })
+        });
+        Ok(f(enc, staged))
     }
 
     /// Returns the first error wgpu reported since the last call, if any.
@@ -186,17 +415,30 @@ impl Gpu {
         Err(backend_err(all.join("; ")))
     }
 
-    /// Waits until the queue has finished all submitted work.
+    /// Submits the recorded work and waits until the queue has finished it.
     pub fn wait(&self) -> Result<()> {
+        self.flush()?;
         self.device
             .poll(wgpu::PollType::wait_indefinitely())
             .map_err(|e| backend_err(format!("waiting for the device: {e}")))?;
         self.take_error()
     }
 
-    /// The largest buffer the backend may bind as one tensor.
+    /// The most bytes of a tensor the backend binds at once ([`WgpuOptions::max_binding`],
+    /// at most the adapter's `max_storage_buffer_binding_size`); larger tensors are bound in
+    /// windows.
     pub fn max_binding(&self) -> u64 {
-        self.limits.max_storage_buffer_binding_size.min(self.limits.max_buffer_size)
+        self.max_binding
+    }
+
+    /// The largest tensor the backend can hold: the adapter's `max_buffer_size`.
+    pub fn max_tensor(&self) -> u64 {
+        self.limits.max_buffer_size
+    }
+
+    /// The alignment of a storage binding's offset, in bytes.
+    pub fn storage_align(&self) -> u64 {
+        self.storage_align
     }
 
     /// Runs `f` inside an error scope of `filter` and returns wgpu's error, if any, as ours.

@@ -1,34 +1,42 @@
 //! tm-core's `Ops` on a wgpu device.
 //!
-//! Each op is one compute dispatch in its own submission; the queue runs them in call order and
-//! only `download` waits. Small per-step inputs (token ids, positions, slots, block tables) and
-//! the kernel parameters go up in fresh buffers per call. Pipelines are compiled on first use and
-//! cached by kernel name.
+//! Each op records one or a few compute dispatches into the device's pending command encoder
+//! (see [`crate::context`]); only a download waits for the device. Small per-step inputs (token
+//! ids, positions, slots, block tables) are staged, not uploaded in fresh buffers. Weights, the
+//! KV cache and embedding tables larger than one storage binding are bound in windows of whole
+//! rows (or KV blocks) with one dispatch per window; attention over a windowed cache merges the
+//! windows' partial softmax states. Pipelines are compiled on first use and cached by name.
 
 use crate::allocator::{padded, WgpuAllocator};
 use crate::context::{Gpu, WgpuOptions};
-use std::collections::HashMap;
+use crate::launch::{grid, windows, Bind, PipelineCache};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tm_core::checks::{self, rows_of, same_numel};
 use tm_core::ops::{to_f32, AttentionMeta};
-use tm_core::quant::{QuantWeight, Weight};
+use tm_core::quant::Weight;
 use tm_core::rope::{RopeFreqs, RopeStyle};
 use tm_core::{Allocator, DType, Device, Error, Ops, Result, Tensor, TensorDesc};
-use wgpu::util::DeviceExt;
 
-/// Threads per workgroup of the 1-D kernels.
-const WG: u64 = 256;
 /// Largest head dimension the attention kernel handles.
 const MAX_HEAD_DIM: usize = 256;
+/// Ids of the backend's own buffers (scratch) in bind-group cache keys start here.
+const OWN_IDS: u64 = 1 << 62;
 
 /// tm-core's `Ops` on one wgpu adapter.
 #[derive(Debug)]
 pub struct WgpuBackend {
-    gpu: Arc<Gpu>,
+    pub(crate) gpu: Arc<Gpu>,
     wgpu_allocator: Arc<WgpuAllocator>,
     allocator: Arc<dyn Allocator>,
-    pipelines: Mutex<HashMap<&'static str, wgpu::ComputePipeline>>,
-    dummy: wgpu::Buffer,
+    pub(crate) pipelines: Mutex<PipelineCache>,
+    pub(crate) dummy: wgpu::Buffer,
+    f16_weights: bool,
+    /// Readback buffer, grown as needed.
+    staging: Mutex<Option<wgpu::Buffer>>,
+    /// Attention's partial states over a windowed cache: (buffer, cache id), grown as needed.
+    scratch: Mutex<Option<(wgpu::Buffer, u64)>>,
+    next_own_id: AtomicU64,
 }
 
 fn f32_check(t: &Tensor, what: &str) -> Result<()> {
@@ -39,10 +47,80 @@ fn u32_of(v: usize, what: &str) -> Result<u32> {
     u32::try_from(v).map_err(|_| Error::invalid(format!("{what} of {v} does not fit the wgpu kernels' u32 indices")))
 }
 
-/// A 2-D grid of `count` workgroups: `(x, y)` with `x <= 65535`.
-fn grid(count: u64) -> (u32, u32) {
-    let x = count.clamp(1, 65535);
-    (x as u32, count.div_ceil(x).max(1) as u32)
+fn backend_err(message: String) -> Error {
+    Error::Backend { backend: "wgpu".into(), message }
+}
+
+/// A weight's tensors (dense; or packed, scales and, for int4, mins), its kernel suffix and its
+/// group size.
+struct WeightParts<'a> {
+    tensors: Vec<&'a Tensor>,
+    suffix: &'static str,
+    group_size: usize,
+}
+
+fn weight_parts(w: &Weight) -> Result<WeightParts<'_>> {
+    Ok(match w {
+        Weight::Dense(t) => {
+            let suffix = match t.dtype() {
+                DType::F32 => "f32",
+                DType::F16 => "f16",
+                other => {
+                    return Err(Error::DType {
+                        op: "wgpu weight".into(),
+                        expected: "f32 or f16".into(),
+                        got: other.to_string(),
+                    })
+                }
+            };
+            WeightParts { tensors: vec![t], suffix, group_size: 0 }
+        }
+        Weight::Int4(q) => {
+            q.validate(true)?;
+            let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
+            WeightParts { tensors: vec![&q.packed, &q.scales, mins], suffix: "q4", group_size: q.group_size }
+        }
+        Weight::Int8(q) => {
+            q.validate(false)?;
+            WeightParts { tensors: vec![&q.packed, &q.scales], suffix: "q8", group_size: q.group_size }
+        }
+    })
+}
+
+/// Bytes per row of each of a weight's tensors (`rows` rows).
+fn row_bytes(parts: &WeightParts<'_>, rows: usize) -> Vec<u64> {
+    parts.tensors.iter().map(|t| (t.desc().bytes() / rows.max(1)) as u64).collect()
+}
+
+/// Host bytes of float dtype `from` as `to` (f32 or f16), converted on all cores in chunks (an
+/// 8B model's weights are billions of values).
+fn convert(from: DType, to: DType, src: &[u8]) -> Result<Vec<u8>> {
+    let (in_size, out_size) = (from.bits() / 8, to.bits() / 8);
+    let n = src.len() / in_size;
+    let mut out = vec![0u8; n * out_size];
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(16);
+    let per = n.div_ceil(threads).max(1 << 16);
+    std::thread::scope(|scope| {
+        let jobs: Vec<_> = src
+            .chunks(per * in_size)
+            .zip(out.chunks_mut(per * out_size))
+            .map(|(i, o)| {
+                scope.spawn(move || -> Result<()> {
+                    let v = to_f32(from, i)?;
+                    if to == DType::F16 {
+                        for (d, x) in o.chunks_exact_mut(2).zip(v) {
+                            d.copy_from_slice(&half::f16::from_f32(x).to_le_bytes());
+                        }
+                    } else {
+                        o.copy_from_slice(bytemuck::cast_slice(&v));
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        jobs.into_iter().try_for_each(|j| j.join().map_err(|_| Error::invalid("weight conversion panicked"))?)
+    })?;
+    Ok(out)
 }
 
 impl WgpuBackend {
@@ -60,7 +138,24 @@ impl WgpuBackend {
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
-        Ok(WgpuBackend { gpu, wgpu_allocator, allocator, pipelines: Mutex::new(HashMap::new()), dummy })
+        tracing::debug!(
+            "wgpu: {}; binding limit {} bytes, subgroups {}, f16 weights {}",
+            gpu.summary,
+            gpu.max_binding(),
+            gpu.subgroups,
+            opts.f16_weights
+        );
+        Ok(WgpuBackend {
+            gpu,
+            wgpu_allocator,
+            allocator,
+            pipelines: Mutex::new(PipelineCache::new()),
+            dummy,
+            f16_weights: opts.f16_weights,
+            staging: Mutex::new(None),
+            scratch: Mutex::new(None),
+            next_own_id: AtomicU64::new(OWN_IDS),
+        })
     }
 
     /// The device, queue and adapter facts.
@@ -68,121 +163,113 @@ impl WgpuBackend {
         &self.gpu
     }
 
-    /// Compiles every kernel now (they are otherwise compiled on first use), so a shader the
-    /// adapter rejects shows up at start-up.
+    /// Whether the matrix-vector kernels use subgroup reductions on this device.
+    pub fn uses_subgroups(&self) -> bool {
+        self.gpu.subgroups
+    }
+
+    /// Compiles every kernel this device can run now (they are otherwise compiled on first
+    /// use), so a shader the adapter rejects shows up at start-up.
     pub fn warm_up(&self) -> Result<()> {
         for k in tm_kernels::wgsl::KERNELS {
-            self.pipeline(k.name)?;
+            if !k.subgroups || self.gpu.subgroups {
+                self.compiled(k.name)?;
+            }
         }
         Ok(())
     }
 
     /// The wgpu buffer of a tensor made by this backend's allocator.
-    fn buf(&self, t: &Tensor) -> Result<wgpu::Buffer> {
+    pub(crate) fn buf(&self, t: &Tensor) -> Result<wgpu::Buffer> {
         if t.buffer().allocator().id() != self.allocator.id() {
             return Err(Error::invalid("tensor does not belong to this wgpu backend"));
         }
         self.wgpu_allocator.buffer(t.buffer().addr())
     }
 
-    /// A read-only storage buffer holding `data` (padded to 4 bytes).
-    fn temp(&self, label: &str, data: &[u8]) -> wgpu::Buffer {
-        let mut bytes = data.to_vec();
-        bytes.resize(padded(data.len()) as usize, 0);
-        self.gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some(label),
-            contents: &bytes,
-            usage: wgpu::BufferUsages::STORAGE,
-        })
-    }
-
-    fn pipeline(&self, name: &'static str) -> Result<wgpu::ComputePipeline> {
-        let mut cache = self.pipelines.lock().map_err(|_| Error::invalid("wgpu pipeline cache poisoned"))?;
-        if let Some(p) = cache.get(name) {
-            return Ok(p.clone());
-        }
-        let kernel = tm_kernels::wgsl::kernel(name)
-            .ok_or_else(|| Error::Unsupported(format!("wgpu kernel {name} does not exist")))?;
-        let source = kernel.source();
-        let device = &self.gpu.device;
-        let pipeline = self.gpu.scoped(wgpu::ErrorFilter::Validation, &format!("compiling kernel {name}"), || {
-            let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some(name),
-                source: wgpu::ShaderSource::Wgsl(source.into()),
+    /// A scratch binding of at least `bytes` bytes (attention's partial states).
+    fn scratch(&self, bytes: u64) -> Result<Bind> {
+        let mut s = self.scratch.lock().map_err(|_| Error::invalid("wgpu scratch poisoned"))?;
+        let size = padded(bytes as usize);
+        if s.as_ref().is_none_or(|(b, _)| b.size() < size) {
+            let buffer = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("attention partials"),
+                size: size.next_power_of_two(),
+                usage: wgpu::BufferUsages::STORAGE,
+                mapped_at_creation: false,
             });
-            device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(name),
-                layout: None,
-                module: &module,
-                entry_point: Some(kernel.entry),
-                compilation_options: Default::default(),
-                cache: None,
-            })
-        })?;
-        cache.insert(name, pipeline.clone());
-        Ok(pipeline)
+            *s = Some((buffer, self.next_own_id.fetch_add(1, Ordering::Relaxed)));
+        }
+        let (buffer, id) = s.as_ref().ok_or_else(|| Error::invalid("wgpu scratch missing"))?;
+        Ok(Bind { buffer: buffer.clone(), id: *id, offset: 0, size })
     }
 
-    /// Runs kernel `name` over `groups` workgroups with `params` at binding 0 and `bindings` at
-    /// 1, 2, ...
-    fn launch(&self, name: &'static str, params: &[u32], bindings: &[&wgpu::Buffer], groups: (u32, u32)) -> Result<()> {
-        let max = self.gpu.limits.max_compute_workgroups_per_dimension;
-        if groups.0 > max || groups.1 > max {
-            return Err(Error::Unsupported(format!(
-                "kernel {name} needs {groups:?} workgroups; the adapter allows {max} per dimension"
-            )));
+    /// The matrix product over windows of tokens (x, out) and of weight rows.
+    fn matmul_windows(
+        &self,
+        x: &Tensor,
+        w: &Weight,
+        bias: Option<&Tensor>,
+        out: &Tensor,
+        (n, rows, cols): (usize, usize, usize),
+    ) -> Result<()> {
+        let parts = weight_parts(w)?;
+        let max = self.gpu.max_binding();
+        let align = self.gpu.storage_align();
+        let mut per_row = row_bytes(&parts, rows);
+        if bias.is_some() {
+            per_row.push(4);
         }
-        let pipeline = self.pipeline(name)?;
-        if params.len() > 16 {
-            return Err(Error::invalid(format!("kernel {name} got {} parameters; at most 16 fit", params.len())));
+        let row_windows = windows(rows, &per_row, max, align, "matmul weight")?;
+        let token_windows = windows(n, &[cols as u64 * 4, rows as u64 * 4], max, align, "matmul activations")?;
+        for &(t0, tn) in &token_windows {
+            let xb = self.window(x, (t0 * cols * 4) as u64, (tn * cols * 4) as u64)?;
+            let ob = self.window(out, (t0 * rows * 4) as u64, (tn * rows * 4) as u64)?;
+            // Up to GEMV_MAX_TOKENS tokens per matrix-vector dispatch.
+            let gemv = tn <= tm_kernels::wgsl::GEMV_MAX_TOKENS;
+            for &(r0, rn) in &row_windows {
+                let mut b = vec![xb.clone()];
+                b.push(match bias {
+                    Some(t) => self.window(t, (r0 * 4) as u64, (rn * 4) as u64)?,
+                    None => Bind { buffer: self.dummy.clone(), id: crate::launch::DUMMY_ID, offset: 0, size: 16 },
+                });
+                b.push(ob.clone());
+                for (t, &pb) in parts.tensors.iter().zip(&row_bytes(&parts, rows)) {
+                    b.push(self.window(t, r0 as u64 * pb, rn as u64 * pb)?);
+                }
+                // Dense rows of a multiple of 8 columns: 16-byte loads.
+                let vec = matches!(parts.suffix, "f32" | "f16") && cols.is_multiple_of(8);
+                let (name, groups) = if gemv {
+                    (self.kernel_name(if vec { "gemv_vec" } else { "gemv" }, parts.suffix)?, grid(rn as u64))
+                } else {
+                    (
+                        self.kernel_name("matmul", parts.suffix)?,
+                        ((rn as u64).div_ceil(16) as u32, (tn as u64).div_ceil(16) as u32),
+                    )
+                };
+                let params = [
+                    tn as u32,
+                    rn as u32,
+                    cols as u32,
+                    u32::from(bias.is_some()),
+                    parts.group_size as u32,
+                    groups.0,
+                    r0 as u32,
+                    rows as u32,
+                ];
+                self.dispatch(name, &params, &[], &b, groups)?;
+            }
         }
-        let mut words = [0u32; 16];
-        for (w, p) in words.iter_mut().zip(params) {
-            *w = *p;
-        }
-        let uniform = self.gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("params"),
-            contents: bytemuck::cast_slice(&words),
-            usage: wgpu::BufferUsages::UNIFORM,
-        });
-        let mut entries = vec![wgpu::BindGroupEntry { binding: 0, resource: uniform.as_entire_binding() }];
-        for (i, b) in bindings.iter().enumerate() {
-            entries.push(wgpu::BindGroupEntry { binding: i as u32 + 1, resource: b.as_entire_binding() });
-        }
-        let layout = pipeline.get_bind_group_layout(0);
-        let group = self.gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some(name),
-            layout: &layout,
-            entries: &entries,
-        });
-        let mut enc = self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(name) });
-        {
-            let mut pass =
-                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(name), timestamp_writes: None });
-            pass.set_pipeline(&pipeline);
-            pass.set_bind_group(0, &group, &[]);
-            pass.dispatch_workgroups(groups.0, groups.1, 1);
-        }
-        self.gpu.queue.submit([enc.finish()]);
-        self.gpu.take_error()
+        Ok(())
     }
 
-    /// Runs a 1-D kernel over `n` invocations.
-    fn launch_1d(&self, name: &'static str, params: &[u32], bindings: &[&wgpu::Buffer], n: usize) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        self.launch(name, params, bindings, grid((n as u64).div_ceil(WG)))
-    }
-
-    fn quant_parts(&self, q: &QuantWeight, int4: bool) -> Result<Vec<wgpu::Buffer>> {
-        q.validate(int4)?;
-        let mut parts = vec![self.buf(&q.packed)?, self.buf(&q.scales)?];
-        if int4 {
-            let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
-            parts.push(self.buf(mins)?);
-        }
-        Ok(parts)
+    /// The kernel name for `kind` (`gemv`, `gemv_vec`, `matmul`) and a weight suffix.
+    fn kernel_name(&self, kind: &str, suffix: &str) -> Result<&'static str> {
+        let sg = kind.starts_with("gemv") && self.gpu.subgroups;
+        let name = format!("{kind}_{suffix}{}", if sg { "_sg" } else { "" });
+        tm_kernels::wgsl::kernel(&name)
+            .map(|k| k.name)
+            .ok_or_else(|| Error::Unsupported(format!("wgpu kernel {name} does not exist")))
     }
 }
 
@@ -197,10 +284,10 @@ impl Ops for WgpuBackend {
         DType::F32
     }
     fn weight_dtype(&self, src: DType) -> DType {
-        if src.is_float() {
-            DType::F32
-        } else {
-            src
+        match (src.is_float(), self.f16_weights) {
+            (true, true) => DType::F16,
+            (true, false) => DType::F32,
+            (false, _) => src,
         }
     }
 
@@ -213,14 +300,15 @@ impl Ops for WgpuBackend {
             return Ok(());
         }
         let buffer = self.buf(dst)?;
+        // Recorded work that touches `dst` must run before the new contents land.
+        self.gpu.flush()?;
         if n.is_multiple_of(4) {
-            self.gpu.queue.write_buffer(&buffer, 0, src);
+            self.gpu.write(&buffer, 0, src)
         } else {
             let mut bytes = src.to_vec();
             bytes.resize(padded(n) as usize, 0);
-            self.gpu.queue.write_buffer(&buffer, 0, &bytes);
+            self.gpu.write(&buffer, 0, &bytes)
         }
-        self.gpu.take_error()
     }
 
     fn download(&self, src: &Tensor, dst: &mut [u8]) -> Result<()> {
@@ -233,29 +321,31 @@ impl Ops for WgpuBackend {
         }
         let buffer = self.buf(src)?;
         let size = padded(n);
-        let staging = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("download"),
-            size,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let mut enc =
-            self.gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("download") });
-        enc.copy_buffer_to_buffer(&buffer, 0, &staging, 0, size);
-        self.gpu.queue.submit([enc.finish()]);
+        let mut slot = self.staging.lock().map_err(|_| Error::invalid("wgpu readback buffer poisoned"))?;
+        if slot.as_ref().is_none_or(|b| b.size() < size) {
+            *slot = Some(self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("download"),
+                size: size.next_power_of_two(),
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }));
+        }
+        let staging = slot.as_ref().ok_or_else(|| Error::invalid("wgpu readback buffer missing"))?;
+        self.gpu.record(|enc| enc.copy_buffer_to_buffer(&buffer, 0, staging, 0, size))?;
+        self.gpu.flush()?;
         let (tx, rx) = std::sync::mpsc::channel();
-        staging.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+        staging.slice(..size).map_async(wgpu::MapMode::Read, move |r| {
             let _ = tx.send(r);
         });
         self.gpu.wait()?;
         rx.recv()
-            .map_err(|_| Error::Backend { backend: "wgpu".into(), message: "readback never completed".into() })?
-            .map_err(|e| Error::Backend { backend: "wgpu".into(), message: format!("mapping readback: {e}") })?;
+            .map_err(|_| backend_err("readback never completed".into()))?
+            .map_err(|e| backend_err(format!("mapping readback: {e}")))?;
         {
-            let view = staging.slice(..).get_mapped_range().map_err(|e| Error::Backend {
-                backend: "wgpu".into(),
-                message: format!("reading the mapped readback: {e}"),
-            })?;
+            let view = staging
+                .slice(..size)
+                .get_mapped_range()
+                .map_err(|e| backend_err(format!("reading the mapped readback: {e}")))?;
             dst.copy_from_slice(&view[..n]);
         }
         staging.unmap();
@@ -271,13 +361,14 @@ impl Ops for WgpuBackend {
                 src.len(),
             ));
         }
-        let target = self.weight_dtype(src_dtype);
+        // Vectors (norm weights, biases) are kept in the activation dtype.
+        let target = if shape.len() == 1 && src_dtype.is_float() { DType::F32 } else { self.weight_dtype(src_dtype) };
         let mut t = self.zeros(TensorDesc::new(target, shape), phase)?;
         if target == src_dtype {
             self.upload(&mut t, src)?;
         } else {
-            let v = to_f32(src_dtype, src)?;
-            self.upload(&mut t, bytemuck::cast_slice(&v))?;
+            let converted = convert(src_dtype, target, src)?;
+            self.upload(&mut t, &converted)?;
         }
         Ok(t)
     }
@@ -288,28 +379,30 @@ impl Ops for WgpuBackend {
         if ids.is_empty() {
             return Ok(());
         }
-        let o = self.buf(out)?;
-        let idb = self.temp("ids", bytemuck::cast_slice(ids));
+        let (vocab, _) = table.dims();
+        let parts = weight_parts(table)?;
+        let ob = self.whole(out, "embedding output")?;
         let n = ids.len() * hidden;
         let hidden32 = u32_of(hidden, "hidden size")?;
         let tokens = u32_of(ids.len(), "tokens")?;
-        u32_of(table.dims().0 * hidden, "embedding table size")?;
-        match table {
-            Weight::Dense(t) => {
-                f32_check(t, "embedding table")?;
-                let tb = self.buf(t)?;
-                self.launch_1d("embedding_f32", &[hidden32, tokens], &[&idb, &tb, &o], n)
+        u32_of(vocab * hidden, "embedding table size")?;
+        let per_row = row_bytes(&parts, vocab);
+        let name = match parts.suffix {
+            "f32" => "embedding_f32",
+            "f16" => "embedding_f16",
+            "q4" => "embedding_q4",
+            _ => "embedding_q8",
+        };
+        for (r0, rn) in windows(vocab, &per_row, self.gpu.max_binding(), self.gpu.storage_align(), "embedding table")? {
+            let mut b = Vec::new();
+            for (t, &pb) in parts.tensors.iter().zip(&per_row) {
+                b.push(self.window(t, r0 as u64 * pb, rn as u64 * pb)?);
             }
-            Weight::Int4(q) | Weight::Int8(q) => {
-                let int4 = matches!(table, Weight::Int4(_));
-                let parts = self.quant_parts(q, int4)?;
-                let mut b: Vec<&wgpu::Buffer> = vec![&idb];
-                b.extend(parts.iter());
-                b.push(&o);
-                let name = if int4 { "embedding_q4" } else { "embedding_q8" };
-                self.launch_1d(name, &[hidden32, tokens, u32_of(q.group_size, "group size")?], &b, n)
-            }
+            b.push(ob.clone());
+            let params = [hidden32, tokens, parts.group_size as u32, r0 as u32, rn as u32];
+            self.dispatch_1d(name, &params, bytemuck::cast_slice(ids), &b, n)?;
         }
+        Ok(())
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
@@ -323,8 +416,12 @@ impl Ops for WgpuBackend {
         }
         let g = grid(rows as u64);
         let params = [u32_of(weight.numel(), "features")?, u32_of(rows, "rows")?, eps.to_bits(), g.0];
-        let (xb, wb, ob) = (self.buf(x)?, self.buf(weight)?, self.buf(out)?);
-        self.launch("rms_norm", &params, &[&xb, &wb, &ob], g)
+        let b = [
+            self.whole(x, "rms_norm input")?,
+            self.whole(weight, "rms_norm weight")?,
+            self.whole(out, "rms_norm output")?,
+        ];
+        self.dispatch("rms_norm", &params, &[], &b, g)
     }
 
     fn add_rms_norm(
@@ -347,8 +444,13 @@ impl Ops for WgpuBackend {
         }
         let g = grid(rows as u64);
         let params = [u32_of(weight.numel(), "features")?, u32_of(rows, "rows")?, eps.to_bits(), g.0];
-        let (xb, rb, wb, ob) = (self.buf(x)?, self.buf(residual)?, self.buf(weight)?, self.buf(out)?);
-        self.launch("add_rms_norm", &params, &[&xb, &wb, &ob, &rb], g)
+        let b = [
+            self.whole(x, "add_rms_norm input")?,
+            self.whole(weight, "rms_norm weight")?,
+            self.whole(out, "add_rms_norm output")?,
+            self.whole(residual, "residual")?,
+        ];
+        self.dispatch("add_rms_norm", &params, &[], &b, g)
     }
 
     fn matmul(&self, x: &Tensor, w: &Weight, bias: Option<&Tensor>, out: &mut Tensor) -> Result<()> {
@@ -370,53 +472,7 @@ impl Ops for WgpuBackend {
         }
         u32_of(rows * cols, "weight size")?;
         u32_of(n * cols.max(rows), "activation size")?;
-        let (xb, ob) = (self.buf(x)?, self.buf(out)?);
-        let bb = match bias {
-            Some(b) => self.buf(b)?,
-            None => self.dummy.clone(),
-        };
-        let gemv = n <= tm_kernels::wgsl::GEMV_MAX_TOKENS;
-        let groups = if gemv {
-            grid((rows as u64).div_ceil(64))
-        } else {
-            ((rows as u64).div_ceil(16) as u32, (n as u64).div_ceil(16) as u32)
-        };
-        let group_size = match w {
-            Weight::Dense(_) => 0,
-            Weight::Int4(q) | Weight::Int8(q) => q.group_size as u32,
-        };
-        let params = [n as u32, rows as u32, cols as u32, u32::from(bias.is_some()), group_size, groups.0];
-        let mut b: Vec<&wgpu::Buffer> = vec![&xb, &bb, &ob];
-        let parts;
-        let name = match (w, gemv) {
-            (Weight::Dense(t), _) => {
-                f32_check(t, "dense weight")?;
-                parts = vec![self.buf(t)?];
-                if gemv {
-                    "gemv_f32"
-                } else {
-                    "matmul_f32"
-                }
-            }
-            (Weight::Int4(q), _) => {
-                parts = self.quant_parts(q, true)?;
-                if gemv {
-                    "gemv_q4"
-                } else {
-                    "matmul_q4"
-                }
-            }
-            (Weight::Int8(q), _) => {
-                parts = self.quant_parts(q, false)?;
-                if gemv {
-                    "gemv_q8"
-                } else {
-                    "matmul_q8"
-                }
-            }
-        };
-        b.extend(parts.iter());
-        self.launch(name, &params, &b, groups)
+        self.matmul_windows(x, w, bias, out, (n, rows, cols))
     }
 
     fn rope(&self, x: &mut Tensor, positions: &[u32], freqs: &RopeFreqs) -> Result<()> {
@@ -439,10 +495,11 @@ impl Ops for WgpuBackend {
             style,
             freqs.attention_factor.to_bits(),
         ];
-        let fb = self.temp("inv_freq", bytemuck::cast_slice(&freqs.inv_freq));
-        let pb = self.temp("positions", bytemuck::cast_slice(positions));
-        let xb = self.buf(x)?;
-        self.launch_1d("rope", &params, &[&fb, &pb, &xb], tokens * heads * half)
+        let mut inputs: Vec<u32> = Vec::with_capacity(tokens + half);
+        inputs.extend_from_slice(positions);
+        inputs.extend(freqs.inv_freq.iter().map(|f| f.to_bits()));
+        let xb = self.whole(x, "rope input")?;
+        self.dispatch_1d("rope", &params, bytemuck::cast_slice(&inputs), &[xb], tokens * heads * half)
     }
 
     fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
@@ -452,8 +509,11 @@ impl Ops for WgpuBackend {
         f32_check(up, "up")?;
         f32_check(out, "silu_mul output")?;
         let n = gate.numel();
-        let (gb, ub, ob) = (self.buf(gate)?, self.buf(up)?, self.buf(out)?);
-        self.launch_1d("silu_mul", &[u32_of(n, "elements")?], &[&gb, &ub, &ob], n)
+        if n == 0 {
+            return Ok(());
+        }
+        let b = [self.whole(gate, "gate")?, self.whole(up, "up")?, self.whole(out, "silu_mul output")?];
+        self.dispatch_1d("silu_mul", &[u32_of(n, "elements")?], &[], &b, n)
     }
 
     fn add_in_place(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
@@ -461,8 +521,11 @@ impl Ops for WgpuBackend {
         f32_check(x, "add_in_place")?;
         f32_check(y, "addend")?;
         let n = x.numel();
-        let (yb, xb) = (self.buf(y)?, self.buf(x)?);
-        self.launch_1d("add", &[u32_of(n, "elements")?], &[&yb, &xb], n)
+        if n == 0 {
+            return Ok(());
+        }
+        let b = [self.whole(y, "addend")?, self.whole(x, "add_in_place")?];
+        self.dispatch_1d("add", &[u32_of(n, "elements")?], &[], &b, n)
     }
 
     fn write_kv(
@@ -477,11 +540,27 @@ impl Ops for WgpuBackend {
         for (t, what) in [(k, "k"), (v, "v"), (&*k_cache, "k cache"), (&*v_cache, "v cache")] {
             f32_check(t, what)?;
         }
-        u32_of(k_cache.numel(), "kv cache size")?;
-        let sb = self.temp("slots", bytemuck::cast_slice(slot_mapping));
-        let (kb, vb, kcb, vcb) = (self.buf(k)?, self.buf(v)?, self.buf(k_cache)?, self.buf(v_cache)?);
-        let params = [width as u32, u32_of(slot_mapping.len(), "tokens")?];
-        self.launch_1d("write_kv", &params, &[&sb, &kb, &vb, &kcb, &vcb], k.numel())
+        if slot_mapping.is_empty() {
+            return Ok(());
+        }
+        let shape = k_cache.shape().to_vec();
+        let (blocks, bs) = (shape[0], shape[1]);
+        u32_of(blocks * bs, "kv cache slots")?;
+        let (kb, vb) = (self.whole(k, "k")?, self.whole(v, "v")?);
+        let block_bytes = (bs * width * 4) as u64;
+        let tokens = u32_of(slot_mapping.len(), "tokens")?;
+        for (b0, nb) in windows(blocks, &[block_bytes], self.gpu.max_binding(), self.gpu.storage_align(), "kv cache")? {
+            let lo = (b0 * bs) as u32;
+            let hi = lo + (nb * bs) as u32;
+            if !slot_mapping.iter().any(|&s| s >= lo && s < hi) {
+                continue;
+            }
+            let (off, len) = (b0 as u64 * block_bytes, nb as u64 * block_bytes);
+            let b = [kb.clone(), vb.clone(), self.window(k_cache, off, len)?, self.window(v_cache, off, len)?];
+            let params = [width as u32, tokens, lo, hi - lo];
+            self.dispatch_1d("write_kv", &params, bytemuck::cast_slice(slot_mapping), &b, k.numel())?;
+        }
+        Ok(())
     }
 
     fn attention(
@@ -492,7 +571,7 @@ impl Ops for WgpuBackend {
         meta: &AttentionMeta<'_>,
         out: &mut Tensor,
     ) -> Result<()> {
-        let checks::AttentionDims { tokens, heads, kv_heads, head_dim, .. } =
+        let checks::AttentionDims { tokens, heads, kv_heads, head_dim, blocks } =
             checks::attention(q, k_cache, v_cache, meta, out)?;
         if head_dim > MAX_HEAD_DIM {
             return Err(Error::Unsupported(format!(
@@ -502,18 +581,21 @@ impl Ops for WgpuBackend {
         for (t, what) in [(q, "q"), (k_cache, "k cache"), (v_cache, "v cache"), (&*out, "attention output")] {
             f32_check(t, what)?;
         }
+        if tokens == 0 {
+            return Ok(());
+        }
         u32_of(k_cache.numel(), "kv cache size")?;
-        let mut info = vec![0u32; 2 * tokens];
-        let mut tables: Vec<u32> = Vec::new();
+        // Inputs: (table offset, position) per token, then the block tables.
+        let mut inputs = vec![0u32; 2 * tokens];
         for s in meta.seqs {
             let blocks_needed = s.context_len.div_ceil(meta.block_size);
-            let offset = u32_of(tables.len(), "block table offset")?;
-            tables.extend_from_slice(&s.block_table[..blocks_needed]);
+            let offset = u32_of(inputs.len() - 2 * tokens, "block table offset")?;
+            inputs.extend_from_slice(&s.block_table[..blocks_needed]);
             let first_pos = s.context_len - s.query_len;
             for i in 0..s.query_len {
                 let t = s.query_start + i;
-                info[2 * t] = offset;
-                info[2 * t + 1] = u32_of(first_pos + i, "position")?;
+                inputs[2 * t] = offset;
+                inputs[2 * t + 1] = u32_of(first_pos + i, "position")?;
             }
         }
         let window = match meta.sliding_window {
@@ -521,21 +603,52 @@ impl Ops for WgpuBackend {
             Some(w) => u32_of(w, "sliding window")?,
             None => 0,
         };
+        let bs = meta.block_size;
+        let block_bytes = (bs * kv_heads * head_dim * 4) as u64;
+        let kv_windows = windows(blocks, &[block_bytes], self.gpu.max_binding(), self.gpu.storage_align(), "kv cache")?;
         let g = grid((tokens * heads) as u64);
-        let params = [
-            tokens as u32,
-            heads as u32,
-            kv_heads as u32,
-            head_dim as u32,
-            u32_of(meta.block_size, "block size")?,
-            meta.scale.to_bits(),
-            window,
-            g.0,
-        ];
-        let ib = self.temp("token_info", bytemuck::cast_slice(&info));
-        let tb = self.temp("block_tables", bytemuck::cast_slice(&tables));
-        let (qb, kb, vb, ob) = (self.buf(q)?, self.buf(k_cache)?, self.buf(v_cache)?, self.buf(out)?);
-        self.launch("attention", &params, &[&qb, &kb, &vb, &ib, &tb, &ob], g)
+        let (qb, ob) = (self.whole(q, "q")?, self.whole(out, "attention output")?);
+        let partial = kv_windows.len() > 1;
+        let scratch = if partial {
+            let bytes = (kv_windows.len() * tokens * heads * (head_dim + 2) * 4) as u64;
+            if bytes > self.gpu.max_binding() {
+                return Err(Error::Unsupported(format!(
+                    "attention over {} kv-cache windows needs {bytes} bytes of partial states, over the binding \
+                     limit of {} bytes (lower the batch)",
+                    kv_windows.len(),
+                    self.gpu.max_binding()
+                )));
+            }
+            Some(self.scratch(bytes)?)
+        } else {
+            None
+        };
+        for (i, &(b0, nb)) in kv_windows.iter().enumerate() {
+            let (off, len) = (b0 as u64 * block_bytes, nb as u64 * block_bytes);
+            let target = scratch.clone().unwrap_or_else(|| ob.clone());
+            let b = [qb.clone(), self.window(k_cache, off, len)?, self.window(v_cache, off, len)?, target];
+            let params = [
+                tokens as u32,
+                heads as u32,
+                kv_heads as u32,
+                head_dim as u32,
+                u32_of(bs, "block size")?,
+                meta.scale.to_bits(),
+                window,
+                g.0,
+                u32::from(partial),
+                b0 as u32,
+                nb as u32,
+                i as u32,
+                2 * tokens as u32,
+            ];
+            self.dispatch("attention", &params, bytemuck::cast_slice(&inputs), &b, g)?;
+        }
+        if let Some(sb) = scratch {
+            let params = [(tokens * heads) as u32, head_dim as u32, kv_windows.len() as u32, g.0];
+            self.dispatch("attention_combine", &params, &[], &[sb, ob], g)?;
+        }
+        Ok(())
     }
 
     fn gather_rows(&self, x: &Tensor, rows: &[u32], out: &mut Tensor) -> Result<()> {
@@ -545,9 +658,48 @@ impl Ops for WgpuBackend {
         if out.numel() == 0 {
             return Ok(());
         }
-        let rb = self.temp("rows", bytemuck::cast_slice(rows));
-        let (xb, ob) = (self.buf(x)?, self.buf(out)?);
+        let b = [self.whole(x, "gather_rows input")?, self.whole(out, "gather_rows output")?];
         let params = [u32_of(width, "row width")?, u32_of(rows.len(), "rows")?];
-        self.launch_1d("gather_rows", &params, &[&rb, &xb, &ob], out.numel())
+        self.dispatch_1d("gather_rows", &params, bytemuck::cast_slice(rows), &b, out.numel())
+    }
+
+    fn copy_chunks(&self, t: &mut Tensor, chunk_bytes: usize, pairs: &[(u32, u32)]) -> Result<()> {
+        let total = t.desc().bytes();
+        if let Some(&(s, d)) = pairs.iter().find(|&&(s, d)| (s.max(d) as usize + 1) * chunk_bytes > total) {
+            return Err(Error::invalid(format!(
+                "chunk copy {s} -> {d} of {chunk_bytes} bytes is outside {total} bytes"
+            )));
+        }
+        if pairs.is_empty() || chunk_bytes == 0 {
+            return Ok(());
+        }
+        if !chunk_bytes.is_multiple_of(4) {
+            // Not word-aligned: through the host.
+            let mut host = vec![0u8; total];
+            self.download(t, &mut host)?;
+            for &(s, d) in pairs {
+                let (s, d) = (s as usize * chunk_bytes, d as usize * chunk_bytes);
+                host.copy_within(s..s + chunk_bytes, d);
+            }
+            return self.upload(t, &host);
+        }
+        // A buffer cannot be copied onto itself: each chunk goes through a bounce buffer, in
+        // order, so a chunk copied earlier in `pairs` may be the source of a later pair.
+        let buffer = self.buf(t)?;
+        let c = chunk_bytes as u64;
+        let bounce = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("copy_chunks"),
+            size: c * pairs.len() as u64,
+            usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.gpu.record(|enc| {
+            for (i, &(s, d)) in pairs.iter().enumerate() {
+                let at = i as u64 * c;
+                enc.copy_buffer_to_buffer(&buffer, u64::from(s) * c, &bounce, at, c);
+                enc.copy_buffer_to_buffer(&bounce, at, &buffer, u64::from(d) * c, c);
+            }
+        })?;
+        self.gpu.take_error()
     }
 }

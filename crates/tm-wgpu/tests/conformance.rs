@@ -19,6 +19,19 @@ use tm_model::llama::LlamaModel;
 use tm_model::weights::SafetensorsCheckpoint;
 use tm_wgpu::{WgpuBackend, WgpuOptions};
 
+/// A backend of its own with `tweak` applied to the environment's options.
+fn own_gpu(tweak: impl FnOnce(&mut WgpuOptions)) -> Option<WgpuBackend> {
+    let mut opts = WgpuOptions::from_env();
+    tweak(&mut opts);
+    match WgpuBackend::open(opts) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            println!("skipped: no wgpu adapter ({e})");
+            None
+        }
+    }
+}
+
 fn gpu() -> Option<&'static WgpuBackend> {
     static GPU: OnceLock<Result<WgpuBackend, String>> = OnceLock::new();
     match GPU.get_or_init(|| WgpuBackend::open(WgpuOptions::from_env()).map_err(|e| e.to_string())) {
@@ -289,9 +302,9 @@ fn allocator_stats_limits_and_copy() {
         assert_eq!(back, [1, 2, 3, 4, 5]);
     }
     assert_eq!(a.stats().in_use, before, "buffers free on drop");
-    let limit = g.gpu().max_binding();
+    let limit = g.gpu().max_tensor();
     let err = g.zeros(TensorDesc::new(DType::U8, &[limit as usize + 4]), "huge weight").unwrap_err().to_string();
-    assert!(err.contains("huge weight") && err.contains("max_storage_buffer_binding_size"), "{err}");
+    assert!(err.contains("huge weight") && err.contains("max_buffer_size"), "{err}");
 }
 
 /// Greedy-decodes `steps` tokens after `prompt` on both backends; asserts the same tokens and
@@ -398,4 +411,182 @@ fn bad_inputs_are_errors_not_panics() {
     assert!(g.attention(&x, &kc, &vc, &meta, &mut ao).is_err(), "block outside the cache");
     let mut short = vec![0u8; 3];
     assert!(g.download(&x, &mut short).is_err(), "download into a buffer of the wrong size");
+}
+
+/// Matrix products, embeddings, `write_kv` and attention with storage bindings capped at 64 KiB:
+/// weights split by rows, activations by tokens, the KV cache by blocks (attention merging the
+/// windows' partial softmax states).
+#[test]
+fn windowed_bindings_match_cpu() {
+    let Some(g) = own_gpu(|o| o.max_binding = Some(64 << 10)) else { return };
+    let g = &g;
+    let c = CpuBackend::new();
+    let mut rng = Rng(23);
+    let start = Instant::now();
+    println!("binding cap {} bytes, storage alignment {}", g.gpu().max_binding(), g.gpu().storage_align());
+    for kind in ["dense", "int4", "int8"] {
+        // 1000 x 256: 1 MB dense, 128 KB int4: several windows each; n = 80 splits x and out.
+        for (n, rows, cols, bias) in [(3, 1000, 256, true), (80, 1000, 256, false)] {
+            let (gw, cw) = weights(g, &c, kind, rows, cols, &mut rng);
+            let x = rng.floats(n * cols);
+            let (gx, cx) = pair(g, &c, &[n, cols], &x);
+            let (gb, cb) = pair(g, &c, &[rows], &rng.floats(rows));
+            let (mut go, mut co) = pair(g, &c, &[n, rows], &vec![0.0; n * rows]);
+            g.matmul(&gx, &gw, bias.then_some(&gb), &mut go).unwrap();
+            c.matmul(&cx, &cw, bias.then_some(&cb), &mut co).unwrap();
+            close(&format!("windowed matmul {kind} n={n} {rows}x{cols}"), g, &go, &c, &co);
+        }
+        let (gt, ct) = weights(g, &c, kind, 1000, 256, &mut rng);
+        let ids: Vec<u32> = (0..12).map(|i| if i < 2 { 999 * i } else { rng.below(1000) as u32 }).collect();
+        let (mut go, mut co) = pair(g, &c, &[ids.len(), 256], &vec![0.0; ids.len() * 256]);
+        g.embedding(&gt, &ids, &mut go).unwrap();
+        c.embedding(&ct, &ids, &mut co).unwrap();
+        close(&format!("windowed embedding {kind}"), g, &go, &c, &co);
+    }
+    // KV cache of 64 blocks x 8 KB: 8 windows.
+    let (heads, kv_heads, head_dim, blocks, bs) = (4, 2, 64, 64, 16);
+    let width = kv_heads * head_dim;
+    let shape = [blocks, bs, kv_heads, head_dim];
+    let (mut gk, mut ck) = pair(g, &c, &shape, &rng.floats(blocks * bs * width));
+    let (mut gv, mut cv) = pair(g, &c, &shape, &rng.floats(blocks * bs * width));
+    let table_a: Vec<u32> = (0..20).map(|i| (i * 37 % 64) as u32).collect();
+    let table_b = [63u32, 0, 8];
+    let slot = |table: &[u32], pos: usize| table[pos / bs] * bs as u32 + (pos % bs) as u32;
+    let mut slots: Vec<u32> = (300..305).map(|p| slot(&table_a, p)).collect();
+    slots.push(slot(&table_b, 40));
+    let tokens = slots.len();
+    let (gkn, ckn) = pair(g, &c, &[tokens, width], &rng.floats(tokens * width));
+    let (gvn, cvn) = pair(g, &c, &[tokens, width], &rng.floats(tokens * width));
+    g.write_kv(&gkn, &gvn, &mut gk, &mut gv, &slots).unwrap();
+    c.write_kv(&ckn, &cvn, &mut ck, &mut cv, &slots).unwrap();
+    close("windowed write_kv k", g, &gk, &c, &ck);
+    close("windowed write_kv v", g, &gv, &c, &cv);
+    for window in [None, Some(100)] {
+        let seqs = [
+            SeqAttention { query_start: 0, query_len: 5, context_len: 305, block_table: &table_a },
+            SeqAttention { query_start: 5, query_len: 1, context_len: 41, block_table: &table_b },
+        ];
+        let meta = AttentionMeta { seqs: &seqs, block_size: bs, scale: 0.125, sliding_window: window };
+        let q = rng.floats(tokens * heads * head_dim);
+        let (gq, cq) = pair(g, &c, &[tokens, heads * head_dim], &q);
+        let (mut go, mut co) = pair(g, &c, &[tokens, heads * head_dim], &vec![0.0; q.len()]);
+        g.attention(&gq, &gk, &gv, &meta, &mut go).unwrap();
+        c.attention(&cq, &ck, &cv, &meta, &mut co).unwrap();
+        close(&format!("windowed attention, window {window:?}"), g, &go, &c, &co);
+    }
+    println!("windowed_bindings_match_cpu: {:?}", start.elapsed());
+}
+
+/// f16 dense weights (matrix and embedding) against the CPU on the same f16-rounded values.
+#[test]
+fn f16_weights_match_cpu_on_rounded_weights() {
+    let Some(g) = own_gpu(|o| o.f16_weights = true) else { return };
+    let g = &g;
+    let c = CpuBackend::new();
+    let mut rng = Rng(29);
+    for (n, rows, cols) in [(1, 96, 64), (5, 130, 96), (17, 70, 128), (2, 50, 36)] {
+        let w = rng.floats(rows * cols);
+        let rounded: Vec<f32> = w.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+        let gw = Weight::Dense(g.load_dense(DType::F32, &[rows, cols], bytemuck::cast_slice(&w), "test").unwrap());
+        assert_eq!(gw.dims(), (rows, cols));
+        if let Weight::Dense(t) = &gw {
+            assert_eq!(t.dtype(), DType::F16, "f16 weights are stored as f16");
+        }
+        let cw = Weight::Dense(f32t(&c, &[rows, cols], &rounded));
+        let (gx, cx) = pair(g, &c, &[n, cols], &rng.floats(n * cols));
+        let (mut go, mut co) = pair(g, &c, &[n, rows], &vec![0.0; n * rows]);
+        g.matmul(&gx, &gw, None, &mut go).unwrap();
+        c.matmul(&cx, &cw, None, &mut co).unwrap();
+        close(&format!("f16 matmul n={n} {rows}x{cols}"), g, &go, &c, &co);
+        let ids: Vec<u32> = (0..7).map(|_| rng.below(rows) as u32).collect();
+        let (mut ge, mut ce) = pair(g, &c, &[ids.len(), cols], &vec![0.0; ids.len() * cols]);
+        g.embedding(&gw, &ids, &mut ge).unwrap();
+        c.embedding(&cw, &ids, &mut ce).unwrap();
+        close("f16 embedding", g, &ge, &c, &ce);
+    }
+    // Vectors (norm weights, biases) stay f32.
+    let v = g.load_dense(DType::F32, &[8], bytemuck::cast_slice(&[0.5f32; 8]), "test").unwrap();
+    assert_eq!(v.dtype(), DType::F32);
+}
+
+/// The matrix-vector kernels with the shared-memory reduction (the subgroup one is what the
+/// shared backend uses where the adapter has subgroups).
+#[test]
+fn gemv_without_subgroups_matches_cpu() {
+    let Some(g) = own_gpu(|o| o.no_subgroups = true) else { return };
+    let g = &g;
+    println!("shared backend uses subgroups: {}", gpu().is_some_and(|s| s.uses_subgroups()));
+    assert!(!g.uses_subgroups());
+    let c = CpuBackend::new();
+    let mut rng = Rng(31);
+    for kind in ["dense", "int4", "int8"] {
+        for (n, rows, cols) in [(1, 96, 64), (8, 200, 160)] {
+            let (gw, cw) = weights(g, &c, kind, rows, cols, &mut rng);
+            let (gx, cx) = pair(g, &c, &[n, cols], &rng.floats(n * cols));
+            let (mut go, mut co) = pair(g, &c, &[n, rows], &vec![0.0; n * rows]);
+            g.matmul(&gx, &gw, None, &mut go).unwrap();
+            c.matmul(&cx, &cw, None, &mut co).unwrap();
+            close(&format!("gemv (no subgroups) {kind} n={n}"), g, &go, &c, &co);
+        }
+    }
+    // Dense rows whose length is not a multiple of 8 take the scalar kernel, on both backends.
+    for b in [g, gpu().unwrap_or(g)] {
+        let (n, rows, cols) = (3, 40, 36);
+        let w = rng.floats(rows * cols);
+        let (gw, cw) = pair(b, &c, &[rows, cols], &w);
+        let (gx, cx) = pair(b, &c, &[n, cols], &rng.floats(n * cols));
+        let (mut go, mut co) = pair(b, &c, &[n, rows], &vec![0.0; n * rows]);
+        b.matmul(&gx, &Weight::Dense(gw), None, &mut go).unwrap();
+        c.matmul(&cx, &Weight::Dense(cw), None, &mut co).unwrap();
+        close(&format!("gemv dense cols {cols}, subgroups {}", b.uses_subgroups()), b, &go, &c, &co);
+    }
+}
+
+/// KV-cache copy-on-write as device copies, in order (a chunk copied earlier may be copied on).
+#[test]
+fn copy_chunks_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng(37);
+    let v = rng.floats(8 * 32);
+    let (mut gt, mut ct) = pair(g, &c, &[8, 32], &v);
+    let pairs = [(1, 5), (5, 2), (7, 0)];
+    g.copy_chunks(&mut gt, 32 * 4, &pairs).unwrap();
+    c.copy_chunks(&mut ct, 32 * 4, &pairs).unwrap();
+    close("copy_chunks", g, &gt, &c, &ct);
+    assert!(g.copy_chunks(&mut gt, 32 * 4, &[(8, 0)]).is_err(), "chunk outside the tensor");
+}
+
+/// A weight larger than the adapter's real storage binding limit (lavapipe: 128 MiB), uploaded
+/// in pieces and multiplied in windows; skipped where the limit is larger than 160 MiB.
+#[test]
+fn weight_over_the_adapter_binding_limit() {
+    let Some(g) = gpu() else { return };
+    let limit = g.gpu().max_binding();
+    if limit > 160 << 20 {
+        println!("skipped: the binding limit is {} MiB", limit >> 20);
+        return;
+    }
+    let c = CpuBackend::new();
+    let mut rng = Rng(41);
+    let cols = 1024;
+    let rows = (limit as usize / (cols * 4)) + 3000;
+    let start = Instant::now();
+    let w = rng.floats(rows * cols);
+    let (gw, cw) = pair(g, &c, &[rows, cols], &w);
+    drop(w);
+    let (gw, cw) = (Weight::Dense(gw), Weight::Dense(cw));
+    for n in [1, 3] {
+        let (gx, cx) = pair(g, &c, &[n, cols], &rng.floats(n * cols));
+        let (mut go, mut co) = pair(g, &c, &[n, rows], &vec![0.0; n * rows]);
+        g.matmul(&gx, &gw, None, &mut go).unwrap();
+        c.matmul(&cx, &cw, None, &mut co).unwrap();
+        close(&format!("matmul over the binding limit, {rows}x{cols}, n={n}"), g, &go, &c, &co);
+    }
+    println!(
+        "weight of {} MiB over a binding limit of {} MiB: {:?}",
+        (rows * cols * 4) >> 20,
+        limit >> 20,
+        start.elapsed()
+    );
 }

@@ -129,6 +129,19 @@ fn pip_nvcc(site_packages: &Path) -> Option<PathBuf> {
     ["nvidia/cu13/bin/nvcc", "nvidia/cuda_nvcc/bin/nvcc"].iter().map(|p| site_packages.join(p)).find(|p| executable(p))
 }
 
+/// The CUDA 12 pip wheels put nvcc in `nvidia/cuda_nvcc/bin` and `cuda_fp16.h`/`cuda_bf16.h` in
+/// another wheel's `nvidia/cuda_runtime/include`, which that nvcc does not search (the CUDA 13
+/// wheels share one `nvidia/cu13` tree). For `$NVCC` pointing at such an nvcc (e.g. from
+/// `nvidia-cuda-nvcc-cu12==12.6.85`, the JetPack 6 toolchain), the runtime headers' directory.
+fn cuda12_wheel_runtime_include(nvcc: &Path) -> Option<PathBuf> {
+    let nvidia = nvcc.parent()?.parent()?.parent()?;
+    if nvcc.parent()?.parent()?.file_name()? != "cuda_nvcc" {
+        return None;
+    }
+    let include = nvidia.join("cuda_runtime").join("include");
+    include.join("cuda_fp16.h").is_file().then_some(include)
+}
+
 /// `lib/python3*/site-packages` directories of a virtual environment.
 fn venv_site_packages(venv: &Path) -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = fs::read_dir(venv.join("lib"))
@@ -235,7 +248,11 @@ fn compile(nvcc: &Path, src_dir: &Path, out_dir: &Path, job: &Job) -> Result<Com
         fs::create_dir_all(&keep_dir).with_context(|| format!("creating {}", keep_dir.display()))?;
         cmd.arg("--keep").arg("--keep-dir").arg(&keep_dir);
     }
-    cmd.arg("-I").arg(src_dir).arg("-o").arg(&tmp).arg(src_dir.join(format!("{}.cu", job.module)));
+    cmd.arg("-I").arg(src_dir);
+    if let Some(dir) = cuda12_wheel_runtime_include(nvcc) {
+        cmd.arg("-I").arg(dir);
+    }
+    cmd.arg("-o").arg(&tmp).arg(src_dir.join(format!("{}.cu", job.module)));
     let start = Instant::now();
     let out = cmd.output().with_context(|| format!("running {}", nvcc.display()));
     let time = start.elapsed();
@@ -421,6 +438,15 @@ mod tests {
     #[test]
     fn arch_lists() {
         assert_eq!(parse_arches("sm_87").unwrap(), vec![87]);
+        // The CUDA 12 wheel layout: runtime headers from the neighbouring wheel.
+        let site = std::env::temp_dir().join(format!("tm-xtask-cu12-{}", std::process::id()));
+        let nvcc = site.join("nvidia/cuda_nvcc/bin/nvcc");
+        assert_eq!(cuda12_wheel_runtime_include(&nvcc), None, "no runtime wheel yet");
+        fs::create_dir_all(site.join("nvidia/cuda_runtime/include")).unwrap();
+        fs::write(site.join("nvidia/cuda_runtime/include/cuda_fp16.h"), "").unwrap();
+        assert_eq!(cuda12_wheel_runtime_include(&nvcc), Some(site.join("nvidia/cuda_runtime/include")));
+        assert_eq!(cuda12_wheel_runtime_include(Path::new("/usr/local/cuda/bin/nvcc")), None);
+        let _ = fs::remove_dir_all(&site);
         assert_eq!(parse_arches("sm_90,sm_80, sm_86,sm_90").unwrap(), vec![80, 86, 90]);
         assert_eq!(parse_arches("89").unwrap(), vec![89]);
         for bad in ["", ",", "sm_", "sm_8", "sm_x7", "compute_90", "sm_87a", "sm_+87", "sm_1000"] {

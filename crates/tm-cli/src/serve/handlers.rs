@@ -294,9 +294,9 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> R
     let engine = Arc::clone(&st.engine);
     let ids = tokio::task::spawn_blocking(move || -> Result<Vec<u32>, ApiError> {
         let m = engine.model();
-        let tok = &m.tokenizer;
+        let tok = m.tokenizer();
         let text = m
-            .template
+            .template()
             .render(&messages, true, tok.bos_token().unwrap_or(""), tok.eos_token().unwrap_or(""))
             .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
         tok.encode(&text, false).map_err(|e| ApiError::bad_param("messages", e.to_string()))
@@ -321,7 +321,7 @@ async fn chat_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> R
         return Ok(sse_response(Arc::clone(&st.engine), rx, setup));
     }
     let out = collect(rx, plan.n).await?;
-    let tok = &st.engine.model().tokenizer;
+    let tok = st.engine.model().tokenizer();
     let choices: Vec<Value> = out
         .iter()
         .enumerate()
@@ -375,7 +375,7 @@ async fn completions_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection
         return Err(ApiError::bad_param("prompt", "prompt must not be an empty list"));
     }
     let echo = req.echo.unwrap_or(false);
-    let tok = &st.engine.model().tokenizer;
+    let tok = st.engine.model().tokenizer();
     let echoes: Vec<String> = if echo {
         prompts
             .iter()
@@ -461,9 +461,18 @@ pub async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> R
     }
 }
 
-/// `GET /health`.
-pub async fn health() -> Response {
-    ok_json(json!({"status": "ok"}))
+/// `GET /health`: 200 while the engine runs; 503 with the reason once it stopped for good (its
+/// tensor-parallel group failed: a rank stalled past `--comm-timeout` or died).
+pub async fn health(State(st): State<Arc<AppState>>) -> Response {
+    match st.engine.failure() {
+        None => ok_json(json!({"status": "ok"})),
+        Some(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(header::CONTENT_TYPE, "application/json")],
+            json!({"status": "unhealthy", "reason": why}).to_string(),
+        )
+            .into_response(),
+    }
 }
 
 /// `GET /metrics`.

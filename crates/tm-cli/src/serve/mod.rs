@@ -13,7 +13,7 @@ mod metrics;
 mod sse;
 mod types;
 
-use crate::common::{backend, load_model, EngineArgs, ModelArgs};
+use crate::common::{start_engine, EngineArgs, ModelArgs};
 use anyhow::{Context, Result};
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::middleware::Next;
@@ -26,7 +26,6 @@ use metrics::Metrics;
 use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
-use tm_core::Ops;
 use tm_model::engine::{Engine, EngineConfig};
 
 /// Arguments of `serve`.
@@ -79,20 +78,15 @@ const DEFAULT_KV_BYTES: u64 = 1 << 30;
 
 /// Runs `serve` until SIGINT or SIGTERM.
 pub fn run(args: ServeArgs) -> Result<()> {
-    args.model.single_rank_only("serve")?;
-    let ops: Arc<dyn Ops> = Arc::from(backend(&args.model)?);
     let bs = args.model.block_size.max(1);
-    let num_blocks = args.engine.plan_blocks(&args.model, ops.as_ref(), |cfg| {
-        EngineConfig::blocks_for_bytes(cfg, ops.activation_dtype(), bs, DEFAULT_KV_BYTES)
-            .max(args.model.max_len.div_ceil(bs))
+    let started = start_engine(&args.model, &args.engine, args.max_queue, |cfg, dtype| {
+        EngineConfig::blocks_for_bytes(cfg, dtype, bs, DEFAULT_KV_BYTES).max(args.model.max_len.div_ceil(bs))
     })?;
-    let m = Arc::new(load_model(&args.model, ops.as_ref())?);
-    let config = args.engine.config(&args.model, num_blocks, args.max_queue);
-    let engine = Arc::new(Engine::start(Arc::clone(&m), Arc::clone(&ops), config).context("starting the engine")?);
+    let engine = Arc::new(started.engine);
     let state = Arc::new(AppState {
         engine: Arc::clone(&engine),
         metrics: Arc::new(Metrics::default()),
-        model_name: args.served_model_name.clone().unwrap_or_else(|| m.name.clone()),
+        model_name: args.served_model_name.clone().unwrap_or_else(|| started.name.clone()),
         api_key: args.api_key.clone(),
         created: handlers::unix_now(),
     });

@@ -64,7 +64,7 @@ impl SseState {
 
     /// A chunk for choice `i`.
     fn chunk(&mut self, i: usize, text: Option<&str>, lps: Option<&TokenLogprobs>, finish: Option<&str>) {
-        let tok = &self.engine.model().tokenizer;
+        let tok = self.engine.model().tokenizer();
         let s = &self.setup;
         let choice = match s.format {
             Format::Chat => {

@@ -497,6 +497,15 @@ impl Comm for LocalComm {
         self.round(Kind::Barrier, step, deadline, |_| Ok((DType::U8, 0, Vec::new()))).map(|_| ())
     }
 
+    /// Collectives complete before they return, so this only reports an abort.
+    fn synchronize(&self, step: &str, _deadline: Duration) -> Result<()> {
+        let st = self.lock();
+        match &st.aborted {
+            Some(cause) => Err(self.aborted_error(cause, &format!("synchronize ({step})"), Instant::now())),
+            None => Ok(()),
+        }
+    }
+
     fn abort(&self, reason: &str) {
         let mut st = self.lock();
         self.abort_with(&mut st, AbortCause::Failed(format!("rank {} aborted the group: {reason}", self.rank)));

@@ -35,6 +35,9 @@ pub struct CudaOptions {
     pub memory_cap: Option<u64>,
     /// Replay repeated steps (decoding) as CUDA graphs.
     pub cuda_graphs: bool,
+    /// Discrete or unified memory variant and the unified variant's host reserve
+    /// ([`crate::memory_model`]); the default is `auto`.
+    pub memory_model: crate::MemoryConfig,
 }
 
 /// Bytes of the pinned staging buffer for host↔device copies.
@@ -79,14 +82,29 @@ impl CudaBackend {
         if !matches!(opts.dtype, DType::BF16 | DType::F16 | DType::F32) {
             return Err(Error::invalid(format!("the CUDA backend computes in bf16, f16 or f32, not {}", opts.dtype)));
         }
-        let gpu = Gpu::open(opts.ordinal)?;
-        let device = Arc::new(
-            CudaDevice::new(opts.ordinal)
-                .map_err(|e| Error::Backend { backend: "cuda".into(), message: e.to_string() })?,
-        );
+        Self::open_on(Gpu::open(opts.ordinal)?, opts)
+    }
+
+    /// Like [`CudaBackend::open`], on a GPU already opened (`opts.ordinal` is ignored): tensor
+    /// parallelism opens every rank's [`Gpu`] first, creates the NCCL communicators on their
+    /// streams, then each rank's thread opens its backend on its GPU, so collectives and kernels
+    /// share one stream.
+    pub fn open_on(gpu: Arc<Gpu>, opts: CudaOptions) -> Result<CudaBackend> {
+        if !matches!(opts.dtype, DType::BF16 | DType::F16 | DType::F32) {
+            return Err(Error::invalid(format!("the CUDA backend computes in bf16, f16 or f32, not {}", opts.dtype)));
+        }
+        let opts = CudaOptions { ordinal: gpu.info().ordinal, ..opts };
+        gpu.bind()?;
+        let device = Arc::new(CudaDevice::with_memory(opts.ordinal, opts.memory_model)?);
         let usable = device.memory_info()?.usable;
         let cap = opts.memory_cap.map_or(usable, |c| c.min(usable));
-        let cuda_allocator = CudaAllocator::new(Arc::clone(&gpu), device.clone() as Arc<dyn Device>, cap);
+        let dev = device.clone() as Arc<dyn Device>;
+        let cuda_allocator = if device.memory_model() == crate::MemoryModel::Unified {
+            tracing::info!("cuda device {}: unified memory, {}", opts.ordinal, device.system_memory().describe());
+            CudaAllocator::new_unified(Arc::clone(&gpu), dev, cap, crate::memory_model::UNIFIED_CACHE_LIMIT)
+        } else {
+            CudaAllocator::new(Arc::clone(&gpu), dev, cap)
+        };
         let allocator: Arc<dyn Allocator> = cuda_allocator.clone();
         let staging = Staging::new(Arc::clone(&gpu), STAGING_BYTES)?;
         let blas = Blas::new(Arc::clone(&gpu), &allocator)?;
@@ -238,6 +256,12 @@ impl Ops for CudaBackend {
             ));
         }
         let target = self.weight_dtype(src_dtype);
+        // Unified memory: read a tensor already in the kernels' layout in place (zero-copy).
+        if target == src_dtype && self.cuda_allocator.is_unified() {
+            if let Some(t) = self.cuda_allocator.zero_copy_tensor(src, desc.clone())? {
+                return Ok(t);
+            }
+        }
         let t = self.zeros(TensorDesc::new(target, shape), phase)?;
         if target == src_dtype {
             self.staging.upload(ptr(&t), src)?;

@@ -5,9 +5,14 @@ use super::config::{EngineConfig, EngineStats};
 use super::request::{Prompt, Request, MAX_LOGPROBS};
 use super::sequence::{SeqId, Sequence};
 use super::stream::RequestStream;
-use super::worker::{Limits, NewRequest, Shared, Worker};
+use super::worker::{Exec, Limits, NewRequest, Shared, Worker};
+use crate::chat_template::ChatTemplate;
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::loader::LoadedModel;
+use crate::tokenizer::Tokenizer;
+use crate::tp::TpGroup;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
@@ -26,9 +31,63 @@ pub(crate) enum Command {
     Shutdown(Instant),
 }
 
+/// What an engine on tensor-parallel ranks knows of its model (the weights are on the ranks).
+pub struct TpModelInfo {
+    /// Where it came from.
+    pub path: PathBuf,
+    /// A short name (directory or file stem).
+    pub name: String,
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
+    /// The chat template.
+    pub template: ChatTemplate,
+    /// The whole model's hyper-parameters.
+    pub config: ModelConfig,
+}
+
+/// The model an engine serves.
+#[derive(Clone)]
+pub enum ModelHandle {
+    /// Loaded whole on one backend.
+    Local(Arc<LoadedModel>),
+    /// Split over tensor-parallel ranks.
+    Tp(Arc<TpModelInfo>),
+}
+
+impl ModelHandle {
+    /// A short name (directory or file stem).
+    pub fn name(&self) -> &str {
+        match self {
+            ModelHandle::Local(m) => &m.name,
+            ModelHandle::Tp(m) => &m.name,
+        }
+    }
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        match self {
+            ModelHandle::Local(m) => &m.tokenizer,
+            ModelHandle::Tp(m) => &m.tokenizer,
+        }
+    }
+    /// The chat template.
+    pub fn template(&self) -> &ChatTemplate {
+        match self {
+            ModelHandle::Local(m) => &m.template,
+            ModelHandle::Tp(m) => &m.template,
+        }
+    }
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            ModelHandle::Local(m) => &m.model.config,
+            ModelHandle::Tp(m) => &m.config,
+        }
+    }
+}
+
 /// A running engine: many requests at once, continuous batching on its own thread.
 pub struct Engine {
-    model: Arc<LoadedModel>,
+    model: ModelHandle,
     commands: Sender<Command>,
     shared: Arc<Shared>,
     limits: Limits,
@@ -38,21 +97,38 @@ pub struct Engine {
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("model", &self.model.name).field("limits", &self.limits).finish_non_exhaustive()
+        f.debug_struct("Engine")
+            .field("model", &self.model.name())
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
     }
 }
 
 impl Engine {
     /// Allocates the KV cache and workspace on `ops` and starts the engine thread.
     pub fn start(model: Arc<LoadedModel>, ops: Arc<dyn Ops>, config: EngineConfig) -> Result<Engine> {
-        let limits = Limits::new(&model.model.config, &config)?;
+        let exec = Exec::Local { model: Arc::clone(&model), ops };
+        Self::start_exec(ModelHandle::Local(model), exec, config)
+    }
+
+    /// Starts the engine thread over a model split on tensor-parallel ranks. The group's KV
+    /// cache must have the engine's block size and at least `config.num_blocks` blocks. If the
+    /// group fails (a rank stalls past its deadline or dies), every request in flight fails with
+    /// the group's error, the engine stops taking requests, and [`Engine::failure`] says why.
+    pub fn start_tp(info: Arc<TpModelInfo>, group: TpGroup, config: EngineConfig) -> Result<Engine> {
+        Self::start_exec(ModelHandle::Tp(info), Exec::Tp(Box::new(group)), config)
+    }
+
+    fn start_exec(model: ModelHandle, exec: Exec, config: EngineConfig) -> Result<Engine> {
+        let limits = Limits::new(model.config(), &config)?;
         let shared = Arc::new(Shared {
             stats: Mutex::new(EngineStats { kv_blocks_total: config.num_blocks, ..Default::default() }),
             queued: AtomicUsize::new(0),
             accepting: AtomicBool::new(true),
+            failure: Mutex::new(None),
         });
         let (tx, rx) = channel();
-        let worker = Worker::new(Arc::clone(&model), ops, &config, limits.clone(), Arc::clone(&shared), rx)?;
+        let worker = Worker::new(model.clone(), exec, &config, limits.clone(), Arc::clone(&shared), rx)?;
         let thread = std::thread::Builder::new()
             .name("tm-engine".into())
             .spawn(move || worker.run())
@@ -61,8 +137,14 @@ impl Engine {
     }
 
     /// The model served.
-    pub fn model(&self) -> &Arc<LoadedModel> {
+    pub fn model(&self) -> &ModelHandle {
         &self.model
+    }
+
+    /// Why the engine stopped for good (its tensor-parallel group failed), if it did; a server
+    /// reports itself unhealthy then.
+    pub fn failure(&self) -> Option<String> {
+        self.shared.failure.lock().map_or_else(|_| Some("the engine state is poisoned".into()), |f| f.clone())
     }
 
     /// Longest sequence (prompt plus output) a request may reach.
@@ -74,6 +156,9 @@ impl Engine {
     /// a full queue, a stopped engine) concern this request only.
     pub fn submit(&self, request: Request) -> Result<RequestStream> {
         if !self.shared.accepting.load(Ordering::Acquire) {
+            if let Some(why) = self.failure() {
+                return Err(ModelError::Unavailable(format!("the engine has stopped: {why}")));
+            }
             return Err(ModelError::Unavailable("the engine is shutting down and takes no new requests".into()));
         }
         let prompt = self.validate(&request)?;
@@ -86,7 +171,7 @@ impl Engine {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = channel();
-        let tok = &self.model.tokenizer;
+        let tok = self.model.tokenizer();
         let mut stop_ids = request.stop_token_ids.clone();
         if !request.ignore_eos {
             stop_ids.extend_from_slice(tok.eos_ids());
@@ -117,13 +202,13 @@ impl Engine {
             return Err(ModelError::InvalidInput(format!("logprobs = {n} is out of range (at most {MAX_LOGPROBS})")));
         }
         let prompt = match &request.prompt {
-            Prompt::Text(text) => self.model.tokenizer.encode(text, true)?,
+            Prompt::Text(text) => self.model.tokenizer().encode(text, true)?,
             Prompt::Tokens(ids) => ids.clone(),
         };
         if prompt.is_empty() {
             return Err(ModelError::InvalidInput("the prompt is empty".into()));
         }
-        let vocab = self.model.model.config.vocab_size;
+        let vocab = self.model.config().vocab_size;
         if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(ModelError::InvalidInput(format!(
                 "prompt token id {bad} is outside the vocabulary of {vocab}"

@@ -35,6 +35,6 @@ mod stream;
 mod worker;
 
 pub use config::{EngineConfig, EngineStats};
-pub use engine::Engine;
+pub use engine::{Engine, ModelHandle, TpModelInfo};
 pub use request::{Event, FinishReason, Finished, Prompt, Request, TokenEvent, TokenLogprobs, Usage, MAX_LOGPROBS};
 pub use stream::{Completion, RequestStream};

@@ -2,6 +2,10 @@
 //! [`StepInput`] (tokens, positions, slot mapping, per-sequence attention metadata, logit rows),
 //! the model runs it against the paged KV cache, and one `Ops::sample` call draws a token for
 //! every sequence that reached its end.
+//!
+//! The model is whole on one backend ([`Target::Local`]: the runner holds its KV cache and
+//! workspace) or split over tensor-parallel ranks ([`Target::Tp`]: each rank holds its own, and
+//! rank 0 samples on its device).
 
 use super::request::TokenLogprobs;
 use super::scheduler::Batch;
@@ -10,8 +14,22 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
 use crate::llama::{LlamaModel, StepInput, Workspace};
+use crate::tp::{OwnedSample, TpGroup};
 use tm_core::ops::{SampleRequest, SeqAttention};
 use tm_core::Ops;
+
+/// Where a step runs.
+pub enum Target<'a> {
+    /// The whole model on one backend.
+    Local {
+        /// The weights.
+        model: &'a LlamaModel,
+        /// The backend.
+        ops: &'a dyn Ops,
+    },
+    /// The model split over tensor-parallel ranks.
+    Tp(&'a mut TpGroup),
+}
 
 /// Tokens drawn in one step, in batch order (one per sampled sequence).
 #[derive(Clone, Debug, Default)]
@@ -22,11 +40,13 @@ pub struct StepOutput {
     pub logprobs: Vec<Option<TokenLogprobs>>,
 }
 
-/// The KV cache, the activation workspace and reusable step buffers.
+/// The KV cache and the activation workspace (for [`Target::Local`]; tensor-parallel ranks
+/// hold their own), and reusable step buffers.
 #[derive(Debug)]
 pub struct ModelRunner {
-    kv: KvCache,
-    ws: Workspace,
+    local: Option<(KvCache, Workspace)>,
+    block_size: usize,
+    vocab: usize,
     tokens: Vec<u32>,
     positions: Vec<u32>,
     slots: Vec<u32>,
@@ -46,23 +66,33 @@ impl ModelRunner {
         max_tokens: usize,
         max_seqs: usize,
     ) -> Result<Self> {
-        Ok(ModelRunner {
-            kv: KvCache::new(ops, cfg, num_blocks, block_size)?,
-            ws: Workspace::new(ops, cfg, max_tokens, max_seqs)?,
+        let kv = KvCache::new(ops, cfg, num_blocks, block_size)?;
+        let ws = Workspace::new(ops, cfg, max_tokens, max_seqs)?;
+        let mut runner = Self::for_tp(cfg, block_size, max_tokens, max_seqs);
+        runner.local = Some((kv, ws));
+        Ok(runner)
+    }
+
+    /// Step buffers only, for a model on tensor-parallel ranks (which hold the KV cache and the
+    /// workspaces; [`Target::Tp`]).
+    pub fn for_tp(cfg: &ModelConfig, block_size: usize, max_tokens: usize, max_seqs: usize) -> Self {
+        ModelRunner {
+            local: None,
+            block_size,
+            vocab: cfg.vocab_size,
             tokens: Vec::with_capacity(max_tokens),
             positions: Vec::with_capacity(max_tokens),
             slots: Vec::with_capacity(max_tokens),
             rows: Vec::with_capacity(max_seqs),
             logits: Vec::new(),
             scratch: Vec::new(),
-        })
+        }
     }
 
     /// Runs `batch` over `seqs` (the scheduler's running sequences) and samples.
     pub fn step(
         &mut self,
-        model: &LlamaModel,
-        ops: &dyn Ops,
+        target: Target<'_>,
         seqs: &mut [Sequence],
         batch: &Batch,
         out: &mut StepOutput,
@@ -72,7 +102,7 @@ impl ModelRunner {
         if batch.seqs.is_empty() {
             return Ok(());
         }
-        let bs = self.kv.block_size;
+        let bs = self.block_size;
         let (tokens, positions, slots, rows) = (&mut self.tokens, &mut self.positions, &mut self.slots, &mut self.rows);
         tokens.clear();
         positions.clear();
@@ -101,34 +131,80 @@ impl ModelRunner {
         if sampled == 0 {
             rows.push(tokens.len() as u32 - 1); // the model wants one row; nothing is sampled
         }
-        self.kv.copy_blocks(ops, &batch.copies)?;
         let step = StepInput { tokens, positions, slot_mapping: slots, seqs: &attn, logit_rows: rows };
-        let logits = model.forward(ops, &mut self.kv, &step, &mut self.ws)?;
-        if sampled == 0 {
-            return Ok(());
-        }
         let sampled_seqs = || batch.seqs.iter().filter(|s| s.sample);
-        let want_logprobs = sampled_seqs().any(|s| seqs[s.index].logprobs.is_some());
-        if want_logprobs {
-            self.logits = ops.download_f32(logits)?;
-        }
-        let mut requests = Vec::with_capacity(sampled);
-        let mut next = sampled_seqs().map(|s| s.index).peekable();
-        for (i, seq) in seqs.iter_mut().enumerate() {
-            if next.peek() != Some(&i) {
-                continue;
+        let want_logprobs = sampled > 0 && sampled_seqs().any(|s| seqs[s.index].logprobs.is_some());
+        match target {
+            Target::Local { model, ops } => {
+                let Some((kv, ws)) = self.local.as_mut() else {
+                    return Err(bad_batch("a local step on a runner made for tensor-parallel ranks"));
+                };
+                kv.copy_blocks(ops, &batch.copies)?;
+                let logits = model.forward(ops, kv, &step, ws)?;
+                if sampled == 0 {
+                    return Ok(());
+                }
+                if want_logprobs {
+                    self.logits = ops.download_f32(logits)?;
+                }
+                let mut requests = Vec::with_capacity(sampled);
+                let mut next = sampled_seqs().map(|s| s.index).peekable();
+                for (i, seq) in seqs.iter_mut().enumerate() {
+                    if next.peek() != Some(&i) {
+                        continue;
+                    }
+                    next.next();
+                    let Sequence { params, tokens, prompt_len, rng, .. } = seq;
+                    let (prompt, output) = tokens.split_at(*prompt_len);
+                    requests.push(SampleRequest { params, prompt, output, rng });
+                }
+                out.tokens = ops.sample(logits, &mut requests)?;
             }
-            next.next();
-            let Sequence { params, tokens, prompt_len, rng, .. } = seq;
-            let (prompt, output) = tokens.split_at(*prompt_len);
-            requests.push(SampleRequest { params, prompt, output, rng });
+            Target::Tp(group) => {
+                group.copy_blocks(&batch.copies)?;
+                let requests: Vec<OwnedSample> = if sampled == 0 {
+                    // The model wants one logit row; its token is drawn and thrown away.
+                    vec![OwnedSample {
+                        params: Default::default(),
+                        prompt: Vec::new(),
+                        output: Vec::new(),
+                        rng: tm_core::sampling::Rng::new(0),
+                    }]
+                } else {
+                    sampled_seqs()
+                        .map(|s| {
+                            let seq = &seqs[s.index];
+                            let history = OwnedSample::needs_history(&seq.params);
+                            OwnedSample {
+                                params: seq.params.clone(),
+                                prompt: if history { seq.prompt().to_vec() } else { Vec::new() },
+                                output: if history { seq.output().to_vec() } else { Vec::new() },
+                                rng: seq.rng.clone(),
+                            }
+                        })
+                        .collect()
+                };
+                let result = group.forward_sample(&step, requests, want_logprobs)?;
+                if sampled == 0 {
+                    return Ok(());
+                }
+                if result.rngs.len() != sampled {
+                    return Err(bad_batch("rank 0 returned the wrong number of random streams"));
+                }
+                let indices: Vec<usize> = sampled_seqs().map(|s| s.index).collect();
+                for (i, rng) in indices.into_iter().zip(result.rngs) {
+                    seqs[i].rng = rng;
+                }
+                if let Some(l) = result.logits {
+                    self.logits = l;
+                }
+                out.tokens = result.tokens;
+            }
         }
-        out.tokens = ops.sample(logits, &mut requests)?;
-        drop(requests);
         if out.tokens.len() != sampled {
             return Err(bad_batch("the sampler returned the wrong number of tokens"));
         }
-        let vocab = model.config.vocab_size;
+        let vocab = self.vocab;
         for (row, s) in sampled_seqs().enumerate() {
             let lp = match seqs[s.index].logprobs {
                 Some(n) if want_logprobs => {

@@ -5,14 +5,16 @@
 use super::block_manager::BlockManager;
 use super::config::{EngineConfig, EngineStats};
 use super::engine::Command;
+use super::engine::ModelHandle;
 use super::output::Output;
 use super::request::{Event, FinishReason, Usage};
-use super::runner::{ModelRunner, StepOutput};
+use super::runner::{ModelRunner, StepOutput, Target};
 use super::scheduler::{Scheduler, SchedulerConfig};
 use super::sequence::{SeqId, Sequence};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::loader::LoadedModel;
+use crate::tp::TpGroup;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -28,6 +30,16 @@ pub(crate) struct Shared {
     /// Requests submitted and not yet started.
     pub queued: AtomicUsize,
     pub accepting: AtomicBool,
+    /// Why the engine stopped for good (a tensor-parallel group failed), if it did.
+    pub failure: Mutex<Option<String>>,
+}
+
+/// What runs the model.
+pub(crate) enum Exec {
+    /// The whole model on one backend.
+    Local { model: Arc<LoadedModel>, ops: Arc<dyn Ops> },
+    /// The model on tensor-parallel ranks.
+    Tp(Box<TpGroup>),
 }
 
 /// Request limits derived from the config and the model.
@@ -80,8 +92,8 @@ pub(crate) struct NewRequest {
 
 /// The engine loop's state.
 pub(crate) struct Worker {
-    model: Arc<LoadedModel>,
-    ops: Arc<dyn Ops>,
+    model: ModelHandle,
+    exec: Exec,
     scheduler: Scheduler,
     runner: ModelRunner,
     outputs: HashMap<SeqId, Output>,
@@ -96,16 +108,32 @@ pub(crate) struct Worker {
 impl Worker {
     /// Allocates the cache and workspace (on the caller's thread, so failures surface at start).
     pub fn new(
-        model: Arc<LoadedModel>,
-        ops: Arc<dyn Ops>,
+        model: ModelHandle,
+        exec: Exec,
         c: &EngineConfig,
         limits: Limits,
         shared: Arc<Shared>,
         commands: Receiver<Command>,
     ) -> Result<Worker> {
-        let cfg = &model.model.config;
+        let cfg = model.config();
         let max_seqs = c.max_batch_size.min(c.max_batched_tokens);
-        let runner = ModelRunner::new(ops.as_ref(), cfg, c.num_blocks, c.block_size, c.max_batched_tokens, max_seqs)?;
+        let runner = match &exec {
+            Exec::Local { ops, .. } => {
+                ModelRunner::new(ops.as_ref(), cfg, c.num_blocks, c.block_size, c.max_batched_tokens, max_seqs)?
+            }
+            Exec::Tp(group) => {
+                if group.block_size() != c.block_size || group.num_blocks() < c.num_blocks {
+                    return Err(ModelError::InvalidInput(format!(
+                        "the tensor-parallel ranks hold {} KV blocks of {} tokens; the engine wants {} of {}",
+                        group.num_blocks(),
+                        group.block_size(),
+                        c.num_blocks,
+                        c.block_size
+                    )));
+                }
+                ModelRunner::for_tp(cfg, c.block_size, c.max_batched_tokens, max_seqs)
+            }
+        };
         let blocks = BlockManager::new(c.num_blocks, c.block_size, c.enable_prefix_caching);
         let sc = SchedulerConfig { max_batched_tokens: c.max_batched_tokens, max_batch_size: c.max_batch_size };
         let stats = EngineStats { kv_blocks_total: c.num_blocks, ..Default::default() };
@@ -113,7 +141,7 @@ impl Worker {
             scheduler: Scheduler::new(sc, blocks),
             runner,
             model,
-            ops,
+            exec,
             outputs: HashMap::new(),
             commands,
             shared,
@@ -139,11 +167,14 @@ impl Worker {
             if !self.scheduler.has_work() {
                 continue;
             }
+            if self.failed() {
+                break;
+            }
             if let Err(panic) = catch_unwind(AssertUnwindSafe(|| self.step())) {
                 let msg = panic_message(panic.as_ref());
                 tracing::error!("the engine loop panicked: {msg}");
                 self.shared.accepting.store(false, Ordering::Release);
-                let tok = &self.model.tokenizer;
+                let tok = self.model.tokenizer();
                 for (_, out) in self.outputs.drain() {
                     out.finish(tok, FinishReason::Error, Usage::default(), Some(format!("internal error: {msg}")));
                 }
@@ -162,7 +193,7 @@ impl Worker {
             if let Command::Submit(new) = cmd {
                 self.shared.queued.fetch_sub(1, Ordering::AcqRel);
                 Output::new(new.tx, &[], Vec::new(), Vec::new(), 0, true).finish(
-                    &self.model.tokenizer,
+                    self.model.tokenizer(),
                     FinishReason::Abort,
                     Usage { prompt_tokens: new.seq.prompt_len, ..Default::default() },
                     None,
@@ -214,13 +245,38 @@ impl Worker {
         if batch.seqs.is_empty() {
             return;
         }
-        let model = &self.model.model;
-        let result = self.runner.step(model, self.ops.as_ref(), self.scheduler.running_mut(), &batch, &mut self.out);
+        let target = match &mut self.exec {
+            Exec::Local { model, ops } => Target::Local { model: &model.model, ops: &**ops },
+            Exec::Tp(group) => Target::Tp(group),
+        };
+        let result = self.runner.step(target, self.scheduler.running_mut(), &batch, &mut self.out);
         if let Err(e) = result {
             tracing::error!("a step of {} sequences failed: {e}", batch.seqs.len());
+            let group_failure = match &self.exec {
+                Exec::Tp(group) => group.failure().map(|why| format!("the tensor-parallel group failed: {why}")),
+                Exec::Local { .. } => None,
+            };
+            if let Some(msg) = &group_failure {
+                // The ranks are stopped: the engine stops (said before any request hears of it).
+                tracing::error!("{msg}; the engine stops");
+                self.shared.accepting.store(false, Ordering::Release);
+                if let Ok(mut f) = self.shared.failure.lock() {
+                    *f = Some(msg.clone());
+                }
+            }
             for s in &batch.seqs {
                 if let Some(seq) = self.scheduler.remove(s.id) {
                     self.finish(seq, FinishReason::Error, Some(format!("the model step failed: {e}")));
+                }
+            }
+            if let Some(msg) = group_failure {
+                // Every request still here fails too.
+                let ids: Vec<SeqId> =
+                    self.scheduler.running().iter().chain(self.scheduler.waiting()).map(|s| s.id).collect();
+                for id in ids {
+                    if let Some(seq) = self.scheduler.remove(id) {
+                        self.finish(seq, FinishReason::Error, Some(msg.clone()));
+                    }
                 }
             }
             return;
@@ -228,7 +284,7 @@ impl Worker {
         self.stats.steps += 1;
         self.stats.tokens_computed += batch.num_tokens() as u64;
         self.scheduler.postprocess(&batch, &self.out.tokens);
-        let tok = &self.model.tokenizer;
+        let tok = self.model.tokenizer();
         let mut done = Vec::new();
         for (k, s) in batch.seqs.iter().filter(|s| s.sample).enumerate() {
             let (Some(&token), Some(out)) = (self.out.tokens.get(k), self.outputs.get_mut(&s.id)) else { continue };
@@ -258,8 +314,13 @@ impl Worker {
                 completion_tokens: out.generated(),
                 cached_prompt_tokens: seq.cached_prompt_tokens.unwrap_or(0),
             };
-            out.finish(&self.model.tokenizer, reason, usage, error);
+            out.finish(self.model.tokenizer(), reason, usage, error);
         }
+    }
+
+    /// Whether the engine stopped for good (see [`Shared::failure`]).
+    fn failed(&self) -> bool {
+        self.shared.failure.lock().map_or(true, |f| f.is_some())
     }
 
     /// Copies the counters to the shared snapshot.

@@ -43,6 +43,12 @@ pub(super) struct WeightSummary {
     pub staging: u64,
     /// Whether any matrix is int4/int8 (the CPU kernels then quantize activations to int8).
     pub any_quantized: bool,
+    /// Like `staging`, over the tensors that are not held exactly as stored (what a zero-copy
+    /// backend still converts through host memory).
+    pub staging_copied: u64,
+    /// Held bytes of dense tensors held exactly as stored (what a zero-copy backend reads in
+    /// place from the file pages).
+    pub as_stored: u64,
 }
 
 impl WeightSummary {
@@ -158,14 +164,22 @@ impl Walker<'_> {
         }
         let (stored, held, bytes, staging) = self.size(&t, kind)?;
         self.out.any_quantized |= !matches!(t.encoding, Encoding::Plain(_));
-        // A tensor-parallel rank holds its cut; a column cut is first copied out row by row.
         let cut = self.layout.cut_for(hf, self.cfg);
+        // Held as stored and not cut: the bytes of the file are the bytes the kernels read.
+        let in_place = matches!(t.encoding, Encoding::Plain(_)) && stored == held && matches!(cut, Cut::Whole);
+        if in_place {
+            self.out.as_stored += bytes;
+        }
+        // A tensor-parallel rank holds its cut; a column cut is first copied out row by row.
         let whole: usize = t.shape.iter().product();
         let f = (cut.shape(&t.shape).iter().product::<usize>() as u64, whole as u64);
         let copied = if matches!(cut, Cut::Cols(_)) { share(t.stored_bytes(), f) } else { 0 };
         // AWQ/GPTQ matrices are repacked whole on the host before the cut.
         let staging = if matches!(t.encoding, Encoding::Awq | Encoding::Gptq) { staging } else { share(staging, f) };
         self.out.add(stored, held, share(t.stored_bytes(), f), share(bytes, f), staging + copied);
+        if !in_place {
+            self.out.staging_copied = self.out.staging_copied.max(staging + copied);
+        }
         Ok(())
     }
 
@@ -195,7 +209,9 @@ impl Walker<'_> {
         let l = self.layout;
         let f = ((l.q_dim() + 2 * l.kv_dim()) as u64, (c.q_dim() + 2 * c.kv_dim()) as u64);
         let stored_part = share(t.bytes.len() as u64, f);
-        self.out.add(stored, held, stored_part, share(bytes, f), stored_part + share(widened_q, f));
+        let staging = stored_part + share(widened_q, f);
+        self.out.add(stored, held, stored_part, share(bytes, f), staging);
+        self.out.staging_copied = self.out.staging_copied.max(staging);
         Ok(())
     }
 

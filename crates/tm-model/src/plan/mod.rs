@@ -15,8 +15,8 @@
 //!   `max_len` is capped and the plan says so in numbers.
 //!
 //! # What is counted
-//! `peak = weights + runtime reserve + max(load staging, workspace + kernel scratch) + KV cache`,
-//! which must not exceed the budget.
+//! `peak = weights + runtime reserve + host buffers + max(load staging, workspace + kernel scratch)
+//! + KV cache`, which must not exceed the budget.
 //!
 //! - **weights**: every tensor the Llama loader reads, at its held size (see [`WeightGroup`]).
 //! - **load staging**: the largest host buffer one tensor's conversion needs (widening to f32,
@@ -34,15 +34,23 @@
 //!   thread stacks and allocator slack.
 //! - **runtime reserve**: [`PlanTarget::reserve_bytes`] (a CUDA context on a device profile; zero
 //!   for a live device, whose usable memory is measured with the runtime already up).
+//! - **host buffers**: [`PlanTarget::host_buffers`], buffers a GPU backend keeps in host memory
+//!   for its whole life (the CUDA backend's pinned staging buffer). Like load staging they are
+//!   charged only on devices that share memory with the host.
+//! - **read in place** (a breakdown of the weights, not an extra term): on a target with
+//!   [`PlanTarget::zero_copy`] (the CUDA unified variant: Jetson), dense tensors held exactly as
+//!   stored are read by the GPU from the checkpoint's pinned file pages instead of a copy. They
+//!   are charged once, as weights, and need no load staging.
 //! - **KV cache**: `num_blocks × KvCache::bytes_per_block` in the activation dtype.
 //!
 //! What is *not* counted, and why: on the CPU backend (and any device that shares memory with the
 //! host) the memory-mapped checkpoint's pages are page cache. The CPU backend copies every tensor
 //! into its own allocations and never computes from the mapping, so those pages are clean and
 //! reclaimable, and `MemAvailable` already counts reclaimable page cache as available; charging
-//! them would count the weights twice. (Issue 10's zero-copy path on Jetson, which computes from
-//! pinned file pages, must charge them *instead of* an allocation, once.) The tokenizer and other
-//! small host structures fall under the scratch allowance.
+//! them would count the weights twice. The zero-copy path of the unified CUDA variant computes
+//! from pinned file pages: those are charged *instead of* an allocation, once (the weights'
+//! "read in place" share). The tokenizer and other small host structures fall under the scratch
+//! allowance.
 //!
 //! The plan assumes the weights are loaded before the workspace is allocated; the KV cache may be
 //! allocated before or after loading.
@@ -63,7 +71,9 @@ mod manifest;
 pub mod profiles;
 
 pub use manifest::WeightGroup;
-pub use profiles::{DeviceProfile, CUDA_RUNTIME_RESERVE, DEFAULT_HOST_RESERVE, DEVICE_PROFILES};
+pub use profiles::{DeviceProfile, CUDA_HOST_BUFFERS, CUDA_RUNTIME_RESERVE, DEFAULT_HOST_RESERVE, DEVICE_PROFILES};
+
+pub mod rss;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
@@ -135,6 +145,12 @@ pub struct PlanTarget {
     pub activation_dtype: DType,
     /// Bytes the runtime holds outside tm's allocations, charged before anything else.
     pub reserve_bytes: u64,
+    /// Host memory the backend keeps for its whole life (the CUDA pinned staging buffer); charged
+    /// only when the device shares memory with the host.
+    pub host_buffers: u64,
+    /// Whether dense weights held as stored are read in place from the checkpoint's file pages
+    /// (the CUDA unified variant) instead of being copied through staging.
+    pub zero_copy: bool,
 }
 
 impl PlanTarget {
@@ -145,16 +161,24 @@ impl PlanTarget {
     }
 
     /// The target of a live backend: its device's current memory facts and dtypes. No runtime
-    /// reserve: a live device's usable memory is measured with the runtime already up.
+    /// reserve: a live device's usable memory is measured with the runtime already up (its
+    /// staging buffer included, but on a shared-memory CUDA device the plan still names it). A
+    /// CUDA device sharing memory with the host is the unified variant, which reads weights in
+    /// place when the driver allows (the plan's figures are the same either way, except that
+    /// copied weights need load staging).
     pub fn for_backend(ops: &dyn Ops) -> Result<PlanTarget> {
         let device = ops.device();
+        let memory = device.memory_info()?;
+        let cuda = device.kind() == DeviceKind::Cuda;
         Ok(PlanTarget {
             name: device.name(),
             kind: device.kind(),
-            memory: device.memory_info()?,
+            memory,
             weights: WeightPolicy::of_backend(ops),
             activation_dtype: ops.activation_dtype(),
             reserve_bytes: 0,
+            host_buffers: if cuda { CUDA_HOST_BUFFERS } else { 0 },
+            zero_copy: cuda && memory.shared_with_host,
         })
     }
 }
@@ -265,6 +289,9 @@ pub struct MemoryPlan {
     pub weights_by_dtype: Vec<WeightGroup>,
     /// Bytes the backend holds for the weights (of one rank).
     pub weights_total: u64,
+    /// Of `weights_total`, the bytes read in place from the checkpoint's pinned file pages
+    /// (zero-copy targets; 0 elsewhere).
+    pub weights_in_place: u64,
     /// Bytes those tensors (the rank's parts of them) take in the checkpoint.
     pub weights_stored: u64,
     /// Bytes of every tensor in the checkpoint, loaded or not.
@@ -287,6 +314,10 @@ pub struct MemoryPlan {
     pub kernel_scratch: ScratchPlan,
     /// Runtime reserve of the target.
     pub runtime_reserve: u64,
+    /// Host buffers the backend keeps for its life (pinned staging).
+    pub host_buffers: u64,
+    /// Whether `host_buffers` is charged to the budget (devices sharing memory with the host).
+    pub host_buffers_counted: bool,
     /// Dtype of activations and KV cache.
     pub activation_dtype: DType,
     /// Tokens per KV block.
@@ -301,7 +332,8 @@ pub struct MemoryPlan {
     pub kv_bytes: u64,
     /// `num_blocks × block_size`.
     pub kv_tokens: usize,
-    /// `weights + reserve + max(staging, workspace + scratch) + kv`.
+    /// `weights + reserve + host buffers + max(staging, workspace + scratch) + kv` (host buffers
+    /// and staging only where memory is shared with the host).
     pub peak: u64,
     /// The session length to use: the request's, capped by the model's context and the cache.
     pub max_len: usize,
@@ -337,7 +369,7 @@ pub fn estimate(ckpt: &Checkpoint, target: &PlanTarget, req: &PlanRequest) -> Re
         target,
         any_quantized: weights.any_quantized,
         weights: weights.held,
-        staging: weights.staging,
+        staging: if target.zero_copy { weights.staging_copied } else { weights.staging },
     };
     let ranks_per_memory = if target.kind == DeviceKind::Cpu { req.tp } else { 1 };
     let mut warnings = Vec::new();
@@ -419,9 +451,10 @@ pub fn estimate(ckpt: &Checkpoint, target: &PlanTarget, req: &PlanRequest) -> Re
         budget,
         weights_by_dtype: weights.groups.clone(),
         weights_total: weights.held,
+        weights_in_place: if target.zero_copy { weights.as_stored } else { 0 },
         weights_stored: weights.stored,
         checkpoint_bytes: ckpt.source.total_bytes(),
-        load_staging: weights.staging,
+        load_staging: sizer.staging,
         staging_counted: target.memory.shared_with_host,
         workspace: fixed.workspace,
         workspace_tokens: tokens,
@@ -430,6 +463,8 @@ pub fn estimate(ckpt: &Checkpoint, target: &PlanTarget, req: &PlanRequest) -> Re
         workspace_per_logit_row: workspace_parts(&layout, target.activation_dtype, 0, 1).1,
         kernel_scratch: fixed.scratch,
         runtime_reserve: target.reserve_bytes,
+        host_buffers: target.host_buffers,
+        host_buffers_counted: target.memory.shared_with_host,
         activation_dtype: target.activation_dtype,
         block_size: req.block_size,
         kv_bytes_per_block: bpb,
@@ -455,7 +490,7 @@ pub fn estimate(ckpt: &Checkpoint, target: &PlanTarget, req: &PlanRequest) -> Re
 struct Fixed {
     workspace: u64,
     scratch: ScratchPlan,
-    /// `weights + reserve + max(staging, workspace + scratch)`.
+    /// `weights + reserve + host buffers + max(staging, workspace + scratch)`.
     total: u64,
 }
 
@@ -477,10 +512,21 @@ impl Sizer<'_> {
         }
     }
 
+    fn host_buffers_counted(&self) -> u64 {
+        if self.target.memory.shared_with_host {
+            self.target.host_buffers
+        } else {
+            0
+        }
+    }
+
     fn fixed(&self, tokens: usize, rows: usize) -> Fixed {
         let workspace = workspace_bytes_shard(self.layout, self.target.activation_dtype, tokens, rows);
         let scratch = scratch_bytes(self.cfg, self.target.kind, tokens, rows, self.any_quantized);
-        let total = self.weights + self.target.reserve_bytes + self.staging_counted().max(workspace + scratch.total);
+        let total = self.weights
+            + self.target.reserve_bytes
+            + self.host_buffers_counted()
+            + self.staging_counted().max(workspace + scratch.total);
         Fixed { workspace, scratch, total }
     }
 
@@ -518,13 +564,17 @@ impl Sizer<'_> {
         if plan.runtime_reserve > 0 {
             parts.push(format!("runtime reserve {}", human(plan.runtime_reserve)));
         }
+        if plan.host_buffers_counted && plan.host_buffers > 0 {
+            parts.push(format!("host buffers {}", human(plan.host_buffers)));
+        }
         match req.kv_cache_bytes {
             Some(n) => parts.push(format!("KV cache {} (--kv-cache-bytes {n})", human(plan.kv_bytes))),
             None => parts.push(format!("KV cache at least one block of {}", human(bpb))),
         }
         out.push(format!("needed: {}", parts.join(", ")));
 
-        let weights_alone = self.weights + self.target.reserve_bytes + self.staging_counted();
+        let weights_alone =
+            self.weights + self.target.reserve_bytes + self.host_buffers_counted() + self.staging_counted();
         if req.kv_cache_bytes.is_some_and(|n| n < bpb) {
             out.push(format!(
                 "--kv-cache-bytes {} is less than one KV block ({} bytes = {} tokens over {} layers): raise it",
@@ -751,6 +801,13 @@ impl MemoryPlan {
             );
         }
         row("weights".into(), self.weights_total, detail);
+        if self.weights_in_place > 0 {
+            row(
+                "  read in place".into(),
+                self.weights_in_place,
+                "zero-copy: the GPU reads the checkpoint's pinned file pages (no copy, no staging)".into(),
+            );
+        }
         for g in &self.weights_by_dtype {
             row(
                 format!("  {} -> {}", g.stored, g.held),
@@ -796,6 +853,17 @@ impl MemoryPlan {
         let _ = write!(detail, ", allowance {}", human(k.allowance));
         row("kernel scratch".into(), k.total, detail);
         row("runtime reserve".into(), self.runtime_reserve, String::new());
+        if self.host_buffers > 0 {
+            row(
+                "host buffers".into(),
+                self.host_buffers,
+                if self.host_buffers_counted {
+                    "pinned staging buffer, for the backend's life".into()
+                } else {
+                    "pinned staging buffer in host memory; not on the device".into()
+                },
+            );
+        }
         row(
             "KV cache".into(),
             self.kv_bytes,
@@ -808,7 +876,15 @@ impl MemoryPlan {
                 self.kv_tokens
             ),
         );
-        row("peak".into(), self.peak, "weights + reserve + max(staging, workspace + scratch) + KV cache".into());
+        row(
+            "peak".into(),
+            self.peak,
+            if self.host_buffers_counted && self.host_buffers > 0 {
+                "weights + reserve + host buffers + max(staging, workspace + scratch) + KV cache".into()
+            } else {
+                "weights + reserve + max(staging, workspace + scratch) + KV cache".into()
+            },
+        );
         let headroom = if self.peak <= self.budget {
             ("headroom".to_string(), human(self.budget - self.peak), "budget − peak".to_string())
         } else {

@@ -4,8 +4,8 @@
 //! the CPU, compute capability). The memory it leaves to tm is estimated, not measured: on
 //! integrated boards (Jetson) the OS and other processes keep [`DEFAULT_HOST_RESERVE`]; on every
 //! CUDA device the context, module images and library workspaces take
-//! [`CUDA_RUNTIME_RESERVE`]. Issue 10 (the integrated CUDA variant) measures these on hardware and
-//! may refine them.
+//! [`CUDA_RUNTIME_RESERVE`]. These are estimates until measured on each board (`tm-cli plan
+//! --measure` on the device prints measured against planned).
 
 use super::{PlanTarget, WeightPolicy};
 use tm_core::{DType, DeviceKind, MemoryInfo};
@@ -20,6 +20,10 @@ pub const DEFAULT_HOST_RESERVE: u64 = 3 * GIB / 2;
 /// Allowance for what the CUDA runtime itself holds (context, loaded kernels, cuBLAS workspace):
 /// 512 MiB. An estimate until measured.
 pub const CUDA_RUNTIME_RESERVE: u64 = 512 * MIB;
+
+/// Host memory the CUDA backend keeps for its whole life: the pinned staging buffer of
+/// host↔device copies (`tm_cuda::staging`, 32 MiB).
+pub const CUDA_HOST_BUFFERS: u64 = 32 * MIB;
 
 /// A device tm can plan for without having it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,7 +107,9 @@ impl DeviceProfile {
     }
 
     /// The plan target of a GPU backend on this device: weights kept in their stored dtype,
-    /// f16 activations and KV cache, [`CUDA_RUNTIME_RESERVE`] for the runtime.
+    /// f16 activations and KV cache, [`CUDA_RUNTIME_RESERVE`] for the runtime,
+    /// [`CUDA_HOST_BUFFERS`] of pinned staging; on integrated boards the unified variant, which
+    /// reads dense weights in place (zero-copy).
     pub fn target(&self, host_reserve: u64) -> PlanTarget {
         let (major, minor) = self.compute_capability;
         PlanTarget {
@@ -118,6 +124,8 @@ impl DeviceProfile {
             weights: WeightPolicy::Stored,
             activation_dtype: DType::F16,
             reserve_bytes: CUDA_RUNTIME_RESERVE,
+            host_buffers: CUDA_HOST_BUFFERS,
+            zero_copy: self.integrated,
         }
     }
 }
