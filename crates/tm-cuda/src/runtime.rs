@@ -69,7 +69,12 @@ pub struct Gpu {
     info: CudaDeviceInfo,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    modules: Vec<(String, Arc<CudaModule>)>,
+    /// Each module with whether its kernel names are known (listed in `index`).
+    modules: Vec<(String, Arc<CudaModule>, bool)>,
+    /// Kernel name → its module in `modules`, read from the images, so that a lookup asks the
+    /// driver only for a function the module has (a failed `cuModuleGetFunction` is an API error
+    /// that compute-sanitizer reports).
+    index: HashMap<String, usize>,
     functions: Mutex<HashMap<String, CudaFunction>>,
     kernel_source: String,
     recorder: Mutex<(LaunchMode, u64)>,
@@ -85,13 +90,17 @@ impl Gpu {
         let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
         let sm = info.compute_capability.0 * 10 + info.compute_capability.1;
         let mut modules = Vec::new();
+        let mut index = HashMap::new();
         let mut sources = Vec::new();
         for src in kernels::modules() {
             let module = src.name.trim_end_matches(".cu");
-            let (image, how) = pick_image(module, sm)?;
+            let (image, how, entries) = pick_image(module, sm)?;
             let loaded = ctx.load_module(image).map_err(driver_err("cuModuleLoadData"))?;
             sources.push(format!("{module} ({how})"));
-            modules.push((module.to_string(), loaded));
+            for name in &entries {
+                index.insert(name.clone(), modules.len());
+            }
+            modules.push((module.to_string(), loaded, !entries.is_empty()));
         }
         let kernel_source = if sources.is_empty() { "no kernel modules".to_string() } else { sources.join(", ") };
         tracing::debug!("cuda device {ordinal}: kernels from {kernel_source}");
@@ -100,6 +109,7 @@ impl Gpu {
             ctx,
             stream,
             modules,
+            index,
             functions: Mutex::new(HashMap::new()),
             kernel_source,
             recorder: Mutex::new((LaunchMode::Eager, FNV_OFFSET)),
@@ -175,7 +185,10 @@ impl Gpu {
         if let Some(f) = cache.get(name) {
             return Ok(f.clone());
         }
-        for (_, module) in &self.modules {
+        // The module that lists the kernel, else those whose names could not be read.
+        let listed = self.index.get(name).map(|&i| &self.modules[i]);
+        let unlisted = self.modules.iter().filter(|(_, _, known)| !known);
+        for (_, module, _) in listed.into_iter().chain(unlisted) {
             if let Ok(f) = module.load_function(name) {
                 cache.insert(name.to_string(), f.clone());
                 return Ok(f);
@@ -260,11 +273,12 @@ impl Gpu {
 /// `TM_KERNELS_DIR` set at run time names a folder of `{module}.sm_{NN}.cubin` files (what
 /// `cargo xtask build-kernels --out DIR` writes) that take precedence over the embedded ones: the
 /// GPU test bundle carries its kernels once this way instead of inside every binary.
-fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String)> {
+fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String, Vec<String>)> {
     if let Some(dir) = std::env::var_os("TM_KERNELS_DIR") {
         let path = std::path::Path::new(&dir).join(format!("{module}.sm_{sm}.cubin"));
         if let Ok(bytes) = std::fs::read(&path) {
-            return Ok((Ptx::from_binary(bytes), format!("cubin {}", path.display())));
+            let entries = kernels::entry_points(&bytes);
+            return Ok((Ptx::from_binary(bytes), format!("cubin {}", path.display()), entries));
         }
     }
     let mine = || kernels::artefacts().iter().filter(move |a| a.module == module);
@@ -275,7 +289,7 @@ fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String)> {
         })
         .max_by_key(|(s, _)| *s);
     if let Some((s, bytes)) = cubin {
-        return Ok((Ptx::from_binary(bytes.to_vec()), format!("cubin sm_{s}")));
+        return Ok((Ptx::from_binary(bytes.to_vec()), format!("cubin sm_{s}"), kernels::entry_points(bytes)));
     }
     let ptx = mine()
         .filter_map(|a| match a.target {
@@ -285,7 +299,7 @@ fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String)> {
         .max_by_key(|(s, _)| *s);
     if let Some((s, bytes)) = ptx {
         let text = String::from_utf8_lossy(bytes).into_owned();
-        return Ok((Ptx::from_src(text), format!("ptx compute_{s}")));
+        return Ok((Ptx::from_src(text), format!("ptx compute_{s}"), kernels::entry_points(bytes)));
     }
     let image = crate::nvrtc::compile_module(module, sm).map_err(|e| Error::Backend {
         backend: "cuda".into(),
@@ -296,5 +310,5 @@ fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String)> {
             kernels::BUILD_COMMAND
         ),
     })?;
-    Ok((image, "nvrtc".to_string()))
+    Ok((image, "nvrtc".to_string(), Vec::new()))
 }

@@ -137,6 +137,20 @@ mod tests {
     }
 
     #[test]
+    fn gemv_images_define_every_abi_kernel() {
+        let kernels = abi_kernels("gemv.cu");
+        assert_eq!(kernels.len(), 8, "{kernels:?}");
+        for a in artefacts().iter().filter(|a| a.module == "gemv") {
+            let entries = entry_points(a.bytes);
+            for k in &kernels {
+                for dt in ["f32", "f16", "bf16"] {
+                    assert!(entries.contains(&format!("{k}_{dt}")), "gemv ({:?}) lacks {k}_{dt}", a.target);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn artefacts_are_consistent() {
         let modules: Vec<&str> = modules().iter().map(|s| s.name.trim_end_matches(".cu")).collect();
         for a in artefacts() {
@@ -146,5 +160,97 @@ mod tests {
         let arches = embedded_arches();
         assert!(arches.windows(2).all(|w| w[0] < w[1]));
         println!("embedded CUDA artefacts: {}, cubin arches: {arches:?}", artefacts().len());
+    }
+}
+
+/// The kernel entry points a module image defines: the global function symbols of a cubin (an
+/// ELF file) or the `.entry` names of PTX text. Empty when the image is neither or is malformed;
+/// the runtime then looks kernels up in that module by trying (see `tm_cuda::runtime`).
+pub fn entry_points(image: &[u8]) -> Vec<String> {
+    if image.starts_with(b"\x7fELF") {
+        elf_functions(image).unwrap_or_default()
+    } else {
+        ptx_entries(&String::from_utf8_lossy(image))
+    }
+}
+
+/// `.entry NAME(` lines of PTX.
+fn ptx_entries(ptx: &str) -> Vec<String> {
+    ptx.lines()
+        .filter_map(|l| l.split_once(".entry").map(|(_, rest)| rest))
+        .filter_map(|rest| rest.trim().split(|c: char| c == '(' || c.is_whitespace()).next())
+        .filter(|n| !n.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// The names of the `STT_FUNC` symbols with global binding in a little-endian ELF64 file.
+fn elf_functions(elf: &[u8]) -> Option<Vec<String>> {
+    let u16_at = |o: usize| Some(u16::from_le_bytes(elf.get(o..o + 2)?.try_into().ok()?));
+    let u32_at = |o: usize| Some(u32::from_le_bytes(elf.get(o..o + 4)?.try_into().ok()?));
+    let u64_at = |o: usize| Some(u64::from_le_bytes(elf.get(o..o + 8)?.try_into().ok()?) as usize);
+    // ELFCLASS64, little-endian.
+    if elf.get(4) != Some(&2) || elf.get(5) != Some(&1) {
+        return None;
+    }
+    let (shoff, shentsize, shnum) = (u64_at(0x28)?, u16_at(0x3a)? as usize, u16_at(0x3c)? as usize);
+    // Section header fields: sh_type at 4, sh_offset at 24, sh_size at 32, sh_link at 40,
+    // sh_entsize at 56.
+    let section = |i: usize| {
+        let h = shoff.checked_add(i.checked_mul(shentsize)?)?;
+        Some((u32_at(h + 4)?, u64_at(h + 24)?, u64_at(h + 32)?, u32_at(h + 40)? as usize, u64_at(h + 56)?))
+    };
+    const SHT_SYMTAB: u32 = 2;
+    let mut names = Vec::new();
+    for i in 0..shnum {
+        let (kind, off, size, link, entsize) = section(i)?;
+        if kind != SHT_SYMTAB || entsize < 24 {
+            continue;
+        }
+        let (_, str_off, str_size, _, _) = section(link)?;
+        let strtab = elf.get(str_off..str_off.checked_add(str_size)?)?;
+        for s in 0..size / entsize {
+            let sym = off + s * entsize;
+            let (name, info) = (u32_at(sym)? as usize, *elf.get(sym + 4)?);
+            // STT_FUNC (2) with STB_GLOBAL (1) binding.
+            if info & 0xf != 2 || info >> 4 != 1 {
+                continue;
+            }
+            let bytes = strtab.get(name..)?;
+            let end = bytes.iter().position(|&b| b == 0)?;
+            names.push(String::from_utf8_lossy(&bytes[..end]).into_owned());
+        }
+    }
+    Some(names)
+}
+
+#[cfg(test)]
+mod entry_point_tests {
+    use super::*;
+
+    #[test]
+    fn ptx_entry_names() {
+        let ptx = ".visible .entry rms_norm_bf16(\n\t.param .u64 p0\n)\n.entry attn_decode_d128_f16 (\n.func helper(";
+        assert_eq!(ptx_entries(ptx), ["rms_norm_bf16", "attn_decode_d128_f16"]);
+    }
+
+    #[test]
+    fn every_embedded_image_lists_its_kernels() {
+        // Every image of a module (each arch's cubin, the PTX) defines the same kernels.
+        let mut by_module = std::collections::HashMap::new();
+        for a in artefacts() {
+            let mut names = entry_points(a.bytes);
+            names.sort();
+            assert!(!names.is_empty(), "{} ({:?}) lists no kernels", a.module, a.target);
+            assert!(names.iter().all(|n| !n.is_empty() && n.is_ascii()), "{}: {names:?}", a.module);
+            let first = by_module.entry(a.module).or_insert_with(|| names.clone());
+            assert_eq!(*first, names, "{} ({:?}) defines other kernels than its other images", a.module, a.target);
+        }
+    }
+
+    #[test]
+    fn malformed_images_list_nothing() {
+        assert!(entry_points(b"\x7fELF\x02\x01garbage").is_empty());
+        assert!(entry_points(b"").is_empty());
     }
 }

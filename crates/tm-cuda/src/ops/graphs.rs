@@ -17,7 +17,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use cudarc::driver::{sys, CudaGraph};
+use cudarc::driver::{sys, CudaEvent, CudaGraph};
 use tm_core::{Error, Result};
 
 use crate::runtime::{driver_err, Gpu, LaunchMode};
@@ -42,6 +42,29 @@ pub(crate) struct GraphCache {
     seen: VecDeque<u64>,
     /// Steps replayed from a graph, run eagerly, and captured.
     pub(crate) counts: [u64; 3],
+    /// Host time spent recording steps (validating, uploading inputs, signing launches).
+    record_time: std::time::Duration,
+    /// Events around the last graph replay, read at the next step (when they have completed).
+    replay_events: Option<(CudaEvent, CudaEvent)>,
+    /// GPU time of the replays measured so far, and how many.
+    replay_gpu: (f64, u64),
+}
+
+impl Drop for GraphCache {
+    /// Logs how the steps ran and what recording cost on the host.
+    fn drop(&mut self) {
+        let [replayed, eager, captured] = self.counts;
+        let steps = replayed + eager;
+        if steps > 0 {
+            let (gpu_ms, timed) = self.replay_gpu;
+            tracing::info!(
+                "cuda graphs: {replayed} steps replayed, {eager} run eagerly, {captured} captured; recording took {:.1} us \
+                 per step on the host; a replay took {:.1} us on the GPU ({timed} timed)",
+                self.record_time.as_secs_f64() * 1e6 / steps as f64,
+                if timed > 0 { gpu_ms * 1e3 / timed as f64 } else { 0.0 }
+            );
+        }
+    }
 }
 
 impl std::fmt::Debug for GraphCache {
@@ -76,14 +99,36 @@ impl GraphCache {
 
 /// Runs one forward step through the graph cache.
 pub(crate) fn run_step(gpu: &Gpu, cache: &mut GraphCache, step: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
+    let start = std::time::Instant::now();
     gpu.set_mode(LaunchMode::Record);
     let recorded = step();
     let signature = gpu.signature();
     gpu.set_mode(LaunchMode::Eager);
+    cache.record_time += start.elapsed();
     recorded?;
+    if let Some((start, end)) = cache.replay_events.as_ref() {
+        if end.is_complete() {
+            if let Ok(ms) = start.elapsed_ms(end) {
+                cache.replay_gpu.0 += ms as f64;
+                cache.replay_gpu.1 += 1;
+            }
+        }
+    }
     if let Some(graph) = cache.graphs.get(&signature) {
         cache.counts[0] += 1;
-        return graph.0.launch().map_err(driver_err("cuGraphLaunch"));
+        let events = match cache.replay_events.take() {
+            Some(e) => Some(e),
+            None => replay_events(gpu),
+        };
+        if let Some((start, _)) = &events {
+            let _ = start.record(gpu.stream());
+        }
+        graph.0.launch().map_err(driver_err("cuGraphLaunch"))?;
+        if let Some((_, end)) = &events {
+            let _ = end.record(gpu.stream());
+        }
+        cache.replay_events = events;
+        return Ok(());
     }
     let capture = cache.seen_before(signature);
     step()?;
@@ -98,6 +143,13 @@ pub(crate) fn run_step(gpu: &Gpu, cache: &mut GraphCache, step: &mut (dyn FnMut(
         }
     }
     Ok(())
+}
+
+/// Two timing events for measuring replays (none if the driver refuses: timing is optional).
+fn replay_events(gpu: &Gpu) -> Option<(CudaEvent, CudaEvent)> {
+    let ctx = gpu.stream().context();
+    let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    Some((ctx.new_event(flags).ok()?, ctx.new_event(flags).ok()?))
 }
 
 /// Captures `step` into a graph without running it.
