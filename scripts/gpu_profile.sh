@@ -19,7 +19,7 @@ ki, vi, ui = head.index("Kernel Name"), head.index("Metric Value"), head.index("
 tot = collections.defaultdict(float); cnt = collections.Counter()
 for r in body:
     v = float(r[vi].replace(",", "")); u = r[ui]
-    v = v / 1e3 if u == "nsecond" else v if u == "usecond" else v * 1e3
+    v = v / 1e3 if u in ("nsecond", "ns") else v if u in ("usecond", "us") else v * 1e3
     name = r[ki].split("(")[0][:60]; tot[name] += v; cnt[name] += 1
 n = sum(cnt.values()); s = sum(tot.values())
 print(f"== {sys.argv[2]}: {n} kernels, {s/1e3:.2f} ms total")

@@ -132,6 +132,32 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
     ) -> Result<()>;
     /// `out = x W^T (+ bias)` for `x: [n, cols]`, `W: [rows, cols]`, `out: [n, rows]`.
     fn matmul(&self, x: &Tensor, w: &Weight, bias: Option<&Tensor>, out: &mut Tensor) -> Result<()>;
+    /// Products of one input with several weights of the same `cols` (a layer's q, k and v):
+    /// `outs[i] = x W_i^T (+ biases[i])`. Backends may run them as one launch; the default calls
+    /// [`Ops::matmul`] for each.
+    fn matmul_many(
+        &self,
+        x: &Tensor,
+        weights: &[&Weight],
+        biases: &[Option<&Tensor>],
+        outs: &mut [&mut Tensor],
+    ) -> Result<()> {
+        matmul_each(self, x, weights, biases, outs)
+    }
+    /// The gated MLP input: `out = silu(x G^T) * (x U^T)`. `gate_out` and `up_out` (`[n, rows]`)
+    /// are scratch: the default computes both products there and then [`Ops::silu_mul`];
+    /// backends that fuse the three leave them unspecified.
+    fn gate_up_silu(
+        &self,
+        x: &Tensor,
+        gate: &Weight,
+        up: &Weight,
+        gate_out: &mut Tensor,
+        up_out: &mut Tensor,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        gate_up_silu_unfused(self, x, gate, up, gate_out, up_out, out)
+    }
     /// Rotates `x: [tokens, heads * head_dim]` in place; `head_dim = 2 * inv_freq.len()`.
     fn rope(&self, x: &mut Tensor, positions: &[u32], freqs: &RopeFreqs) -> Result<()>;
     /// `out = silu(gate) * up`.
@@ -235,4 +261,43 @@ pub fn to_f32(dtype: DType, bytes: &[u8]) -> Result<Vec<f32>> {
             return Err(Error::DType { op: "to_f32".into(), expected: "a float dtype".into(), got: other.to_string() })
         }
     })
+}
+
+/// [`Ops::matmul_many`] as one [`Ops::matmul`] per weight (the default, and a backend's
+/// fallback when it cannot fuse).
+pub fn matmul_each<O: Ops + ?Sized>(
+    ops: &O,
+    x: &Tensor,
+    weights: &[&Weight],
+    biases: &[Option<&Tensor>],
+    outs: &mut [&mut Tensor],
+) -> Result<()> {
+    if weights.len() != outs.len() || biases.len() != outs.len() {
+        return Err(Error::invalid(format!(
+            "matmul_many: {} weights, {} biases and {} outputs",
+            weights.len(),
+            biases.len(),
+            outs.len()
+        )));
+    }
+    for ((w, b), out) in weights.iter().zip(biases).zip(outs.iter_mut()) {
+        ops.matmul(x, w, *b, out)?;
+    }
+    Ok(())
+}
+
+/// [`Ops::gate_up_silu`] as two [`Ops::matmul`] calls and [`Ops::silu_mul`] (the default, and a
+/// backend's fallback when it cannot fuse).
+pub fn gate_up_silu_unfused<O: Ops + ?Sized>(
+    ops: &O,
+    x: &Tensor,
+    gate: &Weight,
+    up: &Weight,
+    gate_out: &mut Tensor,
+    up_out: &mut Tensor,
+    out: &mut Tensor,
+) -> Result<()> {
+    ops.matmul(x, gate, None, gate_out)?;
+    ops.matmul(x, up, None, up_out)?;
+    ops.silu_mul(gate_out, up_out, out)
 }

@@ -736,6 +736,60 @@ fn matmul(s: &mut Suite, kind: Kind, n: usize, rows: usize, cols: usize, bias: b
     });
 }
 
+/// `matmul_many`: one input times several weights (q/k/v: one launch on CUDA for decode
+/// batches), against the CPU's separate products.
+fn matmul_many(s: &mut Suite, kind: Kind, n: usize, rows: &[usize], cols: usize, bias: bool) {
+    let b = if bias { " + biases" } else { "" };
+    s.case(format!("matmul_many {kind} x[{n}, {cols}] · W{rows:?}ᵀ{b}"), |c| {
+        let xs = c.activations(n * cols, 1.0);
+        let x = c.act(&[n, cols], &xs)?;
+        let mut ws = Vec::new();
+        let mut biases = Vec::new();
+        let mut outs = Vec::new();
+        for (i, &r) in rows.iter().enumerate() {
+            ws.push(c.weight(kind, r, cols, (3.0 / cols as f32).sqrt())?);
+            // Biases on every other weight, so present and absent ones mix in one launch.
+            let b = if bias && i % 2 == 0 { Some(c.normal(r, 0.5)) } else { None };
+            biases.push(b.map(|v| c.dense(&[r], &v)).transpose()?);
+            outs.push(c.output(&[n, r])?);
+        }
+        {
+            let gw: Vec<&Weight> = ws.iter().map(|w| &w.gpu).collect();
+            let gb: Vec<Option<&Tensor>> = biases.iter().map(|b| b.as_ref().map(|b| &b.gpu)).collect();
+            let mut go: Vec<&mut Tensor> = outs.iter_mut().map(|o| &mut o.gpu).collect();
+            c.gpu.matmul_many(&x.gpu, &gw, &gb, &mut go).ctx("cuda matmul_many")?;
+        }
+        for ((w, b), out) in ws.iter().zip(&biases).zip(outs.iter_mut()) {
+            c.cpu.matmul(&x.cpu, &w.cpu, b.as_ref().map(|b| &b.cpu), &mut out.cpu).ctx("cpu matmul")?;
+        }
+        for (i, out) in outs.iter().enumerate() {
+            c.check_pair(&format!("out {i}"), out, rows[i])?;
+        }
+        Ok(())
+    });
+}
+
+/// `gate_up_silu` (one launch on CUDA for dense decode batches) against the CPU's two products
+/// and `silu_mul`.
+fn gate_up_silu(s: &mut Suite, kind: Kind, n: usize, rows: usize, cols: usize) {
+    s.case(format!("gate_up_silu {kind} x[{n}, {cols}] · G, U[{rows}, {cols}]ᵀ"), |c| {
+        let xs = c.activations(n * cols, 1.0);
+        let x = c.act(&[n, cols], &xs)?;
+        // Gates of a few units, so silu's both sides are exercised.
+        let g = c.weight(kind, rows, cols, 3.0 * (3.0 / cols as f32).sqrt())?;
+        let u = c.weight(kind, rows, cols, (3.0 / cols as f32).sqrt())?;
+        let (mut gs, mut us, mut out) = (c.output(&[n, rows])?, c.output(&[n, rows])?, c.output(&[n, rows])?);
+        c.gpu.gate_up_silu(&x.gpu, &g.gpu, &u.gpu, &mut gs.gpu, &mut us.gpu, &mut out.gpu).ctx("cuda gate_up_silu")?;
+        c.cpu.matmul(&x.cpu, &g.cpu, None, &mut gs.cpu).ctx("cpu gate")?;
+        c.cpu.matmul(&x.cpu, &u.cpu, None, &mut us.cpu).ctx("cpu up")?;
+        c.cpu.silu_mul(&gs.cpu, &us.cpu, &mut out.cpu).ctx("cpu silu_mul")?;
+        let want = c.cpu.download_f32(&out.cpu).ctx("cpu download")?;
+        // The fused kernel rounds the gate and up products to the dtype, as separate products
+        // would; the CPU keeps them in f32: twice the tolerance.
+        c.check("out", &out.gpu, &want, rows, 2.0)
+    });
+}
+
 /// A RoPE configuration with a name for the label.
 struct Rope {
     name: &'static str,
@@ -1487,6 +1541,27 @@ fn matmul_dense() {
 }
 
 #[test]
+fn matmul_fused() {
+    run("matmul_fused", &ALL_DTYPES, |s| {
+        // q/k/v shapes (Llama-3-8B, Qwen2-0.5B, SmolLM2) at decode and prefill sizes.
+        for (n, rows, cols, bias) in [
+            (1, vec![4096, 1024, 1024], 4096, false),
+            (3, vec![896, 128, 128], 896, true),
+            (8, vec![576, 192, 192], 576, false),
+            (5, vec![200, 72], 104, true),
+            (17, vec![512, 128, 128], 512, true),
+        ] {
+            matmul_many(s, Kind::Dense, n, &rows, cols, bias);
+        }
+        matmul_many(s, Kind::Int4(32), 1, &[256, 64, 64], 256, false);
+        for (n, rows, cols) in [(1, 14336, 4096), (2, 4864, 896), (8, 1536, 576), (6, 100, 64), (17, 1536, 576)] {
+            gate_up_silu(s, Kind::Dense, n, rows, cols);
+        }
+        gate_up_silu(s, Kind::Int4(32), 1, 512, 256);
+    });
+}
+
+#[test]
 fn matmul_int4() {
     run("matmul_int4", &ALL_DTYPES, |s| {
         for (n, rows, cols, g, bias) in [
@@ -1597,6 +1672,8 @@ fn sanitizer_subset() {
             matmul(s, kind, 1, 96, 256, true);
             matmul(s, kind, 17, 64, 576, false);
         }
+        matmul_many(s, Kind::Dense, 3, &[96, 32, 32], 256, true);
+        gate_up_silu(s, Kind::Dense, 2, 96, 256);
         let r = rope_configs(64);
         rope(s, &r[0], 3, 4, 64, 1000);
         rope(s, &r[4], 3, 4, 64, 1000);

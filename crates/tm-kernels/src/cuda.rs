@@ -137,6 +137,20 @@ mod tests {
     }
 
     #[test]
+    fn gemv_images_define_every_abi_kernel() {
+        let kernels = abi_kernels("gemv.cu");
+        assert_eq!(kernels.len(), 8, "{kernels:?}");
+        for a in artefacts().iter().filter(|a| a.module == "gemv") {
+            let entries = entry_points(a.bytes);
+            for k in &kernels {
+                for dt in ["f32", "f16", "bf16"] {
+                    assert!(entries.contains(&format!("{k}_{dt}")), "gemv ({:?}) lacks {k}_{dt}", a.target);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn artefacts_are_consistent() {
         let modules: Vec<&str> = modules().iter().map(|s| s.name.trim_end_matches(".cu")).collect();
         for a in artefacts() {
@@ -211,7 +225,7 @@ fn elf_functions(elf: &[u8]) -> Option<Vec<String>> {
 }
 
 #[cfg(test)]
-mod tests {
+mod entry_point_tests {
     use super::*;
 
     #[test]

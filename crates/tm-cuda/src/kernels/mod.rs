@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod elementwise;
+pub mod gemv;
 pub mod quant;
 pub mod sampling;
 

@@ -5,6 +5,7 @@
 //! dtype (bf16, f16 or f32); int4/int8 weights stay packed and are dequantized inside the matrix
 //! kernels. Dense products go through cuBLASLt.
 
+mod fused;
 mod graphs;
 mod meta;
 
@@ -360,7 +361,9 @@ impl Ops for CudaBackend {
         match w {
             Weight::Dense(t) => {
                 self.check(t, "matmul weight")?;
-                self.blas.gemm(self.dtype, n, rows, cols, ptr(x), ptr(t), ptr(out))?;
+                if !self.try_gemv(x, t, n, out)? {
+                    self.blas.gemm(self.dtype, n, rows, cols, ptr(x), ptr(t), ptr(out))?;
+                }
             }
             Weight::Int4(q) => self.quant_matmul(x, q, true, n, out)?,
             Weight::Int8(q) => self.quant_matmul(x, q, false, n, out)?,
@@ -388,6 +391,34 @@ impl Ops for CudaBackend {
         let inv = self.put(&mut st, Slot::InvFreq, as_bytes(&freqs.inv_freq))?;
         let interleaved = freqs.style == RopeStyle::Interleaved;
         ew::rope(&self.gpu, self.dtype, ptr(x), pos, inv, freqs.attention_factor, tokens, heads, head_dim, interleaved)
+    }
+
+    fn matmul_many(
+        &self,
+        x: &Tensor,
+        weights: &[&Weight],
+        biases: &[Option<&Tensor>],
+        outs: &mut [&mut Tensor],
+    ) -> Result<()> {
+        if self.fused_matmul_many(x, weights, biases, outs)? {
+            return Ok(());
+        }
+        tm_core::ops::matmul_each(self, x, weights, biases, outs)
+    }
+
+    fn gate_up_silu(
+        &self,
+        x: &Tensor,
+        gate: &Weight,
+        up: &Weight,
+        gate_out: &mut Tensor,
+        up_out: &mut Tensor,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        if self.fused_gate_up_silu(x, gate, up, out)? {
+            return Ok(());
+        }
+        tm_core::ops::gate_up_silu_unfused(self, x, gate, up, gate_out, up_out, out)
     }
 
     fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {

@@ -245,9 +245,12 @@ impl LlamaModel {
                 ops.add_rms_norm(&ws.delta, &mut ws.residual, &layer.attn_norm, eps, &mut ws.normed)?;
             }
             let (bq, bk, bv) = &layer.qkv_bias;
-            ops.matmul(&ws.normed, &layer.q, bq.as_ref(), &mut ws.q)?;
-            ops.matmul(&ws.normed, &layer.k, bk.as_ref(), &mut ws.k)?;
-            ops.matmul(&ws.normed, &layer.v, bv.as_ref(), &mut ws.v)?;
+            ops.matmul_many(
+                &ws.normed,
+                &[&layer.q, &layer.k, &layer.v],
+                &[bq.as_ref(), bk.as_ref(), bv.as_ref()],
+                &mut [&mut ws.q, &mut ws.k, &mut ws.v],
+            )?;
             if let Some((qn, kn)) = &layer.qk_norm {
                 ops.rms_norm(&ws.q, qn, eps, &mut ws.scratch_q)?;
                 ops.rms_norm(&ws.k, kn, eps, &mut ws.scratch_k)?;
@@ -264,9 +267,7 @@ impl LlamaModel {
                 cx.comm.all_reduce_sum(&mut ws.delta, &self.step_names[i][0], cx.timeout)?;
             }
             ops.add_rms_norm(&ws.delta, &mut ws.residual, &layer.mlp_norm, eps, &mut ws.normed)?;
-            ops.matmul(&ws.normed, &layer.gate, None, &mut ws.gate)?;
-            ops.matmul(&ws.normed, &layer.up, None, &mut ws.up)?;
-            ops.silu_mul(&ws.gate, &ws.up, &mut ws.act)?;
+            ops.gate_up_silu(&ws.normed, &layer.gate, &layer.up, &mut ws.gate, &mut ws.up, &mut ws.act)?;
             ops.matmul(&ws.act, &layer.down, None, &mut ws.delta)?;
             if sharded {
                 cx.comm.all_reduce_sum(&mut ws.delta, &self.step_names[i][1], cx.timeout)?;
