@@ -4,7 +4,8 @@
 //!
 //! - **device memory**: the peak of the backend allocator's bytes in use (weights, KV cache,
 //!   workspace, scratch); on the CUDA unified variant plus the weights read in place from pinned
-//!   file pages and the pinned staging buffer, which the plan counts there too;
+//!   file pages and the pinned staging buffer, which the plan counts there too; on the CPU backend
+//!   the peak anonymous resident memory (`RssAnon`), which holds all of that and the scratch;
 //! - **host memory**: the process's peak anonymous resident memory (`RssAnon`, sampled) while
 //!   loading and while serving, and `VmHWM`; while loading, the anonymous growth must stay under
 //!   the plan's host share plus its load staging (no second copy of the weights).
@@ -96,7 +97,14 @@ impl Backend {
             alloc_peak: stats.peak,
             zero_copy,
             host_buffers,
-            device_peak: stats.peak + zero_copy + host_buffers,
+            // On the CPU backend the "device" is the process's anonymous memory: the
+            // allocator's buffers plus the backend's scratch, the tokenizer and thread stacks,
+            // which the plan's scratch allowance covers.
+            device_peak: if self.ops.device().kind() == DeviceKind::Cpu {
+                stats.peak.max(rss.anon)
+            } else {
+                stats.peak + zero_copy + host_buffers
+            },
             rss_anon_peak: rss.anon,
             rss_anon_growth: rss.anon_growth(),
             rss_peak: rss.rss,

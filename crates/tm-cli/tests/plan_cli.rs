@@ -114,3 +114,37 @@ fn plan_counts_awq_and_gptq_weights_as_int4() {
         assert!(!stdout.contains("tensors tm does not load"), "qzeros/scales/g_idx are counted as loaded:\n{stdout}");
     }
 }
+
+#[test]
+fn measured_cpu_memory_is_within_five_percent_of_the_plan() {
+    if let Err(e) = tm_model::default_model::default_model_path(&mut |m| eprintln!("{m}")) {
+        eprintln!("skipping: default model not available: {e}");
+        return;
+    }
+    // The default model on the CPU backend: load, serve 4 requests, compare the peak anonymous
+    // memory with the plan (plan --measure fails beyond --tolerance, 5% by default).
+    let out = tm(&[
+        "plan",
+        "--backend",
+        "cpu",
+        "--measure",
+        "--json",
+        "--max-len",
+        "2048",
+        "--max-batch-size",
+        "8",
+        "--measure-requests",
+        "4",
+        "--measure-input-len",
+        "128",
+        "--measure-output-len",
+        "8",
+    ]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}\n{stdout}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    let deviation = v["deviation"].as_f64().expect("deviation");
+    assert!(deviation.abs() <= 0.05, "measured {:+.2}% off the plan: {stdout}", deviation * 100.0);
+    let (growth, bound) = (v["after_load"]["rss_anon_growth"].as_u64(), v["load_host_bound"].as_u64());
+    assert!(growth.zip(bound).is_some_and(|(g, b)| g <= b), "load grew {growth:?} over the bound {bound:?}");
+}
