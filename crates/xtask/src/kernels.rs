@@ -1,7 +1,7 @@
-//! `cargo xtask build-kernels`: compiles `crates/tm-kernels/cuda/*.cu` with nvcc into
-//! `{module}.sm_{NN}.cubin` per arch plus `{module}.compute_{NN}.ptx` for the newest arch, and
-//! writes `manifest.txt` (the sources' digest and each file's sha256), which tm-kernels' build
-//! script checks before embedding them.
+//! `cargo xtask build-kernels`: compiles `crates/tm-kernels/cuda/*.cu` with nvcc (or NVRTC, see
+//! [`crate::nvrtc`]) into `{module}.sm_{NN}.cubin` per arch plus `{module}.compute_{NN}.ptx` for the
+//! newest arch, and writes `manifest.txt` (the sources' digest and each file's sha256), which
+//! tm-kernels' build script checks before embedding them.
 
 use std::fmt::Write as _;
 use std::fs;
@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use sha2::{Digest, Sha256};
 
+use crate::nvrtc::{self, Nvrtc};
+
 /// The arches CI builds and `--arch` defaults to: A100, A10/3090, Orin, L4/4090, H100/H200.
 pub const DEFAULT_ARCHES: [u32; 5] = [80, 86, 87, 89, 90];
 
@@ -21,7 +23,11 @@ pub const DEFAULT_ARCHES: [u32; 5] = [80, 86, 87, 89, 90];
 pub const PIP_PACKAGES: &str = "\"nvidia-cuda-nvcc==13.0.88\" \"nvidia-nvvm==13.0.88\" \"nvidia-cuda-crt==13.0.88\" \
                                 \"nvidia-cuda-runtime==13.0.96\" \"nvidia-cuda-cccl==13.0.85\"";
 
-const USAGE: &str = "usage: cargo xtask build-kernels [--arch sm_80,sm_86,sm_87,sm_89,sm_90] [--out DIR] [--jobs N]";
+/// The pip packages that provide NVRTC 12 and the CUDA 12 headers (for JetPack 6), pinned.
+pub const PIP_PACKAGES_NVRTC12: &str = "\"nvidia-cuda-nvrtc-cu12==12.6.77\" \"nvidia-cuda-runtime-cu12==12.6.77\"";
+
+const USAGE: &str = "usage: cargo xtask build-kernels [--arch sm_80,sm_86,sm_87,sm_89,sm_90] [--out DIR] [--jobs N] \
+                     [--nvrtc LIBNVRTC|VENV|auto]";
 
 /// Parsed `build-kernels` arguments.
 #[derive(Debug, PartialEq, Eq)]
@@ -32,6 +38,9 @@ pub struct Options {
     pub out: Option<PathBuf>,
     /// Parallel nvcc processes (`None`: the available cores).
     pub jobs: Option<usize>,
+    /// Compile with NVRTC instead of nvcc: a `libnvrtc.so` path, a venv or site-packages holding
+    /// the nvrtc-cu12 wheel, or `auto` (`None`: `$TM_NVRTC`, else nvcc, else a pip NVRTC 12).
+    pub nvrtc: Option<String>,
 }
 
 /// Parses `sm_80,sm_86` (or `80,86`) into sorted, deduplicated arch numbers.
@@ -61,7 +70,7 @@ pub fn parse_arches(list: &str) -> Result<Vec<u32>> {
 
 /// Parses the arguments after `build-kernels`.
 pub fn parse_args(args: &[String]) -> Result<Options> {
-    let mut opts = Options { arches: DEFAULT_ARCHES.to_vec(), out: None, jobs: None };
+    let mut opts = Options { arches: DEFAULT_ARCHES.to_vec(), out: None, jobs: None, nvrtc: None };
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         let (flag, inline) = match arg.split_once('=') {
@@ -77,6 +86,7 @@ pub fn parse_args(args: &[String]) -> Result<Options> {
         match flag {
             "--arch" => opts.arches = parse_arches(&value()?)?,
             "--out" => opts.out = Some(PathBuf::from(value()?)),
+            "--nvrtc" => opts.nvrtc = Some(value()?),
             "--jobs" | "-j" => {
                 let v = value()?;
                 opts.jobs = Some(v.parse().ok().filter(|&j| j > 0).with_context(|| format!("bad --jobs `{v}`"))?);
@@ -123,23 +133,10 @@ fn executable(p: &Path) -> bool {
     fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
-/// `nvidia/cu13/bin/nvcc` (CUDA 13 wheels) or `nvidia/cuda_nvcc/bin/nvcc` (CUDA 12) under a
-/// site-packages directory.
+/// `nvidia/cu13/bin/nvcc` (the CUDA 13 wheels) under a site-packages directory. (The CUDA 12
+/// `nvidia-cuda-nvcc-cu12` wheel ships ptxas but no nvcc: CUDA 12 builds use NVRTC instead.)
 fn pip_nvcc(site_packages: &Path) -> Option<PathBuf> {
-    ["nvidia/cu13/bin/nvcc", "nvidia/cuda_nvcc/bin/nvcc"].iter().map(|p| site_packages.join(p)).find(|p| executable(p))
-}
-
-/// The CUDA 12 pip wheels put nvcc in `nvidia/cuda_nvcc/bin` and `cuda_fp16.h`/`cuda_bf16.h` in
-/// another wheel's `nvidia/cuda_runtime/include`, which that nvcc does not search (the CUDA 13
-/// wheels share one `nvidia/cu13` tree). For `$NVCC` pointing at such an nvcc (e.g. from
-/// `nvidia-cuda-nvcc-cu12==12.6.85`, the JetPack 6 toolchain), the runtime headers' directory.
-fn cuda12_wheel_runtime_include(nvcc: &Path) -> Option<PathBuf> {
-    let nvidia = nvcc.parent()?.parent()?.parent()?;
-    if nvcc.parent()?.parent()?.file_name()? != "cuda_nvcc" {
-        return None;
-    }
-    let include = nvidia.join("cuda_runtime").join("include");
-    include.join("cuda_fp16.h").is_file().then_some(include)
+    Some(site_packages.join("nvidia/cu13/bin/nvcc")).filter(|p| executable(p))
 }
 
 /// `lib/python3*/site-packages` directories of a virtual environment.
@@ -153,6 +150,93 @@ fn venv_site_packages(venv: &Path) -> Vec<PathBuf> {
         .collect();
     dirs.sort();
     dirs
+}
+
+/// python3's site-packages, then those of the repo's `.venv-nvcc` and `.venv-nvrtc12` and of the
+/// `/opt/nvcc` venv: where the pip wheels of the CUDA compilers land.
+fn pip_sites(root: &Path) -> Vec<PathBuf> {
+    let mut sites: Vec<PathBuf> = Vec::new();
+    let script =
+        "import site, sys\nprint('\\n'.join(site.getsitepackages() + [site.getusersitepackages()] + sys.path))";
+    if let Ok(out) = Command::new("python3").args(["-c", script]).output() {
+        sites.extend(String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.is_empty()).map(PathBuf::from));
+    }
+    for venv in [root.join(".venv-nvcc"), root.join(".venv-nvrtc12"), PathBuf::from("/opt/nvcc")] {
+        sites.extend(venv_site_packages(&venv));
+    }
+    sites
+}
+
+/// The NVRTC library `arg` names: a `libnvrtc.so*` file; a venv or site-packages directory holding
+/// the nvrtc-cu12 wheel ([`nvrtc::pip_nvrtc`]); or `auto`, the first such wheel in [`pip_sites`].
+pub fn find_nvrtc(root: &Path, arg: &str) -> Result<PathBuf> {
+    let path = PathBuf::from(arg);
+    let sites = if arg == "auto" {
+        pip_sites(root)
+    } else if path.is_dir() {
+        let mut sites = venv_site_packages(&path);
+        sites.push(path.clone());
+        sites
+    } else if path.is_file() {
+        return Ok(path);
+    } else {
+        bail!("--nvrtc / $TM_NVRTC = {arg}: no such file or directory");
+    };
+    let looked = match arg {
+        "auto" => "in python3's site-packages, .venv-nvcc, .venv-nvrtc12 or /opt/nvcc".to_string(),
+        _ => format!("under {arg}"),
+    };
+    sites.iter().find_map(|s| nvrtc::pip_nvrtc(s)).with_context(|| {
+        format!(
+            "no NVRTC 12 wheel (nvidia/cuda_nvrtc/lib/libnvrtc.so.12 next to nvidia/cuda_runtime/include) \
+             {looked}; install it with e.g.\n\n    python3 -m venv .venv-nvrtc12\n    \
+             .venv-nvrtc12/bin/pip install {PIP_PACKAGES_NVRTC12}\n"
+        )
+    })
+}
+
+/// The compiler `build-kernels` runs.
+enum Compiler {
+    Nvcc(PathBuf),
+    Nvrtc(Box<Nvrtc>),
+}
+
+impl Compiler {
+    /// `--nvrtc`, else `$TM_NVRTC`, else nvcc ([`find_nvcc`]), else a pip NVRTC 12 wheel.
+    fn find(root: &Path, nvrtc_arg: Option<&str>) -> Result<Self> {
+        let env = std::env::var("TM_NVRTC").ok().filter(|v| !v.is_empty());
+        if let Some(arg) = nvrtc_arg.or(env.as_deref()) {
+            return Ok(Compiler::Nvrtc(Box::new(Nvrtc::load(&find_nvrtc(root, arg)?)?)));
+        }
+        match find_nvcc(root) {
+            Ok(nvcc) => Ok(Compiler::Nvcc(nvcc)),
+            Err(e) => match find_nvrtc(root, "auto") {
+                Ok(lib) => {
+                    println!("nvcc not found; compiling with NVRTC from {}", lib.display());
+                    Ok(Compiler::Nvrtc(Box::new(Nvrtc::load(&lib)?)))
+                }
+                Err(_) => bail!(
+                    "{e:#}\nFor CUDA 12 (JetPack 6) cubins, NVRTC 12 does instead (then pass --nvrtc .venv-nvrtc12):\n\
+                     \n    python3 -m venv .venv-nvrtc12\n    .venv-nvrtc12/bin/pip install {PIP_PACKAGES_NVRTC12}\n"
+                ),
+            },
+        }
+    }
+
+    /// The manifest's compiler line, e.g. `nvcc Cuda compilation tools, release 13.0, V13.0.88`.
+    fn describe(&self) -> Result<String> {
+        match self {
+            Compiler::Nvcc(nvcc) => Ok(format!("nvcc {}", nvcc_version(nvcc)?)),
+            Compiler::Nvrtc(n) => Ok(format!("nvrtc {}.{}", n.version.0, n.version.1)),
+        }
+    }
+
+    fn path(&self) -> &Path {
+        match self {
+            Compiler::Nvcc(nvcc) => nvcc,
+            Compiler::Nvrtc(n) => &n.lib_path,
+        }
+    }
 }
 
 /// Finds nvcc: `$NVCC`, `PATH`, `$CUDA_HOME/bin`, `$CUDA_PATH/bin`, `/usr/local/cuda/bin`, then the
@@ -178,16 +262,7 @@ pub fn find_nvcc(root: &Path) -> Result<PathBuf> {
     if let Some(p) = candidates.into_iter().find(|p| executable(p)) {
         return Ok(p);
     }
-    let mut sites: Vec<PathBuf> = Vec::new();
-    let script =
-        "import site, sys\nprint('\\n'.join(site.getsitepackages() + [site.getusersitepackages()] + sys.path))";
-    if let Ok(out) = Command::new("python3").args(["-c", script]).output() {
-        sites.extend(String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.is_empty()).map(PathBuf::from));
-    }
-    for venv in [root.join(".venv-nvcc"), PathBuf::from("/opt/nvcc")] {
-        sites.extend(venv_site_packages(&venv));
-    }
-    if let Some(p) = sites.iter().find_map(|s| pip_nvcc(s)) {
+    if let Some(p) = pip_sites(root).iter().find_map(|s| pip_nvcc(s)) {
         return Ok(p);
     }
     bail!(
@@ -205,8 +280,8 @@ enum Kind {
     Ptx,
 }
 
-/// One nvcc run: the cubin of `module` for `sm`, and with `ptx` also its PTX for `compute_<sm>`
-/// (nvcc's intermediate, kept: the front end is most of the time, so this costs nothing extra).
+/// One compiler run: the cubin of `module` for `sm`, and with `ptx` also its PTX for `compute_<sm>`
+/// (the compiler's intermediate, kept: the front end is most of the time, so this costs nothing extra).
 struct Job {
     module: String,
     sm: u32,
@@ -232,39 +307,68 @@ struct Done {
 /// The artefacts of one job and how long nvcc took.
 type Compiled = (Vec<Done>, Duration);
 
-/// Runs nvcc for one job, writing the files through temporary names. Returns them and the time.
-fn compile(nvcc: &Path, src_dir: &Path, out_dir: &Path, job: &Job) -> Result<Compiled> {
-    let cubin = file_name(&job.module, job.sm, Kind::Cubin);
-    let tmp = out_dir.join(format!(".{cubin}.tmp"));
-    let keep_dir = out_dir.join(format!(".{cubin}.keep"));
+/// Whether `TM_KERNELS_LINEINFO=1` asks for line tables (they double the artefacts, which are
+/// embedded in every binary: opt in for profiling).
+fn lineinfo() -> bool {
+    std::env::var_os("TM_KERNELS_LINEINFO").is_some_and(|v| v == "1")
+}
+
+/// Runs nvcc for one job: the cubin to `tmp`, with `job.ptx` the PTX into `keep_dir`.
+fn run_nvcc(nvcc: &Path, src_dir: &Path, tmp: &Path, keep_dir: &Path, job: &Job) -> Result<()> {
     let mut cmd = Command::new(nvcc);
     cmd.args(["-O3", "-std=c++17", "-cubin"]).arg(format!("-arch=sm_{}", job.sm));
-    // Line tables double the artefacts (they are embedded in every binary): opt in for profiling.
-    if std::env::var_os("TM_KERNELS_LINEINFO").is_some_and(|v| v == "1") {
+    if lineinfo() {
         cmd.arg("-lineinfo");
     }
     if job.ptx {
-        let _ = fs::remove_dir_all(&keep_dir);
-        fs::create_dir_all(&keep_dir).with_context(|| format!("creating {}", keep_dir.display()))?;
-        cmd.arg("--keep").arg("--keep-dir").arg(&keep_dir);
+        cmd.arg("--keep").arg("--keep-dir").arg(keep_dir);
     }
     cmd.arg("-I").arg(src_dir);
-    if let Some(dir) = cuda12_wheel_runtime_include(nvcc) {
-        cmd.arg("-I").arg(dir);
+    cmd.arg("-o").arg(tmp).arg(src_dir.join(format!("{}.cu", job.module)));
+    let out = cmd.output().with_context(|| format!("running {}", nvcc.display()))?;
+    let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() {
+        bail!("nvcc failed on {}.cu for sm_{} ({}):\n{log}\ncommand: {cmd:?}", job.module, job.sm, out.status);
     }
-    cmd.arg("-o").arg(&tmp).arg(src_dir.join(format!("{}.cu", job.module)));
+    if !log.trim().is_empty() {
+        eprintln!("nvcc {}.cu (sm_{}):\n{}", job.module, job.sm, log.trim_end());
+    }
+    Ok(())
+}
+
+/// Compiles one job with NVRTC, writing the same files as [`run_nvcc`].
+fn run_nvrtc(nvrtc: &Nvrtc, src_dir: &Path, tmp: &Path, keep_dir: &Path, job: &Job) -> Result<()> {
+    let (source, headers) = nvrtc::read_sources(src_dir, &job.module)?;
+    let options = nvrtc::options(job.sm, &nvrtc.include, lineinfo());
+    let out = nvrtc.compile(&format!("{}.cu", job.module), &source, &headers, &options, job.ptx)?;
+    if !out.log.is_empty() {
+        eprintln!("nvrtc {}.cu (sm_{}):\n{}", job.module, job.sm, out.log);
+    }
+    fs::write(tmp, &out.cubin).with_context(|| format!("writing {}", tmp.display()))?;
+    if let Some(ptx) = out.ptx {
+        let path = keep_dir.join(format!("{}.ptx", job.module));
+        fs::write(&path, ptx).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Compiles one job, writing the files through temporary names. Returns them and the time.
+fn compile(compiler: &Compiler, src_dir: &Path, out_dir: &Path, job: &Job) -> Result<Compiled> {
+    let cubin = file_name(&job.module, job.sm, Kind::Cubin);
+    let tmp = out_dir.join(format!(".{cubin}.tmp"));
+    let keep_dir = out_dir.join(format!(".{cubin}.keep"));
+    if job.ptx {
+        let _ = fs::remove_dir_all(&keep_dir);
+        fs::create_dir_all(&keep_dir).with_context(|| format!("creating {}", keep_dir.display()))?;
+    }
     let start = Instant::now();
-    let out = cmd.output().with_context(|| format!("running {}", nvcc.display()));
+    let ran = match compiler {
+        Compiler::Nvcc(nvcc) => run_nvcc(nvcc, src_dir, &tmp, &keep_dir, job),
+        Compiler::Nvrtc(nvrtc) => run_nvrtc(nvrtc, src_dir, &tmp, &keep_dir, job),
+    };
     let time = start.elapsed();
-    let result = (|| {
-        let out = out?;
-        let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        if !out.status.success() {
-            bail!("nvcc failed on {}.cu for sm_{} ({}):\n{log}\ncommand: {cmd:?}", job.module, job.sm, out.status);
-        }
-        if !log.trim().is_empty() {
-            eprintln!("nvcc {}.cu (sm_{}):\n{}", job.module, job.sm, log.trim_end());
-        }
+    let result = (|| -> Result<Vec<Done>> {
+        ran?;
         let mut done = Vec::new();
         let mut put = |from: &Path, kind: Kind| -> Result<()> {
             let file = file_name(&job.module, job.sm, kind);
@@ -318,7 +422,10 @@ fn clear_old(dir: &Path) -> Result<()> {
 /// Runs `build-kernels` with `args` (the arguments after the task name).
 pub fn build_kernels(root: &Path, args: &[String]) -> Result<()> {
     if args.iter().any(|a| a == "-h" || a == "--help") {
-        println!("{USAGE}\n(default: all of {DEFAULT_ARCHES:?}; out: $TM_KERNELS_DIR, else target/kernels)");
+        println!(
+            "{USAGE}\n(default: all of {DEFAULT_ARCHES:?}; out: $TM_KERNELS_DIR, else target/kernels; \
+             compiler: --nvrtc, else $TM_NVRTC, else nvcc, else NVRTC 12 from pip)"
+        );
         return Ok(());
     }
     let opts = parse_args(args)?;
@@ -329,8 +436,8 @@ pub fn build_kernels(root: &Path, args: &[String]) -> Result<()> {
         (None, None) => root.join("target/kernels"),
     };
     let out_dir = if out_dir.is_relative() { std::env::current_dir()?.join(out_dir) } else { out_dir };
-    let nvcc = find_nvcc(root)?;
-    let version = nvcc_version(&nvcc)?;
+    let compiler = Compiler::find(root, opts.nvrtc.as_deref())?;
+    let version = compiler.describe()?;
     let (digest, modules) = source_digest(&src_dir)?;
     if modules.is_empty() {
         bail!("no .cu files in {}", src_dir.display());
@@ -355,7 +462,7 @@ pub fn build_kernels(root: &Path, args: &[String]) -> Result<()> {
         "building {} module(s) for {} with {} ({version}), {workers} in parallel, into {}",
         modules.len(),
         opts.arches.iter().map(|s| format!("sm_{s}")).collect::<Vec<_>>().join(","),
-        nvcc.display(),
+        compiler.path().display(),
         out_dir.display()
     );
     let start = Instant::now();
@@ -366,7 +473,7 @@ pub fn build_kernels(root: &Path, args: &[String]) -> Result<()> {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(job) = jobs.get(i) else { break };
-                let r = compile(&nvcc, &src_dir, &out_dir, job);
+                let r = compile(&compiler, &src_dir, &out_dir, job);
                 let failed = r.is_err();
                 if let Ok(mut v) = results.lock() {
                     v.push(r);
@@ -389,7 +496,7 @@ pub fn build_kernels(root: &Path, args: &[String]) -> Result<()> {
         done.extend(files);
     }
     if times.len() != jobs.len() {
-        bail!("only {} of {} nvcc jobs finished", times.len(), jobs.len());
+        bail!("only {} of {} compile jobs finished", times.len(), jobs.len());
     }
     done.sort_by(|a, b| a.file.cmp(&b.file));
     if source_digest(&src_dir)?.0 != digest {
@@ -402,7 +509,11 @@ pub fn build_kernels(root: &Path, args: &[String]) -> Result<()> {
         let ptx: u64 = mine.iter().filter(|d| d.kind == Kind::Ptx).map(|d| d.bytes).sum();
         let secs: f64 = times.iter().filter(|t| t.0 == sm).map(|t| t.1.as_secs_f64()).sum();
         let ptx = if ptx > 0 { format!(" + {} KiB PTX", ptx.div_ceil(1024)) } else { String::new() };
-        println!("sm_{sm}: {} module(s), {} KiB cubin{ptx}, {secs:.1} s of nvcc", modules.len(), cubin.div_ceil(1024));
+        println!(
+            "sm_{sm}: {} module(s), {} KiB cubin{ptx}, {secs:.1} s compiling",
+            modules.len(),
+            cubin.div_ceil(1024)
+        );
     }
 
     let mut manifest = String::from(
@@ -410,7 +521,7 @@ pub fn build_kernels(root: &Path, args: &[String]) -> Result<()> {
          # `sources` matches the sha256 of crates/tm-kernels/cuda/*.cu and *.cuh.\n",
     );
     let _ = writeln!(manifest, "sources {digest}");
-    let _ = writeln!(manifest, "nvcc {version}");
+    let _ = writeln!(manifest, "{version}");
     let _ =
         writeln!(manifest, "arches {}", opts.arches.iter().map(|s| format!("sm_{s}")).collect::<Vec<_>>().join(","));
     for d in &done {
@@ -438,15 +549,6 @@ mod tests {
     #[test]
     fn arch_lists() {
         assert_eq!(parse_arches("sm_87").unwrap(), vec![87]);
-        // The CUDA 12 wheel layout: runtime headers from the neighbouring wheel.
-        let site = std::env::temp_dir().join(format!("tm-xtask-cu12-{}", std::process::id()));
-        let nvcc = site.join("nvidia/cuda_nvcc/bin/nvcc");
-        assert_eq!(cuda12_wheel_runtime_include(&nvcc), None, "no runtime wheel yet");
-        fs::create_dir_all(site.join("nvidia/cuda_runtime/include")).unwrap();
-        fs::write(site.join("nvidia/cuda_runtime/include/cuda_fp16.h"), "").unwrap();
-        assert_eq!(cuda12_wheel_runtime_include(&nvcc), Some(site.join("nvidia/cuda_runtime/include")));
-        assert_eq!(cuda12_wheel_runtime_include(Path::new("/usr/local/cuda/bin/nvcc")), None);
-        let _ = fs::remove_dir_all(&site);
         assert_eq!(parse_arches("sm_90,sm_80, sm_86,sm_90").unwrap(), vec![80, 86, 90]);
         assert_eq!(parse_arches("89").unwrap(), vec![89]);
         for bad in ["", ",", "sm_", "sm_8", "sm_x7", "compute_90", "sm_87a", "sm_+87", "sm_1000"] {
@@ -457,9 +559,10 @@ mod tests {
     #[test]
     fn arguments() {
         let o = parse_args(&[]).unwrap();
-        assert_eq!(o, Options { arches: DEFAULT_ARCHES.to_vec(), out: None, jobs: None });
-        let o = parse_args(&args(&["--arch", "sm_87", "--out", "k", "-j", "3"])).unwrap();
-        assert_eq!(o, Options { arches: vec![87], out: Some(PathBuf::from("k")), jobs: Some(3) });
+        assert_eq!(o, Options { arches: DEFAULT_ARCHES.to_vec(), out: None, jobs: None, nvrtc: None });
+        let o = parse_args(&args(&["--arch", "sm_87", "--out", "k", "-j", "3", "--nvrtc", "auto"])).unwrap();
+        let nvrtc = Some("auto".to_string());
+        assert_eq!(o, Options { arches: vec![87], out: Some(PathBuf::from("k")), jobs: Some(3), nvrtc });
         let o = parse_args(&args(&["--arch=sm_80,sm_90", "--out=/x"])).unwrap();
         assert_eq!(o.arches, vec![80, 90]);
         assert_eq!(o.out, Some(PathBuf::from("/x")));
@@ -475,6 +578,27 @@ mod tests {
         assert_eq!(digest, tm_kernels::cuda::source_digest());
         let embedded: Vec<&str> = tm_kernels::cuda::modules().iter().map(|s| s.name.trim_end_matches(".cu")).collect();
         assert_eq!(modules, embedded);
+    }
+
+    #[test]
+    fn nvrtc_locations() {
+        let venv = std::env::temp_dir().join(format!("tm-xtask-venv-{}", std::process::id()));
+        let site = venv.join("lib/python3.11/site-packages");
+        let lib = site.join("nvidia/cuda_nvrtc/lib/libnvrtc.so.12");
+        fs::create_dir_all(lib.parent().unwrap()).unwrap();
+        fs::write(&lib, "").unwrap();
+        let root = Path::new("/nonexistent-root");
+        let venv_arg = venv.to_str().unwrap();
+        assert!(find_nvrtc(root, venv_arg).is_err(), "no runtime headers yet");
+        fs::create_dir_all(site.join("nvidia/cuda_runtime/include")).unwrap();
+        for h in ["cuda_fp16.h", "cuda_bf16.h"] {
+            fs::write(site.join("nvidia/cuda_runtime/include").join(h), "").unwrap();
+        }
+        assert_eq!(find_nvrtc(root, venv_arg).unwrap(), lib, "a venv");
+        assert_eq!(find_nvrtc(root, site.to_str().unwrap()).unwrap(), lib, "a site-packages");
+        assert_eq!(find_nvrtc(root, lib.to_str().unwrap()).unwrap(), lib, "the library itself");
+        assert!(find_nvrtc(root, "/nonexistent/libnvrtc.so.12").is_err());
+        let _ = fs::remove_dir_all(&venv);
     }
 
     #[test]

@@ -4,10 +4,13 @@
 //! - `fixtures`: regenerates the Hugging Face reference fixtures, the AWQ/GPTQ ones included
 //!   (scripts/make_fixtures.py, then scripts/make_quant_fixtures.py; needs python3 with torch and
 //!   transformers).
-//! - `build-kernels [--arch sm_80,sm_86,sm_87,sm_89,sm_90] [--out DIR] [--jobs N]`: compiles the
-//!   CUDA kernels with nvcc (no GPU needed) into `target/kernels`, which tm-kernels embeds.
+//! - `build-kernels [--arch sm_80,sm_86,sm_87,sm_89,sm_90] [--out DIR] [--jobs N] [--nvrtc LIB|VENV|auto]`:
+//!   compiles the CUDA kernels with nvcc, or with a `libnvrtc.so` loaded at run time (`--nvrtc`,
+//!   `$TM_NVRTC`; e.g. NVRTC 12 from pip for JetPack 6), no GPU needed, into `target/kernels`,
+//!   which tm-kernels embeds.
 
 mod kernels;
+mod nvrtc;
 
 use anyhow::{bail, Context, Result};
 use std::process::Command;

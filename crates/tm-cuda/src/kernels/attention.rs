@@ -32,8 +32,9 @@ pub const MAX_HEAD_DIM: usize = 256;
 const DECODE_TILE: usize = 64;
 /// Query rows (heads of one KV group) per decode CTA.
 const DECODE_ROWS: usize = 16;
-/// Fewest keys a decode split covers.
-const MIN_PARTITION: usize = 128;
+/// Fewest keys a decode split covers: one tile (batch-1 decode on an H200 measured 2% faster
+/// than with 128).
+const MIN_PARTITION: usize = 64;
 /// Most decode splits (`attn_combine` keeps one weight per split in shared memory, up to 128).
 const MAX_SPLITS: usize = 64;
 /// Decode CTAs to aim for before splitting the context further (several waves on an H200).
@@ -138,13 +139,26 @@ fn tc_smem(head_dim: usize, esize: usize) -> (usize, usize) {
     (decode, prefill)
 }
 
+/// [`MIN_PARTITION`] and [`TARGET_CTAS`], or the tuning overrides `TM_ATTN_MIN_PARTITION` (a
+/// multiple of the 64-key tile) and `TM_ATTN_TARGET_CTAS` from the environment, read once.
+fn split_tuning() -> (usize, usize) {
+    static TUNING: OnceLock<(usize, usize)> = OnceLock::new();
+    *TUNING.get_or_init(|| {
+        let var = |name: &str| std::env::var(name).ok().and_then(|v| v.trim().parse::<usize>().ok());
+        let min_partition =
+            var("TM_ATTN_MIN_PARTITION").filter(|&p| p > 0).map_or(MIN_PARTITION, |p| p.next_multiple_of(DECODE_TILE));
+        (min_partition, var("TM_ATTN_TARGET_CTAS").filter(|&t| t > 0).unwrap_or(TARGET_CTAS))
+    })
+}
+
 fn decode_plan(shape: &AttentionShape, batch: &AttentionBatch) -> DecodePlan {
     let (_, n_sub) = sub_groups(group_of(shape), DECODE_ROWS);
     let keys = if shape.window > 0 { batch.max_ctx_len.min(shape.window) } else { batch.max_ctx_len };
     let keys = keys.clamp(1, i32::MAX as usize);
     let ctas = (batch.num_seqs * shape.kv_heads * n_sub).max(1);
-    let cap = keys.div_ceil(MIN_PARTITION).clamp(1, MAX_SPLITS);
-    let want = TARGET_CTAS.div_ceil(ctas).clamp(1, cap);
+    let (min_partition, target_ctas) = split_tuning();
+    let cap = keys.div_ceil(min_partition).clamp(1, MAX_SPLITS);
+    let want = target_ctas.div_ceil(ctas).clamp(1, cap);
     let partition = keys.div_ceil(want).next_multiple_of(DECODE_TILE);
     DecodePlan { splits: keys.div_ceil(partition), partition }
 }
