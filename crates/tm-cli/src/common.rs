@@ -63,8 +63,9 @@ pub struct ModelArgs {
     /// Compute dtype on GPUs.
     #[arg(long, value_enum, default_value_t = DTypeChoice::Auto)]
     pub dtype: DTypeChoice,
-    /// Replay decode steps as CUDA graphs (experimental until checked on a GPU; see NOTES).
-    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    /// Replay repeated decode steps as CUDA graphs (`--cuda-graphs false` runs every step
+    /// eagerly; not used under `--tp`).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub cuda_graphs: bool,
     /// Longest sequence (prompt plus output) in tokens.
     #[arg(long, default_value_t = 4096)]
@@ -520,7 +521,7 @@ fn cuda_ranks(args: &ModelArgs, stall: Option<(usize, u64)>) -> Result<Ranks> {
     let transport = nccl::expected_transport(&links);
     tracing::info!("NCCL transport (expected): {transport}");
     if args.cuda_graphs {
-        tracing::warn!("--cuda-graphs is off under --tp (collectives are not captured into graphs)");
+        tracing::info!("CUDA graphs are not used under --tp (collectives are not captured into graphs)");
     }
     let gpus = ordinals
         .iter()
