@@ -200,7 +200,8 @@ impl Report {
              \"total_tok_s\": {:.2}, \"request_s\": {:.3}, \"ttft_ms_p50\": {:.2}, \"ttft_ms_p90\": {:.2}, \
              \"ttft_ms_p99\": {:.2}, \"tpot_ms_p50\": {:.2}, \"tpot_ms_p90\": {:.2}, \"tpot_ms_p99\": {:.2}, \
              \"kv_block_size\": {}, \"kv_blocks_total\": {}, \"kv_blocks_peak\": {}, \"preemptions\": {}, \
-             \"prefix_cache_hit_tokens\": {}, \"steps\": {}}}",
+             \"prefix_cache_hit_tokens\": {}, \"steps\": {}, \"schedule_ms_per_step\": {:.3}, \
+             \"model_ms_per_step\": {:.3}, \"output_ms_per_step\": {:.3}}}",
             json_string(&self.model),
             json_string(&self.device),
             self.num_prompts,
@@ -224,6 +225,9 @@ impl Report {
             s.preemptions,
             s.prefix_cache_hit_tokens,
             s.steps,
+            per_step_ms(s.schedule_us, s.steps),
+            per_step_ms(s.model_us, s.steps),
+            per_step_ms(s.output_us, s.steps),
         )
     }
 
@@ -237,7 +241,8 @@ impl Report {
              request throughput  {:.3} req/s\n\
              TTFT (ms)           {}\n\
              TPOT (ms)           {}\n\
-             KV blocks           peak {} of {} (block size {}); {} preemptions; {} prefix-cache hit tokens; {} steps\n",
+             KV blocks           peak {} of {} (block size {}); {} preemptions; {} prefix-cache hit tokens; {} steps\n\
+             engine ms/step      schedule {:.3} | model {:.3} | outputs {:.3}\n",
             self.model,
             self.device,
             self.num_prompts,
@@ -257,7 +262,19 @@ impl Report {
             s.preemptions,
             s.prefix_cache_hit_tokens,
             s.steps,
+            per_step_ms(s.schedule_us, s.steps),
+            per_step_ms(s.model_us, s.steps),
+            per_step_ms(s.output_us, s.steps),
         )
+    }
+}
+
+/// `us` microseconds over `steps` steps, in milliseconds per step (0 for no steps).
+fn per_step_ms(us: u64, steps: u64) -> f64 {
+    if steps == 0 {
+        0.0
+    } else {
+        us as f64 / 1e3 / steps as f64
     }
 }
 

@@ -419,12 +419,14 @@ impl TpGroup {
 
     /// Runs `step` on every rank, then rank 0 draws one token per request from the logits on
     /// its own device (`Ops::sample`: only the token ids travel back, and the logits too when
-    /// `want_logits`). `requests[i]` samples logit row `step.logit_rows[i]`.
+    /// `want_logits`). `requests[i]` samples logit row `step.logit_rows[i]`. `while_running` is
+    /// called once while the ranks compute (host work that can overlap the step).
     pub fn forward_sample(
         &mut self,
         step: &StepInput<'_>,
         requests: Vec<OwnedSample>,
         want_logits: bool,
+        while_running: &mut dyn FnMut(),
     ) -> Result<Sampled> {
         validate(step)?;
         if requests.len() != step.logit_rows.len() {
@@ -438,7 +440,9 @@ impl TpGroup {
         let owned = Arc::new(OwnedStep::new(step));
         let what = format!("forward step {id}");
         let job = Arc::new(Mutex::new(Some(SampleJob { requests, want_logits })));
-        self.send_all(|r| Command::Forward(id, Arc::clone(&owned), (r == 0).then(|| Arc::clone(&job))))?;
+        let sent = self.send_all(|r| Command::Forward(id, Arc::clone(&owned), (r == 0).then(|| Arc::clone(&job))));
+        while_running();
+        sent?;
         let mut payloads = self.collect(id, &what, None)?;
         match payloads.first_mut().map(|p| std::mem::replace(p, Payload::Done)) {
             Some(Payload::Sampled(s)) => Ok(s),

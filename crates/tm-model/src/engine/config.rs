@@ -81,4 +81,11 @@ pub struct EngineStats {
     pub tokens_computed: u64,
     /// Requests finished (any reason).
     pub requests_finished: u64,
+    /// Engine-thread time spent scheduling steps, in microseconds.
+    pub schedule_us: u64,
+    /// Engine-thread time spent in the model (inputs, forward pass, sampling), in microseconds.
+    pub model_us: u64,
+    /// Engine-thread time spent handing out sampled tokens (detokenizing, stop strings, sending
+    /// events), in microseconds.
+    pub output_us: u64,
 }

@@ -24,6 +24,7 @@
 
 pub mod block_manager;
 mod config;
+mod emitter;
 #[allow(clippy::module_inception)]
 mod engine;
 mod output;

@@ -52,12 +52,24 @@ impl Output {
         self.generated
     }
 
-    /// Handles a sampled token; returns why the request ends, if it does.
-    pub fn on_token(&mut self, tok: &Tokenizer, id: u32, logprobs: Option<TokenLogprobs>) -> Option<FinishReason> {
+    /// Counts a sampled token and returns why the request ends with it, from what needs no
+    /// text: a stop token (which is not emitted) or `max_tokens` (reached with this token, which
+    /// is still emitted). Stop strings are found by [`Output::emit`].
+    pub fn accept(&mut self, id: u32) -> Option<FinishReason> {
         self.generated += 1;
         if self.stop_ids.contains(&id) {
-            return Some(FinishReason::Stop);
+            Some(FinishReason::Stop)
+        } else if self.generated >= self.max_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
         }
+    }
+
+    /// Detokenizes an accepted token (not a stop token) and sends its text, holding back what
+    /// may begin a stop string; returns why the request ends, if it does: a stop string, a
+    /// client that went away, or a token that cannot be detokenized.
+    pub fn emit(&mut self, tok: &Tokenizer, id: u32, logprobs: Option<TokenLogprobs>) -> Option<FinishReason> {
         let piece = match self.decoder.push(tok, id) {
             Ok(p) => p,
             Err(e) => {
@@ -83,9 +95,6 @@ impl Output {
         };
         if self.tx.send(Event::Token(TokenEvent { id, text, logprobs })).is_err() {
             return Some(FinishReason::Abort);
-        }
-        if finish.is_none() && self.generated >= self.max_tokens {
-            finish = Some(FinishReason::Length);
         }
         finish
     }

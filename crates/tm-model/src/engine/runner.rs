@@ -90,16 +90,20 @@ impl ModelRunner {
     }
 
     /// Runs `batch` over `seqs` (the scheduler's running sequences) and samples.
+    /// `while_running` is called once, while the device computes the step (after the forward
+    /// pass is queued, before its results are waited for), for host work that can overlap it.
     pub fn step(
         &mut self,
         target: Target<'_>,
         seqs: &mut [Sequence],
         batch: &Batch,
         out: &mut StepOutput,
+        while_running: &mut dyn FnMut(),
     ) -> Result<()> {
         out.tokens.clear();
         out.logprobs.clear();
         if batch.seqs.is_empty() {
+            while_running();
             return Ok(());
         }
         let bs = self.block_size;
@@ -140,7 +144,9 @@ impl ModelRunner {
                     return Err(bad_batch("a local step on a runner made for tensor-parallel ranks"));
                 };
                 kv.copy_blocks(ops, &batch.copies)?;
-                let logits = model.forward(ops, kv, &step, ws)?;
+                let logits = model.forward(ops, kv, &step, ws);
+                while_running();
+                let logits = logits?;
                 if sampled == 0 {
                     return Ok(());
                 }
@@ -184,7 +190,7 @@ impl ModelRunner {
                         })
                         .collect()
                 };
-                let result = group.forward_sample(&step, requests, want_logprobs)?;
+                let result = group.forward_sample(&step, requests, want_logprobs, while_running)?;
                 if sampled == 0 {
                     return Ok(());
                 }

@@ -4,6 +4,7 @@
 
 use super::block_manager::BlockManager;
 use super::config::{EngineConfig, EngineStats};
+use super::emitter::Emitter;
 use super::engine::Command;
 use super::engine::ModelHandle;
 use super::output::Output;
@@ -15,7 +16,6 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::loader::LoadedModel;
 use crate::tp::TpGroup;
-use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
@@ -96,7 +96,7 @@ pub(crate) struct Worker {
     exec: Exec,
     scheduler: Scheduler,
     runner: ModelRunner,
-    outputs: HashMap<SeqId, Output>,
+    emitter: Emitter,
     commands: Receiver<Command>,
     shared: Arc<Shared>,
     limits: Limits,
@@ -142,7 +142,7 @@ impl Worker {
             runner,
             model,
             exec,
-            outputs: HashMap::new(),
+            emitter: Emitter::default(),
             commands,
             shared,
             limits,
@@ -175,10 +175,12 @@ impl Worker {
                 tracing::error!("the engine loop panicked: {msg}");
                 self.shared.accepting.store(false, Ordering::Release);
                 let tok = self.model.tokenizer();
-                for (_, out) in self.outputs.drain() {
-                    out.finish(tok, FinishReason::Error, Usage::default(), Some(format!("internal error: {msg}")));
-                }
+                self.emitter.end_all(tok, FinishReason::Error, &format!("internal error: {msg}"));
                 break;
+            }
+            if !self.scheduler.has_work() {
+                // Idle next: hand out what the last step produced now.
+                self.flush();
             }
             self.publish();
         }
@@ -189,6 +191,7 @@ impl Worker {
                 self.finish(seq, FinishReason::Abort, None);
             }
         }
+        self.flush();
         while let Ok(cmd) = self.commands.try_recv() {
             if let Command::Submit(new) = cmd {
                 self.shared.queued.fetch_sub(1, Ordering::AcqRel);
@@ -206,6 +209,7 @@ impl Worker {
     /// Handles pending commands, waiting for one when idle; false when every handle is gone.
     fn take_commands(&mut self) -> bool {
         if !self.scheduler.has_work() && self.deadline.is_none() {
+            self.flush();
             match self.commands.recv() {
                 Ok(cmd) => self.handle(cmd),
                 Err(_) => return false,
@@ -222,7 +226,7 @@ impl Worker {
             Command::Submit(new) => {
                 let NewRequest { seq, tx, stop, stop_ids, max_tokens, skip_special } = *new;
                 let out = Output::new(tx, seq.prompt(), stop, stop_ids, max_tokens, skip_special);
-                self.outputs.insert(seq.id, out);
+                self.emitter.insert(seq.id, out, seq.prompt_len);
                 self.scheduler.add(seq);
             }
             Command::Cancel(id) => {
@@ -236,20 +240,38 @@ impl Worker {
 
     /// Schedules and runs one step, then hands out the sampled tokens.
     fn step(&mut self) {
+        let t0 = Instant::now();
         let mut batch = self.scheduler.schedule();
+        self.stats.schedule_us += t0.elapsed().as_micros() as u64;
         self.stats.kv_blocks_peak = self.stats.kv_blocks_peak.max(self.scheduler.blocks.num_used());
         self.shared.queued.fetch_sub(batch.admitted_new, Ordering::AcqRel);
         for (seq, msg) in std::mem::take(&mut batch.failed) {
             self.finish(seq, FinishReason::Error, Some(msg));
         }
         if batch.seqs.is_empty() {
+            self.flush();
             return;
         }
         let target = match &mut self.exec {
             Exec::Local { model, ops } => Target::Local { model: &model.model, ops: &**ops },
             Exec::Tp(group) => Target::Tp(group),
         };
-        let result = self.runner.step(target, self.scheduler.running_mut(), &batch, &mut self.out);
+        let t1 = Instant::now();
+        // The last step's output work runs while the device computes this one.
+        let (emitter, tok) = (&mut self.emitter, self.model.tokenizer());
+        let mut while_running = || emitter.flush(tok);
+        let result = self.runner.step(target, self.scheduler.running_mut(), &batch, &mut self.out, &mut while_running);
+        let t2 = Instant::now();
+        self.stats.model_us += (t2 - t1).as_micros() as u64;
+        tracing::debug!(
+            target: "tm::steps",
+            "step {}: {} sequences, {} tokens; schedule {:.3} ms, model {:.3} ms",
+            self.stats.steps,
+            batch.seqs.len(),
+            batch.num_tokens(),
+            (t1 - t0).as_secs_f64() * 1e3,
+            (t2 - t1).as_secs_f64() * 1e3
+        );
         if let Err(e) = result {
             tracing::error!("a step of {} sequences failed: {e}", batch.seqs.len());
             let group_failure = match &self.exec {
@@ -279,18 +301,20 @@ impl Worker {
                     }
                 }
             }
+            self.flush();
             return;
         }
         self.stats.steps += 1;
         self.stats.tokens_computed += batch.num_tokens() as u64;
         self.scheduler.postprocess(&batch, &self.out.tokens);
-        let tok = self.model.tokenizer();
         let mut done = Vec::new();
         for (k, s) in batch.seqs.iter().filter(|s| s.sample).enumerate() {
-            let (Some(&token), Some(out)) = (self.out.tokens.get(k), self.outputs.get_mut(&s.id)) else { continue };
+            let Some(&token) = self.out.tokens.get(k) else { continue };
             let logprobs = self.out.logprobs.get_mut(k).and_then(Option::take);
-            let mut reason = out.on_token(tok, token, logprobs);
-            if reason.is_none() && self.scheduler.running()[s.index].len() >= self.limits.max_model_len {
+            let seq = &self.scheduler.running()[s.index];
+            let cached = seq.cached_prompt_tokens.unwrap_or(0);
+            let mut reason = self.emitter.accept(s.id, token, logprobs, cached);
+            if reason.is_none() && self.emitter.is_live(s.id) && seq.len() >= self.limits.max_model_len {
                 reason = Some(FinishReason::Length);
             }
             done.extend(reason.map(|r| (s.id, r)));
@@ -300,22 +324,37 @@ impl Worker {
                 self.finish(seq, reason, None);
             }
         }
+        // Requests that the last flush ended (stop strings, clients gone): their sequences go now.
+        for id in self.emitter.take_ended() {
+            if let Some(seq) = self.scheduler.remove(id) {
+                self.retire(&seq);
+            }
+        }
+        self.stats.output_us += t2.elapsed().as_micros() as u64;
     }
 
-    /// Sends a removed sequence's final event.
+    /// Ends a removed sequence: counts it and queues its final event.
     fn finish(&mut self, seq: Sequence, reason: FinishReason, error: Option<String>) {
+        self.retire(&seq);
+        let usage = Usage {
+            prompt_tokens: seq.prompt_len,
+            completion_tokens: 0, // counted by the output
+            cached_prompt_tokens: seq.cached_prompt_tokens.unwrap_or(0),
+        };
+        self.emitter.finish(seq.id, reason, usage, error);
+    }
+
+    /// Counts a sequence removed from the scheduler as finished.
+    fn retire(&mut self, seq: &Sequence) {
         if seq.cached_prompt_tokens.is_none() {
             self.shared.queued.fetch_sub(1, Ordering::AcqRel);
         }
         self.stats.requests_finished += 1;
-        if let Some(out) = self.outputs.remove(&seq.id) {
-            let usage = Usage {
-                prompt_tokens: seq.prompt_len,
-                completion_tokens: out.generated(),
-                cached_prompt_tokens: seq.cached_prompt_tokens.unwrap_or(0),
-            };
-            out.finish(self.model.tokenizer(), reason, usage, error);
-        }
+    }
+
+    /// Does the queued output work now.
+    fn flush(&mut self) {
+        self.emitter.flush(self.model.tokenizer());
     }
 
     /// Whether the engine stopped for good (see [`Shared::failure`]).
