@@ -103,6 +103,17 @@ fn stop_strings_end_the_text_without_leaking() {
     }
     assert_eq!(finish, Some(FinishReason::Stop));
     assert_eq!(streamed, full.text[..at]);
+    // The request's tokens end with the one that completed the stop string (text is handed out
+    // while the next step runs, so that step's token for it is dropped, not reported).
+    let mut req = forced(&p, 40, SamplingParams::greedy());
+    req.stop = vec![stop.clone()];
+    let c = engine.submit(req).unwrap().wait();
+    let k = c.token_ids.len();
+    assert_eq!((c.finish_reason, c.usage.completion_tokens), (FinishReason::Stop, k));
+    assert_eq!(c.token_ids[..], full.token_ids[..k]);
+    let text_of = |n: usize| m.tokenizer.decode(&full.token_ids[..n], true).unwrap();
+    assert!(text_of(k).contains(&stop) && !text_of(k - 1).contains(&stop), "ended at token {k}");
+    assert_eq!(wait_for(&engine, |s| s.running == 0 && s.waiting == 0).kv_blocks_used, 0);
     // A stop token id ends the request without producing that token.
     let mut req = forced(&p, 40, SamplingParams::greedy());
     req.stop_token_ids = vec![full.token_ids[5]];
