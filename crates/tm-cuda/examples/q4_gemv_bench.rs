@@ -9,9 +9,10 @@
 //!
 //! Each line gives the time per call, the weight bytes streamed per second (packed nibbles +
 //! scales + mins; activations are not counted) and that as a fraction of the H200's measured copy
-//! bandwidth (4.275 TB/s). "fused" is what the model calls (`Ops::matmul_many`, `Ops::matmul`,
-//! `Ops::gate_up_silu`: the tensor-core `q4_gemv.cu` kernels unless `TM_Q4_GEMV=0`); "cuda-core"
-//! is the previous path, one `matmul_q4` CUDA-core GEMV launch per weight (plus `silu_mul` for the
+//! bandwidth (4.275 TB/s). "ops" is what the model calls (`Ops::matmul_many`,
+//! `Ops::gate_up_silu`: the tensor-core `q4_gemv.cu` kernels with the automatic variant unless
+//! `TM_Q4_GEMV=0`); "u2" and "u4" launch each variant of those kernels directly; "cuda-core" is
+//! the previous path, one `matmul_q4` CUDA-core GEMV launch per weight (plus `silu_mul` for the
 //! MLP). Enough copies of each weight set are cycled through that they do not stay in L2. No
 //! assertions; without a CUDA device it says so and exits successfully.
 
@@ -19,6 +20,7 @@ use std::process::ExitCode;
 
 use tm_core::quant::Weight;
 use tm_core::{DType, Ops, Tensor, TensorDesc};
+use tm_cuda::kernels::q4_gemv::{self, Q4Slot, Unroll};
 use tm_cuda::kernels::{elementwise, quant};
 use tm_cuda::{CudaBackend, CudaOptions};
 use tm_quant::HostQuant;
@@ -116,14 +118,21 @@ fn activations(ops: &dyn Ops, rng: &mut Rng, dtype: DType, n: usize, cols: usize
     Ok(t)
 }
 
-/// The parts of an int4 weight.
-fn parts(w: &Weight) -> tm_core::Result<(u64, u64, u64, usize, usize, usize)> {
+/// The device addresses of an int4 weight and its output.
+fn slot(w: &Weight, out: &Tensor) -> Result<Q4Slot, String> {
     match w {
         Weight::Int4(q) => {
-            let mins = q.mins.as_ref().ok_or_else(|| tm_core::Error::invalid("int4 weight without mins"))?;
-            Ok((q.packed.buffer().addr(), q.scales.buffer().addr(), mins.buffer().addr(), q.rows, q.cols, q.group_size))
+            let mins = q.mins.as_ref().ok_or("int4 weight without mins")?;
+            Ok(Q4Slot {
+                packed: q.packed.buffer().addr(),
+                scales: q.scales.buffer().addr(),
+                mins: mins.buffer().addr(),
+                bias: 0,
+                out: out.buffer().addr(),
+                rows: q.rows,
+            })
         }
-        _ => Err(tm_core::Error::invalid("not an int4 weight")),
+        _ => Err("not an int4 weight".into()),
     }
 }
 
@@ -208,7 +217,7 @@ fn bench(o: &Opts) -> Result<(), String> {
                 .collect::<tm_core::Result<_>>()
                 .map_err(e)?;
             let mut act = ops.zeros(TensorDesc::new(o.dtype, &[n, dims[0].0]), "bench").map_err(e)?;
-            let fused = time_ms(&b, o.iters, |i| {
+            let ops_ms = time_ms(&b, o.iters, |i| {
                 let set = &sets[i % copies];
                 match shape {
                     Shape::GateUp => {
@@ -222,19 +231,35 @@ fn bench(o: &Opts) -> Result<(), String> {
                     }
                 }
             })?;
+            let slots: Vec<Vec<Q4Slot>> = sets
+                .iter()
+                .map(|set| set.iter().zip(&outs).map(|(w, out)| slot(w, out)).collect())
+                .collect::<Result<_, String>>()?;
+            let (xa, aa) = (x.buffer().addr(), act.buffer().addr());
+            let group = o.group;
+            let variant = |unroll: Unroll| {
+                time_ms(&b, o.iters, |i| {
+                    let ss = &slots[i % copies];
+                    match shape {
+                        Shape::GateUp => {
+                            q4_gemv::q4_gemv_silu(b.gpu(), o.dtype, aa, &ss[0], &ss[1], xa, n, cols, group, unroll)
+                        }
+                        _ => q4_gemv::q4_gemv(b.gpu(), o.dtype, xa, n, cols, group, ss, unroll),
+                    }
+                })
+            };
+            let (u2, u4) = (variant(Unroll::Two)?, variant(Unroll::Four)?);
             let old = time_ms(&b, o.iters, |i| {
-                for (w, out) in sets[i % copies].iter().zip(&outs) {
-                    let (p, s, m, rows, cols, group) = parts(w)?;
-                    let (xa, oa) = (x.buffer().addr(), out.buffer().addr());
-                    quant::matmul_q4(b.gpu(), o.dtype, oa, xa, p, s, m, n, rows, cols, group)?;
+                for s in &slots[i % copies] {
+                    quant::matmul_q4(b.gpu(), o.dtype, s.out, xa, s.packed, s.scales, s.mins, n, s.rows, cols, group)?;
                 }
                 if let Shape::GateUp = shape {
-                    let (g, u) = (outs[0].buffer().addr(), outs[1].buffer().addr());
-                    elementwise::silu_mul(b.gpu(), o.dtype, act.buffer().addr(), g, u, n * dims[0].0)?;
+                    let (g, u) = (slots[0][0].out, slots[0][1].out);
+                    elementwise::silu_mul(b.gpu(), o.dtype, aa, g, u, n * dims[0].0)?;
                 }
                 Ok(())
             })?;
-            for (what, ms) in [("fused", fused), ("cuda-core", old)] {
+            for (what, ms) in [("ops", ops_ms), ("u2", u2), ("u4", u4), ("cuda-core", old)] {
                 let gbs = set_bytes as f64 / (ms * 1e-3) / 1e9;
                 println!(
                     "{:<22} n={n}  {what:<9} {:>8.1} us  {:>7.0} GB/s  {:>5.1}% of copy bandwidth",

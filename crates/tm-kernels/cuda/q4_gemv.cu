@@ -20,15 +20,16 @@
 //   lose precision). f16 takes the high nibbles unshifted, as 1024 + 16 q, and gets q exactly as
 //   fma(v, 1/16, -64). Scales and mins are f16; for bf16 they are rounded to bf16.
 // - K is split over the 8 warps of a CTA (warp w takes steps w, w + 8, ...), each warp issuing
-//   the loads of UNROLL steps before any math; the partial sums are reduced through shared memory.
+//   the loads of U steps before any math (U = 2: two CTAs per SM fit; U = 4: one, for grids of
+//   at most one CTA per SM); the partial sums are reduced through shared memory.
 //   A CTA covers TILES = 2 tiles of 16 rows: 32 consecutive rows of one weight, or 16 rows of the
 //   gate and the same 16 rows of the up weight (the SiLU variant).
 //
-// Kernels (T = f16, bf16):
-// - `q4_gemv_T`: up to three weights sharing x (a layer's q, k and v), rows of weight i in CTAs
+// Kernels (T = f16, bf16; U = 2, 4):
+// - `q4_gemv_uU_T`: up to three weights sharing x (a layer's q, k and v), rows of weight i in CTAs
 //   numbered one weight after the other (ceil(rows_i / 32) each). Optional biases (null when
 //   absent) are added before rounding to T.
-// - `q4_gemv_silu_T`: out = silu(x·G^T) * (x·U^T) for gate G and up U [rows, cols], each product
+// - `q4_gemv_silu_uU_T`: out = silu(x·G^T) * (x·U^T) for gate G and up U [rows, cols], each product
 //   rounded to T first (what separate products would store); ceil(rows / 16) CTAs.
 //
 // Requirements checked by the launcher: 1 <= n <= 8, cols % 32 == 0, group % 32 == 0,
@@ -43,7 +44,6 @@ using tmk::i64;
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;  // K slices per CTA
 constexpr int TILES = 2;             // 16-row tiles per CTA (each warp computes all of them)
-constexpr int UNROLL = 2;            // steps whose loads are in flight before any math
 constexpr int BLOCKS_PER_STEP = 4;   // 32-column blocks per warp step (one per lane of a row quad)
 
 __device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned bits) {
@@ -136,7 +136,7 @@ struct Tile {
 
 // This warp's K share of the TILES tiles, into acc[tile][4] (the m16n8 C fragment: c0, c1 = row
 // g, batch columns 2t, 2t+1; c2, c3 = row g + 8).
-template <class T>
+template <class T, int UNROLL>
 __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict__ x, int n, int cols, int group,
                                          float acc[TILES][4]) {
     typedef typename Q4<T>::V2 V2;
@@ -257,7 +257,7 @@ __device__ __forceinline__ float reduce_warps(const float acc[TILES][4]) {
     return v;
 }
 
-template <class T>
+template <class T, int UNROLL>
 __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols, int group, const Slot<T>* slots) {
     // The CTA's weight: weight i owns ceil(rows_i / 32) CTAs.
     int cta = blockIdx.x, si = 0;
@@ -276,7 +276,7 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
 #pragma unroll
     for (int i = 0; i < TILES; ++i) tiles[i] = Tile{s.packed, s.scales, s.mins, cta * 16 * TILES + 16 * i, s.rows};
     float acc[TILES][4];
-    q4_tiles<T>(tiles, x, n, cols, group, acc);
+    q4_tiles<T, UNROLL>(tiles, x, n, cols, group, acc);
     const float v = reduce_warps(acc);
     if (threadIdx.x < TILES * 128) {
         const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -289,7 +289,7 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
     }
 }
 
-template <class T>
+template <class T, int UNROLL>
 __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, int n, int cols, int group,
                                              const Slot<T>& gate, const Slot<T>& up) {
     static_assert(TILES == 2, "the SiLU variant pairs one gate tile with one up tile");
@@ -297,7 +297,7 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
     const Tile tiles[TILES] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
                                Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[TILES][4];
-    q4_tiles<T>(tiles, x, n, cols, group, acc);
+    q4_tiles<T, UNROLL>(tiles, x, n, cols, group, acc);
     // Gate sums land in threads 0..127, up sums in 128..255 (same fragment order).
     __shared__ float upv[128];
     const float v = reduce_warps(acc);
@@ -317,23 +317,28 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
 
 }  // namespace tmq4
 
-#define TM_Q4_GEMV(SUF, T)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, 2)                                                 \
-        q4_gemv_##SUF(const T* __restrict__ x, int n, int cols, int group, T* o0, T* o1, T* o2,                     \
-                      const unsigned char* w0, const unsigned char* w1, const unsigned char* w2, const __half* s0,  \
-                      const __half* s1, const __half* s2, const __half* m0, const __half* m1, const __half* m2,     \
-                      const T* b0, const T* b1, const T* b2, int r0, int r1, int r2) {                              \
+// U = steps per batch of loads: 2 (at most 128 registers, two CTAs per SM) or 4 (one CTA per SM,
+// twice the bytes in flight per warp: for grids of at most one CTA per SM).
+#define TM_Q4_GEMV(SUF, T, U, MIN_CTAS)                                                                            \
+    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                          \
+        q4_gemv_u##U##_##SUF(const T* __restrict__ x, int n, int cols, int group, T* o0, T* o1, T* o2,              \
+                             const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,             \
+                             const __half* s0, const __half* s1, const __half* s2, const __half* m0,                \
+                             const __half* m1, const __half* m2, const T* b0, const T* b1, const T* b2, int r0,     \
+                             int r1, int r2) {                                                                      \
         const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}}; \
-        tmq4::q4_gemv<T>(x, n, cols, group, slots);                                                                 \
+        tmq4::q4_gemv<T, U>(x, n, cols, group, slots);                                                              \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, 2)                                                 \
-        q4_gemv_silu_##SUF(T* out, const T* __restrict__ x, int n, int cols, int group, const unsigned char* wg,   \
-                           const __half* sg, const __half* mg, const unsigned char* wu, const __half* su,           \
-                           const __half* mu, int rows) {                                                            \
+    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                          \
+        q4_gemv_silu_u##U##_##SUF(T* out, const T* __restrict__ x, int n, int cols, int group,                      \
+                                  const unsigned char* wg, const __half* sg, const __half* mg,                      \
+                                  const unsigned char* wu, const __half* su, const __half* mu, int rows) {          \
         const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                \
         const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                  \
-        tmq4::q4_gemv_silu<T>(out, x, n, cols, group, gate, up);                                                    \
+        tmq4::q4_gemv_silu<T, U>(out, x, n, cols, group, gate, up);                                                 \
     }
 
-TM_Q4_GEMV(f16, __half)
-TM_Q4_GEMV(bf16, __nv_bfloat16)
+TM_Q4_GEMV(f16, __half, 2, 2)
+TM_Q4_GEMV(f16, __half, 4, 1)
+TM_Q4_GEMV(bf16, __nv_bfloat16, 2, 2)
+TM_Q4_GEMV(bf16, __nv_bfloat16, 4, 1)

@@ -11,6 +11,10 @@
 //!
 //! Each CTA (256 threads, 8 warps) computes 32 rows of one weight (or 16 rows of the gate and the
 //! same 16 of the up weight) with K split over its warps; see the kernel source for the layout.
+//! Two variants differ in how many steps' loads a warp issues before its math ([`Unroll`]): 2
+//! (two CTAs fit on an SM) or 4 (one CTA per SM, twice the bytes in flight per warp). `Auto`
+//! takes 4 when the grid has at most one CTA per SM (the 4096-row products of an 8B model on an
+//! H200), else 2; `TM_Q4_GEMV_UNROLL=2|4` overrides it.
 
 use std::sync::OnceLock;
 
@@ -27,6 +31,48 @@ const ROWS_PER_CTA: usize = 32;
 const SILU_ROWS_PER_CTA: usize = 16;
 /// The most activation rows the kernels take.
 pub const MAX_N: usize = 8;
+
+/// Steps whose loads a warp issues before its math: the kernel variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unroll {
+    /// 4 when the grid has at most one CTA per SM, else 2 (`TM_Q4_GEMV_UNROLL` overrides it).
+    Auto,
+    /// `*_u2_*`: at most 128 registers, two CTAs per SM.
+    Two,
+    /// `*_u4_*`: one CTA per SM.
+    Four,
+}
+
+impl Unroll {
+    /// The variant's number for a grid of `ctas` CTAs on `sms` multiprocessors.
+    fn resolve(self, ctas: usize, sms: usize) -> u32 {
+        match self {
+            Unroll::Two => 2,
+            Unroll::Four => 4,
+            Unroll::Auto => match forced_unroll() {
+                Some(u) => u,
+                None if ctas <= sms => 4,
+                None => 2,
+            },
+        }
+    }
+}
+
+/// `TM_Q4_GEMV_UNROLL` when it is 2 or 4.
+fn forced_unroll() -> Option<u32> {
+    static FORCED: OnceLock<Option<u32>> = OnceLock::new();
+    *FORCED.get_or_init(|| {
+        let v = std::env::var("TM_Q4_GEMV_UNROLL").ok()?;
+        match v.trim() {
+            "2" => Some(2),
+            "4" => Some(4),
+            other => {
+                tracing::warn!("TM_Q4_GEMV_UNROLL={other} ignored: expected 2 or 4");
+                None
+            }
+        }
+    })
+}
 
 /// Whether the path is on (`TM_Q4_GEMV` is not `0`).
 pub fn enabled() -> bool {
@@ -94,7 +140,17 @@ fn plain_grid(slots: &[Q4Slot]) -> Result<u32> {
 
 /// `slot.out = x · slot.Wᵀ (+ slot.bias)` for each of up to three int4 weights of `cols`
 /// columns and group size `group`, in one launch. The caller checked [`fits`] and the shapes.
-pub fn q4_gemv(gpu: &Gpu, dt: DType, x: u64, n: usize, cols: usize, group: usize, slots: &[Q4Slot]) -> Result<()> {
+#[allow(clippy::too_many_arguments)]
+pub fn q4_gemv(
+    gpu: &Gpu,
+    dt: DType,
+    x: u64,
+    n: usize,
+    cols: usize,
+    group: usize,
+    slots: &[Q4Slot],
+    unroll: Unroll,
+) -> Result<()> {
     if slots.is_empty() || slots.len() > 3 {
         return Err(Error::invalid(format!("q4_gemv: {} weights in one launch (1 to 3)", slots.len())));
     }
@@ -105,7 +161,8 @@ pub fn q4_gemv(gpu: &Gpu, dt: DType, x: u64, n: usize, cols: usize, group: usize
         return Ok(());
     }
     let s = |i: usize| used.get(i).copied().unwrap_or_default();
-    let name = format!("q4_gemv_{}", suffix(dt)?);
+    let u = unroll.resolve(grid as usize, gpu.info().multiprocessors as usize);
+    let name = format!("q4_gemv_u{u}_{}", suffix(dt)?);
     let args = [
         KernelArg::Ptr(x),
         KernelArg::I32(int("n", n)?),
@@ -147,6 +204,7 @@ pub fn q4_gemv_silu(
     n: usize,
     cols: usize,
     group: usize,
+    unroll: Unroll,
 ) -> Result<()> {
     if gate.rows != up.rows {
         return Err(Error::invalid(format!("q4_gemv_silu: gate has {} rows, up {}", gate.rows, up.rows)));
@@ -157,7 +215,8 @@ pub fn q4_gemv_silu(
     }
     let grid = u32::try_from(ctas(rows, SILU_ROWS_PER_CTA))
         .map_err(|_| Error::invalid(format!("q4_gemv_silu: {rows} rows need too many CTAs")))?;
-    let name = format!("q4_gemv_silu_{}", suffix(dt)?);
+    let u = unroll.resolve(grid as usize, gpu.info().multiprocessors as usize);
+    let name = format!("q4_gemv_silu_u{u}_{}", suffix(dt)?);
     let args = [
         KernelArg::Ptr(out),
         KernelArg::Ptr(x),
@@ -206,5 +265,15 @@ mod tests {
         assert_eq!(plain_grid(&[slot(1)]).unwrap(), 1);
         assert_eq!(ctas(14336, SILU_ROWS_PER_CTA), 896);
         assert_eq!(ctas(100, SILU_ROWS_PER_CTA), 7);
+    }
+
+    #[test]
+    fn unroll_variants() {
+        assert_eq!(Unroll::Two.resolve(10, 132), 2);
+        assert_eq!(Unroll::Four.resolve(1000, 132), 4);
+        if forced_unroll().is_none() {
+            assert_eq!(Unroll::Auto.resolve(128, 132), 4);
+            assert_eq!(Unroll::Auto.resolve(192, 132), 2);
+        }
     }
 }

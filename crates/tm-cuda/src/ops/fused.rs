@@ -14,7 +14,7 @@ use tm_core::{Error, Result, Tensor};
 
 use super::{ptr, CudaBackend};
 use crate::kernels::gemv::{self, GemvSlot};
-use crate::kernels::q4_gemv::{self, Q4Slot};
+use crate::kernels::q4_gemv::{self, Q4Slot, Unroll};
 
 /// Whether the GEMV path is on (`TM_CUDA_GEMV` is not `0`).
 fn enabled() -> bool {
@@ -128,7 +128,7 @@ impl CudaBackend {
             return Ok(false);
         }
         self.check(x, "matmul input")?;
-        q4_gemv::q4_gemv(&self.gpu, self.dtype, ptr(x), n, cols, group, &slots)?;
+        q4_gemv::q4_gemv(&self.gpu, self.dtype, ptr(x), n, cols, group, &slots, Unroll::Auto)?;
         Ok(true)
     }
 
@@ -139,7 +139,7 @@ impl CudaBackend {
         if !q4_gemv::enabled() || !q4_gemv::fits(self.dtype, n, q.cols, q.group_size, ptr(x), &[slot]) {
             return Ok(false);
         }
-        q4_gemv::q4_gemv(&self.gpu, self.dtype, ptr(x), n, q.cols, q.group_size, &[slot])?;
+        q4_gemv::q4_gemv(&self.gpu, self.dtype, ptr(x), n, q.cols, q.group_size, &[slot], Unroll::Auto)?;
         Ok(true)
     }
 
@@ -200,7 +200,7 @@ impl CudaBackend {
         }
         self.check(x, "matmul input")?;
         self.check(out, "gate_up_silu output")?;
-        q4_gemv::q4_gemv_silu(&self.gpu, self.dtype, ptr(out), &g, &u, ptr(x), n, cols, group)?;
+        q4_gemv::q4_gemv_silu(&self.gpu, self.dtype, ptr(out), &g, &u, ptr(x), n, cols, group, Unroll::Auto)?;
         Ok(true)
     }
 }
