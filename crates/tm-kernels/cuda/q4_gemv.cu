@@ -146,27 +146,30 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
     const int steps = (nblk + BLOCKS_PER_STEP - 1) / BLOCKS_PER_STEP;
     const int groups = cols / group;
     const int group_blocks = group >> 5;
+    // Group of block b: b >> gshift when group / 32 is a power of two, else b / group_blocks.
+    const int gshift = (group_blocks & (group_blocks - 1)) == 0 ? __ffs(group_blocks) - 1 : -1;
+    constexpr int STRIDE = WARPS * BLOCKS_PER_STEP;  // blocks between a warp's consecutive steps
 
-    // The lane's rows: g and g + 8 of each tile (h = 0, 1); rows past the end read nothing. Row
-    // g + 8's data is 8 rows after row g's.
-    const uint4* wrow[TILES];
-    const __half* srow[TILES];
-    const __half* mrow[TILES];
+    // The lane's rows: g and g + 8 of each tile (h = 0, 1); rows past the end read nothing. The
+    // weight pointers start at the lane's first block (warp * 4 + t) and advance with the steps,
+    // so the loads of a batch use constant offsets.
+    const int b0 = warp * BLOCKS_PER_STEP + t;
+    const uint4* wp[TILES][2];
+    int soff[TILES][2];  // row * groups
     bool rok[TILES][2];
-    const i64 wstep8 = (i64)8 * (cols >> 5);  // 8 rows in uint4
-    const int sstep8 = 8 * groups;
 #pragma unroll
     for (int i = 0; i < TILES; ++i) {
-        const int r = tiles[i].row0 + g;
-        rok[i][0] = r < tiles[i].rows;
-        rok[i][1] = r + 8 < tiles[i].rows;
-        const i64 rr = rok[i][0] ? r : 0;
-        wrow[i] = reinterpret_cast<const uint4*>(tiles[i].packed + rr * (cols >> 1));
-        srow[i] = tiles[i].scales + rr * groups;
-        mrow[i] = tiles[i].mins + rr * groups;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = tiles[i].row0 + g + 8 * h;
+            rok[i][h] = r < tiles[i].rows;
+            const int rr = rok[i][h] ? r : 0;
+            wp[i][h] = reinterpret_cast<const uint4*>(tiles[i].packed + (i64)rr * (cols >> 1)) + b0;
+            soff[i][h] = rr * groups;
+        }
     }
     const bool xok = g < n;
-    const uint4* xrow = reinterpret_cast<const uint4*>(x + (xok ? (i64)g * cols : 0));
+    const uint4* xp = reinterpret_cast<const uint4*>(x + (xok ? (i64)g * cols : 0)) + 4 * b0;
 
 #pragma unroll
     for (int i = 0; i < TILES; ++i)
@@ -180,23 +183,28 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
         // Loads of UNROLL steps first.
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int b = (s0 + u * WARPS) * BLOCKS_PER_STEP + t;  // the lane's block
+            const int b = s0 * BLOCKS_PER_STEP + t + u * STRIDE;  // the lane's block
             const bool bok = b < nblk;
-            const int gi = bok ? b / group_blocks : 0;
+            const int gi = gshift >= 0 ? b >> gshift : b / group_blocks;
 #pragma unroll
             for (int i = 0; i < TILES; ++i) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const bool ok = bok && rok[i][h];
-                    wv[u][i][h] = ok ? __ldcs(wrow[i] + (h ? wstep8 : 0) + b) : make_uint4(0, 0, 0, 0);
-                    sv[u][i][h] = ok ? srow[i][(h ? sstep8 : 0) + gi] : __ushort_as_half(0);
-                    mv[u][i][h] = ok ? mrow[i][(h ? sstep8 : 0) + gi] : __ushort_as_half(0);
+                    wv[u][i][h] = ok ? __ldcs(wp[i][h] + u * STRIDE) : make_uint4(0, 0, 0, 0);
+                    sv[u][i][h] = ok ? tiles[i].scales[soff[i][h] + gi] : __ushort_as_half(0);
+                    mv[u][i][h] = ok ? tiles[i].mins[soff[i][h] + gi] : __ushort_as_half(0);
                 }
             }
             const bool xl = bok && xok;
 #pragma unroll
-            for (int q = 0; q < 4; ++q) xv[u][q] = xl ? __ldg(xrow + 4 * b + q) : make_uint4(0, 0, 0, 0);
+            for (int q = 0; q < 4; ++q) xv[u][q] = xl ? __ldg(xp + 4 * u * STRIDE + q) : make_uint4(0, 0, 0, 0);
         }
+#pragma unroll
+        for (int i = 0; i < TILES; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) wp[i][h] += UNROLL * STRIDE;
+        xp += 4 * UNROLL * STRIDE;
         // Then the math, step by step (a step past the end is skipped by the whole warp).
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {

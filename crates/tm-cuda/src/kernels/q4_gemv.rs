@@ -100,7 +100,8 @@ pub struct Q4Slot {
 
 /// Whether `n` activation rows of `cols` features in `dt`, with int4 weights of group size
 /// `group`, can use these kernels: f16/bf16, `1 <= n <= 8`, `cols` and `group` multiples of 32
-/// with `group` dividing `cols`, sizes within the kernels' `int`, `x` and every packed weight
+/// with `group` dividing `cols`, sizes within the kernels' `int` (`rows * cols / group`
+/// included), `x` and every packed weight
 /// 16-byte aligned, scales and mins 2-byte aligned.
 pub fn fits(dt: DType, n: usize, cols: usize, group: usize, x: u64, slots: &[Q4Slot]) -> bool {
     matches!(dt, DType::F16 | DType::BF16)
@@ -114,7 +115,8 @@ pub fn fits(dt: DType, n: usize, cols: usize, group: usize, x: u64, slots: &[Q4S
         && x.is_multiple_of(16)
         && !slots.is_empty()
         && slots.iter().all(|s| {
-            i32::try_from(s.rows).is_ok()
+            // The kernels index scales as `row * groups + group` in `int`.
+            s.rows.checked_mul(cols / group).is_some_and(|v| i32::try_from(v).is_ok())
                 && s.packed.is_multiple_of(16)
                 && s.scales.is_multiple_of(2)
                 && s.mins.is_multiple_of(2)
@@ -256,6 +258,7 @@ mod tests {
         assert!(!fits(DType::F16, 1, 4096, 128, 0x100, &[]));
         assert!(!fits(DType::F16, 1, 4096, 128, 0x100, &[Q4Slot { packed: 0x1008, ..slot(8) }]));
         assert!(!fits(DType::F16, 1, 4096, 128, 0x100, &[Q4Slot { scales: 0x2001, ..slot(8) }]));
+        assert!(!fits(DType::F16, 1, 4096, 32, 0x100, &[slot(1 << 24)]));
     }
 
     #[test]
