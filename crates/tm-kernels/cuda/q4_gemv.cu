@@ -18,7 +18,9 @@
 //   holding (1024 + q) (f16) or (128 + q) (bf16) for two nibbles; one exact subtraction gives q,
 //   then w = fma(q, scale, min) rounded once to T (the bias is not folded into the fma: that would
 //   lose precision). f16 takes the high nibbles unshifted, as 1024 + 16 q, and gets q exactly as
-//   fma(v, 1/16, -64). Scales and mins are f16; for bf16 they are rounded to bf16.
+//   fma(v, 1/16, -64). Scales and mins are f16, exact in f16; bf16 moves the group's integer
+//   zero point into the subtraction first (see Q4<__nv_bfloat16>::prep), so that rounding the
+//   scale and the remaining min to bf16 costs about one bf16 rounding of the group's sum.
 // - K is split over the 8 warps of a CTA (warp w takes steps w, w + 8, ...), each warp issuing
 //   the loads of U steps before any math (U = 2: two CTAs per SM fit; U = 4: one, for grids of
 //   at most one CTA per SM); the partial sums are reduced through shared memory.
@@ -52,20 +54,25 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned b
     return r;
 }
 
-// Per dtype: the half2 type, the magic number, and the dequantization of one 32-bit word of
-// packed nibbles (bytes b0..b3, i.e. columns c, c+1, c+2, c+3 low, c+16.. high) into four pairs:
-// p[0] = (b0.lo, b2.lo), p[1] = (b1.lo, b3.lo), p[2] = (b0.hi, b2.hi), p[3] = (b1.hi, b3.hi),
-// each w = q * s + m rounded to T.
+// Per dtype: the half2 type `V2`, a group's scale and min as the dequantization needs them
+// (`Scale`, from `prep`), and the dequantization of one 32-bit word of packed nibbles (bytes
+// b0..b3, i.e. columns c+0..3 low and c+16+0..3 high) into four pairs: p[0] = (b0.lo, b2.lo),
+// p[1] = (b1.lo, b3.lo), p[2] = (b0.hi, b2.hi), p[3] = (b1.hi, b3.hi), each w = q * s + m
+// rounded to T once.
 template <class T> struct Q4;
 
 template <> struct Q4<__half> {
     typedef __half2 V2;
-    __device__ static __forceinline__ V2 pair(__half v) { return __half2half2(v); }
-    __device__ static __forceinline__ void dequant(unsigned w, V2 s, V2 m, unsigned p[4]) {
+    struct Scale {
+        V2 s, m;
+    };
+    // f16 holds the f16 scale and min exactly.
+    __device__ static __forceinline__ Scale prep(__half s, __half m) { return {__half2half2(s), __half2half2(m)}; }
+    __device__ static __forceinline__ void dequant(unsigned w, const Scale& sc, unsigned p[4]) {
         const unsigned magic = 0x64006400u;  // 1024.0 in each half
         const V2 k1024 = __half2half2(__ushort_as_half(0x6400));
-        const V2 k16th = __half2half2(__ushort_as_half(0x2C00));   // 1/16
-        const V2 km64 = __half2half2(__ushort_as_half(0xD400));    // -64
+        const V2 k16th = __half2half2(__ushort_as_half(0x2C00));  // 1/16
+        const V2 km64 = __half2half2(__ushort_as_half(0xD400));   // -64
         const unsigned w8 = w >> 8;
         unsigned r[4] = {and_or(w, 0x000F000Fu, magic), and_or(w8, 0x000F000Fu, magic), and_or(w, 0x00F000F0u, magic),
                          and_or(w8, 0x00F000F0u, magic)};
@@ -74,7 +81,7 @@ template <> struct Q4<__half> {
             V2 v = *reinterpret_cast<V2*>(&r[i]);
             // low nibbles: 1024 + q - 1024; high: (1024 + 16 q) / 16 - 64. Both exact.
             const V2 q = i < 2 ? __hsub2(v, k1024) : __hfma2(v, k16th, km64);
-            const V2 d = __hfma2(q, s, m);
+            const V2 d = __hfma2(q, sc.s, sc.m);
             p[i] = *reinterpret_cast<const unsigned*>(&d);
         }
     }
@@ -82,18 +89,29 @@ template <> struct Q4<__half> {
 
 template <> struct Q4<__nv_bfloat16> {
     typedef __nv_bfloat162 V2;
-    __device__ static __forceinline__ V2 pair(__half v) { return __float2bfloat162_rn(__half2float(v)); }
-    __device__ static __forceinline__ void dequant(unsigned w, V2 s, V2 m, unsigned p[4]) {
+    struct Scale {
+        V2 s, m, off;
+    };
+    // bf16 cannot hold the f16 scale and min exactly, and rounding both on their own would leave a
+    // systematic error of about 2^-9 * |m| per weight of the group (|m| is ~7.5 scales for
+    // zero-centred groups: the AWQ/GPTQ zero point). So the group's integer offset
+    // c = round(-m / s) (clamped to 0..15; any integer is exact) moves into the q subtraction:
+    // w = (q - c) * s + (m + c * s), with |q - c| small and m + c * s within about half a scale.
+    __device__ static __forceinline__ Scale prep(__half sh, __half mh) {
+        const float s = __half2float(sh), m = __half2float(mh);
+        const float c = fminf(fmaxf(rintf(__fdividef(-m, s)), 0.f), 15.f);  // NaN (s = m = 0) -> 0
+        return {__float2bfloat162_rn(s), __float2bfloat162_rn(fmaf(c, s, m)), __float2bfloat162_rn(-128.f - c)};
+    }
+    __device__ static __forceinline__ void dequant(unsigned w, const Scale& sc, unsigned p[4]) {
         const unsigned magic = 0x43004300u;  // 128.0 in each bf16
         const V2 one = __float2bfloat162_rn(1.f);
-        const V2 k128 = __float2bfloat162_rn(-128.f);
         unsigned r[4] = {and_or(w, 0x000F000Fu, magic), and_or(w >> 8, 0x000F000Fu, magic),
                          and_or(w >> 4, 0x000F000Fu, magic), and_or(w >> 12, 0x000F000Fu, magic)};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             V2 v = *reinterpret_cast<V2*>(&r[i]);
-            const V2 q = __hfma2(v, one, k128);  // 128 + q - 128, exact
-            const V2 d = __hfma2(q, s, m);
+            const V2 q = __hfma2(v, one, sc.off);  // 128 + q - (128 + c) = q - c, exact
+            const V2 d = __hfma2(q, sc.s, sc.m);
             p[i] = *reinterpret_cast<const unsigned*>(&d);
         }
     }
@@ -212,14 +230,11 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
             const unsigned xw[16] = {xv[u][0].x, xv[u][0].y, xv[u][0].z, xv[u][0].w, xv[u][1].x, xv[u][1].y,
                                      xv[u][1].z, xv[u][1].w, xv[u][2].x, xv[u][2].y, xv[u][2].z, xv[u][2].w,
                                      xv[u][3].x, xv[u][3].y, xv[u][3].z, xv[u][3].w};
-            V2 s2[TILES][2], m2[TILES][2];
+            typename Q4<T>::Scale sc[TILES][2];
 #pragma unroll
             for (int i = 0; i < TILES; ++i)
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    s2[i][h] = Q4<T>::pair(sv[u][i][h]);
-                    m2[i][h] = Q4<T>::pair(mv[u][i][h]);
-                }
+                for (int h = 0; h < 2; ++h) sc[i][h] = Q4<T>::prep(sv[u][i][h], mv[u][i][h]);
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 // x pairs of columns (4k, 4k+2), (4k+1, 4k+3) and the same + 16.
@@ -234,8 +249,8 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
                     const unsigned wl = k == 0 ? lo.x : k == 1 ? lo.y : k == 2 ? lo.z : lo.w;
                     const unsigned wh = k == 0 ? hi.x : k == 1 ? hi.y : k == 2 ? hi.z : hi.w;
                     unsigned pl[4], ph[4];  // rows g and g + 8
-                    Q4<T>::dequant(wl, s2[i][0], m2[i][0], pl);
-                    Q4<T>::dequant(wh, s2[i][1], m2[i][1], ph);
+                    Q4<T>::dequant(wl, sc[i][0], pl);
+                    Q4<T>::dequant(wh, sc[i][1], ph);
                     // a0: row g, slots 2t..2t+1; a1: row g+8, same; a2: row g, slots 2t+8..2t+9; a3: row g+8.
                     const unsigned alo[4] = {pl[0], ph[0], pl[1], ph[1]};
                     const unsigned ahi[4] = {pl[2], ph[2], pl[3], ph[3]};
