@@ -1729,6 +1729,9 @@ fn sanitizer_subset() {
         }
         matmul_many(s, Kind::Dense, 3, &[96, 32, 32], 256, true);
         gate_up_silu(s, Kind::Dense, 2, 96, 256);
+        // The int4 decode kernels with row tails and a partial last step.
+        matmul_many(s, Kind::Int4(32), 3, &[40, 17, 33], 160, true);
+        gate_up_silu(s, Kind::Int4(64), 2, 33, 192);
         let r = rope_configs(64);
         rope(s, &r[0], 3, 4, 64, 1000);
         rope(s, &r[4], 3, 4, 64, 1000);
