@@ -172,11 +172,13 @@ fn time_ms(b: &CudaBackend, iters: usize, mut f: impl FnMut(usize) -> tm_core::R
         f(i).map_err(|e| err(&e))?;
     }
     let stream = b.gpu().stream();
-    let start = stream.record_event(None).map_err(|e| err(&e))?;
+    // Timing events (cudarc's default flags disable timing).
+    let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let start = stream.record_event(timed).map_err(|e| err(&e))?;
     for i in 0..iters {
         f(i).map_err(|e| err(&e))?;
     }
-    let end = stream.record_event(None).map_err(|e| err(&e))?;
+    let end = stream.record_event(timed).map_err(|e| err(&e))?;
     end.synchronize().map_err(|e| err(&e))?;
     Ok(start.elapsed_ms(&end).map_err(|e| err(&e))? as f64 / iters as f64)
 }
