@@ -13,7 +13,7 @@
 //   4k+0..3 in its low nibbles and 16+4k+0..3 in its high nibbles; it feeds two mmas, one taking
 //   the pairs of columns (4k, 4k+2) and (4k+1, 4k+3) as the lane's k-slots (2t, 2t+1) and
 //   (2t+8, 2t+9), the other the same of the high nibbles. The matching x pairs are picked from
-//   the loaded x words with one PRMT each. No shared memory, no re-layout of W.
+//   the loaded x words with one PRMT each. W is neither staged in shared memory nor re-laid out.
 // - Dequantization with the magic-number trick: `(word & 0x000F000F) | magic` is a half2 (bf162)
 //   holding (1024 + q) (f16) or (128 + q) (bf16) for two nibbles; one exact subtraction gives q,
 //   then w = fma(q, scale, min) rounded once to T (the bias is not folded into the fma: that would

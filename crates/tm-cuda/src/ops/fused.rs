@@ -45,8 +45,9 @@ fn dense(w: &Weight) -> Option<&Tensor> {
 }
 
 impl CudaBackend {
-    /// `outs[i] = x W_iᵀ (+ biases[i])` as one GEMV launch when every weight is dense with the
-    /// same `cols`, there are at most three, and `x` is a decode batch. Shapes are checked.
+    /// `outs[i] = x W_iᵀ (+ biases[i])` as one GEMV launch when every weight is dense (or every
+    /// one int4 with the same group size) with the same `cols`, there are at most three, and `x`
+    /// is a decode batch. Shapes are checked.
     pub(super) fn fused_matmul_many(
         &self,
         x: &Tensor,
@@ -153,8 +154,8 @@ impl CudaBackend {
         Ok(true)
     }
 
-    /// `out = silu(x Gᵀ) * (x Uᵀ)` as one launch when both weights are dense `[rows, cols]` and
-    /// `x` is a decode batch. Shapes are checked.
+    /// `out = silu(x Gᵀ) * (x Uᵀ)` as one launch when both weights are dense `[rows, cols]` (or
+    /// both int4 with the same group size) and `x` is a decode batch. Shapes are checked.
     pub(super) fn fused_gate_up_silu(&self, x: &Tensor, gate: &Weight, up: &Weight, out: &mut Tensor) -> Result<bool> {
         if let (Some(g), Some(u)) = (int4(gate), int4(up)) {
             return self.fused_q4_gate_up_silu(x, g, u, out);
