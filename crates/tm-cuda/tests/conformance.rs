@@ -1582,6 +1582,61 @@ fn matmul_int4() {
     });
 }
 
+/// The int4 decode kernels (`q4_gemv.cu`, tensor cores, f16/bf16 only; f32 keeps the CUDA-core
+/// GEMV): every batch size 1..=8, group sizes 32/64/128, rows that are not a multiple of the
+/// 32-row CTA tile (nor of 16), Llama-3-8B column counts and small odd multiples of 32 columns
+/// (a partial last 128-column step), single products with and without bias, q/k/v-like
+/// `matmul_many` with three weights, and the fused gate/up/SiLU.
+#[test]
+fn matmul_int4_decode() {
+    run("matmul_int4_decode", &[DType::F16, DType::BF16], |s| {
+        for (n, rows, cols, g, bias) in [
+            (1, 4096, 4096, 128, false),
+            (1, 4096, 14336, 128, false),
+            (1, 100, 96, 32, true),
+            (2, 1000, 160, 32, false),
+            (2, 4096, 4096, 64, false),
+            (3, 1024, 4096, 32, true),
+            (3, 47, 224, 32, false),
+            (4, 4097, 4096, 64, false),
+            (4, 16, 32, 32, false),
+            (5, 77, 320, 64, true),
+            (5, 1024, 14336, 128, false),
+            (6, 33, 384, 128, false),
+            (6, 2000, 4096, 128, false),
+            (7, 33, 640, 128, false),
+            (7, 15, 1056, 32, true),
+            (8, 4096, 14336, 128, false),
+            (8, 31, 224, 32, false),
+            (8, 14336, 4096, 128, false),
+        ] {
+            matmul(s, Kind::Int4(g), n, rows, cols, bias);
+        }
+        for (n, rows, cols, g, bias) in [
+            (1, vec![4096, 1024, 1024], 4096, 128, false),
+            (4, vec![4096, 1024, 1024], 4096, 128, false),
+            (8, vec![4096, 1024, 1024], 4096, 128, false),
+            (3, vec![200, 72, 40], 192, 64, true),
+            (8, vec![96, 32, 33], 96, 32, true),
+            (2, vec![17, 300], 640, 128, false),
+            (5, vec![256], 384, 128, true),
+        ] {
+            matmul_many(s, Kind::Int4(g), n, &rows, cols, bias);
+        }
+        for (n, rows, cols, g) in [
+            (1, 14336, 4096, 128),
+            (2, 33, 192, 64),
+            (3, 1000, 640, 128),
+            (4, 100, 224, 32),
+            (6, 17, 96, 32),
+            (8, 14336, 4096, 128),
+            (8, 1000, 640, 128),
+        ] {
+            gate_up_silu(s, Kind::Int4(g), n, rows, cols);
+        }
+    });
+}
+
 #[test]
 fn matmul_int8() {
     run("matmul_int8", &ALL_DTYPES, |s| {
@@ -1674,6 +1729,9 @@ fn sanitizer_subset() {
         }
         matmul_many(s, Kind::Dense, 3, &[96, 32, 32], 256, true);
         gate_up_silu(s, Kind::Dense, 2, 96, 256);
+        // The int4 decode kernels with row tails and a partial last step.
+        matmul_many(s, Kind::Int4(32), 3, &[40, 17, 33], 160, true);
+        gate_up_silu(s, Kind::Int4(64), 2, 33, 192);
         let r = rope_configs(64);
         rope(s, &r[0], 3, 4, 64, 1000);
         rope(s, &r[4], 3, 4, 64, 1000);

@@ -1,7 +1,8 @@
 //! Launchers for `quant.cu`: `out[n, rows] = x[n, cols] · Wᵀ` with `W` in tm's int4 or int8 group
 //! layout ([`tm_core::quant`]), activations and outputs in `dt` (f32, f16 or bf16), f32 sums.
 //!
-//! Two paths, picked by `n`:
+//! Two paths, picked by `n` (int4 with f16/bf16 activations and `n <= 8` goes through
+//! [`super::q4_gemv`], the tensor-core GEMV, instead when it fits; the backend decides):
 //! - `n <= 8` (decode): `matmul_q{4,8}_gemv{NB}_T` with `NB` the next power of two `>= n`. One
 //!   warp per weight row, 8 rows per 256-thread block; the lanes stride over 16-byte chunks of the
 //!   packed row, dequantize each in registers once and multiply it with all `n` activation rows.

@@ -1,22 +1,39 @@
-//! Decode-shaped dense products through `gemv.cu` instead of cuBLASLt: a single product
-//! ([`CudaBackend::try_gemv`]), q/k/v in one launch ([`CudaBackend::fused_matmul_many`]) and
-//! gate/up/silu in one launch ([`CudaBackend::fused_gate_up_silu`]). Each returns `Ok(false)`
-//! when the shapes, dtypes or addresses do not fit the kernels, and the caller takes the general
-//! path. `TM_CUDA_GEMV=0` turns the path off (to compare with cuBLASLt).
+//! Decode-shaped products in one launch each: dense weights through `gemv.cu` instead of
+//! cuBLASLt, int4 weights through `q4_gemv.cu` (tensor cores) instead of `quant.cu`'s CUDA-core
+//! GEMV: a single product ([`CudaBackend::try_gemv`], [`CudaBackend::try_q4_gemv`]), q/k/v in one
+//! launch ([`CudaBackend::fused_matmul_many`]) and gate/up/silu in one launch
+//! ([`CudaBackend::fused_gate_up_silu`]). Each returns `Ok(false)` when the shapes, dtypes or
+//! addresses do not fit the kernels, and the caller takes the general path. `TM_CUDA_GEMV=0`
+//! turns the dense path off (to compare with cuBLASLt), `TM_Q4_GEMV=0` the int4 one.
 
 use std::sync::OnceLock;
 
 use tm_core::checks::rows_of;
-use tm_core::quant::Weight;
+use tm_core::quant::{QuantWeight, Weight};
 use tm_core::{Error, Result, Tensor};
 
 use super::{ptr, CudaBackend};
 use crate::kernels::gemv::{self, GemvSlot};
+use crate::kernels::q4_gemv::{self, Q4Slot, Unroll};
 
 /// Whether the GEMV path is on (`TM_CUDA_GEMV` is not `0`).
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("TM_CUDA_GEMV").map_or(true, |v| v.trim() != "0"))
+}
+
+/// The int4 matrix of `w`, if it is one.
+fn int4(w: &Weight) -> Option<&QuantWeight> {
+    match w {
+        Weight::Int4(q) => Some(q),
+        _ => None,
+    }
+}
+
+/// The device addresses of an int4 weight (its output and bias left 0).
+fn q4_slot(q: &QuantWeight) -> Result<Q4Slot> {
+    let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
+    Ok(Q4Slot { packed: ptr(&q.packed), scales: ptr(&q.scales), mins: ptr(mins), bias: 0, out: 0, rows: q.rows })
 }
 
 /// The dense matrix of `w`, if it is one.
@@ -28,8 +45,9 @@ fn dense(w: &Weight) -> Option<&Tensor> {
 }
 
 impl CudaBackend {
-    /// `outs[i] = x W_iᵀ (+ biases[i])` as one GEMV launch when every weight is dense with the
-    /// same `cols`, there are at most three, and `x` is a decode batch. Shapes are checked.
+    /// `outs[i] = x W_iᵀ (+ biases[i])` as one GEMV launch when every weight is dense (or every
+    /// one int4 with the same group size) with the same `cols`, there are at most three, and `x`
+    /// is a decode batch. Shapes are checked.
     pub(super) fn fused_matmul_many(
         &self,
         x: &Tensor,
@@ -37,12 +55,13 @@ impl CudaBackend {
         biases: &[Option<&Tensor>],
         outs: &mut [&mut Tensor],
     ) -> Result<bool> {
-        if !enabled()
-            || weights.is_empty()
-            || weights.len() > 3
-            || weights.len() != outs.len()
-            || biases.len() != outs.len()
-        {
+        if weights.is_empty() || weights.len() > 3 || weights.len() != outs.len() || biases.len() != outs.len() {
+            return Ok(false);
+        }
+        if weights.iter().all(|w| int4(w).is_some()) {
+            return self.fused_q4_many(x, weights, biases, outs);
+        }
+        if !enabled() {
             return Ok(false);
         }
         let Some(ts) = weights.iter().map(|w| dense(w)).collect::<Option<Vec<_>>>() else { return Ok(false) };
@@ -77,6 +96,54 @@ impl CudaBackend {
         Ok(true)
     }
 
+    /// [`CudaBackend::fused_matmul_many`] for int4 weights: one `q4_gemv` launch when they share
+    /// `cols` and the group size and `x` is a decode batch.
+    fn fused_q4_many(
+        &self,
+        x: &Tensor,
+        weights: &[&Weight],
+        biases: &[Option<&Tensor>],
+        outs: &mut [&mut Tensor],
+    ) -> Result<bool> {
+        let Some(qs) = weights.iter().map(|w| int4(w)).collect::<Option<Vec<_>>>() else { return Ok(false) };
+        let (cols, group) = (qs[0].cols, qs[0].group_size);
+        if !q4_gemv::enabled() || qs.iter().any(|q| q.cols != cols || q.group_size != group) {
+            return Ok(false);
+        }
+        let n = rows_of("matmul input", x, cols)?;
+        let mut slots = Vec::with_capacity(3);
+        for ((q, b), out) in qs.iter().zip(biases).zip(outs.iter()) {
+            if out.numel() != n * q.rows {
+                return Err(Error::shape("matmul output", [n, q.rows], out.shape()));
+            }
+            if let Some(b) = b {
+                if b.numel() != q.rows {
+                    return Err(Error::shape("bias", [q.rows], b.shape()));
+                }
+                self.check(b, "bias")?;
+            }
+            self.check(out, "matmul output")?;
+            slots.push(Q4Slot { bias: b.map_or(0, ptr), out: ptr(out), ..q4_slot(q)? });
+        }
+        if !q4_gemv::fits(self.dtype, n, cols, group, ptr(x), &slots) {
+            return Ok(false);
+        }
+        self.check(x, "matmul input")?;
+        q4_gemv::q4_gemv(&self.gpu, self.dtype, ptr(x), n, cols, group, &slots, Unroll::Auto)?;
+        Ok(true)
+    }
+
+    /// One int4 product through the tensor-core GEMV, when it fits (shapes already checked; a
+    /// bias is added by the caller).
+    pub(super) fn try_q4_gemv(&self, x: &Tensor, q: &QuantWeight, n: usize, out: &mut Tensor) -> Result<bool> {
+        let slot = Q4Slot { out: ptr(out), ..q4_slot(q)? };
+        if !q4_gemv::enabled() || !q4_gemv::fits(self.dtype, n, q.cols, q.group_size, ptr(x), &[slot]) {
+            return Ok(false);
+        }
+        q4_gemv::q4_gemv(&self.gpu, self.dtype, ptr(x), n, q.cols, q.group_size, &[slot], Unroll::Auto)?;
+        Ok(true)
+    }
+
     /// One dense product through the GEMV kernel, when it fits (shapes already checked).
     pub(super) fn try_gemv(&self, x: &Tensor, w: &Tensor, n: usize, out: &mut Tensor) -> Result<bool> {
         let (rows, cols) = (w.shape()[0], w.shape()[1]);
@@ -87,9 +154,12 @@ impl CudaBackend {
         Ok(true)
     }
 
-    /// `out = silu(x Gᵀ) * (x Uᵀ)` as one launch when both weights are dense `[rows, cols]` and
-    /// `x` is a decode batch. Shapes are checked.
+    /// `out = silu(x Gᵀ) * (x Uᵀ)` as one launch when both weights are dense `[rows, cols]` (or
+    /// both int4 with the same group size) and `x` is a decode batch. Shapes are checked.
     pub(super) fn fused_gate_up_silu(&self, x: &Tensor, gate: &Weight, up: &Weight, out: &mut Tensor) -> Result<bool> {
+        if let (Some(g), Some(u)) = (int4(gate), int4(up)) {
+            return self.fused_q4_gate_up_silu(x, g, u, out);
+        }
         let (Some(g), Some(u)) = (dense(gate), dense(up)) else { return Ok(false) };
         if !enabled() || gate.dims() != up.dims() {
             return Ok(false);
@@ -106,6 +176,32 @@ impl CudaBackend {
             self.check(t, what)?;
         }
         gemv::gemv_silu(&self.gpu, self.dtype, ptr(out), ptr(g), ptr(u), ptr(x), n, rows, cols)?;
+        Ok(true)
+    }
+
+    /// [`CudaBackend::fused_gate_up_silu`] for int4 weights of the same shape and group size.
+    fn fused_q4_gate_up_silu(
+        &self,
+        x: &Tensor,
+        gate: &QuantWeight,
+        up: &QuantWeight,
+        out: &mut Tensor,
+    ) -> Result<bool> {
+        let (rows, cols, group) = (gate.rows, gate.cols, gate.group_size);
+        if !q4_gemv::enabled() || (up.rows, up.cols, up.group_size) != (rows, cols, group) {
+            return Ok(false);
+        }
+        let n = rows_of("matmul input", x, cols)?;
+        if out.numel() != n * rows {
+            return Err(Error::shape("gate_up_silu output", [n, rows], out.shape()));
+        }
+        let (g, u) = (q4_slot(gate)?, q4_slot(up)?);
+        if !q4_gemv::fits(self.dtype, n, cols, group, ptr(x), &[g, u]) {
+            return Ok(false);
+        }
+        self.check(x, "matmul input")?;
+        self.check(out, "gate_up_silu output")?;
+        q4_gemv::q4_gemv_silu(&self.gpu, self.dtype, ptr(out), &g, &u, ptr(x), n, cols, group, Unroll::Auto)?;
         Ok(true)
     }
 }

@@ -171,6 +171,9 @@ impl CudaBackend {
 
     fn quant_matmul(&self, x: &Tensor, q: &QuantWeight, int4: bool, n: usize, out: &mut Tensor) -> Result<()> {
         if int4 {
+            if self.try_q4_gemv(x, q, n, out)? {
+                return Ok(());
+            }
             let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
             quant::matmul_q4(
                 &self.gpu,

@@ -1,0 +1,298 @@
+//! Times the int4 decode products (w4a16) on the GPU with CUDA events, for the Llama-3-8B shapes:
+//! q/k/v fused (4096 + 1024 + 1024 rows × 4096), o (4096 × 4096), gate/up/SiLU fused
+//! (2 × 14336 × 4096) and down (4096 × 14336), at n = 1, 4 and 8 activation rows.
+//!
+//! ```text
+//! cargo build --release -p tm-cuda --examples
+//! target/release/examples/q4_gemv_bench [--dtype f16|bf16] [--group 128] [--iters 200]
+//! ```
+//!
+//! Each line gives the time per call, the weight bytes streamed per second (packed nibbles +
+//! scales + mins; activations are not counted) and that as a fraction of the H200's measured copy
+//! bandwidth (4.275 TB/s). "ops" is what the model calls (`Ops::matmul_many`,
+//! `Ops::gate_up_silu`: the tensor-core `q4_gemv.cu` kernels with the automatic variant unless
+//! `TM_Q4_GEMV=0`); "u2" and "u4" launch each variant of those kernels directly; "cuda-core" is
+//! the previous path, one `matmul_q4` CUDA-core GEMV launch per weight (plus `silu_mul` for the
+//! MLP). Enough copies of each weight set are cycled through that they do not stay in L2. No
+//! assertions; without a CUDA device it says so and exits successfully.
+
+use std::process::ExitCode;
+
+use tm_core::quant::Weight;
+use tm_core::{DType, Ops, Tensor, TensorDesc};
+use tm_cuda::kernels::q4_gemv::{self, Q4Slot, Unroll};
+use tm_cuda::kernels::{elementwise, quant};
+use tm_cuda::{CudaBackend, CudaOptions};
+use tm_quant::HostQuant;
+
+/// The H200's measured device-to-device copy bandwidth, bytes/s.
+const COPY_BW: f64 = 4.275e12;
+/// Bytes of weights cycled through per measurement (well past the 50 MB L2).
+const CYCLE_BYTES: usize = 512 << 20;
+
+/// Options from the command line.
+struct Opts {
+    dtype: DType,
+    group: usize,
+    iters: usize,
+}
+
+fn parse() -> Result<Opts, String> {
+    let mut o = Opts { dtype: DType::F16, group: 128, iters: 200 };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = |what: &str| args.next().ok_or_else(|| format!("{what} needs a value"));
+        match a.as_str() {
+            "--dtype" => {
+                o.dtype = match value("--dtype")?.as_str() {
+                    "f16" => DType::F16,
+                    "bf16" => DType::BF16,
+                    other => return Err(format!("--dtype {other}: expected f16 or bf16")),
+                }
+            }
+            "--group" => {
+                let v = value("--group")?;
+                o.group = v
+                    .parse()
+                    .ok()
+                    .filter(|&g: &usize| g > 0 && g.is_multiple_of(32) && 4096 % g == 0 && 14336 % g == 0)
+                    .ok_or_else(|| {
+                        format!("--group {v}: expected a multiple of 32 dividing 4096 and 14336 (32, 64, 128)")
+                    })?;
+            }
+            "--iters" => {
+                let v = value("--iters")?;
+                o.iters =
+                    v.parse().ok().filter(|&i: &usize| i > 0).ok_or_else(|| format!("--iters {v}: expected > 0"))?;
+            }
+            "-h" | "--help" => {
+                println!("usage: q4_gemv_bench [--dtype f16|bf16] [--group 128] [--iters 200]");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument `{other}`")),
+        }
+    }
+    Ok(o)
+}
+
+/// A SplitMix64 stream for random weights.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// A random int4 weight `[rows, cols]` (weights of about ±0.03, like a trained model's).
+fn random_q4(ops: &dyn Ops, rng: &mut Rng, rows: usize, cols: usize, group: usize) -> Result<Weight, String> {
+    let mut packed = vec![0u8; rows * cols / 2];
+    for chunk in packed.chunks_mut(8) {
+        let v = rng.next().to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+    let groups = rows * (cols / group);
+    let scales = (0..groups).map(|i| half::f16::from_f32(0.002 + 0.002 * ((i % 7) as f32 / 7.0))).collect();
+    let mins = (0..groups).map(|i| half::f16::from_f32(-0.024 - 0.002 * ((i % 5) as f32))).collect();
+    let q = HostQuant { rows, cols, group_size: group, packed, scales, mins: Some(mins) };
+    tm_model::llama::quant_load::upload_quant(ops, &q)
+        .map_err(|e| format!("uploading a [{rows}, {cols}] int4 weight: {e}"))
+}
+
+/// A `[n, cols]` activation tensor of small random values.
+fn activations(ops: &dyn Ops, rng: &mut Rng, dtype: DType, n: usize, cols: usize) -> tm_core::Result<Tensor> {
+    let mut t = ops.zeros(TensorDesc::new(dtype, &[n, cols]), "bench")?;
+    let bytes: Vec<u8> = (0..n * cols)
+        .flat_map(|_| {
+            let v = (rng.next() % 2001) as f32 / 1000.0 - 1.0;
+            match dtype {
+                DType::BF16 => half::bf16::from_f32(v).to_le_bytes(),
+                _ => half::f16::from_f32(v).to_le_bytes(),
+            }
+        })
+        .collect();
+    ops.upload(&mut t, &bytes)?;
+    Ok(t)
+}
+
+/// The device addresses of an int4 weight and its output.
+fn slot(w: &Weight, out: &Tensor) -> Result<Q4Slot, String> {
+    match w {
+        Weight::Int4(q) => {
+            let mins = q.mins.as_ref().ok_or("int4 weight without mins")?;
+            Ok(Q4Slot {
+                packed: q.packed.buffer().addr(),
+                scales: q.scales.buffer().addr(),
+                mins: mins.buffer().addr(),
+                bias: 0,
+                out: out.buffer().addr(),
+                rows: q.rows,
+            })
+        }
+        _ => Err("not an int4 weight".into()),
+    }
+}
+
+/// One product family of the 8B layer.
+#[derive(Clone, Copy)]
+enum Shape {
+    Qkv,
+    O,
+    GateUp,
+    Down,
+}
+
+impl Shape {
+    fn name(self) -> &'static str {
+        match self {
+            Shape::Qkv => "q/k/v 6144x4096",
+            Shape::O => "o     4096x4096",
+            Shape::GateUp => "gate/up 2x14336x4096",
+            Shape::Down => "down  4096x14336",
+        }
+    }
+    /// `(rows, cols)` of each weight.
+    fn weights(self) -> Vec<(usize, usize)> {
+        match self {
+            Shape::Qkv => vec![(4096, 4096), (1024, 4096), (1024, 4096)],
+            Shape::O => vec![(4096, 4096)],
+            Shape::GateUp => vec![(14336, 4096), (14336, 4096)],
+            Shape::Down => vec![(4096, 14336)],
+        }
+    }
+}
+
+/// Milliseconds per call of `f` over `iters` calls (after a warm-up), timed with CUDA events.
+fn time_ms(b: &CudaBackend, iters: usize, mut f: impl FnMut(usize) -> tm_core::Result<()>) -> Result<f64, String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    for i in 0..10 {
+        f(i).map_err(|e| err(&e))?;
+    }
+    let stream = b.gpu().stream();
+    // Timing events (cudarc's default flags disable timing).
+    let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let start = stream.record_event(timed).map_err(|e| err(&e))?;
+    for i in 0..iters {
+        f(i).map_err(|e| err(&e))?;
+    }
+    let end = stream.record_event(timed).map_err(|e| err(&e))?;
+    end.synchronize().map_err(|e| err(&e))?;
+    Ok(start.elapsed_ms(&end).map_err(|e| err(&e))? as f64 / iters as f64)
+}
+
+fn bench(o: &Opts) -> Result<(), String> {
+    let opts = CudaOptions {
+        ordinal: 0,
+        dtype: o.dtype,
+        memory_cap: None,
+        cuda_graphs: false,
+        memory_model: Default::default(),
+    };
+    let b = CudaBackend::open(opts).map_err(|e| format!("opening the CUDA backend: {e}"))?;
+    let ops: &dyn Ops = &b;
+    let mut rng = Rng(0x51_0E_6E_4D);
+    println!(
+        "int4 decode products, {} activations, group {}, {} iterations; GB/s of packed weights + scales + mins, % of \
+         {:.3} TB/s",
+        o.dtype,
+        o.group,
+        o.iters,
+        COPY_BW / 1e12
+    );
+    let e = |e: tm_core::Error| e.to_string();
+    for shape in [Shape::Qkv, Shape::O, Shape::GateUp, Shape::Down] {
+        let dims = shape.weights();
+        let set_bytes: usize = dims.iter().map(|&(r, c)| r * c / 2 + 2 * 2 * r * (c / o.group)).sum();
+        let copies = CYCLE_BYTES.div_ceil(set_bytes).max(2);
+        let sets: Vec<Vec<Weight>> = (0..copies)
+            .map(|_| dims.iter().map(|&(r, c)| random_q4(ops, &mut rng, r, c, o.group)).collect())
+            .collect::<Result<_, String>>()?;
+        let cols = dims[0].1;
+        for n in [1usize, 4, 8] {
+            let x = activations(ops, &mut rng, o.dtype, n, cols).map_err(e)?;
+            let mut outs: Vec<Tensor> = dims
+                .iter()
+                .map(|&(r, _)| ops.zeros(TensorDesc::new(o.dtype, &[n, r]), "bench"))
+                .collect::<tm_core::Result<_>>()
+                .map_err(e)?;
+            let mut act = ops.zeros(TensorDesc::new(o.dtype, &[n, dims[0].0]), "bench").map_err(e)?;
+            let ops_ms = time_ms(&b, o.iters, |i| {
+                let set = &sets[i % copies];
+                match shape {
+                    Shape::GateUp => {
+                        let (g, u) = outs.split_at_mut(1);
+                        ops.gate_up_silu(&x, &set[0], &set[1], &mut g[0], &mut u[0], &mut act)
+                    }
+                    _ => {
+                        let ws: Vec<&Weight> = set.iter().collect();
+                        let mut os: Vec<&mut Tensor> = outs.iter_mut().collect();
+                        ops.matmul_many(&x, &ws, &vec![None; ws.len()], &mut os)
+                    }
+                }
+            })?;
+            let slots: Vec<Vec<Q4Slot>> = sets
+                .iter()
+                .map(|set| set.iter().zip(&outs).map(|(w, out)| slot(w, out)).collect())
+                .collect::<Result<_, String>>()?;
+            let (xa, aa) = (x.buffer().addr(), act.buffer().addr());
+            let group = o.group;
+            let variant = |unroll: Unroll| {
+                time_ms(&b, o.iters, |i| {
+                    let ss = &slots[i % copies];
+                    match shape {
+                        Shape::GateUp => {
+                            q4_gemv::q4_gemv_silu(b.gpu(), o.dtype, aa, &ss[0], &ss[1], xa, n, cols, group, unroll)
+                        }
+                        _ => q4_gemv::q4_gemv(b.gpu(), o.dtype, xa, n, cols, group, ss, unroll),
+                    }
+                })
+            };
+            let (u2, u4) = (variant(Unroll::Two)?, variant(Unroll::Four)?);
+            let old = time_ms(&b, o.iters, |i| {
+                for s in &slots[i % copies] {
+                    quant::matmul_q4(b.gpu(), o.dtype, s.out, xa, s.packed, s.scales, s.mins, n, s.rows, cols, group)?;
+                }
+                if let Shape::GateUp = shape {
+                    let (g, u) = (slots[0][0].out, slots[0][1].out);
+                    elementwise::silu_mul(b.gpu(), o.dtype, aa, g, u, n * dims[0].0)?;
+                }
+                Ok(())
+            })?;
+            for (what, ms) in [("ops", ops_ms), ("u2", u2), ("u4", u4), ("cuda-core", old)] {
+                let gbs = set_bytes as f64 / (ms * 1e-3) / 1e9;
+                println!(
+                    "{:<22} n={n}  {what:<9} {:>8.1} us  {:>7.0} GB/s  {:>5.1}% of copy bandwidth",
+                    shape.name(),
+                    ms * 1e3,
+                    gbs,
+                    100.0 * gbs * 1e9 / COPY_BW
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let o = match parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("q4_gemv_bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(e) = tm_cuda::probe() {
+        println!("q4_gemv_bench: skipped: no CUDA device ({e})");
+        return ExitCode::SUCCESS;
+    }
+    match bench(&o) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("q4_gemv_bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

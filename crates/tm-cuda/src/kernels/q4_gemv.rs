@@ -1,0 +1,282 @@
+//! Launchers for `q4_gemv.cu`: int4 decode products on tensor cores (w4a16),
+//! `out[n, rows] = x[n, cols] · Wᵀ` for `n <= 8` with `W` in tm's int4 layout
+//! ([`tm_core::quant`]), `x` and `out` f16 or bf16, f32 sums.
+//!
+//! - [`q4_gemv`]: up to three weights sharing `x` (a layer's q, k and v) in one launch, with
+//!   optional biases; one weight is a plain product.
+//! - [`q4_gemv_silu`]: `out = silu(x·Gᵀ) * (x·Uᵀ)` (the gated MLP input) in one launch.
+//!
+//! [`fits`] says whether a call can take this path; callers use `matmul_q4` (the CUDA-core GEMV,
+//! and the only path for f32) otherwise. `TM_Q4_GEMV=0` turns the path off, to compare.
+//!
+//! Each CTA (256 threads, 8 warps) computes 32 rows of one weight (or 16 rows of the gate and the
+//! same 16 of the up weight) with K split over its warps; see the kernel source for the layout.
+//! Two variants differ in how many steps' loads a warp issues before its math ([`Unroll`]): 2
+//! (two CTAs fit on an SM) or 4 (one CTA per SM, twice the bytes in flight per warp). `Auto`
+//! takes 4 when the grid has at most one CTA per SM (the 4096-row products of an 8B model on an
+//! H200), else 2; `TM_Q4_GEMV_UNROLL=2|4` overrides it.
+
+use std::sync::OnceLock;
+
+use tm_core::{DType, Error, Result};
+
+use super::suffix;
+use crate::runtime::{Gpu, KernelArg};
+
+/// Threads per CTA.
+const THREADS: u32 = 256;
+/// Weight rows per CTA of [`q4_gemv`].
+const ROWS_PER_CTA: usize = 32;
+/// Output rows per CTA of [`q4_gemv_silu`].
+const SILU_ROWS_PER_CTA: usize = 16;
+/// The most activation rows the kernels take.
+pub const MAX_N: usize = 8;
+
+/// Steps whose loads a warp issues before its math: the kernel variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unroll {
+    /// 4 when the grid has at most one CTA per SM, else 2 (`TM_Q4_GEMV_UNROLL` overrides it).
+    Auto,
+    /// `*_u2_*`: at most 128 registers, two CTAs per SM.
+    Two,
+    /// `*_u4_*`: one CTA per SM.
+    Four,
+}
+
+impl Unroll {
+    /// The variant's number for a grid of `ctas` CTAs on `sms` multiprocessors.
+    fn resolve(self, ctas: usize, sms: usize) -> u32 {
+        match self {
+            Unroll::Two => 2,
+            Unroll::Four => 4,
+            Unroll::Auto => match forced_unroll() {
+                Some(u) => u,
+                None if ctas <= sms => 4,
+                None => 2,
+            },
+        }
+    }
+}
+
+/// `TM_Q4_GEMV_UNROLL` when it is 2 or 4.
+fn forced_unroll() -> Option<u32> {
+    static FORCED: OnceLock<Option<u32>> = OnceLock::new();
+    *FORCED.get_or_init(|| {
+        let v = std::env::var("TM_Q4_GEMV_UNROLL").ok()?;
+        match v.trim() {
+            "2" => Some(2),
+            "4" => Some(4),
+            other => {
+                tracing::warn!("TM_Q4_GEMV_UNROLL={other} ignored: expected 2 or 4");
+                None
+            }
+        }
+    })
+}
+
+/// Whether the path is on (`TM_Q4_GEMV` is not `0`).
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TM_Q4_GEMV").map_or(true, |v| v.trim() != "0"))
+}
+
+/// One int4 weight of a launch: device addresses of `packed [rows, cols/2]`, f16 `scales` and
+/// `mins [rows, cols/group]`, the optional bias `[rows]` (0 when absent) and `out [n, rows]`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Q4Slot {
+    /// Packed nibbles.
+    pub packed: u64,
+    /// Group scales.
+    pub scales: u64,
+    /// Group mins.
+    pub mins: u64,
+    /// The bias, or 0.
+    pub bias: u64,
+    /// The output (unused by [`q4_gemv_silu`], which takes its own).
+    pub out: u64,
+    /// Rows of the weight (features of the output).
+    pub rows: usize,
+}
+
+/// Whether `n` activation rows of `cols` features in `dt`, with int4 weights of group size
+/// `group`, can use these kernels: f16/bf16, `1 <= n <= 8`, `cols` and `group` multiples of 32
+/// with `group` dividing `cols`, sizes within the kernels' `int` (`rows * cols / group`
+/// included), `x` and every packed weight
+/// 16-byte aligned, scales and mins 2-byte aligned.
+pub fn fits(dt: DType, n: usize, cols: usize, group: usize, x: u64, slots: &[Q4Slot]) -> bool {
+    matches!(dt, DType::F16 | DType::BF16)
+        && (1..=MAX_N).contains(&n)
+        && cols > 0
+        && cols.is_multiple_of(32)
+        && group > 0
+        && group.is_multiple_of(32)
+        && cols.is_multiple_of(group)
+        && i32::try_from(cols).is_ok()
+        && x.is_multiple_of(16)
+        && !slots.is_empty()
+        && slots.iter().all(|s| {
+            // The kernels index scales as `row * groups + group` in `int`.
+            s.rows.checked_mul(cols / group).is_some_and(|v| i32::try_from(v).is_ok())
+                && s.packed.is_multiple_of(16)
+                && s.scales.is_multiple_of(2)
+                && s.mins.is_multiple_of(2)
+                && s.bias.is_multiple_of(2)
+        })
+}
+
+fn int(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v)
+        .map_err(|_| Error::invalid(format!("q4_gemv: {what} = {v} exceeds the kernel limit of {}", i32::MAX)))
+}
+
+/// CTAs for `rows` at `per` rows each.
+fn ctas(rows: usize, per: usize) -> usize {
+    rows.div_ceil(per)
+}
+
+/// The grid of a [`q4_gemv`] launch: each weight's rows in CTAs of [`ROWS_PER_CTA`].
+fn plain_grid(slots: &[Q4Slot]) -> Result<u32> {
+    let total: usize = slots.iter().map(|s| ctas(s.rows, ROWS_PER_CTA)).sum();
+    u32::try_from(total).map_err(|_| Error::invalid(format!("q4_gemv: {total} CTAs exceed the grid limit")))
+}
+
+/// `slot.out = x · slot.Wᵀ (+ slot.bias)` for each of up to three int4 weights of `cols`
+/// columns and group size `group`, in one launch. The caller checked [`fits`] and the shapes.
+#[allow(clippy::too_many_arguments)]
+pub fn q4_gemv(
+    gpu: &Gpu,
+    dt: DType,
+    x: u64,
+    n: usize,
+    cols: usize,
+    group: usize,
+    slots: &[Q4Slot],
+    unroll: Unroll,
+) -> Result<()> {
+    if slots.is_empty() || slots.len() > 3 {
+        return Err(Error::invalid(format!("q4_gemv: {} weights in one launch (1 to 3)", slots.len())));
+    }
+    // Empty weights take no CTAs; the kernel finds a CTA's weight from the counts.
+    let used: Vec<Q4Slot> = slots.iter().copied().filter(|s| s.rows > 0).collect();
+    let grid = plain_grid(&used)?;
+    if grid == 0 || n == 0 {
+        return Ok(());
+    }
+    let s = |i: usize| used.get(i).copied().unwrap_or_default();
+    let u = unroll.resolve(grid as usize, gpu.info().multiprocessors as usize);
+    let name = format!("q4_gemv_u{u}_{}", suffix(dt)?);
+    let args = [
+        KernelArg::Ptr(x),
+        KernelArg::I32(int("n", n)?),
+        KernelArg::I32(int("cols", cols)?),
+        KernelArg::I32(int("group", group)?),
+        KernelArg::Ptr(s(0).out),
+        KernelArg::Ptr(s(1).out),
+        KernelArg::Ptr(s(2).out),
+        KernelArg::Ptr(s(0).packed),
+        KernelArg::Ptr(s(1).packed),
+        KernelArg::Ptr(s(2).packed),
+        KernelArg::Ptr(s(0).scales),
+        KernelArg::Ptr(s(1).scales),
+        KernelArg::Ptr(s(2).scales),
+        KernelArg::Ptr(s(0).mins),
+        KernelArg::Ptr(s(1).mins),
+        KernelArg::Ptr(s(2).mins),
+        KernelArg::Ptr(s(0).bias),
+        KernelArg::Ptr(s(1).bias),
+        KernelArg::Ptr(s(2).bias),
+        KernelArg::I32(int("rows", s(0).rows)?),
+        KernelArg::I32(int("rows", s(1).rows)?),
+        KernelArg::I32(int("rows", s(2).rows)?),
+    ];
+    gpu.launch(&name, (grid, 1, 1), (THREADS, 1, 1), 0, &args)
+}
+
+/// `out [n, rows] = silu(x · Gᵀ) * (x · Uᵀ)` for int4 `gate` and `up` `[rows, cols]` of group size
+/// `group` (their `out` and `bias` are ignored), in one launch. The caller checked [`fits`] and
+/// the shapes.
+#[allow(clippy::too_many_arguments)]
+pub fn q4_gemv_silu(
+    gpu: &Gpu,
+    dt: DType,
+    out: u64,
+    gate: &Q4Slot,
+    up: &Q4Slot,
+    x: u64,
+    n: usize,
+    cols: usize,
+    group: usize,
+    unroll: Unroll,
+) -> Result<()> {
+    if gate.rows != up.rows {
+        return Err(Error::invalid(format!("q4_gemv_silu: gate has {} rows, up {}", gate.rows, up.rows)));
+    }
+    let rows = gate.rows;
+    if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    let grid = u32::try_from(ctas(rows, SILU_ROWS_PER_CTA))
+        .map_err(|_| Error::invalid(format!("q4_gemv_silu: {rows} rows need too many CTAs")))?;
+    let u = unroll.resolve(grid as usize, gpu.info().multiprocessors as usize);
+    let name = format!("q4_gemv_silu_u{u}_{}", suffix(dt)?);
+    let args = [
+        KernelArg::Ptr(out),
+        KernelArg::Ptr(x),
+        KernelArg::I32(int("n", n)?),
+        KernelArg::I32(int("cols", cols)?),
+        KernelArg::I32(int("group", group)?),
+        KernelArg::Ptr(gate.packed),
+        KernelArg::Ptr(gate.scales),
+        KernelArg::Ptr(gate.mins),
+        KernelArg::Ptr(up.packed),
+        KernelArg::Ptr(up.scales),
+        KernelArg::Ptr(up.mins),
+        KernelArg::I32(int("rows", rows)?),
+    ];
+    gpu.launch(&name, (grid, 1, 1), (THREADS, 1, 1), 0, &args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(rows: usize) -> Q4Slot {
+        Q4Slot { packed: 0x1000, scales: 0x2000, mins: 0x3000, bias: 0, out: 0x4000, rows }
+    }
+
+    #[test]
+    fn fits_only_decode_shapes_of_16_bit_types() {
+        let s = [slot(4096)];
+        assert!(fits(DType::F16, 1, 4096, 128, 0x100, &s));
+        assert!(fits(DType::BF16, 8, 96, 32, 0x100, &s));
+        assert!(!fits(DType::F32, 1, 4096, 128, 0x100, &s));
+        assert!(!fits(DType::F16, 0, 4096, 128, 0x100, &s));
+        assert!(!fits(DType::F16, 9, 4096, 128, 0x100, &s));
+        assert!(!fits(DType::F16, 1, 4080, 48, 0x100, &s));
+        assert!(!fits(DType::F16, 1, 96, 64, 0x100, &s));
+        assert!(!fits(DType::F16, 1, 4096, 128, 0x108, &s));
+        assert!(!fits(DType::F16, 1, 4096, 128, 0x100, &[]));
+        assert!(!fits(DType::F16, 1, 4096, 128, 0x100, &[Q4Slot { packed: 0x1008, ..slot(8) }]));
+        assert!(!fits(DType::F16, 1, 4096, 128, 0x100, &[Q4Slot { scales: 0x2001, ..slot(8) }]));
+        assert!(!fits(DType::F16, 1, 4096, 32, 0x100, &[slot(1 << 24)]));
+    }
+
+    #[test]
+    fn grid_counts_each_weights_ctas() {
+        assert_eq!(plain_grid(&[slot(4096), slot(1024), slot(1024)]).unwrap(), 192);
+        assert_eq!(plain_grid(&[slot(200), slot(72)]).unwrap(), 7 + 3);
+        assert_eq!(plain_grid(&[slot(1)]).unwrap(), 1);
+        assert_eq!(ctas(14336, SILU_ROWS_PER_CTA), 896);
+        assert_eq!(ctas(100, SILU_ROWS_PER_CTA), 7);
+    }
+
+    #[test]
+    fn unroll_variants() {
+        assert_eq!(Unroll::Two.resolve(10, 132), 2);
+        assert_eq!(Unroll::Four.resolve(1000, 132), 4);
+        if forced_unroll().is_none() {
+            assert_eq!(Unroll::Auto.resolve(128, 132), 4);
+            assert_eq!(Unroll::Auto.resolve(192, 132), 2);
+        }
+    }
+}

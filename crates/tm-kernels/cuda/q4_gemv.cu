@@ -1,0 +1,367 @@
+// int4 decode products on tensor cores (w4a16): out[n, rows] = x[n, cols] · W^T for n <= 8, W in
+// tm's int4 layout (tm-core/src/quant.rs), activations T = f16 or bf16, f32 sums (see ABI.md,
+// "q4_gemv.cu"; launcher tm-cuda/src/kernels/q4_gemv.rs).
+//
+// A decode product streams W once, so the kernel is built to keep DRAM busy with few instructions:
+//
+// - mma.sync m16n8k16 even for n = 1: 16 weight rows are operand A, the activation rows are the
+//   8 columns of B (lanes whose batch column is >= n hold zeros), sums in f32.
+// - The reduction index of an mma may be permuted freely when A and B use the same permutation.
+//   Lane (g = lane / 4, t = lane % 4) of a warp takes, per step, one 16-byte chunk (a 32-column
+//   block) of weight rows g and g + 8 of each tile, straight from global memory (block 4 s + t of
+//   step s), and x[g] of the same 32 columns. Word k of a chunk (bytes 4k..4k+3) holds columns
+//   4k+0..3 in its low nibbles and 16+4k+0..3 in its high nibbles; it feeds two mmas, one taking
+//   the pairs of columns (4k, 4k+2) and (4k+1, 4k+3) as the lane's k-slots (2t, 2t+1) and
+//   (2t+8, 2t+9), the other the same of the high nibbles. The matching x pairs are picked from
+//   the loaded x words with one PRMT each. W is neither staged in shared memory nor re-laid out.
+// - Dequantization with the magic-number trick: `(word & 0x000F000F) | magic` is a half2 (bf162)
+//   holding (1024 + q) (f16) or (128 + q) (bf16) for two nibbles; one exact subtraction gives q,
+//   then w = fma(q, scale, min) rounded once to T (the bias is not folded into the fma: that would
+//   lose precision). f16 takes the high nibbles unshifted, as 1024 + 16 q, and gets q exactly as
+//   fma(v, 1/16, -64). Scales and mins are f16, exact in f16; bf16 moves the group's integer
+//   zero point into the subtraction first (see Q4<__nv_bfloat16>::prep), so that rounding the
+//   scale and the remaining min to bf16 costs about one bf16 rounding of the group's sum.
+// - K is split over the 8 warps of a CTA (warp w takes steps w, w + 8, ...), each warp issuing
+//   the loads of U steps before any math (U = 2: two CTAs per SM fit; U = 4: one, for grids of
+//   at most one CTA per SM); the partial sums are reduced through shared memory.
+//   A CTA covers TILES = 2 tiles of 16 rows: 32 consecutive rows of one weight, or 16 rows of the
+//   gate and the same 16 rows of the up weight (the SiLU variant).
+//
+// Kernels (T = f16, bf16; U = 2, 4):
+// - `q4_gemv_uU_T`: up to three weights sharing x (a layer's q, k and v), rows of weight i in CTAs
+//   numbered one weight after the other (ceil(rows_i / 32) each). Optional biases (null when
+//   absent) are added before rounding to T.
+// - `q4_gemv_silu_uU_T`: out = silu(x·G^T) * (x·U^T) for gate G and up U [rows, cols], each product
+//   rounded to T first (what separate products would store); ceil(rows / 16) CTAs.
+//
+// Requirements checked by the launcher: 1 <= n <= 8, cols % 32 == 0, group % 32 == 0,
+// cols % group == 0, packed weights and x 16-byte aligned, scales and mins 2-byte aligned.
+
+#include "common.cuh"
+
+namespace tmq4 {
+
+using tmk::i64;
+
+constexpr int THREADS = 256;
+constexpr int WARPS = THREADS / 32;  // K slices per CTA
+constexpr int TILES = 2;             // 16-row tiles per CTA (each warp computes all of them)
+constexpr int BLOCKS_PER_STEP = 4;   // 32-column blocks per warp step (one per lane of a row quad)
+
+__device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned bits) {
+    unsigned r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));  // (a & mask) | bits
+    return r;
+}
+
+// Per dtype: the half2 type `V2`, a group's scale and min as the dequantization needs them
+// (`Scale`, from `prep`), and the dequantization of one 32-bit word of packed nibbles (bytes
+// b0..b3, i.e. columns c+0..3 low and c+16+0..3 high) into four pairs: p[0] = (b0.lo, b2.lo),
+// p[1] = (b1.lo, b3.lo), p[2] = (b0.hi, b2.hi), p[3] = (b1.hi, b3.hi), each w = q * s + m
+// rounded to T once.
+template <class T> struct Q4;
+
+template <> struct Q4<__half> {
+    typedef __half2 V2;
+    struct Scale {
+        V2 s, m;
+    };
+    // f16 holds the f16 scale and min exactly.
+    __device__ static __forceinline__ Scale prep(__half s, __half m) { return {__half2half2(s), __half2half2(m)}; }
+    __device__ static __forceinline__ void dequant(unsigned w, const Scale& sc, unsigned p[4]) {
+        const unsigned magic = 0x64006400u;  // 1024.0 in each half
+        const V2 k1024 = __half2half2(__ushort_as_half(0x6400));
+        const V2 k16th = __half2half2(__ushort_as_half(0x2C00));  // 1/16
+        const V2 km64 = __half2half2(__ushort_as_half(0xD400));   // -64
+        const unsigned w8 = w >> 8;
+        unsigned r[4] = {and_or(w, 0x000F000Fu, magic), and_or(w8, 0x000F000Fu, magic), and_or(w, 0x00F000F0u, magic),
+                         and_or(w8, 0x00F000F0u, magic)};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            V2 v = *reinterpret_cast<V2*>(&r[i]);
+            // low nibbles: 1024 + q - 1024; high: (1024 + 16 q) / 16 - 64. Both exact.
+            const V2 q = i < 2 ? __hsub2(v, k1024) : __hfma2(v, k16th, km64);
+            const V2 d = __hfma2(q, sc.s, sc.m);
+            p[i] = *reinterpret_cast<const unsigned*>(&d);
+        }
+    }
+};
+
+template <> struct Q4<__nv_bfloat16> {
+    typedef __nv_bfloat162 V2;
+    struct Scale {
+        V2 s, m, off;
+    };
+    // bf16 cannot hold the f16 scale and min exactly, and rounding both on their own would leave a
+    // systematic error of about 2^-9 * |m| per weight of the group (|m| is ~7.5 scales for
+    // zero-centred groups: the AWQ/GPTQ zero point). So the group's integer offset
+    // c = round(-m / s) (clamped to 0..15; any integer is exact) moves into the q subtraction:
+    // w = (q - c) * s + (m + c * s), with |q - c| small and m + c * s within about half a scale.
+    __device__ static __forceinline__ Scale prep(__half sh, __half mh) {
+        const float s = __half2float(sh), m = __half2float(mh);
+        const float c = fminf(fmaxf(rintf(__fdividef(-m, s)), 0.f), 15.f);  // NaN (s = m = 0) -> 0
+        return {__float2bfloat162_rn(s), __float2bfloat162_rn(fmaf(c, s, m)), __float2bfloat162_rn(-128.f - c)};
+    }
+    __device__ static __forceinline__ void dequant(unsigned w, const Scale& sc, unsigned p[4]) {
+        const unsigned magic = 0x43004300u;  // 128.0 in each bf16
+        const V2 one = __float2bfloat162_rn(1.f);
+        unsigned r[4] = {and_or(w, 0x000F000Fu, magic), and_or(w >> 8, 0x000F000Fu, magic),
+                         and_or(w >> 4, 0x000F000Fu, magic), and_or(w >> 12, 0x000F000Fu, magic)};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            V2 v = *reinterpret_cast<V2*>(&r[i]);
+            const V2 q = __hfma2(v, one, sc.off);  // 128 + q - (128 + c) = q - c, exact
+            const V2 d = __hfma2(q, sc.s, sc.m);
+            p[i] = *reinterpret_cast<const unsigned*>(&d);
+        }
+    }
+};
+
+// c += a (16x16, row major) * b (16x8) in f32.
+__device__ __forceinline__ void mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1, __half) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1, __nv_bfloat16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One weight as the kernels see it.
+template <class T> struct Slot {
+    T* out;
+    const unsigned char* packed;
+    const __half* scales;
+    const __half* mins;
+    const T* bias;
+    int rows;
+};
+
+// The 16-row tile a CTA computes of one weight: rows row0..row0+15.
+struct Tile {
+    const unsigned char* packed;
+    const __half* scales;
+    const __half* mins;
+    int row0;
+    int rows;
+};
+
+// This warp's K share of the TILES tiles, into acc[tile][4] (the m16n8 C fragment: c0, c1 = row
+// g, batch columns 2t, 2t+1; c2, c3 = row g + 8).
+template <class T, int UNROLL>
+__device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict__ x, int n, int cols, int group,
+                                         float acc[TILES][4]) {
+    typedef typename Q4<T>::V2 V2;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int nblk = cols >> 5;  // 32-column blocks of a row (16 bytes each)
+    const int steps = (nblk + BLOCKS_PER_STEP - 1) / BLOCKS_PER_STEP;
+    const int groups = cols / group;
+    const int group_blocks = group >> 5;
+    // Group of block b: b >> gshift when group / 32 is a power of two, else b / group_blocks.
+    const int gshift = (group_blocks & (group_blocks - 1)) == 0 ? __ffs(group_blocks) - 1 : -1;
+    constexpr int STRIDE = WARPS * BLOCKS_PER_STEP;  // blocks between a warp's consecutive steps
+
+    // The lane's rows: g and g + 8 of each tile (h = 0, 1); rows past the end read nothing. The
+    // weight pointers start at the lane's first block (warp * 4 + t) and advance with the steps,
+    // so the loads of a batch use constant offsets.
+    const int b0 = warp * BLOCKS_PER_STEP + t;
+    const uint4* wp[TILES][2];
+    int soff[TILES][2];  // row * groups
+    bool rok[TILES][2];
+#pragma unroll
+    for (int i = 0; i < TILES; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = tiles[i].row0 + g + 8 * h;
+            rok[i][h] = r < tiles[i].rows;
+            const int rr = rok[i][h] ? r : 0;
+            wp[i][h] = reinterpret_cast<const uint4*>(tiles[i].packed + (i64)rr * (cols >> 1)) + b0;
+            soff[i][h] = rr * groups;
+        }
+    }
+    const bool xok = g < n;
+    const uint4* xp = reinterpret_cast<const uint4*>(x + (xok ? (i64)g * cols : 0)) + 4 * b0;
+
+#pragma unroll
+    for (int i = 0; i < TILES; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+
+    for (int s0 = warp; s0 < steps; s0 += WARPS * UNROLL) {
+        uint4 wv[UNROLL][TILES][2];
+        uint4 xv[UNROLL][4];
+        __half sv[UNROLL][TILES][2], mv[UNROLL][TILES][2];
+        // Loads of UNROLL steps first.
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int b = s0 * BLOCKS_PER_STEP + t + u * STRIDE;  // the lane's block
+            const bool bok = b < nblk;
+            const int gi = gshift >= 0 ? b >> gshift : b / group_blocks;
+#pragma unroll
+            for (int i = 0; i < TILES; ++i) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const bool ok = bok && rok[i][h];
+                    wv[u][i][h] = ok ? __ldcs(wp[i][h] + u * STRIDE) : make_uint4(0, 0, 0, 0);
+                    sv[u][i][h] = ok ? tiles[i].scales[soff[i][h] + gi] : __ushort_as_half(0);
+                    mv[u][i][h] = ok ? tiles[i].mins[soff[i][h] + gi] : __ushort_as_half(0);
+                }
+            }
+            const bool xl = bok && xok;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) xv[u][q] = xl ? __ldg(xp + 4 * u * STRIDE + q) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < TILES; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) wp[i][h] += UNROLL * STRIDE;
+        xp += 4 * UNROLL * STRIDE;
+        // Then the math, step by step (a step past the end is skipped by the whole warp).
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (s0 + u * WARPS >= steps) break;
+            const unsigned xw[16] = {xv[u][0].x, xv[u][0].y, xv[u][0].z, xv[u][0].w, xv[u][1].x, xv[u][1].y,
+                                     xv[u][1].z, xv[u][1].w, xv[u][2].x, xv[u][2].y, xv[u][2].z, xv[u][2].w,
+                                     xv[u][3].x, xv[u][3].y, xv[u][3].z, xv[u][3].w};
+            typename Q4<T>::Scale sc[TILES][2];
+#pragma unroll
+            for (int i = 0; i < TILES; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) sc[i][h] = Q4<T>::prep(sv[u][i][h], mv[u][i][h]);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                // x pairs of columns (4k, 4k+2), (4k+1, 4k+3) and the same + 16.
+                const unsigned xl02 = __byte_perm(xw[2 * k], xw[2 * k + 1], 0x5410);
+                const unsigned xl13 = __byte_perm(xw[2 * k], xw[2 * k + 1], 0x7632);
+                const unsigned xh02 = __byte_perm(xw[8 + 2 * k], xw[9 + 2 * k], 0x5410);
+                const unsigned xh13 = __byte_perm(xw[8 + 2 * k], xw[9 + 2 * k], 0x7632);
+#pragma unroll
+                for (int i = 0; i < TILES; ++i) {
+                    const uint4& lo = wv[u][i][0];
+                    const uint4& hi = wv[u][i][1];
+                    const unsigned wl = k == 0 ? lo.x : k == 1 ? lo.y : k == 2 ? lo.z : lo.w;
+                    const unsigned wh = k == 0 ? hi.x : k == 1 ? hi.y : k == 2 ? hi.z : hi.w;
+                    unsigned pl[4], ph[4];  // rows g and g + 8
+                    Q4<T>::dequant(wl, sc[i][0], pl);
+                    Q4<T>::dequant(wh, sc[i][1], ph);
+                    // a0: row g, slots 2t..2t+1; a1: row g+8, same; a2: row g, slots 2t+8..2t+9; a3: row g+8.
+                    const unsigned alo[4] = {pl[0], ph[0], pl[1], ph[1]};
+                    const unsigned ahi[4] = {pl[2], ph[2], pl[3], ph[3]};
+                    mma(acc[i], alo, xl02, xl13, T());
+                    mma(acc[i], ahi, xh02, xh13, T());
+                }
+            }
+        }
+    }
+}
+
+// Sums the warps' fragments: thread `tid` (< TILES * 128) gets element e = tid / 32 (tile e / 4,
+// fragment element e % 4) of lane tid % 32, summed over the warps. Every thread must call it.
+__device__ __forceinline__ float reduce_warps(const float acc[TILES][4]) {
+    __shared__ float red[WARPS * TILES * 4 * 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int i = 0; i < TILES; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[(warp * TILES * 4 + i * 4 + e) * 32 + lane] = acc[i][e];
+    __syncthreads();
+    float v = 0.f;
+    if (threadIdx.x < TILES * 4 * 32) {
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) v += red[w * TILES * 4 * 32 + threadIdx.x];
+    }
+    return v;
+}
+
+template <class T, int UNROLL>
+__device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols, int group, const Slot<T>* slots) {
+    // The CTA's weight: weight i owns ceil(rows_i / 32) CTAs.
+    int cta = blockIdx.x, si = 0;
+    const int own0 = (slots[0].rows + 16 * TILES - 1) / (16 * TILES);
+    const int own1 = (slots[1].rows + 16 * TILES - 1) / (16 * TILES);
+    if (cta >= own0) {
+        cta -= own0;
+        si = 1;
+        if (cta >= own1) {
+            cta -= own1;
+            si = 2;
+        }
+    }
+    const Slot<T> s = si == 0 ? slots[0] : si == 1 ? slots[1] : slots[2];  // constant indices: no local memory
+    Tile tiles[TILES];
+#pragma unroll
+    for (int i = 0; i < TILES; ++i) tiles[i] = Tile{s.packed, s.scales, s.mins, cta * 16 * TILES + 16 * i, s.rows};
+    float acc[TILES][4];
+    q4_tiles<T, UNROLL>(tiles, x, n, cols, group, acc);
+    const float v = reduce_warps(acc);
+    if (threadIdx.x < TILES * 128) {
+        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int row = cta * 16 * TILES + 16 * (e >> 2) + (lane >> 2) + 8 * ((e >> 1) & 1);
+        const int j = 2 * (lane & 3) + (e & 1);
+        if (j < n && row < s.rows) {
+            const float b = s.bias ? tmk::to_float(s.bias[row]) : 0.f;
+            s.out[(i64)j * s.rows + row] = tmk::from_float<T>(v + b);
+        }
+    }
+}
+
+template <class T, int UNROLL>
+__device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, int n, int cols, int group,
+                                             const Slot<T>& gate, const Slot<T>& up) {
+    static_assert(TILES == 2, "the SiLU variant pairs one gate tile with one up tile");
+    const int row0 = blockIdx.x * 16, rows = gate.rows;
+    const Tile tiles[TILES] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
+                               Tile{up.packed, up.scales, up.mins, row0, rows}};
+    float acc[TILES][4];
+    q4_tiles<T, UNROLL>(tiles, x, n, cols, group, acc);
+    // Gate sums land in threads 0..127, up sums in 128..255 (same fragment order).
+    __shared__ float upv[128];
+    const float v = reduce_warps(acc);
+    if (threadIdx.x >= 128) upv[threadIdx.x - 128] = v;
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int row = row0 + (lane >> 2) + 8 * (e >> 1);
+        const int j = 2 * (lane & 3) + (e & 1);
+        if (j < n && row < rows) {
+            const float gv = tmk::round_to<T>(v);
+            const float uv = tmk::round_to<T>(upv[threadIdx.x]);
+            out[(i64)j * rows + row] = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
+        }
+    }
+}
+
+}  // namespace tmq4
+
+// U = steps per batch of loads: 2 (at most 128 registers, two CTAs per SM) or 4 (one CTA per SM,
+// twice the bytes in flight per warp: for grids of at most one CTA per SM).
+#define TM_Q4_GEMV(SUF, T, U, MIN_CTAS)                                                                            \
+    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                          \
+        q4_gemv_u##U##_##SUF(const T* __restrict__ x, int n, int cols, int group, T* o0, T* o1, T* o2,              \
+                             const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,             \
+                             const __half* s0, const __half* s1, const __half* s2, const __half* m0,                \
+                             const __half* m1, const __half* m2, const T* b0, const T* b1, const T* b2, int r0,     \
+                             int r1, int r2) {                                                                      \
+        const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}}; \
+        tmq4::q4_gemv<T, U>(x, n, cols, group, slots);                                                              \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                          \
+        q4_gemv_silu_u##U##_##SUF(T* out, const T* __restrict__ x, int n, int cols, int group,                      \
+                                  const unsigned char* wg, const __half* sg, const __half* mg,                      \
+                                  const unsigned char* wu, const __half* su, const __half* mu, int rows) {          \
+        const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                \
+        const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                  \
+        tmq4::q4_gemv_silu<T, U>(out, x, n, cols, group, gate, up);                                                 \
+    }
+
+TM_Q4_GEMV(f16, __half, 2, 2)
+TM_Q4_GEMV(f16, __half, 4, 1)
+TM_Q4_GEMV(bf16, __nv_bfloat16, 2, 2)
+TM_Q4_GEMV(bf16, __nv_bfloat16, 4, 1)

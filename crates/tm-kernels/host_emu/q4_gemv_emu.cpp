@@ -1,0 +1,207 @@
+// Runs q4_gemv.cu's kernels on the host (see README.md): one std::thread per CUDA thread of a CTA,
+// mma.sync emulated per warp from the PTX fragment layouts, __syncthreads as a barrier. Each case
+// compares the kernel's output with a double-precision product of the dequantized weights, within
+// the conformance tolerances (f16 2e-3, bf16 2e-2, SiLU twice that, relative to rms(row) + |want|),
+// and requires every output element to be written. Exit status 1 if any case fails.
+#include <thread>
+#include <vector>
+#include <random>
+#include <cstdio>
+#include <memory>
+#include <functional>
+#include "q4_gemv_emu.inc"  // q4_gemv.cu with its inline PTX replaced (gen.py)
+
+thread_local dim3 threadIdx;
+thread_local dim3 blockIdx;
+static std::unique_ptr<std::barrier<>> cta_bar;
+struct WarpX { std::unique_ptr<std::barrier<>> bar; unsigned a[32][4]; unsigned b[32][2]; };
+static WarpX warps[8];
+void __syncthreads() { cta_bar->arrive_and_wait(); }
+
+static float elem(unsigned reg, int hi, bool bf16) {
+    uint16_t v = hi ? reg >> 16 : reg & 0xffff;
+    return bf16 ? __bfloat162float(__nv_bfloat16{v}) : __half2float(__half{v});
+}
+void emu_mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1, bool bf16) {
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    WarpX& W = warps[w];
+    for (int i = 0; i < 4; ++i) W.a[lane][i] = a[i];
+    W.b[lane][0] = b0; W.b[lane][1] = b1;
+    W.bar->arrive_and_wait();
+    int g = lane >> 2, t = lane & 3;
+    for (int e = 0; e < 4; ++e) {
+        int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+        float sum = c[e];
+        for (int k = 0; k < 16; ++k) {
+            // A[row][k]: lane (row%8)*4 + (k%8)/2, reg (row>=8) + 2*(k>=8), half k%2
+            float av = elem(W.a[(row % 8) * 4 + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k % 2, bf16);
+            // B[k][col]: lane col*4 + (k%8)/2, reg k>=8, half k%2
+            float bv = elem(W.b[col * 4 + (k % 8) / 2][k >= 8], k % 2, bf16);
+            sum += av * bv;
+        }
+        c[e] = sum;
+    }
+    W.bar->arrive_and_wait();
+}
+
+static void run_grid(int ctas, const std::function<void()>& body) {
+    for (int b = 0; b < ctas; ++b) {
+        cta_bar = std::make_unique<std::barrier<>>(256);
+        for (auto& w : warps) w.bar = std::make_unique<std::barrier<>>(32);
+        std::vector<std::thread> th;
+        for (int t = 0; t < 256; ++t)
+            th.emplace_back([=, &body] { threadIdx = dim3{(unsigned)t, 0, 0}; blockIdx = dim3{(unsigned)b, 0, 0}; body(); });
+        for (auto& t : th) t.join();
+    }
+}
+
+static std::mt19937_64 rng(7);
+struct Q { int rows, cols, group; std::vector<uint8_t> packed; std::vector<__half> s, m; std::vector<double> w; };
+static float amp = 0;  // when set: weights like tm_quant's of uniform(-amp, amp)
+static Q make_q(int rows, int cols, int group) {
+    Q q{rows, cols, group};
+    q.packed.resize((size_t)rows * cols / 2);
+    int groups = cols / group;
+    q.s.resize((size_t)rows * groups); q.m.resize(q.s.size());
+    std::uniform_real_distribution<float> su(0.01f, 0.03f), mu(-0.25f, 0.05f);
+    for (auto& v : q.s) v = __float2half_rn(amp > 0 ? 2 * amp / 15 * (0.9f + 0.1f * su(rng) / 0.03f) : su(rng));
+    for (size_t i = 0; i < q.m.size(); ++i) q.m[i] = __float2half_rn(amp > 0 ? -7.5f * __half2float(q.s[i]) * (0.95f + 0.1f * (rng() % 100) / 100.f) : mu(rng));
+    std::vector<int> qq((size_t)rows * cols);
+    for (auto& v : qq) v = rng() % 16;
+    for (int r = 0; r < rows; ++r)
+        for (int c0 = 0; c0 < cols; c0 += 32)
+            for (int i = 0; i < 16; ++i)
+                q.packed[(size_t)r * cols / 2 + c0 / 2 + i] = qq[(size_t)r * cols + c0 + i] | (qq[(size_t)r * cols + c0 + 16 + i] << 4);
+    q.w.resize((size_t)rows * cols);
+    for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < cols; ++c) {
+            size_t gi = (size_t)r * groups + c / group;
+            const double sv = __half2float(q.s[gi]), mv = __half2float(q.m[gi]);
+            q.w[(size_t)r * cols + c] = qq[(size_t)r * cols + c] * sv + mv;
+        }
+    return q;
+}
+
+template <class T> static T to_t(float v);
+template <> __half to_t<__half>(float v) { return __float2half_rn(v); }
+template <> __nv_bfloat16 to_t<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+static float from_t(__half v) { return __half2float(v); }
+static float from_t(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+static int failures = 0;
+template <class T>
+static void check(const char* what, const std::vector<T>& got, const std::vector<double>& want, int n, int rows, double tol) {
+    double worst = 0; int bad = 0, nan = 0;
+    for (int j = 0; j < n; ++j) {
+        double rms = 0;
+        for (int r = 0; r < rows; ++r) rms += want[(size_t)j * rows + r] * want[(size_t)j * rows + r];
+        rms = std::sqrt(rms / rows);
+        for (int r = 0; r < rows; ++r) {
+            double g = from_t(got[(size_t)j * rows + r]), w = want[(size_t)j * rows + r];
+            if (std::isnan(g)) { ++nan; continue; }
+            double e = std::fabs(g - w) / (rms + std::fabs(w));
+            worst = std::max(worst, e);
+            if (e > tol) ++bad;
+        }
+    }
+    bool ok = bad == 0 && nan == 0;
+    if (!ok) ++failures;
+    printf("%s %s: worst %.2e (tol %.0e), %d bad, %d unwritten\n", ok ? "ok  " : "FAIL", what, worst, tol, bad, nan);
+}
+
+template <class T>
+static void case_plain(const char* dt, int U, int n, std::vector<int> rowsv, int cols, int group, bool bias) {
+    std::vector<Q> qs; for (int r : rowsv) qs.push_back(make_q(r, cols, group));
+    std::normal_distribution<float> nd(0, 1);
+    std::vector<T> x((size_t)n * cols); std::vector<double> xd(x.size());
+    for (size_t i = 0; i < x.size(); ++i) { x[i] = to_t<T>(nd(rng)); xd[i] = from_t(x[i]); }
+    std::vector<std::vector<T>> outs, biases; std::vector<std::vector<double>> bd;
+    for (int r : rowsv) {
+        outs.emplace_back((size_t)n * r, to_t<T>(NAN));
+        std::vector<T> b(r); std::vector<double> bdd(r);
+        for (int i = 0; i < r; ++i) { b[i] = to_t<T>(nd(rng)); bdd[i] = from_t(b[i]); }
+        biases.push_back(b); bd.push_back(bdd);
+    }
+    int k = rowsv.size();
+    auto O = [&](int i) { return i < k ? outs[i].data() : nullptr; };
+    auto W = [&](int i) { return i < k ? qs[i].packed.data() : nullptr; };
+    auto S = [&](int i) { return i < k ? qs[i].s.data() : nullptr; };
+    auto M = [&](int i) { return i < k ? qs[i].m.data() : nullptr; };
+    auto B = [&](int i) { return i < k && bias && i % 2 == 0 ? biases[i].data() : nullptr; };
+    auto R = [&](int i) { return i < k ? rowsv[i] : 0; };
+    int ctas = 0; for (int r : rowsv) ctas += (r + 31) / 32;
+    run_grid(ctas, [&] {
+        if constexpr (std::is_same_v<T, __half>) {
+            (U == 2 ? q4_gemv_u2_f16 : q4_gemv_u4_f16)(x.data(), n, cols, group, O(0), O(1), O(2), W(0), W(1), W(2), S(0), S(1), S(2), M(0), M(1), M(2), B(0), B(1), B(2), R(0), R(1), R(2));
+        } else {
+            (U == 2 ? q4_gemv_u2_bf16 : q4_gemv_u4_bf16)(x.data(), n, cols, group, O(0), O(1), O(2), W(0), W(1), W(2), S(0), S(1), S(2), M(0), M(1), M(2), B(0), B(1), B(2), R(0), R(1), R(2));
+        }
+    });
+    for (int i = 0; i < k; ++i) {
+        int rows = rowsv[i];
+        std::vector<double> want((size_t)n * rows);
+        for (int j = 0; j < n; ++j)
+            for (int r = 0; r < rows; ++r) {
+                double acc = (B(i) ? bd[i][r] : 0);
+                for (int c = 0; c < cols; ++c) acc += xd[(size_t)j * cols + c] * qs[i].w[(size_t)r * cols + c];
+                want[(size_t)j * rows + r] = acc;
+            }
+        char what[200];
+        snprintf(what, sizeof what, "%s u%d plain n=%d rows=%d (slot %d of %d) cols=%d g=%d%s", dt, U, n, rows, i, k, cols, group, B(i) ? " +bias" : "");
+        check(what, outs[i], want, n, rows, std::is_same_v<T, __half> ? 2e-3 : 2e-2);
+    }
+}
+
+template <class T>
+static void case_silu(const char* dt, int U, int n, int rows, int cols, int group) {
+    Q g = make_q(rows, cols, group), u = make_q(rows, cols, group);
+    std::normal_distribution<float> nd(0, 1);
+    std::vector<T> x((size_t)n * cols); std::vector<double> xd(x.size());
+    for (size_t i = 0; i < x.size(); ++i) { x[i] = to_t<T>(nd(rng)); xd[i] = from_t(x[i]); }
+    std::vector<T> out((size_t)n * rows, to_t<T>(NAN));
+    run_grid((rows + 15) / 16, [&] {
+        if constexpr (std::is_same_v<T, __half>) {
+            (U == 2 ? q4_gemv_silu_u2_f16 : q4_gemv_silu_u4_f16)(out.data(), x.data(), n, cols, group, g.packed.data(), g.s.data(), g.m.data(), u.packed.data(), u.s.data(), u.m.data(), rows);
+        } else {
+            (U == 2 ? q4_gemv_silu_u2_bf16 : q4_gemv_silu_u4_bf16)(out.data(), x.data(), n, cols, group, g.packed.data(), g.s.data(), g.m.data(), u.packed.data(), u.s.data(), u.m.data(), rows);
+        }
+    });
+    std::vector<double> want((size_t)n * rows);
+    for (int j = 0; j < n; ++j)
+        for (int r = 0; r < rows; ++r) {
+            double a = 0, b = 0;
+            for (int c = 0; c < cols; ++c) { a += xd[(size_t)j * cols + c] * g.w[(size_t)r * cols + c]; b += xd[(size_t)j * cols + c] * u.w[(size_t)r * cols + c]; }
+            want[(size_t)j * rows + r] = a / (1 + std::exp(-a)) * b;
+        }
+    char what[200];
+    snprintf(what, sizeof what, "%s u%d silu n=%d rows=%d cols=%d g=%d", dt, U, n, rows, cols, group);
+    check(what, out, want, n, rows, std::is_same_v<T, __half> ? 4e-3 : 4e-2);
+}
+
+int main() {
+    // Varied scales and mins (not zero-centred), odd shapes: every batch size class, slot counts,
+    // partial steps, row tails, a group size that is not a power-of-two number of blocks.
+    for (int U : {2, 4}) {
+        case_plain<__half>("f16", U, 1, {40}, 96, 32, false);
+        case_plain<__half>("f16", U, 3, {33, 17, 8}, 160, 32, true);
+        case_plain<__half>("f16", U, 8, {64}, 1024, 128, true);
+        case_plain<__half>("f16", U, 5, {17, 40}, 1536, 64, false);
+        case_plain<__half>("f16", U, 2, {20}, 4096 + 96, 32, false);
+        case_plain<__half>("f16", U, 1, {16}, 2304, 192, false);
+        case_plain<__nv_bfloat16>("bf16", U, 1, {40}, 96, 32, true);
+        case_plain<__nv_bfloat16>("bf16", U, 7, {70, 9}, 640, 128, false);
+        case_plain<__nv_bfloat16>("bf16", U, 8, {33}, 2048 + 32, 32, true);
+        case_silu<__half>("f16", U, 1, 40, 256, 64);
+        case_silu<__half>("f16", U, 8, 17, 1056, 32);
+        case_silu<__nv_bfloat16>("bf16", U, 4, 33, 640, 128);
+    }
+    // Zero-centred groups like tm_quant's of uniform weights (mins about -7.5 scales), 4096 columns.
+    amp = 3 * std::sqrt(3.f / 4096);
+    case_silu<__nv_bfloat16>("bf16 centred", 2, 8, 64, 4096, 128);
+    case_silu<__half>("f16 centred", 4, 8, 64, 4096, 128);
+    amp = std::sqrt(3.f / 4096);
+    case_plain<__nv_bfloat16>("bf16 centred", 2, 8, {64}, 4096, 128, false);
+    case_plain<__half>("f16 centred", 4, 6, {64}, 4096, 64, false);
+    printf("%d failure(s)\n", failures);
+    return failures != 0;
+}
