@@ -1329,7 +1329,8 @@ impl SelfTest {
         s.push(')');
         match &self.peer {
             Ok(t) => {
-                let _ = write!(s, "; one-shot peer all-reduce passed ({:.0} µs for a small one)", t.as_secs_f64() * 1e6);
+                let _ =
+                    write!(s, "; one-shot peer all-reduce passed ({:.0} µs for a small one)", t.as_secs_f64() * 1e6);
             }
             Err(why) => {
                 let _ = write!(s, "; no one-shot peer path ({why})");

@@ -185,7 +185,9 @@ impl PeerGroup {
                 // SAFETY: both contexts are alive; flags must be 0.
                 let rc = unsafe { sys::cuCtxEnablePeerAccess(p.context().cu_ctx(), 0) };
                 if rc != sys::CUresult::CUDA_SUCCESS && rc != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
-                    return Err(format!("enabling rank {i}'s access to rank {j}'s memory: cuCtxEnablePeerAccess: {rc:?}"));
+                    return Err(format!(
+                        "enabling rank {i}'s access to rank {j}'s memory: cuCtxEnablePeerAccess: {rc:?}"
+                    ));
                 }
             }
         }
@@ -209,7 +211,8 @@ impl PeerGroup {
             }
             let mut dev: sys::CUdeviceptr = 0;
             // SAFETY: `host` is mapped pinned memory; a valid out pointer.
-            let mapped = cu("cuMemHostGetDevicePointer", unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) });
+            let mapped =
+                cu("cuMemHostGetDevicePointer", unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) });
             // SAFETY: STATUS_WORDS u32s of pinned memory that nothing else uses yet.
             unsafe { std::ptr::write_bytes(host as *mut u32, 0, STATUS_WORDS) };
             group.ranks.push(Rank { gpu: Arc::clone(g), buf, status_host: host as usize, status_dev: dev });
