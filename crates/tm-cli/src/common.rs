@@ -64,7 +64,8 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value_t = DTypeChoice::Auto)]
     pub dtype: DTypeChoice,
     /// Replay repeated decode steps as CUDA graphs (`--cuda-graphs false` runs every step
-    /// eagerly; not used under `--tp`).
+    /// eagerly; under `--tp` only when the GPUs have peer access, so that the decode steps'
+    /// collectives run as tm's one-shot kernels inside the graphs).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub cuda_graphs: bool,
     /// Longest sequence (prompt plus output) in tokens.

@@ -310,8 +310,9 @@ struct Shared {
     abort_started: AtomicBool,
     /// The one-shot kernels for small messages, or why they are not used.
     peer: std::result::Result<PeerGroup, String>,
-    /// Step names by tag (the one-shot kernels report the tag of the call that gave up).
-    tags: Mutex<Vec<String>>,
+    /// Step names by tag and tags by step name (the one-shot kernels report the tag of the call
+    /// that gave up).
+    tags: Mutex<(Vec<String>, std::collections::HashMap<String, u32>)>,
     /// Whether the transport of the peer path and of the NCCL path has been logged.
     logged: [AtomicBool; 2],
 }
@@ -409,14 +410,16 @@ impl Shared {
     /// The tag of step name `step` (the same on every rank: the table is the group's).
     fn tag(&self, step: &str) -> u32 {
         let mut t = lock(&self.tags);
-        if let Some(i) = t.iter().position(|s| s == step) {
-            return i as u32;
+        if let Some(&i) = t.1.get(step) {
+            return i;
         }
-        if t.len() >= MAX_TAGS {
+        if t.0.len() >= MAX_TAGS {
             return u32::MAX;
         }
-        t.push(step.to_string());
-        (t.len() - 1) as u32
+        let tag = t.0.len() as u32;
+        t.0.push(step.to_string());
+        t.1.insert(step.to_string(), tag);
+        tag
     }
 
     /// Fails the group if a one-shot kernel of any rank gave up waiting; returns whether one did.
@@ -433,7 +436,7 @@ impl Shared {
 
     /// The failure a one-shot kernel's report describes.
     fn peer_cause(&self, t: &PeerTimeout) -> Cause {
-        let step = lock(&self.tags).get(t.tag as usize).cloned().unwrap_or_else(|| "unknown step".into());
+        let step = lock(&self.tags).0.get(t.tag as usize).cloned().unwrap_or_else(|| "unknown step".into());
         let label = format!("one-shot collective ({step}; epoch {}, block {})", t.epoch, t.block);
         let mut missing = format!(
             "rank {} did not arrive (the GPU of rank {} waited for its data on the device; peer-to-peer path)",
@@ -813,7 +816,7 @@ impl NcclComm {
             aborted: AtomicBool::new(false),
             abort_started: AtomicBool::new(false),
             peer,
-            tags: Mutex::new(Vec::new()),
+            tags: Mutex::new((Vec::new(), std::collections::HashMap::new())),
             logged: [AtomicBool::new(false), AtomicBool::new(false)],
         });
         let weak = Arc::downgrade(&shared);

@@ -25,7 +25,6 @@ using tmk::u64;
 
 constexpr int MAX_RANKS = 8;
 constexpr int BLOCKS = 16;
-constexpr int THREADS = 256;
 constexpr int FLAGS = 0;                             // u32 index of flags[0][0]
 constexpr int EPOCHS = FLAGS + BLOCKS * MAX_RANKS;   // u32 index of epoch[0]
 constexpr int POISON = EPOCHS + BLOCKS;              // nonzero: a call of this rank gave up
@@ -67,18 +66,16 @@ struct Pack1 {
 /// A load that bypasses L1 (the data was written by another GPU).
 template <typename P>
 __device__ __forceinline__ P load_cg(const P* p) {
-    P out;
     if constexpr (sizeof(P) == 16) {
-        uint4 u = __ldcg(reinterpret_cast<const uint4*>(p));
-        memcpy(&out, &u, 16);
+        const uint4 u = __ldcg(reinterpret_cast<const uint4*>(p));
+        return *reinterpret_cast<const P*>(&u);
     } else if constexpr (sizeof(P) == 4) {
-        unsigned u = __ldcg(reinterpret_cast<const unsigned*>(p));
-        memcpy(&out, &u, 4);
+        const unsigned u = __ldcg(reinterpret_cast<const unsigned*>(p));
+        return *reinterpret_cast<const P*>(&u);
     } else {
-        unsigned short u = __ldcg(reinterpret_cast<const unsigned short*>(p));
-        memcpy(&out, &u, 2);
+        const unsigned short u = __ldcg(reinterpret_cast<const unsigned short*>(p));
+        return *reinterpret_cast<const P*>(&u);
     }
-    return out;
 }
 
 __device__ __forceinline__ const char* slot(const char* buf, u64 parity, int world, int src, u64 slot_bytes) {
@@ -136,7 +133,8 @@ __device__ void report(unsigned* own, volatile unsigned* status, int peer, unsig
     status[ST_EPOCH] = epoch;
     status[ST_TAG] = tag;
     status[ST_BLOCK] = blockIdx.x;
-    status[ST_WAITED_US] = (unsigned)min(waited_ns / 1000ull, 0xffffffffull);
+    const u64 us = waited_ns / 1000ull;
+    status[ST_WAITED_US] = us > 0xffffffffull ? 0xffffffffu : (unsigned)us;
     __threadfence_system();
     status[ST_STATE] = 1u;
     __threadfence_system();
