@@ -385,6 +385,22 @@ mod tests {
     }
 
     #[test]
+    fn launch_shape_and_layout_match_the_kernels() {
+        let src = tm_kernels::cuda::modules().iter().find(|s| s.name == "collectives.cu").expect("collectives.cu").text;
+        assert!(src.contains(&format!("constexpr int MAX_RANKS = {MAX_RANKS};")));
+        assert!(src.contains(&format!("constexpr int BLOCKS = {BLOCKS};")));
+        assert!(src.contains(&format!("constexpr u64 DATA_OFFSET = {HEADER_BYTES};")));
+        assert!(src.contains(&format!("TM_KERNEL_BOUNDS(peer_all_reduce, {THREADS},")));
+        assert!(src.contains(&format!("TM_KERNEL_BOUNDS(peer_all_gather, {THREADS},")));
+        for (name, word) in [("ST_STATE", ST_STATE), ("ST_PEER", ST_PEER), ("ST_EPOCH", ST_EPOCH), ("ST_TAG", ST_TAG)]
+            .into_iter()
+            .chain([("ST_BLOCK", ST_BLOCK), ("ST_WAITED_US", ST_WAITED_US), ("ST_ABORT", ST_ABORT)])
+        {
+            assert!(src.contains(&format!("constexpr int {name} = {word};")), "{name}");
+        }
+    }
+
+    #[test]
     fn plan_needs_peer_access_between_every_pair() {
         // The tests of this module never set these variables; skip if the environment does.
         if ["TM_CUSTOM_ALLREDUCE", "TM_CUSTOM_ALLREDUCE_MAX_BYTES", "NCCL_P2P_DISABLE"]
