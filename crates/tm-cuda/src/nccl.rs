@@ -439,7 +439,8 @@ impl Shared {
         let step = lock(&self.tags).0.get(t.tag as usize).cloned().unwrap_or_else(|| "unknown step".into());
         let label = format!("one-shot collective ({step}; epoch {}, block {})", t.epoch, t.block);
         let mut missing = format!(
-            "rank {} did not arrive (the GPU of rank {} waited for its data on the device; peer-to-peer path)",
+            "rank {} did not arrive (the GPU of rank {} waited for its data on the device in tm's one-shot \
+             peer-to-peer collective; TM_CUSTOM_ALLREDUCE=0 sends every collective through NCCL instead)",
             t.peer, t.rank
         );
         match lock(&self.slots[t.peer].last).as_deref() {
