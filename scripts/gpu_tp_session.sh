@@ -57,7 +57,7 @@ if [ "$WHAT" = peer-bench ]; then
         local rc=$?
         cat /tmp/bench.txt >>"$R"
         say "bench $name (exit $rc): $(grep -E 'output throughput' /tmp/bench.txt | sed 's/  */ /g'); $(grep -E '^TPOT' /tmp/bench.txt | sed 's/  */ /g')"
-        grep -E "cuda graphs:|CUDA graphs|first collective|one-shot|every collective goes" /tmp/bench.txt | cut -c1-300 | head -6 | tee -a "$S"
+        grep -E "engine ms/step|cuda graphs:|CUDA graphs|first collective|one-shot|every collective goes" /tmp/bench.txt | cut -c1-300 | head -8 | tee -a "$S"
     }
     pb tp1-b1 --tp 1
     pb tp2-b1 --tp 2
