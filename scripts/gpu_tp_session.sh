@@ -2,7 +2,12 @@
 # One device call on a machine with 2+ GPUs (nvidia-h200-x2): tensor parallelism end to end.
 # Run from the repository root after scripts/gpu_tp_bundle.sh, carrying target/gpu-tp:
 #
-#   OUT=/some/dir bash scripts/gpu_tp_session.sh [tests|cli|bench|all]
+#   OUT=/some/dir bash scripts/gpu_tp_session.sh [tests|cli|bench|all|peer-tests|peer-bench]
+#
+# peer-tests / peer-bench: the short list for the one-shot peer collectives and CUDA graphs under
+# --tp (about 4 minutes each): the peer tests, the stall tests on both paths, the fixtures and the
+# engine with graphs on, the same with NCCL_P2P_DISABLE=1; batch-1 decode of the 8B-shaped model at
+# tp=1, tp=2, and tp=2 with NCCL_P2P_DISABLE=1 (NCCL only, no graphs).
 #
 # Writes at most 8 files to $OUT: env.txt (nvidia-smi, topology, check-env with the NCCL
 # self-test), tests.txt and tests-nop2p.txt (crates/tm-cuda/tests/tensor_parallel.rs, the second
@@ -22,6 +27,42 @@ export RUST_BACKTRACE=1 TM_FIXTURES="$PWD/fixtures"
 S="$OUT/summary.txt"
 say() { echo "$*" | tee -a "$S"; }
 secs() { python3 -c 'import time; print(f"{time.time():.3f}")'; }
+
+export NCCL_NVLS_ENABLE=0
+
+if [ "$WHAT" = peer-tests ]; then
+    { nvidia-smi topo -m; timeout 60 "$CLI" check-env; } >"$OUT/env.txt" 2>&1
+    say "check-env rc=$?"
+    grep -E "custom all-reduce|NCCL self-test|NCCL transport" "$OUT/env.txt" | tee -a "$S"
+    timeout 360 "$TP" --test-threads=1 --nocapture peer_ small_all a_rank_that a_stalled fixtures_tp2 engine_over \
+        >"$OUT/tests.txt" 2>&1
+    say "tensor_parallel (peer path, graphs) rc=$?"
+    grep -E "^test |test result|: ok |FAIL|skipped|collectives: peer|stall at|failed after|stopped in|after the fault|greedy differs|per all-reduce|checked|graph rounds|panicked" \
+        "$OUT/tests.txt" | head -70 | tee -a "$S"
+    NCCL_P2P_DISABLE=1 timeout 150 "$TP" --test-threads=1 --nocapture a_stalled engine_over >"$OUT/tests-nop2p.txt" 2>&1
+    say "tensor_parallel NCCL_P2P_DISABLE=1 rc=$?"
+    grep -E "^test |test result|collectives: peer|stall at|failed after|panicked" "$OUT/tests-nop2p.txt" | head -20 | tee -a "$S"
+fi
+
+if [ "$WHAT" = peer-bench ]; then
+    R="$OUT/bench.txt"
+    : >"$R"
+    [ -f /tmp/l8b/tokenizer_config.json ] || timeout 200 python3 scripts/make_llama8b.py /tmp/l8b >>"$R" 2>&1 || say "make_llama8b failed"
+    pb() {
+        local name=$1
+        shift
+        echo "== bench $name: $*" >>"$R"
+        RUST_LOG=info timeout 150 "$CLI" bench --model /tmp/l8b --backend cuda --num-prompts 3 --concurrency 1 \
+            --input-len 512 --output-len 128 "$@" >/tmp/bench.txt 2>&1
+        local rc=$?
+        cat /tmp/bench.txt >>"$R"
+        say "bench $name (exit $rc): $(grep -E 'output throughput' /tmp/bench.txt | sed 's/  */ /g'); $(grep -E '^TPOT' /tmp/bench.txt | sed 's/  */ /g')"
+        grep -E "engine ms/step|cuda graphs:|CUDA graphs|first collective|one-shot|every collective goes" /tmp/bench.txt | cut -c1-300 | head -8 | tee -a "$S"
+    }
+    pb tp1-b1 --tp 1
+    pb tp2-b1 --tp 2
+    NCCL_P2P_DISABLE=1 pb tp2-b1-nop2p --tp 2
+fi
 
 if [ "$WHAT" = all ] || [ "$WHAT" = tests ]; then
     { nvidia-smi; nvidia-smi topo -m; env | grep -E '^NCCL|^CUDA' ; } >"$OUT/env.txt" 2>&1

@@ -85,6 +85,9 @@ struct Cuda {
     peer_access: Result<Vec<Vec<bool>>, ProbeError>,
     /// With two GPUs or more: the transport NCCL is expected to pick.
     transport: Option<Result<String, String>>,
+    /// With two GPUs or more: whether tm's one-shot all-reduce over peer access is available
+    /// (`Ok`: what it covers), or why not.
+    custom_all_reduce: Option<Result<String, String>>,
     /// With two GPUs or more: the NCCL all-reduce self-test over every GPU.
     self_test: Option<Result<String, String>>,
 }
@@ -113,6 +116,13 @@ fn gather(self_test_timeout: Option<std::time::Duration>) -> Report {
                 tm_cuda::nccl::peer_links(&ordinals)
                     .map(|l| tm_cuda::nccl::expected_transport(&l))
                     .map_err(|e| e.to_string())
+            }),
+            custom_all_reduce: multi.then(|| {
+                tm_cuda::nccl::peer_links(&ordinals).map_err(|e| e.to_string()).and_then(|l| {
+                    tm_cuda::peer::plan(&l).map(|max| {
+                        format!("one-shot kernels over peer access for messages up to {} KiB per rank", max >> 10)
+                    })
+                })
             }),
             self_test: match self_test_timeout {
                 Some(t) if multi => Some(nccl_self_test(n, t)),
@@ -242,6 +252,11 @@ fn to_text(r: &Report) -> String {
                 Some(Err(e)) => s += &format!("NCCL transport: unknown ({e})\n"),
                 None => {}
             }
+            match &c.custom_all_reduce {
+                Some(Ok(t)) => s += &format!("custom all-reduce: available ({t})\n"),
+                Some(Err(e)) => s += &format!("custom all-reduce: not used ({e}); collectives go through NCCL\n"),
+                None => {}
+            }
             match &c.self_test {
                 Some(Ok(t)) => s += &format!("NCCL self-test: {t}\n"),
                 Some(Err(e)) => s += &format!("NCCL self-test: FAILED: {e}\n"),
@@ -319,6 +334,11 @@ fn to_json(r: &Report) -> Value {
             "nccl_transport": match &c.transport {
                 Some(Ok(t)) => json!(t),
                 Some(Err(e)) => json!({ "error": e }),
+                None => Value::Null,
+            },
+            "custom_all_reduce": match &c.custom_all_reduce {
+                Some(Ok(t)) => json!({ "available": true, "result": t }),
+                Some(Err(e)) => json!({ "available": false, "reason": e }),
                 None => Value::Null,
             },
             "nccl_self_test": match &c.self_test {
@@ -442,6 +462,7 @@ mod tests {
             devices: vec![dev(0), dev(1)],
             peer_access: Ok(vec![vec![true, false], vec![false, true]]),
             transport: Some(Ok("SHM, through host memory (not every pair of GPUs has peer access)".into())),
+            custom_all_reduce: Some(Err("rank 0 cannot access rank 1's memory (no peer access)".into())),
             self_test: Some(Err("rank 1 timed out".into())),
         };
         let r = report(Ok(cuda));
@@ -451,7 +472,9 @@ mod tests {
         assert!(t.contains("  GPU0  yes   no"), "{t}");
         assert!(t.contains("NCCL transport (expected): SHM, through host memory"), "{t}");
         assert!(t.contains("NCCL self-test: FAILED: rank 1 timed out"), "{t}");
+        assert!(t.contains("custom all-reduce: not used (rank 0 cannot access rank 1's memory"), "{t}");
         let j = to_json(&r);
+        assert_eq!(j["cuda"]["custom_all_reduce"]["available"], false);
         assert_eq!(j["cuda"]["devices"][1]["compute_capability"], "9.0");
         assert_eq!(j["cuda"]["peer_access"][0][1], false);
         assert_eq!(j["backend_auto"]["backend"], "cuda");

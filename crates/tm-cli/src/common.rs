@@ -64,7 +64,8 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value_t = DTypeChoice::Auto)]
     pub dtype: DTypeChoice,
     /// Replay repeated decode steps as CUDA graphs (`--cuda-graphs false` runs every step
-    /// eagerly; not used under `--tp`).
+    /// eagerly; under `--tp` only when the GPUs have peer access, so that the decode steps'
+    /// collectives run as tm's one-shot kernels inside the graphs).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub cuda_graphs: bool,
     /// Longest sequence (prompt plus output) in tokens.
@@ -520,9 +521,6 @@ fn cuda_ranks(args: &ModelArgs, stall: Option<(usize, u64)>) -> Result<Ranks> {
     tracing::info!("peer access:{matrix}");
     let transport = nccl::expected_transport(&links);
     tracing::info!("NCCL transport (expected): {transport}");
-    if args.cuda_graphs {
-        tracing::info!("CUDA graphs are not used under --tp (collectives are not captured into graphs)");
-    }
     let gpus = ordinals
         .iter()
         .map(|&o| tm_cuda::runtime::Gpu::open(o).with_context(|| format!("opening GPU {o}")))
@@ -532,6 +530,23 @@ fn cuda_ranks(args: &ModelArgs, stall: Option<(usize, u64)>) -> Result<Ranks> {
     let test = nccl::self_test(&comms, startup, 32 << 20)
         .with_context(|| format!("the NCCL self-test on GPUs {ordinals:?} (transport expected: {transport})"))?;
     tracing::info!("NCCL self-test: {}", test.summary());
+    // Graphs need the one-shot peer collectives (NCCL's stay out of graphs, so without them
+    // every step would be recorded only to run eagerly).
+    let peer = comms.first().map_or_else(|| Err("no ranks".to_string()), |c| c.peer_path());
+    let graphs = args.cuda_graphs && peer.is_ok();
+    if args.cuda_graphs {
+        match &peer {
+            Ok(max) => tracing::info!(
+                "CUDA graphs under --tp: decode steps are replayed from graphs on every rank; collectives of up to {} KiB \
+                 per rank run as one-shot peer kernels inside them, steps with larger ones run eagerly through NCCL",
+                max >> 10
+            ),
+            Err(why) => tracing::info!(
+                "CUDA graphs are not used under --tp: every collective goes through NCCL, which tm keeps out of graphs \
+                 (one-shot peer collectives: {why})"
+            ),
+        }
+    }
     let comms: Vec<Box<dyn Comm>> = comms
         .into_iter()
         .map(|c| match stall {
@@ -542,7 +557,7 @@ fn cuda_ranks(args: &ModelArgs, stall: Option<(usize, u64)>) -> Result<Ranks> {
             _ => Box::new(c) as Box<dyn Comm>,
         })
         .collect();
-    let opts = tm_cuda::CudaOptions { cuda_graphs: false, ..cuda_options(args) };
+    let opts = tm_cuda::CudaOptions { cuda_graphs: graphs, ..cuda_options(args) };
     // The plan's target: rank 0's backend, with the smallest GPU's usable memory.
     let target = {
         let b =

@@ -17,6 +17,8 @@
 //! - [`kernels`]: typed launchers for the `tm-kernels` CUDA kernels.
 //! - [`nccl`]: tm-core's `Comm` over NCCL for GPU ranks (non-blocking communicators, a watchdog
 //!   with deadlines, `ncclCommAbort`), the start-up self-test and the peer links.
+//! - [`peer`]: one-shot all-reduce and all-gather kernels over peer access for small messages
+//!   (what `nccl` uses for decode steps, captured into CUDA graphs), with device-side deadlines.
 //! - [`CudaBackend`]: tm-core's `Ops` on one GPU.
 //!
 //! Features: `cuda-13` (default) or `cuda-12` chooses the CUDA bindings cudarc uses; enable exactly
@@ -34,6 +36,7 @@ pub mod memory_model;
 pub mod nccl;
 pub mod nvrtc;
 mod ops;
+pub mod peer;
 mod probe;
 pub mod runtime;
 pub mod staging;

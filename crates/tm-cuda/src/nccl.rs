@@ -33,6 +33,22 @@
 //!   and the start-up self-test ([`self_test`]) have deadlines too; on expiry the error says what
 //!   was tried and what to try ([`INIT_HINT`]).
 //!
+//! # Small messages: one-shot kernels over peer access
+//! When every pair of GPUs has peer access ([`crate::peer::plan`]), all-reduces and all-gathers
+//! of up to [`PeerGroup::max_bytes`] per rank (every decode step's) do not go through NCCL but
+//! through tm's one-shot kernels ([`crate::peer`]): one launch on the rank's stream, about the
+//! latency of one peer round trip. They are launched through [`Gpu::launch`], so the backend's
+//! CUDA graphs sign and capture them like any kernel. Their deadline is kept on the device: a
+//! kernel that waits longer for a peer gives up and leaves a report (the peer, the step), which
+//! the watchdog and [`Comm::synchronize`] turn into the same [`Error::Timeout`] as an NCCL
+//! deadline, aborting the group. Larger messages, other dtypes, broadcasts and barriers go
+//! through NCCL, which is kept out of graphs: a step that queues an NCCL collective while it is
+//! recorded is marked uncapturable ([`Gpu::mark_uncapturable`]) and runs eagerly.
+//!
+//! Collectives are numbered per rank in the order the rank's host issues them: a step recorded
+//! for a graph issues them once while recording and, when it is not replayed, once more while
+//! running eagerly (a capture issues nothing), the same on every rank.
+//!
 //! # Fault injection
 //! [`NcclComm::stall_after`] makes a rank stop queueing at a chosen collective (as a hung host
 //! thread would), so the paths above can be tested on real GPUs.
@@ -49,7 +65,8 @@ use cudarc::driver::sys;
 use tm_core::{Comm, DType, Error, Result, Tensor};
 
 use crate::libs;
-use crate::runtime::Gpu;
+use crate::peer::{self, PeerGroup, PeerTimeout};
+use crate::runtime::{Gpu, LaunchMode};
 
 /// How often the watchdog looks at pending collectives and asynchronous errors.
 pub const WATCHDOG_PERIOD: Duration = Duration::from_millis(2);
@@ -271,6 +288,8 @@ struct Slot {
     /// Collectives this rank has queued.
     queued: AtomicU64,
     last: Mutex<Option<String>>,
+    /// The number and label of the last one-shot (peer) collective this rank launched eagerly.
+    last_peer: Mutex<Option<(u64, String)>>,
     /// 256 bytes of device memory for barriers.
     scratch: u64,
 }
@@ -289,7 +308,18 @@ struct Shared {
     aborted: AtomicBool,
     /// Whether `ncclCommAbort` has been started (by the watchdog or an abort thread).
     abort_started: AtomicBool,
+    /// The one-shot kernels for small messages, or why they are not used.
+    peer: std::result::Result<PeerGroup, String>,
+    /// Step names by tag and tags by step name (the one-shot kernels report the tag of the call
+    /// that gave up).
+    tags: Mutex<(Vec<String>, std::collections::HashMap<String, u32>)>,
+    /// Whether the transport of the peer path and of the NCCL path has been logged.
+    logged: [AtomicBool; 2],
 }
+
+/// Tags beyond this many step names are all `u32::MAX` ("unknown"): the names are a fixed set
+/// (layers × call sites), so this is only a bound.
+const MAX_TAGS: usize = 4096;
 
 /// Makes `gpu`'s context current without touching cudarc's per-context error state (which
 /// belongs to the rank's own thread).
@@ -337,6 +367,9 @@ impl Shared {
             }
         }
         self.aborted.store(true, Ordering::Release);
+        if let Ok(p) = &self.peer {
+            p.request_abort();
+        }
         if !self.abort_started.swap(true, Ordering::AcqRel) {
             let me = Arc::clone(self);
             let spawned = std::thread::Builder::new().name("tm-nccl-abort".into()).spawn(move || me.abort_all());
@@ -372,6 +405,53 @@ impl Shared {
             }
         }
         tracing::info!("NCCL communicators aborted");
+    }
+
+    /// The tag of step name `step` (the same on every rank: the table is the group's).
+    fn tag(&self, step: &str) -> u32 {
+        let mut t = lock(&self.tags);
+        if let Some(&i) = t.1.get(step) {
+            return i;
+        }
+        if t.0.len() >= MAX_TAGS {
+            return u32::MAX;
+        }
+        let tag = t.0.len() as u32;
+        t.0.push(step.to_string());
+        t.1.insert(step.to_string(), tag);
+        tag
+    }
+
+    /// Fails the group if a one-shot kernel of any rank gave up waiting; returns whether one did.
+    fn check_peer(self: &Arc<Self>) -> bool {
+        let Some(t) = self.peer.as_ref().ok().and_then(PeerGroup::any_timeout) else {
+            return false;
+        };
+        if self.cause().is_none() {
+            let cause = self.peer_cause(&t);
+            self.fail(cause);
+        }
+        true
+    }
+
+    /// The failure a one-shot kernel's report describes.
+    fn peer_cause(&self, t: &PeerTimeout) -> Cause {
+        let step = lock(&self.tags).0.get(t.tag as usize).cloned().unwrap_or_else(|| "unknown step".into());
+        let label = format!("one-shot collective ({step}; epoch {}, block {})", t.epoch, t.block);
+        let mut missing = format!(
+            "rank {} did not arrive (the GPU of rank {} waited for its data on the device in tm's one-shot \
+             peer-to-peer collective; TM_CUSTOM_ALLREDUCE=0 sends every collective through NCCL instead)",
+            t.peer, t.rank
+        );
+        match lock(&self.slots[t.peer].last).as_deref() {
+            Some(l) => {
+                let _ = write!(missing, "; rank {} was last in {l}", t.peer);
+            }
+            None => {
+                let _ = write!(missing, "; rank {} has not entered any collective", t.peer);
+            }
+        }
+        Cause::Expired { rank: t.rank, label, missing, waited: t.waited }
     }
 
     fn cause(&self) -> Option<Cause> {
@@ -424,6 +504,9 @@ impl Shared {
 
     /// One look at every rank: asynchronous NCCL errors, completed and expired collectives.
     fn poll(self: &Arc<Self>) {
+        if self.check_peer() {
+            return;
+        }
         let now = Instant::now();
         for (r, slot) in self.slots.iter().enumerate() {
             let in_call = lock(&slot.in_call).clone();
@@ -611,6 +694,13 @@ impl NcclComm {
     /// a thread of its own; waits at most `timeout` for NCCL to finish, else fails with what to
     /// try. Starts the group's watchdog.
     pub fn group(gpus: &[Arc<Gpu>], timeout: Duration) -> Result<Vec<NcclComm>> {
+        Self::group_with(gpus, timeout, true)
+    }
+
+    /// [`NcclComm::group`]; `peer_path: false` keeps every collective on NCCL (tests compare the
+    /// two paths). With `true`, the one-shot kernels are set up when [`peer::plan`] allows; when
+    /// setting them up fails, NCCL is used for everything and [`NcclComm::peer_path`] says why.
+    pub fn group_with(gpus: &[Arc<Gpu>], timeout: Duration, peer_path: bool) -> Result<Vec<NcclComm>> {
         let api = Api::get()?;
         let world = gpus.len();
         if world == 0 {
@@ -701,15 +791,34 @@ impl NcclComm {
                 seq: AtomicU64::new(0),
                 queued: AtomicU64::new(0),
                 last: Mutex::new(None),
+                last_peer: Mutex::new(None),
                 scratch: s,
             })
             .collect();
+        let peer = if peer_path {
+            peer_links(&seen)
+                .map_err(|e| format!("reading the peer links: {e}"))
+                .and_then(|links| peer::plan(&links))
+                .and_then(|max| PeerGroup::new(gpus, max))
+        } else {
+            Err("turned off by the caller".to_string())
+        };
+        match &peer {
+            Ok(p) => tracing::info!(
+                "one-shot collectives over peer access for messages up to {} KiB per rank (decode steps); NCCL above",
+                p.max_bytes() >> 10
+            ),
+            Err(why) => tracing::info!("every collective goes through NCCL (one-shot peer collectives: {why})"),
+        }
         let shared = Arc::new(Shared {
             api,
             slots,
             cause: Mutex::new(None),
             aborted: AtomicBool::new(false),
             abort_started: AtomicBool::new(false),
+            peer,
+            tags: Mutex::new((Vec::new(), std::collections::HashMap::new())),
+            logged: [AtomicBool::new(false), AtomicBool::new(false)],
         });
         let weak = Arc::downgrade(&shared);
         std::thread::Builder::new()
@@ -725,6 +834,12 @@ impl NcclComm {
     pub fn stall_after(mut self, n: u64) -> Self {
         self.stall_after = Some(n);
         self
+    }
+
+    /// Whether small collectives take the one-shot peer path: `Ok(largest message per rank in
+    /// bytes)`, or why not.
+    pub fn peer_path(&self) -> std::result::Result<usize, String> {
+        self.shared.peer.as_ref().map(PeerGroup::max_bytes).map_err(Clone::clone)
     }
 
     /// The GPU this rank runs on.
@@ -809,6 +924,10 @@ impl NcclComm {
     ) -> Result<()> {
         let start = Instant::now();
         let slot = self.slot();
+        let mode = slot.gpu.mode();
+        if mode == LaunchMode::Capture {
+            return Err(nccl_err(format!("{kind} ({step}): NCCL collectives are not captured into CUDA graphs")));
+        }
         let seq = slot.seq.fetch_add(1, Ordering::AcqRel);
         let label = format!("{kind} #{seq} ({step})");
         *lock(&slot.last) = Some(label.clone());
@@ -816,6 +935,14 @@ impl NcclComm {
         if self.stall_after.is_some_and(|n| seq >= n) {
             return Err(self.stall(&label, start, deadline));
         }
+        if mode == LaunchMode::Record {
+            // The step is being recorded for a graph: it will run eagerly (NCCL stays out of
+            // graphs), and queue this collective then.
+            slot.gpu.mark_uncapturable();
+            slot.queued.store(seq + 1, Ordering::Release);
+            return Ok(());
+        }
+        self.log_transport(1, || format!("{kind} ({step}) through NCCL"));
         slot.gpu.bind()?;
         let stream = slot.gpu.stream().cu_stream();
         let api = self.shared.api;
@@ -852,8 +979,95 @@ impl NcclComm {
         Ok(())
     }
 
-    /// Sums `count` elements of `dtype` at device address `ptr` over all ranks, in place.
+    /// Logs (once per group, on rank 0) the transport collectives take: `which` 0 is the peer
+    /// path, 1 NCCL.
+    fn log_transport(&self, which: usize, what: impl FnOnce() -> String) {
+        if self.rank == 0 && !self.shared.logged[which].swap(true, Ordering::Relaxed) {
+            tracing::info!("first collective on this path: {}", what());
+        }
+    }
+
+    /// Whether a collective of `count` elements of `dtype` per rank takes the peer path.
+    fn takes_peer_path(&self, count: usize, dtype: DType) -> bool {
+        self.shared.peer.as_ref().is_ok_and(|p| p.fits(count, dtype))
+    }
+
+    /// One one-shot collective (see the module docs): numbered and checked like an NCCL one
+    /// (the stall hook included) unless the stream is being captured, then launched through
+    /// [`Gpu::launch`], which records, captures or runs it as the backend's mode says.
+    #[allow(clippy::too_many_arguments)]
+    fn peer_collective(
+        &self,
+        kind: peer::Kind,
+        src: u64,
+        dst: u64,
+        count: usize,
+        dtype: DType,
+        step: &str,
+        deadline: Duration,
+    ) -> Result<()> {
+        let p = self.shared.peer.as_ref().map_err(|why| nccl_err(format!("no peer path: {why}")))?;
+        let slot = self.slot();
+        let mode = slot.gpu.mode();
+        let what = match kind {
+            peer::Kind::AllReduce => "all_reduce",
+            peer::Kind::AllGather => "all_gather",
+        };
+        let mut numbered = None;
+        if mode != LaunchMode::Capture {
+            let start = Instant::now();
+            let seq = slot.seq.fetch_add(1, Ordering::AcqRel);
+            let label = format!("{what} #{seq} ({step}; peer-to-peer)");
+            *lock(&slot.last) = Some(label.clone());
+            self.check(&label, start)?;
+            if self.stall_after.is_some_and(|n| seq >= n) {
+                return Err(self.stall(&label, start, deadline));
+            }
+            numbered = Some((seq, label));
+        }
+        let tag = self.shared.tag(step);
+        let launched = p.launch(kind, self.rank, src, dst, count, dtype, tag, deadline);
+        if let Some((seq, label)) = numbered {
+            if let Err(e) = launched {
+                return Err(self.fail_local(&label, e.to_string()));
+            }
+            if mode == LaunchMode::Eager {
+                *lock(&slot.last_peer) = Some((seq, label));
+                self.log_transport(0, || {
+                    format!(
+                        "{what} of {} bytes per rank ({step}) as a one-shot kernel over peer access",
+                        count * dtype.bits() / 8
+                    )
+                });
+            }
+            slot.queued.store(seq + 1, Ordering::Release);
+        }
+        launched
+    }
+
+    /// Sums `count` elements of `dtype` at device address `ptr` over all ranks, in place: through
+    /// the one-shot peer path when the message fits it, else NCCL.
     pub fn all_reduce_raw(&self, ptr: u64, count: usize, dtype: DType, step: &str, deadline: Duration) -> Result<()> {
+        if self.takes_peer_path(count, dtype) {
+            return self.peer_collective(peer::Kind::AllReduce, ptr, ptr, count, dtype, step, deadline);
+        }
+        self.all_reduce_nccl(ptr, count, dtype, step, deadline)
+    }
+
+    /// [`NcclComm::all_reduce_raw`] through the one-shot peer path (an error when the group has
+    /// none or the message does not fit it).
+    pub fn all_reduce_peer(&self, ptr: u64, count: usize, dtype: DType, step: &str, deadline: Duration) -> Result<()> {
+        if !self.takes_peer_path(count, dtype) {
+            return Err(nccl_err(format!(
+                "{step}: an all-reduce of {count} {dtype} elements does not take the peer path ({})",
+                self.peer_path().map_or_else(|why| why, |max| format!("at most {max} bytes of f32, f16 or bf16"))
+            )));
+        }
+        self.peer_collective(peer::Kind::AllReduce, ptr, ptr, count, dtype, step, deadline)
+    }
+
+    /// [`NcclComm::all_reduce_raw`] through NCCL, whatever the size.
+    pub fn all_reduce_nccl(&self, ptr: u64, count: usize, dtype: DType, step: &str, deadline: Duration) -> Result<()> {
         let dt = nccl_dtype(dtype)?;
         self.enqueue("all_reduce", step, deadline, |api, comm, stream| {
             // SAFETY: `ptr` holds `count` elements of `dtype` on this rank's GPU (the caller's
@@ -898,8 +1112,11 @@ impl Comm for NcclComm {
                 format!("{:?} of {}", output.shape(), output.dtype()),
             ));
         }
-        let dt = nccl_dtype(input.dtype())?;
         let (src, dst) = (device_ptr(input, "all_gather")?, device_ptr(output, "all_gather")?);
+        if self.takes_peer_path(n, input.dtype()) {
+            return self.peer_collective(peer::Kind::AllGather, src, dst, n, input.dtype(), step, deadline);
+        }
+        let dt = nccl_dtype(input.dtype())?;
         self.enqueue("all_gather", step, deadline, |api, comm, stream| {
             // SAFETY: `src` holds n elements and `dst` world·n, both on this rank's GPU.
             unsafe { (api.all_gather)(src as *const c_void, dst as *mut c_void, n, dt, comm, stream) }
@@ -918,10 +1135,11 @@ impl Comm for NcclComm {
         })
     }
 
-    /// An all-reduce of one element of the rank's scratch memory, then [`Comm::synchronize`].
+    /// An all-reduce of one element of the rank's scratch memory (through NCCL), then
+    /// [`Comm::synchronize`].
     fn barrier(&self, step: &str, deadline: Duration) -> Result<()> {
         let start = Instant::now();
-        self.all_reduce_raw(self.slot().scratch, 1, DType::F32, step, deadline)?;
+        self.all_reduce_nccl(self.slot().scratch, 1, DType::F32, step, deadline)?;
         self.synchronize(step, deadline.saturating_sub(start.elapsed()))
     }
 
@@ -946,6 +1164,9 @@ impl Comm for NcclComm {
             match unsafe { sys::cuEventQuery(event.0) } {
                 sys::CUresult::CUDA_SUCCESS => {
                     lock(&slot.events).push(event);
+                    // A one-shot kernel that gave up has returned, so its stream drained: its
+                    // report is read here, not left to the watchdog's next look.
+                    self.shared.check_peer();
                     return self.check(&label, start);
                 }
                 sys::CUresult::CUDA_ERROR_NOT_READY => {}
@@ -953,6 +1174,9 @@ impl Comm for NcclComm {
                     lock(&slot.events).push(event);
                     return Err(self.fail_local(&label, format!("the GPU failed: {e:?}")));
                 }
+            }
+            if polls % 64 == 63 {
+                self.shared.check_peer();
             }
             if self.shared.aborted.load(Ordering::Acquire) {
                 // The event may still be pending: it is not reused (destroying it is allowed).
@@ -964,9 +1188,14 @@ impl Comm for NcclComm {
             }
             if start.elapsed() > deadline {
                 let pending = lock(&slot.inflight).front().map(|i| (i.seq, i.label.clone()));
-                let (what, missing) = match pending {
-                    Some((seq, l)) => (l, self.shared.missing(seq)),
-                    None => (label.clone(), "the GPU did not finish the step's kernels (no collective pending)".into()),
+                let last_peer = lock(&slot.last_peer).clone();
+                let (what, missing) = match (pending, last_peer) {
+                    (Some((seq, l)), _) => (l, self.shared.missing(seq)),
+                    // The one-shot kernels keep their own deadline; this is the host's view.
+                    (None, Some((seq, l))) => (l, self.shared.missing(seq)),
+                    (None, None) => {
+                        (label.clone(), "the GPU did not finish the step's kernels (no collective pending)".into())
+                    }
                 };
                 self.shared.fail(Cause::Expired { rank: self.rank, label: what, missing, waited: start.elapsed() });
                 // SAFETY: our event, in no list.
@@ -1073,6 +1302,9 @@ pub struct SelfTest {
     pub big_bytes: usize,
     /// Median time of one all-reduce of `big_bytes` on rank 0.
     pub big: Option<Duration>,
+    /// The one-shot peer path: the time of one small all-reduce on rank 0 (the fastest of
+    /// three, including the wait for it), or why the group has no such path.
+    pub peer: std::result::Result<Duration, String>,
 }
 
 impl SelfTest {
@@ -1099,13 +1331,23 @@ impl SelfTest {
             );
         }
         s.push(')');
+        match &self.peer {
+            Ok(t) => {
+                let _ =
+                    write!(s, "; one-shot peer all-reduce passed ({:.0} µs for a small one)", t.as_secs_f64() * 1e6);
+            }
+            Err(why) => {
+                let _ = write!(s, "; no one-shot peer path ({why})");
+            }
+        }
         s
     }
 }
 
 /// The start-up self-test on the real communicators: every rank sums a small vector (rank `r`
-/// puts `r + 1` in slot `r`; everyone must get `1..=world`), then, when `big_bytes > 0`, times an
-/// all-reduce of that size. One thread per rank; everything has `deadline` (the group is aborted
+/// puts `r + 1` in slot `r`; everyone must get `1..=world`) through NCCL and, when the group has
+/// it, through the one-shot peer path (whose kernels keep `deadline` on the device); then, when
+/// `big_bytes > 0`, times an NCCL all-reduce of that size. One thread per rank; everything has `deadline` (the group is aborted
 /// and the error says what to try when it passes). The rank threads allocate their own buffers
 /// and free them before returning, so run this before the model is loaded.
 pub fn self_test(comms: &[NcclComm], deadline: Duration, big_bytes: usize) -> Result<SelfTest> {
@@ -1128,7 +1370,7 @@ pub fn self_test(comms: &[NcclComm], deadline: Duration, big_bytes: usize) -> Re
         }
     }
     drop(tx);
-    let mut results: Vec<Option<(Duration, Option<Duration>)>> = vec![None; world];
+    let mut results: Vec<Option<RankTimes>> = vec![None; world];
     let mut first_err: Option<Error> = None;
     let limit = deadline.saturating_mul(2) + Duration::from_secs(1);
     while results.iter().any(Option::is_none) {
@@ -1136,7 +1378,7 @@ pub fn self_test(comms: &[NcclComm], deadline: Duration, big_bytes: usize) -> Re
         match rx.recv_timeout(left) {
             Ok((r, Ok(t))) => results[r] = Some(t),
             Ok((r, Err(e))) => {
-                results[r] = Some((Duration::ZERO, None));
+                results[r] = Some((Duration::ZERO, None, None));
                 // Prefer a rank's own failure or timeout over the aborts it caused.
                 let better = matches!(
                     (&first_err, &e),
@@ -1161,12 +1403,20 @@ pub fn self_test(comms: &[NcclComm], deadline: Duration, big_bytes: usize) -> Re
     if let Some(e) = first_err {
         return Err(nccl_err(format!("the NCCL start-up self-test failed: {e}. {INIT_HINT}")));
     }
-    let (small, big) = results[0].unwrap_or_default();
-    Ok(SelfTest { world, small, big_bytes: if big.is_some() { big_bytes } else { 0 }, big })
+    let (small, big, peer) = results[0].unwrap_or_default();
+    let peer = match (peer, comms[0].peer_path()) {
+        (Some(t), _) => Ok(t),
+        (None, Err(why)) => Err(why),
+        (None, Ok(_)) => Err("not tested".into()),
+    };
+    Ok(SelfTest { world, small, big_bytes: if big.is_some() { big_bytes } else { 0 }, big, peer })
 }
 
-/// One rank's part of [`self_test`]: (small all-reduce time, median big all-reduce time).
-fn rank_self_test(comm: &NcclComm, deadline: Duration, big_bytes: usize) -> Result<(Duration, Option<Duration>)> {
+/// One rank's self-test times: small NCCL all-reduce, median big one, fastest small peer one.
+type RankTimes = (Duration, Option<Duration>, Option<Duration>);
+
+/// One rank's part of [`self_test`].
+fn rank_self_test(comm: &NcclComm, deadline: Duration, big_bytes: usize) -> Result<RankTimes> {
     let world = comm.world();
     let gpu = comm.gpu();
     gpu.bind()?;
@@ -1186,36 +1436,55 @@ fn rank_self_test(comm: &NcclComm, deadline: Duration, big_bytes: usize) -> Resu
     unsafe { cudarc::driver::result::memcpy_htod_async(buf.ptr, &mine, gpu.stream().cu_stream()) }
         .map_err(crate::runtime::driver_err("cuMemcpyHtoDAsync (NCCL self-test)"))?;
     let t0 = Instant::now();
-    comm.all_reduce_raw(buf.ptr, world, DType::F32, "start-up self-test", deadline)?;
+    comm.all_reduce_nccl(buf.ptr, world, DType::F32, "start-up self-test", deadline)?;
     comm.synchronize("start-up self-test", deadline)?;
     let small = t0.elapsed();
-    let mut got = vec![0f32; world];
-    // SAFETY: the all-reduce finished (synchronize); `got` holds `world` f32s.
-    unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut got, buf.ptr) }
-        .map_err(crate::runtime::driver_err("cuMemcpyDtoH (NCCL self-test)"))?;
     let want: Vec<f32> = (1..=world).map(|v| v as f32).collect();
-    if got != want {
-        let msg =
-            format!("the all-reduce self-test summed to {got:?} instead of {want:?}: the transport corrupts data");
-        comm.abort(&msg);
-        return Err(nccl_err(msg));
+    let verify = |path: &str| -> Result<()> {
+        let mut got = vec![0f32; world];
+        // SAFETY: the all-reduce finished (synchronize); `got` holds `world` f32s.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut got, buf.ptr) }
+            .map_err(crate::runtime::driver_err("cuMemcpyDtoH (NCCL self-test)"))?;
+        if got != want {
+            let msg = format!(
+                "the {path} all-reduce self-test summed to {got:?} instead of {want:?}: the transport corrupts data"
+            );
+            comm.abort(&msg);
+            return Err(nccl_err(msg));
+        }
+        Ok(())
+    };
+    verify("NCCL")?;
+    let mut peer = None;
+    if comm.takes_peer_path(world, DType::F32) {
+        for _ in 0..3 {
+            // SAFETY: as above.
+            unsafe { cudarc::driver::result::memcpy_htod_async(buf.ptr, &mine, gpu.stream().cu_stream()) }
+                .map_err(crate::runtime::driver_err("cuMemcpyHtoDAsync (NCCL self-test)"))?;
+            let t = Instant::now();
+            comm.all_reduce_peer(buf.ptr, world, DType::F32, "start-up self-test (peer path)", deadline)?;
+            comm.synchronize("start-up self-test (peer path)", deadline)?;
+            let took = t.elapsed();
+            verify("one-shot peer")?;
+            peer = Some(peer.map_or(took, |p: Duration| p.min(took)));
+        }
     }
     if big_bytes == 0 {
-        return Ok((small, None));
+        return Ok((small, None, peer));
     }
     let count = big_bytes / 2;
     let big = alloc(count * 2)?;
     let mut times = Vec::new();
     for i in 0..4 {
         let t = Instant::now();
-        comm.all_reduce_raw(big.ptr, count, DType::BF16, "start-up bandwidth test", deadline)?;
+        comm.all_reduce_nccl(big.ptr, count, DType::BF16, "start-up bandwidth test", deadline)?;
         comm.synchronize("start-up bandwidth test", deadline)?;
         if i > 0 {
             times.push(t.elapsed());
         }
     }
     times.sort();
-    Ok((small, times.get(times.len() / 2).copied()))
+    Ok((small, times.get(times.len() / 2).copied(), peer))
 }
 
 /// Device memory freed on drop (self-test buffers).

@@ -77,7 +77,9 @@ pub struct Gpu {
     index: HashMap<String, usize>,
     functions: Mutex<HashMap<String, CudaFunction>>,
     kernel_source: String,
-    recorder: Mutex<(LaunchMode, u64)>,
+    /// The launch mode, the signature being recorded, and whether the recorded step did work
+    /// that cannot be captured into a graph ([`Gpu::mark_uncapturable`]).
+    recorder: Mutex<(LaunchMode, u64, bool)>,
 }
 
 impl Gpu {
@@ -112,7 +114,7 @@ impl Gpu {
             index,
             functions: Mutex::new(HashMap::new()),
             kernel_source,
-            recorder: Mutex::new((LaunchMode::Eager, FNV_OFFSET)),
+            recorder: Mutex::new((LaunchMode::Eager, FNV_OFFSET, false)),
         }))
     }
 
@@ -161,6 +163,7 @@ impl Gpu {
         if let Ok(mut r) = self.recorder.lock() {
             if mode == LaunchMode::Record {
                 r.1 = FNV_OFFSET;
+                r.2 = false;
             }
             r.0 = mode;
         }
@@ -169,6 +172,20 @@ impl Gpu {
     /// The signature recorded since the last switch to [`LaunchMode::Record`].
     pub fn signature(&self) -> u64 {
         self.recorder.lock().map_or(0, |r| r.1)
+    }
+
+    /// Marks the step being recorded as one that must run eagerly (it does work a graph cannot
+    /// hold, e.g. an NCCL collective): it is neither captured nor replayed.
+    pub fn mark_uncapturable(&self) {
+        if let Ok(mut r) = self.recorder.lock() {
+            r.2 = true;
+        }
+    }
+
+    /// Whether the step recorded since the last switch to [`LaunchMode::Record`] was marked
+    /// with [`Gpu::mark_uncapturable`].
+    pub fn uncapturable(&self) -> bool {
+        self.recorder.lock().map_or(true, |r| r.2)
     }
 
     /// Folds `words` into the signature (for work that is not a plain kernel launch, e.g. a

@@ -9,7 +9,16 @@
 //! - The serving engine over two GPUs gives the single-GPU engine's tokens.
 //! - A fault test on real NCCL: one rank stalls (the `NcclComm::stall_after` hook), the other
 //!   fails with the deadline error naming the stalled rank within the deadline + 10%, every
-//!   thread stops, and a new NCCL group works afterwards in the same process.
+//!   thread stops, and a new NCCL group works afterwards in the same process; once with the
+//!   one-shot peer collectives (whose deadline is kept by the kernel) and once through NCCL only.
+//! - The one-shot peer collectives (`tm_cuda::peer`, when the GPUs have peer access): all-reduce
+//!   bit-identical to the f32 sum on the host in rank order (and within rounding of NCCL's) and
+//!   all-gather equal to the concatenation, for f32, f16 and bf16 and sizes from 1 element to
+//!   the largest message, odd counts included; thousands of calls in a row, eager and replayed
+//!   from a CUDA graph (one rank replaying while the other runs eagerly); a rank that never
+//!   arrives makes the other's kernel give up within its deadline with an error naming it.
+//! - The tensor-parallel ranks run with CUDA graphs on (decode steps replayed, collectives in the
+//!   graphs when the peer path is active), against a single GPU running eagerly.
 //!
 //! Run the file a second time with `NCCL_P2P_DISABLE=1` to check the host-memory transport
 //! (NCCL reads it once per process).
@@ -20,9 +29,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use tm_core::sampling::{argmax, SamplingParams};
-use tm_core::{Comm, DType, Ops};
+use tm_core::{Comm, DType, Ops, Tensor, TensorDesc};
 use tm_cuda::nccl::{self, NcclComm};
-use tm_cuda::runtime::Gpu;
+use tm_cuda::runtime::{Gpu, LaunchMode};
 use tm_cuda::{CudaBackend, CudaOptions};
 use tm_model::engine::{Engine, EngineConfig, FinishReason, Request, TpModelInfo};
 use tm_model::generate::Session;
@@ -57,16 +66,28 @@ fn fixtures_dir() -> PathBuf {
     }
 }
 
+/// The single-GPU reference runs eagerly; the tensor-parallel ranks with CUDA graphs.
 fn options(dtype: DType) -> CudaOptions {
     CudaOptions { ordinal: 0, dtype, memory_cap: None, cuda_graphs: false, memory_model: Default::default() }
 }
 
-/// NCCL communicators on GPUs `0..world` and the factory of their backends.
+fn rank_options(dtype: DType) -> CudaOptions {
+    CudaOptions { cuda_graphs: true, ..options(dtype) }
+}
+
+/// NCCL communicators on GPUs `0..world` (with the one-shot peer path when the GPUs allow it)
+/// and the factory of their backends (CUDA graphs on).
 fn nccl_ranks(world: usize, dtype: DType) -> (Vec<NcclComm>, BackendFactory) {
+    nccl_ranks_with(world, dtype, true)
+}
+
+fn nccl_ranks_with(world: usize, dtype: DType, peer_path: bool) -> (Vec<NcclComm>, BackendFactory) {
     let gpus: Vec<Arc<Gpu>> = (0..world).map(|o| Gpu::open(o).expect("opening a GPU")).collect();
-    let comms = NcclComm::group(&gpus, Duration::from_secs(30)).expect("NCCL starts");
-    let factory: BackendFactory =
-        Arc::new(move |r| Ok(Box::new(CudaBackend::open_on(Arc::clone(&gpus[r]), options(dtype))?) as Box<dyn Ops>));
+    let comms = NcclComm::group_with(&gpus, Duration::from_secs(30), peer_path).expect("NCCL starts");
+    println!("  collectives: peer path {:?}", comms[0].peer_path());
+    let factory: BackendFactory = Arc::new(move |r| {
+        Ok(Box::new(CudaBackend::open_on(Arc::clone(&gpus[r]), rank_options(dtype))?) as Box<dyn Ops>)
+    });
     (comms, factory)
 }
 
@@ -175,7 +196,8 @@ fn nccl_self_test_reports_the_transport() {
 }
 
 /// The cost of one decode-sized all-reduce (4096 bf16, as after an 8B model's o_proj at batch 1)
-/// queued back to back on each rank's stream, 64 per synchronize (one decode step's worth).
+/// queued back to back on each rank's stream, 64 per synchronize (one decode step's worth),
+/// through NCCL and through the one-shot peer path.
 #[test]
 fn small_all_reduce_latency() {
     let test = "small_all_reduce_latency";
@@ -183,36 +205,54 @@ fn small_all_reduce_latency() {
         return;
     }
     let (comms, factory) = nccl_ranks(2, DType::BF16);
-    let results: Vec<(Duration, Duration)> = std::thread::scope(|s| {
+    let peer = comms[0].peer_path().is_ok();
+    let results: Vec<Vec<(&str, Duration, Duration)>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .iter()
             .map(|c| {
                 let factory = Arc::clone(&factory);
                 s.spawn(move || {
                     let ops = factory(c.rank()).expect("backend");
-                    let mut t = ops.zeros(tm_core::TensorDesc::new(DType::BF16, &[4096]), "test").expect("tensor");
+                    let t = ops.zeros(TensorDesc::new(DType::BF16, &[4096]), "test").expect("tensor");
+                    let ptr = t.buffer().addr();
                     let deadline = Duration::from_secs(20);
-                    for _ in 0..64 {
-                        c.all_reduce_sum(&mut t, "warm-up", deadline).expect("all-reduce");
-                    }
-                    c.synchronize("warm-up", deadline).expect("synchronize");
-                    let (mut enqueue, t0) = (Duration::ZERO, Instant::now());
-                    for _ in 0..10 {
-                        let e = Instant::now();
-                        for _ in 0..64 {
-                            c.all_reduce_sum(&mut t, "timed", deadline).expect("all-reduce");
+                    let mut out = Vec::new();
+                    for path in ["NCCL", "peer"] {
+                        if path == "peer" && !peer {
+                            continue;
                         }
-                        enqueue += e.elapsed();
-                        c.synchronize("timed", deadline).expect("synchronize");
+                        let one = |step: &str| {
+                            if path == "NCCL" {
+                                c.all_reduce_nccl(ptr, 4096, DType::BF16, step, deadline)
+                            } else {
+                                c.all_reduce_peer(ptr, 4096, DType::BF16, step, deadline)
+                            }
+                        };
+                        for _ in 0..64 {
+                            one("warm-up").expect("all-reduce");
+                        }
+                        c.synchronize("warm-up", deadline).expect("synchronize");
+                        let (mut enqueue, t0) = (Duration::ZERO, Instant::now());
+                        for _ in 0..10 {
+                            let e = Instant::now();
+                            for _ in 0..64 {
+                                one("timed").expect("all-reduce");
+                            }
+                            enqueue += e.elapsed();
+                            c.synchronize("timed", deadline).expect("synchronize");
+                        }
+                        out.push((path, t0.elapsed() / 640, enqueue / 640));
                     }
-                    (t0.elapsed() / 640, enqueue / 640)
+                    out
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
     });
-    for (r, (each, host)) in results.iter().enumerate() {
-        println!("{test}: rank {r}: {each:?} per all-reduce of 8 KiB (host time to queue one: {host:?})");
+    for (r, paths) in results.iter().enumerate() {
+        for (path, each, host) in paths {
+            println!("{test}: rank {r}: {path}: {each:?} per all-reduce of 8 KiB (host time to queue one: {host:?})");
+        }
     }
 }
 
@@ -356,9 +396,9 @@ fn engine_over_two_gpus_matches_one() {
 
 /// One rank of two stalls at its collective `at` (counted from the group's start-up self-test,
 /// #0); the other must fail with the deadline error within the deadline + 10%.
-fn stall_once(at: u64, timeout: Duration) -> Result<(), String> {
+fn stall_once(at: u64, timeout: Duration, peer_path: bool) -> Result<(), String> {
     let dir = fixtures_dir().join("llama");
-    let (comms, factory) = nccl_ranks(2, DType::BF16);
+    let (comms, factory) = nccl_ranks_with(2, DType::BF16, peer_path);
     let comms: Vec<Box<dyn Comm>> = comms
         .into_iter()
         .map(|c| {
@@ -404,13 +444,262 @@ fn a_stalled_rank_fails_the_other_within_the_deadline() {
     if skip(test) {
         return;
     }
-    // #4 is layer 1's o_proj all-reduce of the first step; #1 the embedding's.
-    for (at, ms) in [(4, 2000), (1, 1000)] {
-        stall_once(at, Duration::from_millis(ms)).unwrap_or_else(|e| panic!("{test}: stall at #{at}: {e}"));
+    // Counted from the group's start-up self-test (#0): without graphs #4 is layer 1's o_proj
+    // all-reduce of the first step and #1 the embedding's; with graphs (the ranks' backends have
+    // them on) the first step is recorded first, so both stall in its record pass and the other
+    // rank's first collective waits. With the peer path the waiting rank's kernel gives up by
+    // itself; through NCCL only, the watchdog gives up.
+    for peer_path in [true, false] {
+        for (at, ms) in [(4, 2000), (1, 1000)] {
+            println!("{test}: peer path {peer_path}, stall at #{at}");
+            stall_once(at, Duration::from_millis(ms), peer_path)
+                .unwrap_or_else(|e| panic!("{test}: stall at #{at} (peer path {peer_path}): {e}"));
+        }
     }
     // The process is still healthy: a new group starts and passes its self-test.
     let gpus: Vec<Arc<Gpu>> = (0..2).map(|o| Gpu::open(o).unwrap()).collect();
     let comms = NcclComm::group(&gpus, Duration::from_secs(30)).expect("a new NCCL group after the faults");
     let t = nccl::self_test(&comms, Duration::from_secs(10), 0).expect("self-test after the faults");
     println!("{test}: after the faults: {}", t.summary());
+}
+
+/// `v` rounded to `dtype` and encoded.
+fn encode(dtype: DType, v: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::F32 => bytemuck::cast_slice(v).to_vec(),
+        DType::F16 => v.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect(),
+        DType::BF16 => v.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
+        other => panic!("no encoding for {other}"),
+    }
+}
+
+fn round(dtype: DType, x: f32) -> f32 {
+    tm_core::ops::to_f32(dtype, &encode(dtype, &[x])).unwrap()[0]
+}
+
+/// Rank `rank`'s input of `count` elements: values in [-2, 2), exactly representable in `dtype`.
+fn rank_input(rank: usize, count: usize, dtype: DType) -> Vec<f32> {
+    let mut rng = tm_core::sampling::Rng::new(0x5eed ^ (rank as u64) << 32 ^ count as u64);
+    (0..count).map(|_| round(dtype, (rng.next_u64() % 4096) as f32 / 1024.0 - 2.0)).collect()
+}
+
+fn upload(ops: &dyn Ops, dtype: DType, v: &[f32]) -> Tensor {
+    let mut t = ops.zeros(TensorDesc::new(dtype, &[v.len()]), "test").expect("tensor");
+    ops.upload(&mut t, &encode(dtype, v)).expect("upload");
+    t
+}
+
+fn download(ops: &dyn Ops, t: &Tensor) -> Vec<f32> {
+    let mut bytes = vec![0u8; t.desc().bytes()];
+    ops.download(t, &mut bytes).expect("download");
+    tm_core::ops::to_f32(t.dtype(), &bytes).expect("float tensor")
+}
+
+/// Two ranks with the peer path (`None`, printed, when the GPUs do not allow it).
+fn peer_ranks(test: &str, dtype: DType) -> Option<(Vec<NcclComm>, BackendFactory)> {
+    let (comms, factory) = nccl_ranks(2, dtype);
+    if let Err(why) = comms[0].peer_path() {
+        println!("{test}: skipped: no one-shot peer path ({why})");
+        return None;
+    }
+    Some((comms, factory))
+}
+
+/// Runs `f(comm, ops)` on one thread per rank, returning every rank's result.
+fn on_ranks<T: Send>(
+    comms: &[NcclComm],
+    factory: &BackendFactory,
+    f: impl Fn(&NcclComm, &dyn Ops) -> T + Sync,
+) -> Vec<T> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|c| {
+                let (factory, f) = (Arc::clone(factory), &f);
+                s.spawn(move || {
+                    let ops = factory(c.rank()).expect("backend");
+                    c.gpu().bind().expect("bind");
+                    f(c, ops.as_ref())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    })
+}
+
+#[test]
+fn peer_collectives_match_nccl_and_the_host() {
+    let test = "peer_collectives_match_nccl_and_the_host";
+    if skip(test) {
+        return;
+    }
+    let Some((comms, factory)) = peer_ranks(test, DType::F32) else { return };
+    let max = comms[0].peer_path().unwrap();
+    let deadline = Duration::from_secs(20);
+    let mut failures = Vec::new();
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let size = dtype.bits() / 8;
+        for count in [1, 3, 8, 9, 4095, 4096, 4097, 65_537, max / size - 1, max / size] {
+            // Per rank: (its input, peer all-reduce, NCCL all-reduce, peer all-gather).
+            let got = on_ranks(&comms, &factory, |c, ops| {
+                let input = rank_input(c.rank(), count, dtype);
+                let a = upload(ops, dtype, &input);
+                let b = upload(ops, dtype, &input);
+                let g_in = upload(ops, dtype, &input);
+                let mut gathered = ops.zeros(TensorDesc::new(dtype, &[2 * count]), "test").expect("tensor");
+                c.all_reduce_peer(a.buffer().addr(), count, dtype, "peer", deadline).expect("peer all-reduce");
+                c.all_reduce_nccl(b.buffer().addr(), count, dtype, "nccl", deadline).expect("NCCL all-reduce");
+                c.all_gather(&g_in, &mut gathered, "gather", deadline).expect("all-gather");
+                c.synchronize("check", deadline).expect("synchronize");
+                (input, download(ops, &a), download(ops, &b), download(ops, &gathered))
+            });
+            let want: Vec<f32> = (0..count).map(|i| round(dtype, got[0].0[i] + got[1].0[i])).collect();
+            let concat: Vec<f32> = got[0].0.iter().chain(&got[1].0).copied().collect();
+            for (r, (_, peer, nccl, gathered)) in got.iter().enumerate() {
+                let exact = peer.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                let ulp = match dtype {
+                    DType::F32 => 1e-6,
+                    DType::F16 => 1e-3,
+                    _ => 8e-3,
+                };
+                let close = nccl.iter().zip(&want).all(|(a, b)| (a - b).abs() <= ulp * b.abs().max(1.0));
+                if !exact || !close || gathered != &concat {
+                    failures.push(format!(
+                        "{dtype} x {count} rank {r}: peer exact {exact}, NCCL close {close}, gather {}",
+                        gathered == &concat
+                    ));
+                }
+            }
+            if got[0].1.iter().zip(&got[1].1).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                failures.push(format!("{dtype} x {count}: the ranks' peer all-reduces differ"));
+            }
+        }
+        println!("{test}: {dtype}: checked");
+    }
+    assert!(failures.is_empty(), "{test}: {failures:?}");
+}
+
+/// Copies `bytes` from `src` to `dst` on the rank's stream (captured when the stream is).
+fn copy_on_stream(gpu: &Gpu, dst: u64, src: u64, bytes: usize) {
+    // SAFETY: both hold `bytes` on this GPU; the stream orders the copy with the collectives.
+    let rc = unsafe { cudarc::driver::sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, gpu.stream().cu_stream()) };
+    assert_eq!(rc, cudarc::driver::sys::CUresult::CUDA_SUCCESS, "cuMemcpyDtoDAsync");
+}
+
+#[test]
+fn peer_epochs_survive_thousands_of_calls_and_graph_replays() {
+    let test = "peer_epochs_survive_thousands_of_calls_and_graph_replays";
+    if skip(test) {
+        return;
+    }
+    let dtype = DType::BF16;
+    let Some((comms, factory)) = peer_ranks(test, dtype) else { return };
+    let deadline = Duration::from_secs(20);
+    let counts = [4096usize, 17, 100_000];
+    let errors = on_ranks(&comms, &factory, |c, ops| {
+        let gpu = c.gpu();
+        let mut errors = Vec::new();
+        let srcs: Vec<Tensor> = counts.iter().map(|&n| upload(ops, dtype, &rank_input(c.rank(), n, dtype))).collect();
+        let work: Vec<Tensor> = counts.iter().map(|&n| ops.zeros(TensorDesc::new(dtype, &[n]), "t").unwrap()).collect();
+        let want: Vec<Vec<f32>> = counts
+            .iter()
+            .map(|&n| {
+                let (a, b) = (rank_input(0, n, dtype), rank_input(1, n, dtype));
+                a.iter().zip(&b).map(|(x, y)| round(dtype, x + y)).collect()
+            })
+            .collect();
+        let bytes = |k: usize| counts[k] * 2;
+        let mut check = |k: usize, when: &str| {
+            c.synchronize(when, deadline).expect("synchronize");
+            if download(ops, &work[k]) != want[k] {
+                errors.push(format!("rank {}: {when}: wrong sum of {} elements", c.rank(), counts[k]));
+            }
+        };
+        // Eager: 3000 calls cycling through the sizes.
+        for i in 0..3000 {
+            let k = i % counts.len();
+            copy_on_stream(gpu, work[k].buffer().addr(), srcs[k].buffer().addr(), bytes(k));
+            c.all_reduce_peer(work[k].buffer().addr(), counts[k], dtype, "eager", deadline).expect("all-reduce");
+            if i % 500 == 499 || i == 2999 {
+                check(k, &format!("eager call {i}"));
+            }
+        }
+        // A graph of one copy + all-reduce per size, replayed 1000 times; rank 1 runs every
+        // tenth round eagerly instead, while rank 0 replays it (the epochs are on the device).
+        let stream = gpu.stream();
+        stream
+            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .expect("begin capture");
+        gpu.set_mode(LaunchMode::Capture);
+        let mut captured = Ok(());
+        for k in 0..counts.len() {
+            copy_on_stream(gpu, work[k].buffer().addr(), srcs[k].buffer().addr(), bytes(k));
+            captured = captured.and(c.all_reduce_peer(work[k].buffer().addr(), counts[k], dtype, "graph", deadline));
+        }
+        gpu.set_mode(LaunchMode::Eager);
+        let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)).expect("end capture");
+        captured.expect("captured all-reduces");
+        let graph = graph.expect("a graph");
+        for i in 0..1000 {
+            if c.rank() == 1 && i % 10 == 0 {
+                for k in 0..counts.len() {
+                    copy_on_stream(gpu, work[k].buffer().addr(), srcs[k].buffer().addr(), bytes(k));
+                    c.all_reduce_peer(work[k].buffer().addr(), counts[k], dtype, "eager", deadline)
+                        .expect("all-reduce");
+                }
+            } else {
+                graph.launch().expect("graph launch");
+            }
+            if i % 250 == 249 {
+                for k in 0..counts.len() {
+                    check(k, &format!("graph round {i}"));
+                }
+            }
+        }
+        errors
+    });
+    let errors: Vec<String> = errors.into_iter().flatten().collect();
+    assert!(errors.is_empty(), "{test}: {errors:?}");
+    println!("{test}: 3000 eager calls and 1000 graph rounds of 3 all-reduces give the right sums on both ranks");
+}
+
+#[test]
+fn a_rank_that_never_arrives_fails_the_peer_collective_within_its_deadline() {
+    let test = "a_rank_that_never_arrives_fails_the_peer_collective_within_its_deadline";
+    if skip(test) {
+        return;
+    }
+    let Some((comms, factory)) = peer_ranks(test, DType::F32) else { return };
+    let deadline = Duration::from_millis(500);
+    let results = on_ranks(&comms, &factory, |c, ops| {
+        let t = upload(ops, DType::F32, &[1.0; 4096]);
+        if c.rank() == 1 {
+            return None; // never arrives
+        }
+        let t0 = Instant::now();
+        let queued = c.all_reduce_peer(t.buffer().addr(), 4096, DType::F32, "layer 7 o_proj", deadline);
+        let synced = c.synchronize("end of step", Duration::from_secs(10));
+        Some((queued, synced, t0.elapsed()))
+    });
+    let (queued, synced, took) = results[0].as_ref().expect("rank 0's result");
+    queued.as_ref().expect("queueing succeeds");
+    let msg = synced.as_ref().expect_err("rank 0 must fail").to_string();
+    println!("{test}: failed after {took:?} (deadline {deadline:?}): {msg}");
+    assert!(msg.contains("rank 1 did not arrive") && msg.contains("timed out"), "{msg}");
+    assert!(msg.contains("layer 7 o_proj"), "the error names the step: {msg}");
+    assert!(*took <= deadline + deadline / 10 + Duration::from_millis(100), "took {took:?}");
+    assert!(comms[0].abort_reason().is_some(), "the group is aborted");
+    // Every later collective fails at once, on both ranks.
+    let later = on_ranks(&comms, &factory, |c, ops| {
+        let t = upload(ops, DType::F32, &[1.0; 8]);
+        c.all_reduce_peer(t.buffer().addr(), 8, DType::F32, "later", deadline).is_err()
+    });
+    assert!(later.iter().all(|&failed| failed), "later collectives must fail");
+    drop(comms);
+    // The process is still healthy: a new group passes its self-test, the peer path included.
+    let gpus: Vec<Arc<Gpu>> = (0..2).map(|o| Gpu::open(o).unwrap()).collect();
+    let comms = NcclComm::group(&gpus, Duration::from_secs(30)).expect("a new group");
+    let t = nccl::self_test(&comms, Duration::from_secs(10), 0).expect("self-test after the fault");
+    assert!(t.peer.is_ok(), "{}", t.summary());
+    println!("{test}: after the fault: {}", t.summary());
 }

@@ -151,6 +151,24 @@ mod tests {
     }
 
     #[test]
+    fn collectives_define_every_abi_kernel() {
+        let kernels = abi_kernels("collectives.cu");
+        assert_eq!(kernels, ["peer_all_reduce", "peer_all_gather"]);
+        let src = modules().iter().find(|s| s.name == "collectives.cu").expect("collectives.cu").text;
+        for k in &kernels {
+            assert!(src.contains(&format!("TM_KERNEL_BOUNDS({k},")), "collectives.cu does not define `{k}`");
+        }
+        for a in artefacts().iter().filter(|a| a.module == "collectives") {
+            let entries = entry_points(a.bytes);
+            for k in &kernels {
+                for dt in ["f32", "f16", "bf16"] {
+                    assert!(entries.contains(&format!("{k}_{dt}")), "collectives ({:?}) lacks {k}_{dt}", a.target);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn artefacts_are_consistent() {
         let modules: Vec<&str> = modules().iter().map(|s| s.name.trim_end_matches(".cu")).collect();
         for a in artefacts() {

@@ -11,7 +11,15 @@
 //!   capture records without running; the input buffers already hold this step's inputs, and the
 //!   ops refuse to upload or grow a buffer while capturing, so a capture cannot bake in stale or
 //!   freed memory);
-//! - a new signature (prefill chunks, a new batch size): the step runs eagerly.
+//! - a new signature (prefill chunks, a new batch size): the step runs eagerly;
+//! - a step marked uncapturable while it was recorded ([`Gpu::mark_uncapturable`]: it queues an
+//!   NCCL collective, which tm keeps out of graphs) runs eagerly and is not remembered.
+//!
+//! Under tensor parallelism every rank runs this on its own GPU. The one-shot collectives of
+//! [`crate::peer`] are launched like kernels, so they are signed and captured; they keep their
+//! epoch on the device, so ranks that decide differently for a step (one replays, one runs
+//! eagerly) still run each collective exactly once and meet. A failed capture on one rank leaves
+//! nobody waiting: the step already ran eagerly on that rank.
 //!
 //! A failed capture is logged and dropped; the step has already run eagerly.
 
@@ -103,9 +111,15 @@ pub(crate) fn run_step(gpu: &Gpu, cache: &mut GraphCache, step: &mut (dyn FnMut(
     gpu.set_mode(LaunchMode::Record);
     let recorded = step();
     let signature = gpu.signature();
+    let uncapturable = gpu.uncapturable();
     gpu.set_mode(LaunchMode::Eager);
     cache.record_time += start.elapsed();
     recorded?;
+    if uncapturable {
+        step()?;
+        cache.counts[1] += 1;
+        return Ok(());
+    }
     if let Some((start, end)) = cache.replay_events.as_ref() {
         if end.is_complete() {
             if let Ok(ms) = start.elapsed_ms(end) {
