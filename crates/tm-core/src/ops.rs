@@ -251,12 +251,13 @@ pub fn sample_rows(
     tokens
 }
 
-/// Converts host bytes of a float dtype to f32.
+/// Converts host bytes of a float dtype (f8e4m3 included) to f32.
 pub fn to_f32(dtype: DType, bytes: &[u8]) -> Result<Vec<f32>> {
     Ok(match dtype {
         DType::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(bytes),
         DType::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
         DType::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        DType::F8E4M3 => bytes.iter().map(|&b| crate::fp8::decode(b)).collect(),
         other => {
             return Err(Error::DType { op: "to_f32".into(), expected: "a float dtype".into(), got: other.to_string() })
         }
