@@ -541,6 +541,7 @@ fn engine_on(dtype: DType, report: &mut Report) -> Result<(), String> {
         max_queue: 64,
         max_model_len: None,
         enable_prefix_caching: true,
+        kv_cache_dtype: Default::default(),
     };
     let alone: Vec<Vec<u32>> = prompts
         .iter()
