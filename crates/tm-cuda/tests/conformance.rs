@@ -1778,6 +1778,14 @@ fn sanitizer_subset() {
         };
         attention(s, "mixed small", a(8, 2, 64, 16, None, vec![(1, 40), (9, 9), (5, 70)]));
         attention(s, "mixed small", a(8, 8, 128, 32, Some(16), vec![(1, 100), (20, 50)]));
+        // the fp8-cache kernels (raw stage + conversion: racecheck covers their barriers)
+        write_kv_fp8(s, 5, 64);
+        let fp8 = |heads, kv_heads, head_dim, block_size, window, seqs| Attn {
+            fp8: true,
+            ..a(heads, kv_heads, head_dim, block_size, window, seqs)
+        };
+        attention(s, "mixed small", fp8(8, 2, 64, 16, None, vec![(1, 40), (9, 9), (5, 300)]));
+        attention(s, "mixed small", fp8(8, 8, 128, 32, Some(16), vec![(1, 200), (70, 150)]));
         sample_greedy(s, 4, 1000);
         sample_penalties(s, 4, 1000);
         sample_stochastic(s, 10, 1000);
