@@ -603,6 +603,7 @@ pub fn load_runnable(args: &ModelArgs) -> Result<Runnable> {
     let timeout = args.comm_timeout()?;
     if args.tp == 1 {
         let ops = backend(args)?;
+        check_supported(ops.as_ref(), args.kv_dtype())?; // before the model loads
         let model = load_model(args, ops.as_ref())?;
         return Ok(Runnable::Single { ops, model: Box::new(model) });
     }
