@@ -1540,9 +1540,10 @@ fn attention_fp8_cache() {
             fp8: true,
         };
         write_kv_fp8(s, 37, 1024);
-        write_kv_fp8(s, 5, 72); // not a multiple of 16: the scalar path
-                                // decode: Llama 3 8B (GQA 4) at batch 256 with long contexts, Qwen2 (GQA 7), GQA 8 windowed,
-                                // GQA 1, block edges (GQA 3)
+        // 72 is not a multiple of 16: the scalar path
+        write_kv_fp8(s, 5, 72);
+        // decode: Llama 3 8B (GQA 4) at batch 256 with long contexts, Qwen2 (GQA 7), GQA 8
+        // windowed, GQA 1, block edges (GQA 3)
         attention(s, "decode", a(32, 8, 128, 64, None, decode_seqs(5, 256, 1500)));
         attention(s, "decode", a(14, 2, 64, 16, None, decode_seqs(1, 64, 4000)));
         attention(s, "decode", a(32, 4, 128, 64, Some(1000), decode_seqs(3, 12, 4000)));

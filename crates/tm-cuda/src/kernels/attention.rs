@@ -255,9 +255,10 @@ fn validate(shape: &AttentionShape, batch: &AttentionBatch) -> Result<()> {
 
 /// Causal paged attention of `q: [total_q, heads * head_dim]` over the KV caches
 /// `[num_blocks, block_size, kv_heads, head_dim]` into `out` (same shape as `q`): `q` and `out`
-/// in `dt` (f32, f16 or bf16), the caches in `kv` (`dt`, or f8e4m3). Sequence `s` owns query rows `q_start[s] .. q_start[s] + q_len[s]`; its
-/// query `j` sits at position `ctx_len[s] - q_len[s] + j` and attends to the keys at positions
-/// `0..=pos` (only those `> pos - window` when `window > 0`), read through its block table.
+/// in `dt` (f32, f16 or bf16), the caches in `kv` (`dt`, or f8e4m3). Sequence `s` owns query
+/// rows `q_start[s] .. q_start[s] + q_len[s]`; its query `j` sits at position
+/// `ctx_len[s] - q_len[s] + j` and attends to the keys at positions `0..=pos` (only those
+/// `> pos - window` when `window > 0`), read through its block table.
 /// `scratch` must hold [`scratch_bytes`] bytes (`scratch_len`). Rows of `out` that belong to no
 /// sequence are not written.
 #[allow(clippy::too_many_arguments)]
