@@ -152,6 +152,8 @@ struct Report {
     ttft_ms: [f64; 3],
     tpot_ms: [f64; 3],
     block_size: usize,
+    /// `--kv-cache-dtype` (auto or fp8).
+    kv_cache_dtype: String,
     kv_blocks_total: usize,
     stats: EngineStats,
 }
@@ -187,6 +189,7 @@ impl Report {
             ttft_ms: pcts(&ttft),
             tpot_ms: pcts(&tpot),
             block_size: args.model.block_size,
+            kv_cache_dtype: args.model.kv_dtype().to_string(),
             kv_blocks_total: num_blocks,
             stats: *stats,
         }
@@ -199,8 +202,8 @@ impl Report {
              \"concurrency\": {}, \"duration_s\": {:.3}, \"output_tokens\": {}, \"output_tok_s\": {:.2}, \
              \"total_tok_s\": {:.2}, \"request_s\": {:.3}, \"ttft_ms_p50\": {:.2}, \"ttft_ms_p90\": {:.2}, \
              \"ttft_ms_p99\": {:.2}, \"tpot_ms_p50\": {:.2}, \"tpot_ms_p90\": {:.2}, \"tpot_ms_p99\": {:.2}, \
-             \"kv_block_size\": {}, \"kv_blocks_total\": {}, \"kv_blocks_peak\": {}, \"preemptions\": {}, \
-             \"prefix_cache_hit_tokens\": {}, \"steps\": {}, \"schedule_ms_per_step\": {:.3}, \
+             \"kv_block_size\": {}, \"kv_cache_dtype\": {}, \"kv_blocks_total\": {}, \"kv_blocks_peak\": {}, \
+             \"preemptions\": {}, \"prefix_cache_hit_tokens\": {}, \"steps\": {}, \"schedule_ms_per_step\": {:.3}, \
              \"model_ms_per_step\": {:.3}, \"output_ms_per_step\": {:.3}}}",
             json_string(&self.model),
             json_string(&self.device),
@@ -220,6 +223,7 @@ impl Report {
             self.tpot_ms[1],
             self.tpot_ms[2],
             self.block_size,
+            json_string(&self.kv_cache_dtype),
             self.kv_blocks_total,
             s.kv_blocks_peak,
             s.preemptions,
@@ -241,7 +245,8 @@ impl Report {
              request throughput  {:.3} req/s\n\
              TTFT (ms)           {}\n\
              TPOT (ms)           {}\n\
-             KV blocks           peak {} of {} (block size {}); {} preemptions; {} prefix-cache hit tokens; {} steps\n\
+             KV blocks           peak {} of {} (block size {}, --kv-cache-dtype {}); {} preemptions; {} prefix-cache \
+             hit tokens; {} steps\n\
              engine ms/step      schedule {:.3} | model {:.3} | outputs {:.3}\n",
             self.model,
             self.device,
@@ -259,6 +264,7 @@ impl Report {
             s.kv_blocks_peak,
             self.kv_blocks_total,
             self.block_size,
+            self.kv_cache_dtype,
             s.preemptions,
             s.prefix_cache_hit_tokens,
             s.steps,

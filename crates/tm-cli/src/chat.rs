@@ -26,7 +26,8 @@ pub struct ChatArgs {
 pub fn run(args: ChatArgs) -> Result<()> {
     let params = args.sampling.params()?;
     let mut loaded = load_runnable(&args.model)?;
-    let (tok, template, name, mut session) = loaded.session(args.model.max_len, args.model.block_size)?;
+    let (tok, template, name, mut session) =
+        loaded.session(args.model.max_len, args.model.block_size, args.model.kv_dtype())?;
     let opts =
         GenerateOptions { max_tokens: args.sampling.max_tokens, sampling: params, stop_ids: tok.eos_ids().to_vec() };
     let interactive = std::io::stdin().is_terminal();

@@ -14,7 +14,7 @@ use tm_model::chat_template::ChatTemplate;
 use tm_model::config::ModelConfig;
 use tm_model::engine::{Engine, EngineConfig, TpModelInfo};
 use tm_model::generate::Session;
-use tm_model::kv_cache::KvCache;
+use tm_model::kv_cache::{check_supported, KvCache, KvCacheDtype};
 use tm_model::llama::{ShardLayout, ShardSpec};
 use tm_model::loader::{load, load_tp, Checkpoint, LoadedModel, LoadedTp};
 use tm_model::plan::{human, plan, PlanRequest, PlanTarget};
@@ -48,6 +48,25 @@ pub enum DTypeChoice {
     F32,
 }
 
+/// `--kv-cache-dtype`: what the KV cache stores keys and values as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum KvCacheDtypeChoice {
+    /// The activation dtype (bf16/f16 on GPUs, f32 on the CPU).
+    Auto,
+    /// FP8 E4M3, scale 1.0, saturating at ±448: half the bytes of a 16-bit cache (twice the
+    /// tokens, half the decode-attention traffic). CPU and CUDA backends.
+    Fp8,
+}
+
+impl From<KvCacheDtypeChoice> for KvCacheDtype {
+    fn from(c: KvCacheDtypeChoice) -> Self {
+        match c {
+            KvCacheDtypeChoice::Auto => KvCacheDtype::Auto,
+            KvCacheDtypeChoice::Fp8 => KvCacheDtype::Fp8,
+        }
+    }
+}
+
 /// Options naming the model and where it runs.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -74,6 +93,10 @@ pub struct ModelArgs {
     /// Tokens per KV-cache block.
     #[arg(long, default_value_t = 64)]
     pub block_size: usize,
+    /// KV-cache element type: auto (the activation dtype) or fp8 (E4M3, one byte per element,
+    /// scale 1.0: values beyond ±448 saturate).
+    #[arg(long, value_enum, default_value_t = KvCacheDtypeChoice::Auto)]
+    pub kv_cache_dtype: KvCacheDtypeChoice,
     /// Tensor-parallel ranks: the model is split over this many ranks, one thread each (CUDA:
     /// GPUs --device .. --device+N-1, exchanging activations through NCCL; CPU: in memory).
     #[arg(long, default_value_t = 1)]
@@ -142,6 +165,11 @@ impl ModelArgs {
         Ok(())
     }
 
+    /// `--kv-cache-dtype` as the engine's setting.
+    pub fn kv_dtype(&self) -> KvCacheDtype {
+        self.kv_cache_dtype.into()
+    }
+
     /// The compute dtype the flags ask for on GPUs.
     pub fn gpu_dtype(&self) -> DType {
         match self.dtype {
@@ -173,7 +201,8 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
-    /// KV blocks: `--num-blocks`, else `--kv-cache-bytes` converted for `cfg` and `dtype`, else
+    /// KV blocks: `--num-blocks`, else `--kv-cache-bytes` converted for `cfg` and `dtype` (the
+    /// KV cache's storage dtype), else
     /// `default_blocks()`.
     pub fn num_blocks(
         &self,
@@ -214,7 +243,7 @@ impl EngineArgs {
         let path = resolve_model(model)?;
         let ckpt = Checkpoint::open(&path).with_context(|| format!("opening {}", path.display()))?;
         let cfg = &ckpt.config;
-        let dtype = target.activation_dtype;
+        let dtype = model.kv_dtype().resolve(target.activation_dtype);
         let blocks = self.num_blocks(model, cfg, dtype, || default_blocks(cfg));
         let layout = ShardLayout::new(cfg, ShardSpec { rank: 0, world: tp.max(1) })?;
         let per_block = KvCache::bytes_per_block_shard(cfg, &layout, dtype, model.block_size.max(1));
@@ -227,6 +256,7 @@ impl EngineArgs {
             // One rank's bytes of every block (its KV heads).
             kv_cache_bytes: Some(blocks as u64 * per_block),
             tp,
+            kv_cache_dtype: model.kv_dtype(),
         };
         let plan = plan(&ckpt, target, &request)?;
         tracing::info!(
@@ -251,6 +281,7 @@ impl EngineArgs {
             max_queue: max_queue.max(1),
             max_model_len: Some(model.max_len),
             enable_prefix_caching: self.enable_prefix_caching,
+            kv_cache_dtype: model.kv_dtype(),
         }
     }
 }
@@ -386,12 +417,13 @@ impl Runnable {
         &mut self,
         max_len: usize,
         block_size: usize,
+        kv_dtype: KvCacheDtype,
     ) -> Result<(&Tokenizer, &ChatTemplate, &str, Session<'_>)> {
         match self {
             Runnable::Single { ops, model } => {
                 let model: &LoadedModel = model;
                 let ops: &dyn Ops = &**ops;
-                let s = Session::new(&model.model, ops, max_len, block_size)?;
+                let s = Session::with_kv_dtype(&model.model, ops, max_len, block_size, kv_dtype)?;
                 Ok((&model.tokenizer, &model.template, &model.name, s))
             }
             Runnable::Tp(tp) => {
@@ -586,6 +618,7 @@ pub fn load_runnable(args: &ModelArgs) -> Result<Runnable> {
     let timeout = args.comm_timeout()?;
     if args.tp == 1 {
         let ops = backend(args)?;
+        check_supported(ops.as_ref(), args.kv_dtype())?; // before the model loads
         let model = load_model(args, ops.as_ref())?;
         return Ok(Runnable::Single { ops, model: Box::new(model) });
     }
@@ -601,6 +634,7 @@ pub fn load_runnable(args: &ModelArgs) -> Result<Runnable> {
         // GPUs: the workspace for a whole prompt up front (no allocation between collectives).
         max_tokens: if ranks.gpu { args.max_len.min(8192) } else { 1 },
         max_logit_rows: 1,
+        kv_cache_dtype: args.kv_dtype(),
     };
     let loaded = load_tp(&path, ranks.comms, ranks.factory, opts)
         .with_context(|| format!("loading {} on {} tensor-parallel ranks", path.display(), args.tp))?;
@@ -631,7 +665,8 @@ pub struct StartedEngine {
 
 /// Plans memory, loads the model and starts the engine: on one backend, or with `--tp N` over N
 /// ranks ([`tp_ranks`]; every rank's KV cache and workspace allocated at start from the plan of
-/// the smallest device). `default_blocks(config, dtype)` is the KV-cache size when no flag sets it.
+/// the smallest device). `default_blocks(config, dtype)` is the KV-cache size when no flag sets it
+/// (`dtype`: the KV cache's storage dtype).
 pub fn start_engine(
     model: &ModelArgs,
     engine: &EngineArgs,
@@ -640,7 +675,8 @@ pub fn start_engine(
 ) -> Result<StartedEngine> {
     if model.tp <= 1 {
         let ops: Arc<dyn Ops> = Arc::from(backend(model)?);
-        let dtype = ops.activation_dtype();
+        // Refuse a cache the backend cannot keep before the model loads.
+        let dtype = check_supported(ops.as_ref(), model.kv_dtype())?;
         let num_blocks = engine.plan_blocks(model, ops.as_ref(), |cfg| default_blocks(cfg, dtype))?;
         let m = Arc::new(load_model(model, ops.as_ref())?);
         let config = engine.config(model, num_blocks, max_queue);
@@ -658,7 +694,7 @@ pub fn start_engine(
     }
     let path = resolve_model(model)?;
     let ranks = tp_ranks(model)?;
-    let dtype = ranks.target.activation_dtype;
+    let dtype = model.kv_dtype().resolve(ranks.target.activation_dtype);
     let num_blocks = engine.plan_blocks_for(model, &ranks.target, model.tp, |cfg| default_blocks(cfg, dtype))?;
     let opts = TpOptions {
         comm_timeout: model.comm_timeout()?,
@@ -666,6 +702,7 @@ pub fn start_engine(
         block_size: model.block_size,
         max_tokens: engine.max_batched_tokens,
         max_logit_rows: engine.max_batch_size.min(engine.max_batched_tokens),
+        kv_cache_dtype: model.kv_dtype(),
     };
     let loaded = load_tp(&path, ranks.comms, ranks.factory, opts)
         .with_context(|| format!("loading {} on {} tensor-parallel ranks", path.display(), model.tp))?;

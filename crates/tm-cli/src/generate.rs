@@ -31,7 +31,8 @@ pub struct GenerateArgs {
 pub fn run(args: GenerateArgs) -> Result<()> {
     let params = args.sampling.params()?;
     let mut loaded = load_runnable(&args.model)?;
-    let (tok, template, _, mut session) = loaded.session(args.model.max_len, args.model.block_size)?;
+    let (tok, template, _, mut session) =
+        loaded.session(args.model.max_len, args.model.block_size, args.model.kv_dtype())?;
     let prompt_ids = if args.chat {
         let text = template.render(
             &[ChatMessage::new("user", &args.prompt)],

@@ -153,6 +153,7 @@ pub fn run(model: &ModelArgs, args: &MeasureArgs, ckpt: Checkpoint, request: &Pl
         max_queue: args.measure_requests,
         max_model_len: Some(p.max_len),
         enable_prefix_caching: false,
+        kv_cache_dtype: request.kv_cache_dtype,
     };
     let engine = Engine::start(Arc::clone(&loaded), Arc::clone(ops), config).context("starting the engine")?;
     let mut rng = Rng::new(7);

@@ -37,6 +37,7 @@ impl MemoryArgs {
             memory_fraction: self.memory_fraction,
             kv_cache_bytes: self.kv_cache_bytes,
             tp: model.tp,
+            kv_cache_dtype: model.kv_dtype(),
         }
     }
 }

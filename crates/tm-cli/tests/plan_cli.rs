@@ -148,3 +148,28 @@ fn measured_cpu_memory_is_within_five_percent_of_the_plan() {
     let (growth, bound) = (v["after_load"]["rss_anon_growth"].as_u64(), v["load_host_bound"].as_u64());
     assert!(growth.zip(bound).is_some_and(|(g, b)| g <= b), "load grew {growth:?} over the bound {bound:?}");
 }
+
+#[test]
+fn plan_with_an_fp8_kv_cache_holds_twice_the_tokens() {
+    let json = |kv: &str| -> serde_json::Value {
+        let args = ["plan", "--model", &fixture("qwen2"), "--device-profile", "orin-nx-16gb", "--json"];
+        let out = tm(&[&args[..], &["--kv-cache-bytes", "64MiB", "--kv-cache-dtype", kv]].concat());
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stderr}");
+        serde_json::from_str(stdout.trim()).unwrap()
+    };
+    let (auto, fp8) = (json("auto"), json("fp8"));
+    let n = |p: &serde_json::Value, k: &str| p[k].as_u64().unwrap();
+    assert_eq!(2 * n(&fp8, "kv_bytes_per_block"), n(&auto, "kv_bytes_per_block"));
+    assert_eq!(n(&fp8, "num_blocks"), 2 * n(&auto, "num_blocks"));
+    assert_eq!(fp8["kv_dtype"], "F8E4M3");
+    assert_eq!(fp8["request"]["kv_cache_dtype"], "fp8");
+
+    let out = tm(&["plan", "--model", &fixture("qwen2"), "--kv-cache-dtype", "fp8", "--max-len", "256"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("f8e4m3"), "the KV row names the cache dtype: {stdout}");
+    let out = tm(&["plan", "--model", &fixture("qwen2"), "--kv-cache-dtype", "int8"]);
+    assert!(!out.status.success());
+    assert!(text(&out).1.contains("--kv-cache-dtype"), "{}", text(&out).1);
+}

@@ -22,6 +22,9 @@ pub enum DType {
     I32,
     /// Packed 4-bit integers (two per byte).
     I4,
+    /// 8-bit float E4M3 (see [`crate::fp8`]): a storage type (the 8-bit KV cache), never an
+    /// activation or weight dtype.
+    F8E4M3,
 }
 
 impl DType {
@@ -30,7 +33,7 @@ impl DType {
         match self {
             DType::F32 | DType::I32 => 32,
             DType::F16 | DType::BF16 => 16,
-            DType::I8 | DType::U8 => 8,
+            DType::I8 | DType::U8 | DType::F8E4M3 => 8,
             DType::I4 => 4,
         }
     }
@@ -40,7 +43,8 @@ impl DType {
         (n * self.bits()).div_ceil(8)
     }
 
-    /// Whether this is a floating-point type.
+    /// Whether this is an activation/weight floating-point type (f32, f16, bf16). The storage-only
+    /// [`DType::F8E4M3`] is not one: nothing converts weights from or to it.
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)
     }
@@ -56,6 +60,7 @@ impl fmt::Display for DType {
             DType::U8 => "u8",
             DType::I32 => "i32",
             DType::I4 => "i4",
+            DType::F8E4M3 => "f8e4m3",
         };
         f.write_str(s)
     }
@@ -70,5 +75,6 @@ mod tests {
         assert_eq!(DType::I4.storage_bytes(3), 2);
         assert_eq!(DType::F16.storage_bytes(3), 6);
         assert_eq!(DType::F32.storage_bytes(0), 0);
+        assert_eq!(DType::F8E4M3.storage_bytes(3), 3);
     }
 }

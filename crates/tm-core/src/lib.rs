@@ -1,6 +1,7 @@
 //! tm-core: the vocabulary every other tm crate speaks.
 //!
 //! - [`dtype`]: element types (f32, f16, bf16, i8, u8, i32, packed int4).
+//! - [`fp8`]: the FP8 E4M3 encoding of the 8-bit KV cache.
 //! - [`tensor`]: tensor descriptors and device tensors that own their memory.
 //! - [`device`] and [`alloc`]: the `Device` and `Allocator` traits; memory is handed out as owning
 //!   RAII [`alloc::Buffer`]s tied to their allocator.
@@ -19,6 +20,7 @@ pub mod comm;
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod fp8;
 pub mod host_memory;
 pub mod ops;
 pub mod quant;

@@ -4,7 +4,8 @@
 //! backend's [`Ops::activation_dtype`]; small per-step inputs (token ids, positions, slot mapping,
 //! block tables) are passed as host slices and uploaded by the backend as it needs.
 //!
-//! The KV cache of a layer is two tensors `[num_blocks, block_size, kv_heads, head_dim]`. A
+//! The KV cache of a layer is two tensors `[num_blocks, block_size, kv_heads, head_dim]`, in the
+//! activation dtype or, where [`Ops::supports_kv_cache_dtype`] says so, FP8 E4M3. A
 //! token's slot is `block * block_size + offset`; a sequence's block table lists its blocks in
 //! order, so attention reads keys and values through it (paged attention).
 
@@ -65,6 +66,12 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
     fn activation_dtype(&self) -> DType;
     /// The dtype this backend stores a dense weight of `src` dtype in.
     fn weight_dtype(&self, src: DType) -> DType;
+    /// Whether [`Ops::write_kv`] and [`Ops::attention`] take KV caches of `dtype`. Every backend
+    /// takes its activation dtype (the default); backends with an 8-bit cache also take
+    /// [`DType::F8E4M3`] (`write_kv` encodes, `attention` decodes; see [`crate::fp8`]).
+    fn supports_kv_cache_dtype(&self, dtype: DType) -> bool {
+        dtype == self.activation_dtype()
+    }
 
     /// Runs a whole forward step. Backends that fan kernels out over a thread pool run `step`
     /// inside it, so each kernel's fan-out is cheap; the default just calls it.
@@ -251,12 +258,13 @@ pub fn sample_rows(
     tokens
 }
 
-/// Converts host bytes of a float dtype to f32.
+/// Converts host bytes of a float dtype (f8e4m3 included) to f32.
 pub fn to_f32(dtype: DType, bytes: &[u8]) -> Result<Vec<f32>> {
     Ok(match dtype {
         DType::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(bytes),
         DType::F16 => bytes.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
         DType::BF16 => bytes.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        DType::F8E4M3 => bytes.iter().map(|&b| crate::fp8::decode(b)).collect(),
         other => {
             return Err(Error::DType { op: "to_f32".into(), expected: "a float dtype".into(), got: other.to_string() })
         }

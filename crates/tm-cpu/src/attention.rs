@@ -1,7 +1,28 @@
 //! Causal paged attention over the block table (prefill chunks and decode alike).
 
 use rayon::prelude::*;
+use tm_core::fp8::{self, E4M3};
 use tm_core::ops::AttentionMeta;
+
+/// An element of a KV cache the CPU reads: f32, or FP8 E4M3 decoded exactly on the fly.
+pub trait KvElem: Copy + Send + Sync {
+    /// The element's value.
+    fn value(self) -> f32;
+}
+
+impl KvElem for f32 {
+    #[inline]
+    fn value(self) -> f32 {
+        self
+    }
+}
+
+impl KvElem for E4M3 {
+    #[inline]
+    fn value(self) -> f32 {
+        fp8::decode(self.0)
+    }
+}
 
 /// Shapes of one attention call.
 #[derive(Clone, Copy, Debug)]
@@ -16,11 +37,11 @@ pub struct AttnDims {
 
 /// `out[t, h] = softmax(q[t, h] · K^T * scale) V` over the sequence's cached positions up to
 /// and including the token's own. `k_cache`/`v_cache` are `[blocks, block_size, kv_heads,
-/// head_dim]`.
-pub fn paged_attention(
+/// head_dim]` of f32 or E4M3 elements.
+pub fn paged_attention<E: KvElem>(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[E],
+    v_cache: &[E],
     meta: &AttentionMeta<'_>,
     dims: AttnDims,
     out: &mut [f32],
@@ -64,8 +85,8 @@ pub fn paged_attention(
         for (j, &p) in (start..=pos).zip(scores.iter()) {
             let v = &v_cache[offset(j)..offset(j) + head_dim];
             let w = p / sum;
-            for (oi, vi) in o.iter_mut().zip(v) {
-                *oi += w * vi;
+            for (oi, &vi) in o.iter_mut().zip(v) {
+                *oi += w * vi.value();
             }
         }
     });
@@ -73,13 +94,13 @@ pub fn paged_attention(
 
 /// Dot product in eight independent lanes, so the compiler vectorizes it (a plain `sum` of a
 /// float iterator must keep its order and stays scalar).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y.value()).sum();
     for (x, y) in ca.zip(cb) {
         for i in 0..8 {
-            acc[i] += x[i] * y[i];
+            acc[i] += x[i] * y[i].value();
         }
     }
     acc.iter().sum::<f32>() + tail

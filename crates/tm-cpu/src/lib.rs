@@ -3,7 +3,8 @@
 //! Implements tm-core's `Device`, `Allocator` and `Ops` on the host: rayon for parallelism,
 //! faer for f32 matrix products, dequantize-on-the-fly kernels for int4/int8 weights. Every
 //! other backend is tested op by op against it. Activations and dense weights are f32 (f16/bf16
-//! weights are widened once, at load).
+//! weights are widened once, at load). The KV cache is f32 or FP8 E4M3 (`write_kv` encodes,
+//! `attention` decodes exactly).
 
 pub mod allocator;
 pub mod attention;
@@ -17,6 +18,7 @@ pub use allocator::CpuAllocator;
 pub use device::CpuDevice;
 
 use std::sync::Arc;
+use tm_core::fp8::{self, E4M3};
 use tm_core::ops::{sample_rows, to_f32, AttentionMeta, SampleRequest};
 use tm_core::quant::Weight;
 use tm_core::rope::RopeFreqs;
@@ -68,6 +70,18 @@ fn f32s_mut<'a>(t: &'a mut Tensor, what: &str) -> Result<&'a mut [f32]> {
     t.host_mut::<f32>()
 }
 
+/// An FP8 E4M3 KV cache's codes (the cache's dtype checked).
+fn e4m3s<'a>(t: &'a Tensor, what: &str) -> Result<&'a [E4M3]> {
+    t.expect_dtype(what, DType::F8E4M3)?;
+    t.host::<E4M3>()
+}
+
+/// An FP8 E4M3 KV cache's codes as bytes, for writing (the cache's dtype checked).
+fn e4m3s_mut<'a>(t: &'a mut Tensor, what: &str) -> Result<&'a mut [u8]> {
+    t.expect_dtype(what, DType::F8E4M3)?;
+    t.host_mut::<u8>()
+}
+
 impl Ops for CpuBackend {
     fn device(&self) -> Arc<dyn Device> {
         self.allocator.device()
@@ -84,6 +98,9 @@ impl Ops for CpuBackend {
         } else {
             src
         }
+    }
+    fn supports_kv_cache_dtype(&self, dtype: DType) -> bool {
+        matches!(dtype, DType::F32 | DType::F8E4M3)
     }
 
     fn run_step(&self, step: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
@@ -257,6 +274,15 @@ impl Ops for CpuBackend {
     ) -> Result<()> {
         let width = checks::write_kv(k, v, k_cache, v_cache, slot_mapping)?;
         let (ks, vs) = (f32s(k, "k")?, f32s(v, "v")?);
+        if k_cache.dtype() == DType::F8E4M3 {
+            for (cache, src) in [(e4m3s_mut(k_cache, "k cache")?, ks), (e4m3s_mut(v_cache, "v cache")?, vs)] {
+                for (t, &slot) in slot_mapping.iter().enumerate() {
+                    let s = slot as usize * width;
+                    fp8::encode_slice(&src[t * width..(t + 1) * width], &mut cache[s..s + width]);
+                }
+            }
+            return Ok(());
+        }
         for (cache, src) in [(f32s_mut(k_cache, "k cache")?, ks), (f32s_mut(v_cache, "v cache")?, vs)] {
             for (t, &slot) in slot_mapping.iter().enumerate() {
                 let s = slot as usize * width;
@@ -276,14 +302,15 @@ impl Ops for CpuBackend {
     ) -> Result<()> {
         let checks::AttentionDims { heads, kv_heads, head_dim, .. } =
             checks::attention(q, k_cache, v_cache, meta, out)?;
-        attention::paged_attention(
-            f32s(q, "q")?,
-            f32s(k_cache, "k cache")?,
-            f32s(v_cache, "v cache")?,
-            meta,
-            attention::AttnDims { heads, kv_heads, head_dim },
-            f32s_mut(out, "attention output")?,
-        );
+        let dims = attention::AttnDims { heads, kv_heads, head_dim };
+        let (qs, os) = (f32s(q, "q")?, f32s_mut(out, "attention output")?);
+        if k_cache.dtype() == DType::F8E4M3 {
+            let (kc, vc) = (e4m3s(k_cache, "k cache")?, e4m3s(v_cache, "v cache")?);
+            attention::paged_attention(qs, kc, vc, meta, dims, os);
+        } else {
+            let (kc, vc) = (f32s(k_cache, "k cache")?, f32s(v_cache, "v cache")?);
+            attention::paged_attention(qs, kc, vc, meta, dims, os);
+        }
         Ok(())
     }
 

@@ -521,6 +521,18 @@ impl Case<'_> {
         Ok(Pair { gpu, cpu })
     }
 
+    /// An FP8 E4M3 KV-cache tensor holding the codes of `data` on both backends.
+    fn fp8_cache(&self, shape: &[usize], data: &[f32]) -> Result<Pair, String> {
+        let desc = TensorDesc::new(DType::F8E4M3, shape);
+        assert_eq!(desc.numel(), data.len(), "test bug: data for {shape:?}");
+        let codes: Vec<u8> = data.iter().map(|&x| tm_core::fp8::encode(x)).collect();
+        let mut gpu = self.gpu.zeros(desc.clone(), "test").ctx(format!("cuda zeros fp8 {shape:?}"))?;
+        self.gpu.upload(&mut gpu, &codes).ctx(format!("cuda upload fp8 {shape:?}"))?;
+        let mut cpu = self.cpu.zeros(desc, "test").ctx("cpu zeros fp8")?;
+        self.cpu.upload(&mut cpu, &codes).ctx("cpu upload fp8")?;
+        Ok(Pair { gpu, cpu })
+    }
+
     /// An output tensor: NaN on the GPU (so unwritten elements show), zeros on the CPU.
     fn output(&self, shape: &[usize]) -> Result<Pair, String> {
         let n = shape.iter().product();
@@ -917,6 +929,8 @@ struct Attn {
     block_size: usize,
     window: Option<usize>,
     seqs: Vec<(usize, usize)>,
+    /// The caches hold FP8 E4M3 codes (`--kv-cache-dtype fp8`) instead of the activation dtype.
+    fp8: bool,
 }
 
 /// Key and value filling every cache slot no sequence owns: a kernel that reads one (through a
@@ -932,7 +946,8 @@ fn attention(s: &mut Suite, what: &str, a: Attn) {
     let max_ctx = a.seqs.iter().map(|q| q.1).max().unwrap_or(0);
     let min_ctx = a.seqs.iter().map(|q| q.1).min().unwrap_or(0);
     let label = format!(
-        "attention {what}: {}/{} heads × {}, block {}, window {:?}, {} seqs, {tokens} query tokens, context {min_ctx}..={max_ctx}",
+        "attention {what}{}: {}/{} heads × {}, block {}, window {:?}, {} seqs, {tokens} query tokens, context {min_ctx}..={max_ctx}",
+        if a.fp8 { " fp8 cache" } else { "" },
         a.heads,
         a.kv_heads,
         a.head_dim,
@@ -941,7 +956,7 @@ fn attention(s: &mut Suite, what: &str, a: Attn) {
         a.seqs.len()
     );
     s.case(label, |c| {
-        let Attn { heads, kv_heads, head_dim: hd, block_size: bs, window, ref seqs } = a;
+        let Attn { heads, kv_heads, head_dim: hd, block_size: bs, window, ref seqs, fp8 } = a;
         let kv_dim = kv_heads * hd;
         let needed: usize = seqs.iter().map(|q| q.1.div_ceil(bs)).sum();
         let num_blocks = needed + needed / 4 + 2;
@@ -972,8 +987,11 @@ fn attention(s: &mut Suite, what: &str, a: Attn) {
         }
         drop((pk, pv));
         let cache_shape = [num_blocks, bs, kv_heads, hd];
-        let mut kc = c.act(&cache_shape, &k_img)?;
-        let mut vc = c.act(&cache_shape, &v_img)?;
+        let (mut kc, mut vc) = if fp8 {
+            (c.fp8_cache(&cache_shape, &k_img)?, c.fp8_cache(&cache_shape, &v_img)?)
+        } else {
+            (c.act(&cache_shape, &k_img)?, c.act(&cache_shape, &v_img)?)
+        };
         drop((k_img, v_img));
         let mut slots = Vec::with_capacity(tokens);
         for (i, &(q, ctx)) in seqs.iter().enumerate() {
@@ -1434,6 +1452,7 @@ fn attention_decode() {
             block_size,
             window,
             seqs,
+            fp8: false,
         };
         // Qwen2-0.5B (GQA 7): 256 sequences decoding at once.
         attention(s, "decode", a(14, 2, 64, 16, None, decode_seqs(1, 256, 4000)));
@@ -1459,6 +1478,7 @@ fn attention_prefill_and_mixed() {
             block_size,
             window,
             seqs,
+            fp8: false,
         };
         attention(s, "prefill", a(9, 3, 64, 16, None, vec![(256, 256)]));
         attention(s, "prefill", a(28, 4, 128, 32, None, vec![(100, 100), (37, 37), (1, 1)]));
@@ -1472,6 +1492,74 @@ fn attention_prefill_and_mixed() {
         // The tiny fixtures' shapes (head_dim 16 and 32).
         attention(s, "mixed fixture-sized", a(4, 2, 16, 16, None, vec![(1, 40), (22, 22), (5, 37)]));
         attention(s, "mixed fixture-sized", a(4, 2, 32, 16, Some(8), vec![(1, 40), (22, 22), (5, 37)]));
+    });
+}
+
+/// `write_kv` into FP8 E4M3 caches of values spread over the whole E4M3 range: magnitudes from
+/// 2^-12 (below the smallest subnormal) to 2^11 (past the ±448 saturation), so rounding (nearest
+/// even; bf16 inputs hit exact ties often), subnormals and saturation must agree with the CPU's
+/// `tm_core::fp8::encode` code for code, in slots scattered over the cache.
+fn write_kv_fp8(s: &mut Suite, tokens: usize, kv_dim: usize) {
+    s.case(format!("write_kv fp8 cache: {tokens} tokens × {kv_dim}, exponents -12..11"), |c| {
+        let blocks = tokens.div_ceil(16) + 3;
+        let shape = [blocks, 16, 1, kv_dim];
+        let junk = vec![JUNK_V; blocks * 16 * kv_dim];
+        let (mut kc, mut vc) = (c.fp8_cache(&shape, &junk)?, c.fp8_cache(&shape, &junk)?);
+        let wide = |c: &mut Case<'_>| {
+            let n = tokens * kv_dim;
+            let signs = c.uniform(n, -1.0, 1.0);
+            let exps = c.uniform(n, -12.0, 11.0);
+            signs.iter().zip(&exps).map(|(s, e)| c.round(s.signum() * e.exp2())).collect::<Vec<f32>>()
+        };
+        let (k, v) = (wide(c), wide(c));
+        let (k, v) = (c.act(&[tokens, kv_dim], &k)?, c.act(&[tokens, kv_dim], &v)?);
+        let slots: Vec<u32> = c.gen.permutation(blocks * 16)[..tokens].to_vec();
+        c.gpu.write_kv(&k.gpu, &v.gpu, &mut kc.gpu, &mut vc.gpu, &slots).ctx("cuda write_kv")?;
+        c.cpu.write_kv(&k.cpu, &v.cpu, &mut kc.cpu, &mut vc.cpu, &slots).ctx("cpu write_kv")?;
+        c.check_exact("k cache", &kc)?;
+        c.check_exact("v cache", &vc)
+    });
+}
+
+/// The attention cases of [`attention_decode`] and [`attention_prefill_and_mixed`] over FP8 E4M3
+/// caches: `write_kv` must encode exactly as the CPU does, and attention (decode split-K and
+/// prefill on tensor cores for f16/bf16, the CUDA-core kernel for f32 and the fixture head sizes)
+/// must match the CPU reading the same codes. Both read the same exact values, so the tolerance
+/// is the dtype's usual one. GQA 1, 3, 4, 7 and 8; block tables are random permutations with
+/// unowned junk blocks between them.
+#[test]
+fn attention_fp8_cache() {
+    run("attention_fp8_cache", &ALL_DTYPES, |s| {
+        let a = |heads, kv_heads, head_dim, block_size, window, seqs| Attn {
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            window,
+            seqs,
+            fp8: true,
+        };
+        write_kv_fp8(s, 37, 1024);
+        // 72 is not a multiple of 16: the scalar path
+        write_kv_fp8(s, 5, 72);
+        // decode: Llama 3 8B (GQA 4) at batch 256 with long contexts, Qwen2 (GQA 7), GQA 8
+        // windowed, GQA 1, block edges (GQA 3)
+        attention(s, "decode", a(32, 8, 128, 64, None, decode_seqs(5, 256, 1500)));
+        attention(s, "decode", a(14, 2, 64, 16, None, decode_seqs(1, 64, 4000)));
+        attention(s, "decode", a(32, 4, 128, 64, Some(1000), decode_seqs(3, 12, 4000)));
+        attention(s, "decode", a(32, 32, 128, 16, None, decode_seqs(4, 8, 2000)));
+        let edges = [1, 15, 16, 17, 31, 32, 33, 64, 65, 300].iter().map(|&c| (1, c)).collect();
+        attention(s, "decode at block edges", a(9, 3, 64, 16, None, edges));
+        // prefill, chunks after a cached prefix, mixed batches
+        attention(s, "prefill", a(32, 8, 128, 16, None, vec![(256, 256), (37, 37)]));
+        attention(s, "prefill chunks", a(32, 8, 128, 16, None, vec![(17, 300), (64, 1000), (100, 2047)]));
+        attention(s, "prefill chunks windowed", a(32, 4, 128, 64, Some(256), vec![(64, 700), (128, 128), (5, 3000)]));
+        let mixed = vec![(1, 37), (1, 1), (1, 4000), (200, 200), (31, 531), (1, 65), (64, 128)];
+        attention(s, "mixed", a(32, 32, 128, 32, None, mixed.clone()));
+        attention(s, "mixed windowed", a(16, 4, 64, 64, Some(64), mixed));
+        attention(s, "mixed head_dim 256", a(8, 1, 256, 16, None, vec![(1, 300), (40, 90)]));
+        attention(s, "mixed head_dim 80", a(8, 8, 80, 16, None, vec![(1, 300), (40, 90)]));
+        attention(s, "mixed fixture-sized", a(4, 2, 16, 16, None, vec![(1, 40), (22, 22), (5, 37)]));
     });
 }
 
@@ -1745,9 +1833,18 @@ fn sanitizer_subset() {
             block_size,
             window,
             seqs,
+            fp8: false,
         };
         attention(s, "mixed small", a(8, 2, 64, 16, None, vec![(1, 40), (9, 9), (5, 70)]));
         attention(s, "mixed small", a(8, 8, 128, 32, Some(16), vec![(1, 100), (20, 50)]));
+        // the fp8-cache kernels (raw stage + conversion: racecheck covers their barriers)
+        write_kv_fp8(s, 5, 64);
+        let fp8 = |heads, kv_heads, head_dim, block_size, window, seqs| Attn {
+            fp8: true,
+            ..a(heads, kv_heads, head_dim, block_size, window, seqs)
+        };
+        attention(s, "mixed small", fp8(8, 2, 64, 16, None, vec![(1, 40), (9, 9), (5, 300)]));
+        attention(s, "mixed small", fp8(8, 8, 128, 32, Some(16), vec![(1, 200), (70, 150)]));
         sample_greedy(s, 4, 1000);
         sample_penalties(s, 4, 1000);
         sample_stochastic(s, 10, 1000);

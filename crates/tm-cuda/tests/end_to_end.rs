@@ -28,6 +28,7 @@ use tm_cpu::CpuBackend;
 use tm_cuda::{CudaBackend, CudaOptions};
 use tm_model::engine::{Engine, EngineConfig, FinishReason, Request};
 use tm_model::generate::{GenerateOptions, Session};
+use tm_model::kv_cache::KvCacheDtype;
 use tm_model::loader::LoadedModel;
 
 /// Block size of the CUDA sessions.
@@ -364,7 +365,12 @@ fn prompt_ids(m: &LoadedModel, text: &str, chat: bool) -> Result<Vec<u32>, Strin
 
 /// Greedy generation of up to `n` tokens, stopping at end of sequence.
 fn greedy(m: &LoadedModel, ops: &dyn Ops, ids: &[u32], n: usize) -> Result<Vec<u32>, String> {
-    let mut s = Session::new(&m.model, ops, 512, BLOCK).ctx("Session::new")?;
+    greedy_kv(m, ops, ids, n, KvCacheDtype::Auto)
+}
+
+/// [`greedy`] with the KV cache stored as `kv`.
+fn greedy_kv(m: &LoadedModel, ops: &dyn Ops, ids: &[u32], n: usize, kv: KvCacheDtype) -> Result<Vec<u32>, String> {
+    let mut s = Session::with_kv_dtype(&m.model, ops, 512, BLOCK, kv).ctx("Session::with_kv_dtype")?;
     let opts =
         GenerateOptions { max_tokens: n, sampling: SamplingParams::greedy(), stop_ids: m.tokenizer.eos_ids().to_vec() };
     Ok(s.generate(ids, &opts, &mut |_| ControlFlow::Continue(())).ctx("generate")?.0)
@@ -521,10 +527,11 @@ fn random_prompt(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
     (0..len).map(|_| (rng.next_u64() % vocab as u64) as u32).collect()
 }
 
-/// Eight concurrent greedy requests and one seeded sampled request on the `llama` fixture. f32:
-/// each greedy output equals what a CUDA `Session` produces alone; bf16: the agreement is reported.
-fn engine_on(dtype: DType, report: &mut Report) -> Result<(), String> {
-    let head = format!("engine llama fixture [{dtype}]");
+/// Eight concurrent greedy requests and one seeded sampled request on the `llama` fixture, the KV
+/// cache stored as `kv`. f32: each greedy output equals what a CUDA `Session` produces alone;
+/// bf16: the agreement is reported.
+fn engine_on(dtype: DType, kv: KvCacheDtype, report: &mut Report) -> Result<(), String> {
+    let head = format!("engine llama fixture [{dtype}, kv {kv}]");
     let gpu = cuda(dtype)?;
     let m = Arc::new(load(&fixtures_dir().join("llama"), gpu.as_ref(), &format!("cuda {dtype}"))?);
     let vocab = m.model.config.vocab_size;
@@ -541,11 +548,12 @@ fn engine_on(dtype: DType, report: &mut Report) -> Result<(), String> {
         max_queue: 64,
         max_model_len: None,
         enable_prefix_caching: true,
+        kv_cache_dtype: kv,
     };
     let alone: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| {
-            let mut s = Session::new(&m.model, gpu.as_ref(), 256, BLOCK).ctx("Session::new")?;
+            let mut s = Session::with_kv_dtype(&m.model, gpu.as_ref(), 256, BLOCK, kv).ctx("Session::new")?;
             let opts = GenerateOptions { max_tokens: 12, sampling: SamplingParams::greedy(), stop_ids: Vec::new() };
             Ok(s.generate(p, &opts, &mut |_| ControlFlow::Continue(())).ctx("cuda generate")?.0)
         })
@@ -617,13 +625,93 @@ fn engine_concurrent_requests() {
         return;
     }
     let mut report = Report::default();
-    for dtype in [DType::F32, DType::BF16] {
-        let r = guarded("engine", || engine_on(dtype, &mut report));
-        report.record(&format!("engine llama fixture [{dtype}]"), r);
+    for (dtype, kv) in [
+        (DType::F32, KvCacheDtype::Auto),
+        (DType::BF16, KvCacheDtype::Auto),
+        (DType::F32, KvCacheDtype::Fp8),
+        (DType::BF16, KvCacheDtype::Fp8),
+    ] {
+        let r = guarded("engine", || engine_on(dtype, kv, &mut report));
+        report.record(&format!("engine llama fixture [{dtype}, kv {kv}]"), r);
     }
     if let Some(path) = default_model_file(test) {
         let r = guarded("engine", || engine_default_model(&path, &mut report));
         report.record("engine default model [bf16]", r);
+    }
+    report.finish(test);
+}
+
+// ---------------------------------------------------------------------------------------------
+// (c') The FP8 KV cache end to end.
+// ---------------------------------------------------------------------------------------------
+
+/// With an FP8 E4M3 KV cache, the CUDA logits along every fixture prompt stay within
+/// `logit_tolerance + 6%` of the range of the CPU's logits with an fp8 cache (the CPU's own
+/// fp8-vs-f32 drift is up to ~5% of the range on these fixtures, and a GPU whose K/V differ in the
+/// last bit rounds a few codes the other way; a broken conversion is off by tens of percent), and
+/// (f32) the greedy top-1 token agrees at 90% of the positions or more.
+#[test]
+fn fp8_kv_cache_logits_match_cpu() {
+    let test = "fp8_kv_cache_logits_match_cpu";
+    if no_gpu(test) {
+        return;
+    }
+    let mut report = Report::default();
+    let cpu = CpuBackend::new();
+    for (fixture, dtype) in
+        [("llama", DType::F32), ("llama3_rope", DType::BF16), ("qwen2", DType::F16), ("qwen3", DType::BF16)]
+    {
+        let head = format!("fp8 cache {fixture} [{dtype}] vs cpu fp8");
+        let r = guarded(&head, || {
+            let gpu = cuda(dtype)?;
+            let path = fixtures_dir().join(fixture);
+            let (mg, mc) = (load(&path, gpu.as_ref(), "cuda")?, load(&path, &cpu, "cpu")?);
+            let vocab = mc.model.config.vocab_size;
+            let reference = read_json(&path.join("reference.json"));
+            let (mut worst, mut same, mut total) = (0f32, 0usize, 0usize);
+            for p in reference["prompts"].as_array().ok_or("reference.json has no prompts")? {
+                let mut ids = u32s(&p["ids"]);
+                ids.extend(u32s(&p["greedy_ids"]));
+                let mut sg =
+                    Session::with_kv_dtype(&mg.model, gpu.as_ref(), 256, BLOCK, KvCacheDtype::Fp8).ctx("session")?;
+                let mut sc = Session::with_kv_dtype(&mc.model, &cpu, 256, BLOCK, KvCacheDtype::Fp8).ctx("session")?;
+                let (g, c) = (sg.prompt_logits(&ids).ctx("cuda logits")?, sc.prompt_logits(&ids).ctx("cpu logits")?);
+                if g.len() != c.len() {
+                    return Err(format!("{} cuda logits, {} cpu", g.len(), c.len()));
+                }
+                let lo = c.iter().copied().fold(f32::MAX, f32::min);
+                let hi = c.iter().copied().fold(f32::MIN, f32::max);
+                let diff = g.iter().zip(&c).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                worst = worst.max(if diff.is_finite() { diff / (hi - lo) } else { f32::INFINITY });
+                for (a, b) in g.chunks(vocab).zip(c.chunks(vocab)) {
+                    total += 1;
+                    same += usize::from(argmax(a) == argmax(b));
+                }
+            }
+            let bound = logit_tolerance(dtype) + 0.06;
+            println!(
+                "{head}: max |cuda - cpu| {:.2}% of the range (bound {:.1}%), top-1 agrees at {same}/{total}",
+                100.0 * worst,
+                100.0 * bound
+            );
+            if worst > bound {
+                return Err(format!(
+                    "logits differ by {:.2}% of the range (bound {:.1}%)",
+                    100.0 * worst,
+                    100.0 * bound
+                ));
+            }
+            // f32 computes K and V as the CPU does, so nearly every code and top-1 token agrees;
+            // 16-bit runs round K and V first, so their agreement is reported only.
+            if dtype == DType::F32 && same * 10 < total * 9 {
+                return Err(format!("top-1 agrees at only {same}/{total} positions"));
+            }
+            Ok(())
+        });
+        match r {
+            Ok(()) => report.ok(&head),
+            Err(e) => report.fail(format!("{head}: {e}")),
+        }
     }
     report.finish(test);
 }
@@ -640,8 +728,13 @@ fn cuda_graphs_replay_matches_eager() {
         return;
     }
     let mut report = Report::default();
-    for (fixture, dtype) in [("llama", DType::F32), ("qwen3", DType::BF16), ("mistral", DType::BF16)] {
-        let head = format!("graphs {fixture} {dtype}");
+    for (fixture, dtype, kv) in [
+        ("llama", DType::F32, KvCacheDtype::Auto),
+        ("qwen3", DType::BF16, KvCacheDtype::Auto),
+        ("mistral", DType::BF16, KvCacheDtype::Auto),
+        ("qwen3", DType::BF16, KvCacheDtype::Fp8),
+    ] {
+        let head = format!("graphs {fixture} {dtype} kv {kv}");
         let r = guarded(&head, || {
             let ordinal = std::env::var("TM_CUDA_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
             let graphs = CudaBackend::open(CudaOptions {
@@ -656,8 +749,8 @@ fn cuda_graphs_replay_matches_eager() {
             let path = fixtures_dir().join(fixture);
             let (m_graph, m_eager) = (load(&path, &graphs, "cuda+graphs")?, load(&path, eager.as_ref(), "cuda")?);
             let ids = prompt_ids(&m_eager, "Once upon a time there was", false)?;
-            let a = greedy(&m_graph, &graphs, &ids, 40)?;
-            let b = greedy(&m_eager, eager.as_ref(), &ids, 40)?;
+            let a = greedy_kv(&m_graph, &graphs, &ids, 40, kv)?;
+            let b = greedy_kv(&m_eager, eager.as_ref(), &ids, 40, kv)?;
             let (replayed, ran, captured) = graphs.graph_stats().unwrap_or_default();
             println!("{head}: {} tokens; graphs: {replayed} replayed, {ran} eager, {captured} captured", a.len());
             if a != b {

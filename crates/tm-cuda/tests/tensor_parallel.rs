@@ -102,6 +102,7 @@ fn tp_options(timeout: Duration) -> TpOptions {
         block_size: BLOCK,
         max_tokens: MAX_LEN,
         max_logit_rows: MAX_LEN,
+        kv_cache_dtype: Default::default(),
     }
 }
 
@@ -344,6 +345,7 @@ fn engine_over_two_gpus_matches_one() {
         max_queue: 64,
         max_model_len: None,
         enable_prefix_caching: true,
+        kv_cache_dtype: Default::default(),
     };
     let vocab = 256u64;
     let prompt = |seed: u64, len: usize| {
@@ -379,6 +381,7 @@ fn engine_over_two_gpus_matches_one() {
         block_size: cfg.block_size,
         max_tokens: cfg.max_batched_tokens,
         max_logit_rows: cfg.max_batch_size,
+        kv_cache_dtype: Default::default(),
     };
     let LoadedTp { path, name, group, tokenizer, template } = load_tp(&dir, boxed(comms), factory, opts).unwrap();
     let config = group.config().clone();

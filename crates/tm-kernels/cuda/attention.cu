@@ -1,7 +1,7 @@
 // Causal paged attention (prefill chunks, prefix-cache hits and decode alike).
 //
 // Self-contained on purpose (no common.cuh): it must also compile under NVRTC, so it includes
-// only the CUDA half/bfloat16 headers. The parameter lists are documented in ABI.md; the launch
+// only the CUDA half/bfloat16/fp8 headers. The parameter lists are documented in ABI.md; the launch
 // configuration lives in crates/tm-cuda/src/kernels/attention.rs.
 //
 // Kernels (T = f32/f16/bf16 suffix, D = head_dim):
@@ -27,9 +27,18 @@
 //
 // Arithmetic is in f32; the tensor-core kernels round the softmax weights P to T before P.V
 // (as flash-attention does). Output rows that belong to no sequence are not written.
+//
+// 8-bit KV cache (`_kv8` kernels, C = __nv_fp8_e4m3, scale 1.0): the same kernels, templated on
+// the cache element C. The tensor-core kernels copy each K/V tile of fp8 codes into a raw
+// shared-memory stage with 16-byte cp.async (16 codes per copy), convert it to T in registers
+// into the one T stage (exact: every E4M3 value is an f16 and a bf16 value), and issue the next
+// tile's copies before computing on this one, so the loads of tile t + 1 overlap the math of
+// tile t. write_kv_e4m3_<T> converts K and V to E4M3 (round to nearest even, saturating at
+// +-448, NaN -> 0x7f) as it writes them; see crates/tm-core/src/fp8.rs for the format.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 namespace tm_attn {
 
@@ -40,6 +49,16 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__nv_fp8_e4m3 x) { return static_cast<float>(x); }
+
+// The 8-bit KV-cache element.
+typedef __nv_fp8_e4m3 kv8;
+template <typename C> struct IsKv8 {
+    static constexpr bool value = false;
+};
+template <> struct IsKv8<kv8> {
+    static constexpr bool value = true;
+};
 
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
@@ -57,6 +76,18 @@ template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi
 template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<unsigned*>(&h);
+}
+
+// Two E4M3 codes (`v`: element 0 in the low byte) as a T pair in one register, exactly.
+template <typename T> __device__ __forceinline__ unsigned fp8x2_to(unsigned v);
+template <> __device__ __forceinline__ unsigned fp8x2_to<__half>(unsigned v) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E4M3);
+    return (unsigned)h.x | ((unsigned)h.y << 16);
+}
+template <> __device__ __forceinline__ unsigned fp8x2_to<__nv_bfloat16>(unsigned v) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E4M3);
+    const float2 f = __half22float2(__half2(h));
+    return pack2<__nv_bfloat16>(f.x, f.y);
 }
 
 // Sequence metadata, read once per CTA.
@@ -243,22 +274,23 @@ __device__ __forceinline__ void flash_step(const T* sQ, const T* sK, const T* sV
     }
 }
 
-// Issues the cp.async copies of keys [k0, k0 + rows) of one KV head into sK/sV (row stride D + 8);
-// rows at or past `k_end` are zero-filled. All 128 threads take part.
-template <typename T, int D>
-__device__ __forceinline__ void load_kv_tile(T* sK, T* sV, const T* k_cache, const T* v_cache,
+// Issues the cp.async copies of keys [k0, k0 + rows) of one KV head into sK/sV (row stride LDS
+// elements of C: D + 8 for a T cache, D for the raw stage of an fp8 cache); rows at or past
+// `k_end` are zero-filled. 16 bytes per copy. All 128 threads take part.
+template <typename C, int D, int LDS>
+__device__ __forceinline__ void load_kv_tile(C* sK, C* sV, const C* k_cache, const C* v_cache,
                                              const unsigned* block_tables, int bt_start, int block_size, int kv_heads,
                                              int kvh, int k0, int k_end, int rows) {
-    constexpr int LD = D + 8;
-    constexpr int CH = D / 8;  // 16-byte chunks per row
+    constexpr int EPC = 16 / sizeof(C);  // elements per 16-byte chunk
+    constexpr int CH = D / EPC;          // chunks per row
     for (int c = threadIdx.x; c < rows * CH; c += 128) {
         const int r = c / CH;
         const int ch = c - r * CH;
         const int key = k0 + r;
-        T* dk = sK + r * LD + ch * 8;
-        T* dv = sV + r * LD + ch * 8;
+        C* dk = sK + r * LDS + ch * EPC;
+        C* dv = sV + r * LDS + ch * EPC;
         if (key < k_end) {
-            const long long off = kv_offset(block_tables, bt_start, key, block_size, kv_heads, kvh, D) + ch * 8;
+            const long long off = kv_offset(block_tables, bt_start, key, block_size, kv_heads, kvh, D) + ch * EPC;
             cp_async16(dk, k_cache + off, 16);
             cp_async16(dv, v_cache + off, 16);
         } else {
@@ -267,12 +299,41 @@ __device__ __forceinline__ void load_kv_tile(T* sK, T* sV, const T* k_cache, con
         }
     }
 }
+
+// Converts `rows` keys and values of fp8 codes (the raw stage, row stride D bytes) to T in sK/sV
+// (row stride D + 8). 16 codes per thread and step: one 16-byte shared load, two 16-byte stores.
+template <typename T, int D>
+__device__ __forceinline__ void convert_kv_tile(T* sK, T* sV, const unsigned char* rK, const unsigned char* rV,
+                                                int rows) {
+    constexpr int LD = D + 8;
+    constexpr int CH = D / 16;
+    const int n = rows * CH;
+    for (int c = threadIdx.x; c < 2 * n; c += 128) {
+        const bool is_v = c >= n;
+        const int cc = is_v ? c - n : c;
+        const int r = cc / CH, ch = cc - r * CH;
+        const uint4 raw = *reinterpret_cast<const uint4*>((is_v ? rV : rK) + r * D + ch * 16);
+        uint4 lo, hi;
+        lo.x = fp8x2_to<T>(raw.x);
+        lo.y = fp8x2_to<T>(raw.x >> 16);
+        lo.z = fp8x2_to<T>(raw.y);
+        lo.w = fp8x2_to<T>(raw.y >> 16);
+        hi.x = fp8x2_to<T>(raw.z);
+        hi.y = fp8x2_to<T>(raw.z >> 16);
+        hi.z = fp8x2_to<T>(raw.w);
+        hi.w = fp8x2_to<T>(raw.w >> 16);
+        uint4* dst = reinterpret_cast<uint4*>((is_v ? sV : sK) + r * LD + ch * 16);
+        dst[0] = lo;
+        dst[1] = hi;
+    }
+}
 #endif  // TM_ATTN_TC
 
 // ---------------------------------------------------------------------------------------------
 // Decode (q_len == 1), split-K.
 // grid (num_splits, kv_heads * n_sub, num_seqs), block 128,
-// dynamic smem (16 + 2 * ST * 64) * (D + 8) * sizeof(T).
+// dynamic smem (16 + 2 * ST * 64) * (D + 8) * sizeof(T); fp8 cache: (16 + 2 * 64) * (D + 8) * sizeof(T)
+// + 2 * 64 * D.
 // ---------------------------------------------------------------------------------------------
 // Tuning knob (the launcher mirrors it): largest head_dim whose K/V tiles are double buffered;
 // above it one stage keeps the shared memory small enough for several CTAs per SM.
@@ -303,9 +364,9 @@ __device__ __forceinline__ DecodeRange decode_range(int ctx_len, int window, int
     return r;
 }
 
-template <typename T, int D>
-__device__ __forceinline__ void attn_decode(const T* __restrict__ q, const T* __restrict__ k_cache,
-                                            const T* __restrict__ v_cache, T* __restrict__ out,
+template <typename T, typename C, int D>
+__device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __restrict__ k_cache,
+                                            const C* __restrict__ v_cache, T* __restrict__ out,
                                             float* __restrict__ part_o, float* __restrict__ part_ml,
                                             const int* q_start, const int* q_len, const int* ctx_len,
                                             const int* bt_start, const unsigned* __restrict__ block_tables, int heads,
@@ -318,9 +379,12 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const T* __
     extern __shared__ __align__(16) unsigned char attn_smem[];
     __shared__ float s_m[4][16], s_l[4][16], s_f[4][16];
     T* sQ = reinterpret_cast<T*>(attn_smem);
-    constexpr int ST = DecodeCfg<D>::ST;
+    constexpr bool KV8 = IsKv8<C>::value;
+    constexpr int ST = KV8 ? 1 : DecodeCfg<D>::ST;  // T stages (fp8: one, fed by the raw stage)
     T* sK = sQ + 16 * LD;
     T* sV = sK + ST * BN * LD;  // directly after the K stages (the final merge spans both)
+    C* rK = reinterpret_cast<C*>(sV + ST * BN * LD);  // fp8 only: the raw stage, [BN][D] codes
+    C* rV = rK + BN * D;
 
     const int seq = blockIdx.z;
     const int split = blockIdx.x;
@@ -345,9 +409,14 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const T* __
         cp_async16(sQ + i * LD + ch * 8, src, valid ? 16 : 0);
     }
     const int ntiles = k_end > k_begin ? (k_end - k_begin + BN - 1) / BN : 0;
-    if (ntiles > 0)
-        load_kv_tile<T, D>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh, k_begin,
-                           k_end, BN);
+    if (ntiles > 0) {
+        if constexpr (KV8)
+            load_kv_tile<C, D, D>(rK, rV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
+                                  k_begin, k_end, BN);
+        else
+            load_kv_tile<C, D, LD>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
+                                   k_begin, k_end, BN);
+    }
     cp_async_commit();
 
     float o[1][D / 8][4];
@@ -357,22 +426,37 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const T* __
 
     for (int t = 0; t < ntiles; ++t) {
         const int st = ST == 2 ? (t & 1) : 0;
-        if (ST == 2) {
-            // prefetch tile t + 1 into the other stage while tile t is used
-            if (t + 1 < ntiles)
-                load_kv_tile<T, D>(sK + (st ^ 1) * BN * LD, sV + (st ^ 1) * BN * LD, k_cache, v_cache, block_tables,
-                                   sq.bt_start, block_size, kv_heads, kvh, k_begin + (t + 1) * BN, k_end, BN);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            // one stage: tile 0 came with Q; tile t is loaded after everyone finished tile t - 1
-            if (t > 0)
-                load_kv_tile<T, D>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
-                                   k_begin + t * BN, k_end, BN);
-            cp_async_commit();
+        if constexpr (KV8) {
+            // raw tile t (with Q at t = 0) landed, and every warp is done with the T stage
             cp_async_wait<0>();
+            __syncthreads();
+            convert_kv_tile<T, D>(sK, sV, reinterpret_cast<const unsigned char*>(rK),
+                                  reinterpret_cast<const unsigned char*>(rV), BN);
+            __syncthreads();
+            // the raw stage is free: fetch tile t + 1 while tile t is used
+            if (t + 1 < ntiles)
+                load_kv_tile<C, D, D>(rK, rV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
+                                      k_begin + (t + 1) * BN, k_end, BN);
+            cp_async_commit();
+        } else {
+            if (ST == 2) {
+                // prefetch tile t + 1 into the other stage while tile t is used
+                if (t + 1 < ntiles)
+                    load_kv_tile<C, D, LD>(sK + (st ^ 1) * BN * LD, sV + (st ^ 1) * BN * LD, k_cache, v_cache,
+                                           block_tables, sq.bt_start, block_size, kv_heads, kvh,
+                                           k_begin + (t + 1) * BN, k_end, BN);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                // one stage: tile 0 came with Q; tile t is loaded after everyone finished tile t - 1
+                if (t > 0)
+                    load_kv_tile<C, D, LD>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads,
+                                           kvh, k_begin + t * BN, k_end, BN);
+                cp_async_commit();
+                cp_async_wait<0>();
+            }
+            __syncthreads();
         }
-        __syncthreads();
         const int kw = k_begin + t * BN + warp * 16;  // the warp's first key
         if (kw < k_end) {
             const int valid = k_end - kw;  // keys at index >= valid are masked
@@ -391,7 +475,8 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const T* __
         l[0][i] += __shfl_xor_sync(TM_FULL_MASK, l[0][i], 1);
         l[0][i] += __shfl_xor_sync(TM_FULL_MASK, l[0][i], 2);
     }
-    // [4][16][D] floats = 256 * D bytes; the K and V stages hold 4 * ST * BN * LD >= 256 * (D + 8).
+    // [4][16][D] floats = 256 * D bytes; the K and V stages hold 4 * ST * BN * LD >= 256 * (D + 8)
+    // (the raw fp8 stage after them is not touched).
     float* sO = reinterpret_cast<float*>(sK);
     const int gid = lane >> 2, tig = lane & 3;
 #pragma unroll
@@ -481,7 +566,8 @@ __device__ __forceinline__ void attn_combine(T* __restrict__ out, const float* _
 
 // ---------------------------------------------------------------------------------------------
 // Prefill (q_len > 1).
-// grid (num_tiles_bound, kv_heads * n_sub), block 128, dynamic smem (BM + 4 * BN) * (D + 8) * sizeof(T).
+// grid (num_tiles_bound, kv_heads * n_sub), block 128, dynamic smem (BM + 4 * BN) * (D + 8) * sizeof(T);
+// fp8 cache: (BM + 2 * BN) * (D + 8) * sizeof(T) + 2 * BN * D.
 // ---------------------------------------------------------------------------------------------
 // Tuning knobs (the launcher mirrors the defaults): largest head_dim with 2 m16 tiles per warp,
 // largest head_dim with 64-key tiles (32 above).
@@ -530,9 +616,9 @@ __device__ __forceinline__ bool find_tile(const int* q_len, int num_seqs, int tq
     return false;
 }
 
-template <typename T, int D>
-__device__ __forceinline__ void attn_prefill(const T* __restrict__ q, const T* __restrict__ k_cache,
-                                             const T* __restrict__ v_cache, T* __restrict__ out, const int* q_start,
+template <typename T, typename C, int D>
+__device__ __forceinline__ void attn_prefill(const T* __restrict__ q, const C* __restrict__ k_cache,
+                                             const C* __restrict__ v_cache, T* __restrict__ out, const int* q_start,
                                              const int* q_len, const int* ctx_len, const int* bt_start,
                                              const unsigned* __restrict__ block_tables, int num_seqs, int heads,
                                              int kv_heads, int gs, int block_size, float scale_log2, int window) {
@@ -544,8 +630,12 @@ __device__ __forceinline__ void attn_prefill(const T* __restrict__ q, const T* _
     constexpr int CH = D / 8;
     extern __shared__ __align__(16) unsigned char attn_smem[];
     T* sQ = reinterpret_cast<T*>(attn_smem);
+    constexpr bool KV8 = IsKv8<C>::value;
+    constexpr int ST = KV8 ? 1 : 2;  // T stages (fp8: one, fed by the raw stage)
     T* sK = sQ + BM * LD;
-    T* sV = sK + 2 * BN * LD;
+    T* sV = sK + ST * BN * LD;
+    C* rK = reinterpret_cast<C*>(sV + ST * BN * LD);  // fp8 only: the raw stage, [BN][D] codes
+    C* rV = rK + BN * D;
 
     const int tq = BM / gs;  // tokens per tile
     int seq = 0, tile = 0, seq_tiles = 0;
@@ -574,9 +664,14 @@ __device__ __forceinline__ void attn_prefill(const T* __restrict__ q, const T* _
         cp_async16(sQ + r * LD + ch * 8, src, valid ? 16 : 0);
     }
     const int ntiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
-    if (ntiles > 0)
-        load_kv_tile<T, D>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh, lo, hi,
-                           BN);
+    if (ntiles > 0) {
+        if constexpr (KV8)
+            load_kv_tile<C, D, D>(rK, rV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh, lo,
+                                  hi, BN);
+        else
+            load_kv_tile<C, D, LD>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh, lo,
+                                   hi, BN);
+    }
     cp_async_commit();
 
     // This thread's rows (wr0 + 16 * mt + gid + 8 * i) and the warp's position range.
@@ -610,13 +705,28 @@ __device__ __forceinline__ void attn_prefill(const T* __restrict__ q, const T* _
     }
 
     for (int t = 0; t < ntiles; ++t) {
-        const int st = t & 1;
-        if (t + 1 < ntiles)
-            load_kv_tile<T, D>(sK + (st ^ 1) * BN * LD, sV + (st ^ 1) * BN * LD, k_cache, v_cache, block_tables,
-                               sq.bt_start, block_size, kv_heads, kvh, lo + (t + 1) * BN, hi, BN);
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
+        const int st = KV8 ? 0 : (t & 1);
+        if constexpr (KV8) {
+            // raw tile t (with Q at t = 0) landed, and every warp is done with the T stage
+            cp_async_wait<0>();
+            __syncthreads();
+            convert_kv_tile<T, D>(sK, sV, reinterpret_cast<const unsigned char*>(rK),
+                                  reinterpret_cast<const unsigned char*>(rV), BN);
+            __syncthreads();
+            // the raw stage is free: fetch tile t + 1 while tile t is used
+            if (t + 1 < ntiles)
+                load_kv_tile<C, D, D>(rK, rV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
+                                      lo + (t + 1) * BN, hi, BN);
+            cp_async_commit();
+        } else {
+            if (t + 1 < ntiles)
+                load_kv_tile<C, D, LD>(sK + (st ^ 1) * BN * LD, sV + (st ^ 1) * BN * LD, k_cache, v_cache,
+                                       block_tables, sq.bt_start, block_size, kv_heads, kvh, lo + (t + 1) * BN, hi,
+                                       BN);
+            cp_async_commit();
+            cp_async_wait<1>();
+            __syncthreads();
+        }
         const int k0 = lo + t * BN;
         const bool any = warp_active && k0 <= wmax && (window <= 0 || k0 + BN - 1 > wmin - window);
         if (any) {
@@ -671,9 +781,9 @@ __device__ __forceinline__ void attn_prefill(const T* __restrict__ q, const T* _
 // CUDA-core path for any head_dim <= 256: one warp per (query token, head).
 // grid (total_q, ceil(heads / 4)), block 128, no dynamic shared memory.
 // ---------------------------------------------------------------------------------------------
-template <typename T>
-__device__ __forceinline__ void attn_simple(const T* __restrict__ q, const T* __restrict__ k_cache,
-                                            const T* __restrict__ v_cache, T* __restrict__ out, const int* q_start,
+template <typename T, typename C>
+__device__ __forceinline__ void attn_simple(const T* __restrict__ q, const C* __restrict__ k_cache,
+                                            const C* __restrict__ v_cache, T* __restrict__ out, const int* q_start,
                                             const int* q_len, const int* ctx_len, const int* bt_start,
                                             const unsigned* __restrict__ block_tables, int num_seqs, int heads,
                                             int kv_heads, int head_dim, int block_size, float scale, int window) {
@@ -769,43 +879,102 @@ __device__ __forceinline__ void attn_simple(const T* __restrict__ q, const T* __
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// KV-cache write into an fp8 cache: one block per token row (grid.x = rows, loops), K and V rows
+// of `kv_dim` elements to slots `slots[t]` (0xffffffff: a padding token, not written).
+// 16 elements per thread and step when `kv_dim % 16 == 0` and every pointer is 16-byte aligned.
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ unsigned short to_fp8x2(T lo, T hi) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(to_float(lo), to_float(hi)), __NV_SATFINITE, __NV_E4M3);
+}
+
+template <typename T>
+__device__ __forceinline__ void write_row_fp8(unsigned char* __restrict__ dst, const T* __restrict__ src, int cols,
+                                              bool vec) {
+    if (vec) {
+        for (int i = threadIdx.x; i < cols / 16; i += blockDim.x) {
+            const T* s = src + (long long)i * 16;
+            unsigned w[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                w[j] = (unsigned)to_fp8x2(s[4 * j], s[4 * j + 1]) | ((unsigned)to_fp8x2(s[4 * j + 2], s[4 * j + 3]) << 16);
+            *reinterpret_cast<uint4*>(dst + (long long)i * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    } else {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x)
+            dst[i] = (unsigned char)__nv_cvt_float_to_fp8(to_float(src[i]), __NV_SATFINITE, __NV_E4M3);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void write_kv_fp8(unsigned char* __restrict__ k_cache, unsigned char* __restrict__ v_cache,
+                                             const T* __restrict__ k, const T* __restrict__ v,
+                                             const unsigned* __restrict__ slots, int tokens, int kv_dim) {
+    const bool vec = kv_dim % 16 == 0 &&
+                     ((reinterpret_cast<unsigned long long>(k) | reinterpret_cast<unsigned long long>(v) |
+                       reinterpret_cast<unsigned long long>(k_cache) | reinterpret_cast<unsigned long long>(v_cache)) &
+                      15) == 0;
+    for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+        const unsigned slot = slots[t];
+        if (slot == 0xffffffffu) continue;
+        const unsigned long long dst = (unsigned long long)slot * (unsigned long long)kv_dim;
+        const long long src = (long long)t * kv_dim;
+        write_row_fp8(k_cache + dst, k + src, kv_dim, vec);
+        write_row_fp8(v_cache + dst, v + src, kv_dim, vec);
+    }
+}
+
 }  // namespace tm_attn
 
 // ---------------------------------------------------------------------------------------------
 // Entry points (parameter lists: ABI.md).
 // ---------------------------------------------------------------------------------------------
-#define TM_ATTN_TC_KERNELS(D, SUF, T)                                                                                   \
+// KV = the cache element type, KSUF = "" (cache in T) or "_kv8" (fp8 cache).
+#define TM_ATTN_TC_KERNELS(D, SUF, T, KV, KSUF)                                                                         \
     extern "C" __global__ void __launch_bounds__(128)                                                                  \
-        attn_decode_d##D##_##SUF(const T* q, const T* k_cache, const T* v_cache, T* out, float* part_o,               \
+        attn_decode_d##D##_##SUF##KSUF(const T* q, const KV* k_cache, const KV* v_cache, T* out, float* part_o,       \
                                  float* part_ml, const int* q_start, const int* q_len, const int* ctx_len,            \
                                  const int* bt_start, const unsigned* block_tables, int heads, int kv_heads, int gs,  \
                                  int block_size, float scale_log2, int window, int num_splits, int partition) {       \
-        tm_attn::attn_decode<T, D>(q, k_cache, v_cache, out, part_o, part_ml, q_start, q_len, ctx_len, bt_start,     \
+        tm_attn::attn_decode<T, KV, D>(q, k_cache, v_cache, out, part_o, part_ml, q_start, q_len, ctx_len, bt_start,     \
                                    block_tables, heads, kv_heads, gs, block_size, scale_log2, window, num_splits,     \
                                    partition);                                                                         \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128)                                                                  \
-        attn_prefill_d##D##_##SUF(const T* q, const T* k_cache, const T* v_cache, T* out, const int* q_start,         \
+        attn_prefill_d##D##_##SUF##KSUF(const T* q, const KV* k_cache, const KV* v_cache, T* out, const int* q_start,  \
                                   const int* q_len, const int* ctx_len, const int* bt_start,                          \
                                   const unsigned* block_tables, int num_seqs, int heads, int kv_heads, int gs,        \
                                   int block_size, float scale_log2, int window) {                                     \
-        tm_attn::attn_prefill<T, D>(q, k_cache, v_cache, out, q_start, q_len, ctx_len, bt_start, block_tables,       \
+        tm_attn::attn_prefill<T, KV, D>(q, k_cache, v_cache, out, q_start, q_len, ctx_len, bt_start, block_tables,       \
                                     num_seqs, heads, kv_heads, gs, block_size, scale_log2, window);                   \
     }
 
-#define TM_ATTN_TC_ALL_D(SUF, T)      \
-    TM_ATTN_TC_KERNELS(32, SUF, T)    \
-    TM_ATTN_TC_KERNELS(64, SUF, T)    \
-    TM_ATTN_TC_KERNELS(80, SUF, T)    \
-    TM_ATTN_TC_KERNELS(96, SUF, T)    \
-    TM_ATTN_TC_KERNELS(112, SUF, T)   \
-    TM_ATTN_TC_KERNELS(128, SUF, T)   \
-    TM_ATTN_TC_KERNELS(160, SUF, T)   \
-    TM_ATTN_TC_KERNELS(192, SUF, T)   \
-    TM_ATTN_TC_KERNELS(256, SUF, T)
+#define TM_ATTN_TC_ALL_D(SUF, T, KV, KSUF)    \
+    TM_ATTN_TC_KERNELS(32, SUF, T, KV, KSUF)  \
+    TM_ATTN_TC_KERNELS(64, SUF, T, KV, KSUF)  \
+    TM_ATTN_TC_KERNELS(80, SUF, T, KV, KSUF)  \
+    TM_ATTN_TC_KERNELS(96, SUF, T, KV, KSUF)  \
+    TM_ATTN_TC_KERNELS(112, SUF, T, KV, KSUF) \
+    TM_ATTN_TC_KERNELS(128, SUF, T, KV, KSUF) \
+    TM_ATTN_TC_KERNELS(160, SUF, T, KV, KSUF) \
+    TM_ATTN_TC_KERNELS(192, SUF, T, KV, KSUF) \
+    TM_ATTN_TC_KERNELS(256, SUF, T, KV, KSUF)
 
-TM_ATTN_TC_ALL_D(f16, __half)
-TM_ATTN_TC_ALL_D(bf16, __nv_bfloat16)
+TM_ATTN_TC_ALL_D(f16, __half, __half, )
+TM_ATTN_TC_ALL_D(bf16, __nv_bfloat16, __nv_bfloat16, )
+TM_ATTN_TC_ALL_D(f16, __half, tm_attn::kv8, _kv8)
+TM_ATTN_TC_ALL_D(bf16, __nv_bfloat16, tm_attn::kv8, _kv8)
+
+#define TM_ATTN_SIMPLE_KERNEL(SUF, T, KV, KSUF)                                                                        \
+    extern "C" __global__ void __launch_bounds__(128)                                                                  \
+        attn_simple_##SUF##KSUF(const T* q, const KV* k_cache, const KV* v_cache, T* out, const int* q_start,         \
+                                const int* q_len, const int* ctx_len, const int* bt_start,                            \
+                                const unsigned* block_tables, int num_seqs, int heads, int kv_heads, int head_dim,    \
+                                int block_size, float scale, int window) {                                            \
+        tm_attn::attn_simple<T, KV>(q, k_cache, v_cache, out, q_start, q_len, ctx_len, bt_start, block_tables,        \
+                                    num_seqs, heads, kv_heads, head_dim, block_size, scale, window);                  \
+    }
 
 #define TM_ATTN_GENERIC_KERNELS(SUF, T)                                                                                \
     extern "C" __global__ void __launch_bounds__(128)                                                                  \
@@ -814,13 +983,12 @@ TM_ATTN_TC_ALL_D(bf16, __nv_bfloat16)
         tm_attn::attn_combine<T>(out, part_o, part_ml, q_start, q_len, ctx_len, heads, head_dim, window, num_splits,  \
                                  partition);                                                                           \
     }                                                                                                                  \
+    TM_ATTN_SIMPLE_KERNEL(SUF, T, T, )                                                                                 \
+    TM_ATTN_SIMPLE_KERNEL(SUF, T, tm_attn::kv8, _kv8)                                                                  \
     extern "C" __global__ void __launch_bounds__(128)                                                                  \
-        attn_simple_##SUF(const T* q, const T* k_cache, const T* v_cache, T* out, const int* q_start,                 \
-                          const int* q_len, const int* ctx_len, const int* bt_start, const unsigned* block_tables,    \
-                          int num_seqs, int heads, int kv_heads, int head_dim, int block_size, float scale,           \
-                          int window) {                                                                                \
-        tm_attn::attn_simple<T>(q, k_cache, v_cache, out, q_start, q_len, ctx_len, bt_start, block_tables, num_seqs,  \
-                                heads, kv_heads, head_dim, block_size, scale, window);                                \
+        write_kv_e4m3_##SUF(unsigned char* k_cache, unsigned char* v_cache, const T* k, const T* v,                   \
+                            const unsigned* slots, int tokens, int kv_dim) {                                          \
+        tm_attn::write_kv_fp8<T>(k_cache, v_cache, k, v, slots, tokens, kv_dim);                                      \
     }
 
 TM_ATTN_GENERIC_KERNELS(f32, float)

@@ -4,8 +4,8 @@
 //! tensor-parallel group.
 
 use crate::error::{ModelError, Result};
-use crate::kv_cache::{BlockPool, KvCache};
-use crate::llama::{LlamaModel, StepInput, Workspace};
+use crate::kv_cache::{BlockPool, KvCache, KvCacheDtype};
+use crate::llama::{LlamaModel, ShardLayout, StepInput, Workspace};
 use crate::tp::TpGroup;
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
@@ -115,15 +115,34 @@ pub struct Session<'m> {
 }
 
 impl<'m> Session<'m> {
-    /// A session holding up to `max_len` tokens in blocks of `block_size`.
+    /// A session holding up to `max_len` tokens in blocks of `block_size`, the KV cache in the
+    /// activation dtype.
     pub fn new(model: &'m LlamaModel, ops: &'m dyn Ops, max_len: usize, block_size: usize) -> Result<Self> {
+        Self::with_kv_dtype(model, ops, max_len, block_size, KvCacheDtype::Auto)
+    }
+
+    /// [`Session::new`] with the KV cache stored as `kv_dtype`.
+    pub fn with_kv_dtype(
+        model: &'m LlamaModel,
+        ops: &'m dyn Ops,
+        max_len: usize,
+        block_size: usize,
+        kv_dtype: KvCacheDtype,
+    ) -> Result<Self> {
         let context_length = model.config.context_length();
         let max_len = max_len.min(context_length.max(1)).max(1);
         let num_blocks = max_len.div_ceil(block_size.max(1));
         let exec = Exec::Local {
             model,
             ops,
-            kv: KvCache::new(ops, &model.config, num_blocks, block_size)?,
+            kv: KvCache::for_shard(
+                ops,
+                &model.config,
+                &ShardLayout::single(&model.config),
+                num_blocks,
+                block_size,
+                kv_dtype,
+            )?,
             ws: Box::new(Workspace::new(ops, &model.config, 1, 1)?),
         };
         Ok(Self::with_exec(exec, model.config.vocab_size, context_length, max_len, block_size, num_blocks))

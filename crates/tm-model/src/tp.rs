@@ -24,7 +24,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, KvCacheDtype};
 use crate::llama::{LlamaModel, ShardLayout, ShardSpec, StepInput, Workspace};
 use crate::weights::TensorSource;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -57,6 +57,8 @@ pub struct TpOptions {
     pub max_tokens: usize,
     /// Logit rows per step the workspaces are first sized for.
     pub max_logit_rows: usize,
+    /// What the KV cache stores keys and values as.
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 impl Default for TpOptions {
@@ -68,6 +70,7 @@ impl Default for TpOptions {
             block_size: 64,
             max_tokens: 1,
             max_logit_rows: 1,
+            kv_cache_dtype: KvCacheDtype::Auto,
         }
     }
 }
@@ -786,7 +789,7 @@ fn load_rank(ctx: &RankCtx) -> Result<RankState> {
     let spec = ShardSpec::new(ctx.rank, ctx.layout.spec.world)?;
     let model = LlamaModel::load_shard(ops.as_ref(), ctx.source.as_ref(), ctx.config.clone(), spec, &mut |_| {})?;
     let o = &ctx.opts;
-    let kv = KvCache::for_shard(ops.as_ref(), &ctx.config, &ctx.layout, o.num_blocks, o.block_size)?;
+    let kv = KvCache::for_shard(ops.as_ref(), &ctx.config, &ctx.layout, o.num_blocks, o.block_size, o.kv_cache_dtype)?;
     let ws = Workspace::for_shard(ops.as_ref(), &ctx.layout, o.max_tokens, o.max_logit_rows)?;
     Ok(RankState { ops, model, kv, ws })
 }

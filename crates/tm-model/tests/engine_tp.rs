@@ -30,6 +30,7 @@ fn tp_engine(world: usize, config: &EngineConfig, stall: Option<(usize, u64)>, t
         block_size: config.block_size,
         max_tokens: config.max_batched_tokens,
         max_logit_rows: config.max_batch_size,
+        kv_cache_dtype: Default::default(),
     };
     let LoadedTp { path, name, group, tokenizer, template } =
         load_tp(&dir, comms, cpu_backend_factory(), opts).expect("tp fixture loads");

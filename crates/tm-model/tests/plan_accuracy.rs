@@ -46,6 +46,7 @@ fn request() -> PlanRequest {
         block_size: 16,
         memory_fraction: 1.0,
         kv_cache_bytes: None,
+        kv_cache_dtype: Default::default(),
         tp: 1,
     }
 }

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use tm_core::DType;
 use tm_cpu::CpuBackend;
-use tm_model::kv_cache::KvCache;
+use tm_model::kv_cache::{KvCache, KvCacheDtype};
 use tm_model::loader::Checkpoint;
 use tm_model::plan::{
     estimate, human, plan, DeviceProfile, MemoryPlan, PlanRequest, PlanTarget, WeightPolicy, CUDA_RUNTIME_RESERVE,
@@ -25,6 +25,7 @@ fn request() -> PlanRequest {
         memory_fraction: 1.0,
         kv_cache_bytes: None,
         tp: 1,
+        kv_cache_dtype: KvCacheDtype::Auto,
     }
 }
 
@@ -250,4 +251,24 @@ fn the_plan_serializes_and_tabulates() {
     for needle in ["weights", "f32 -> f32", "workspace", "kernel scratch", "KV cache", "peak", "headroom", "fits:"] {
         assert!(t.contains(needle), "{needle} missing from\n{t}");
     }
+}
+
+#[test]
+fn an_fp8_kv_cache_halves_the_block_and_doubles_the_blocks() {
+    // A 16-bit target (an Orin NX profile: f16 activations) and a fixed KV budget.
+    let ckpt = Checkpoint::open(&fixture("qwen2")).unwrap();
+    let target = DeviceProfile::find("orin-nx-16gb").unwrap().target(DEFAULT_HOST_RESERVE);
+    let bytes = 64 << 20;
+    let auto = plan(&ckpt, &target, &PlanRequest { kv_cache_bytes: Some(bytes), ..request() }).unwrap();
+    let fp8 = PlanRequest { kv_cache_bytes: Some(bytes), kv_cache_dtype: KvCacheDtype::Fp8, ..request() };
+    let fp8 = plan(&ckpt, &target, &fp8).unwrap();
+    assert_eq!(auto.kv_dtype, DType::F16);
+    assert_eq!(fp8.kv_dtype, DType::F8E4M3);
+    assert_eq!(2 * fp8.kv_bytes_per_block, auto.kv_bytes_per_block);
+    assert_eq!(fp8.kv_bytes_per_block, KvCache::bytes_per_block(&ckpt.config, DType::F8E4M3, 16));
+    assert_eq!(fp8.num_blocks, 2 * auto.num_blocks, "{} vs {}", fp8.num_blocks, auto.num_blocks);
+    assert!(fp8.table().contains("f8e4m3"), "{}", fp8.table());
+    // On the CPU (f32 activations) an fp8 block is a quarter of an f32 one.
+    let cpu = plan(&ckpt, &cpu_target(), &PlanRequest { kv_cache_dtype: KvCacheDtype::Fp8, ..request() }).unwrap();
+    assert_eq!(4 * cpu.kv_bytes_per_block, KvCache::bytes_per_block(&ckpt.config, DType::F32, 16));
 }

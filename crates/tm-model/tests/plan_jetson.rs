@@ -98,6 +98,7 @@ fn request() -> PlanRequest {
         block_size: 64,
         memory_fraction: 0.9,
         kv_cache_bytes: None,
+        kv_cache_dtype: Default::default(),
         tp: 1,
     }
 }

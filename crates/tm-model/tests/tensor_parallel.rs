@@ -382,6 +382,7 @@ fn check_plan_per_rank(path: &Path, tp: usize) {
         block_size: 16,
         memory_fraction: 1.0,
         kv_cache_bytes: None,
+        kv_cache_dtype: Default::default(),
         tp,
     };
     let mut target = PlanTarget::for_backend(&CpuBackend::new()).unwrap();
@@ -398,7 +399,7 @@ fn check_plan_per_rank(path: &Path, tp: usize) {
         assert_eq!(p.weights_total, alloc.stats().in_use, "{name} rank {rank}: weights vs allocator");
         let layout = ShardLayout::new(&ckpt.config, spec).unwrap();
         let before = alloc.stats().in_use;
-        let kv = KvCache::for_shard(&ops, &ckpt.config, &layout, 3, req.block_size).unwrap();
+        let kv = KvCache::for_shard(&ops, &ckpt.config, &layout, 3, req.block_size, Default::default()).unwrap();
         assert_eq!(alloc.stats().in_use - before, 3 * p.kv_bytes_per_block, "{name} rank {rank}: KV block");
         let before = alloc.stats().in_use;
         let ws = Workspace::for_shard(&ops, &layout, p.workspace_tokens, p.workspace_logit_rows).unwrap();

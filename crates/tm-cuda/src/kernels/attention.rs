@@ -11,6 +11,11 @@
 //! - **CUDA cores** (`attn_simple`): f32, any other `head_dim` up to 256, misaligned pointers, or
 //!   `TM_ATTENTION=simple` in the environment (a debugging switch).
 //!
+//! **FP8 KV cache** (`kv` = [`DType::F8E4M3`]): the same kernels with the `_kv8` suffix read E4M3
+//! codes and convert them in registers (the tensor-core kernels through one raw shared-memory
+//! stage of codes and one stage of converted tiles); [`write_kv_e4m3`] converts K and V as it
+//! writes them.
+//!
 //! The split-K plan depends only on `num_seqs`, `kv_heads`, `heads / kv_heads`, `max_ctx_len` and
 //! `window`, so [`scratch_bytes`] and [`attention`] agree without the device.
 
@@ -131,12 +136,38 @@ fn prefill_block_n(head_dim: usize) -> usize {
     }
 }
 
-/// Dynamic shared memory of the decode and prefill kernels for elements of `esize` bytes.
-fn tc_smem(head_dim: usize, esize: usize) -> (usize, usize) {
+/// Dynamic shared memory of the decode and prefill kernels for elements of `esize` bytes: with a
+/// 16-bit cache, Q and `stages` K/V tiles; with an fp8 cache (`kv8`), Q, one converted K/V tile
+/// and one raw stage of codes (`2 * tile * head_dim` bytes).
+fn tc_smem(head_dim: usize, esize: usize, kv8: bool) -> (usize, usize) {
     let ld = head_dim + 8; // shared-memory row stride in elements
-    let decode = (DECODE_ROWS + 2 * decode_stages(head_dim) * DECODE_TILE) * ld * esize;
-    let prefill = (prefill_rows(head_dim) + 4 * prefill_block_n(head_dim)) * ld * esize;
+    let (decode, prefill) = if kv8 {
+        let (dn, pn) = (DECODE_TILE, prefill_block_n(head_dim));
+        (
+            (DECODE_ROWS + 2 * dn) * ld * esize + 2 * dn * head_dim,
+            (prefill_rows(head_dim) + 2 * pn) * ld * esize + 2 * pn * head_dim,
+        )
+    } else {
+        (
+            (DECODE_ROWS + 2 * decode_stages(head_dim) * DECODE_TILE) * ld * esize,
+            (prefill_rows(head_dim) + 4 * prefill_block_n(head_dim)) * ld * esize,
+        )
+    };
     (decode, prefill)
+}
+
+/// The kernel-name suffix of a KV-cache dtype next to activations `dt`: none for a cache in `dt`,
+/// `_kv8` for FP8 E4M3.
+fn kv_suffix(dt: DType, kv: DType) -> Result<&'static str> {
+    match kv {
+        DType::F8E4M3 => Ok("_kv8"),
+        k if k == dt => Ok(""),
+        other => Err(Error::DType {
+            op: "cuda attention kv cache".into(),
+            expected: format!("{dt} or f8e4m3"),
+            got: other.to_string(),
+        }),
+    }
 }
 
 /// [`MIN_PARTITION`] and [`TARGET_CTAS`], or the tuning overrides `TM_ATTN_MIN_PARTITION` (a
@@ -223,16 +254,18 @@ fn validate(shape: &AttentionShape, batch: &AttentionBatch) -> Result<()> {
 }
 
 /// Causal paged attention of `q: [total_q, heads * head_dim]` over the KV caches
-/// `[num_blocks, block_size, kv_heads, head_dim]` into `out` (same shape as `q`), all in `dt`
-/// (f32, f16 or bf16). Sequence `s` owns query rows `q_start[s] .. q_start[s] + q_len[s]`; its
-/// query `j` sits at position `ctx_len[s] - q_len[s] + j` and attends to the keys at positions
-/// `0..=pos` (only those `> pos - window` when `window > 0`), read through its block table.
+/// `[num_blocks, block_size, kv_heads, head_dim]` into `out` (same shape as `q`): `q` and `out`
+/// in `dt` (f32, f16 or bf16), the caches in `kv` (`dt`, or f8e4m3). Sequence `s` owns query
+/// rows `q_start[s] .. q_start[s] + q_len[s]`; its query `j` sits at position
+/// `ctx_len[s] - q_len[s] + j` and attends to the keys at positions `0..=pos` (only those
+/// `> pos - window` when `window > 0`), read through its block table.
 /// `scratch` must hold [`scratch_bytes`] bytes (`scratch_len`). Rows of `out` that belong to no
 /// sequence are not written.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     gpu: &Gpu,
     dt: DType,
+    kv: DType,
     q: u64,
     k_cache: u64,
     v_cache: u64,
@@ -243,6 +276,7 @@ pub fn attention(
     scratch_len: usize,
 ) -> Result<()> {
     let sfx = suffix(dt)?;
+    let ksfx = kv_suffix(dt, kv)?;
     validate(shape, batch)?;
     let need = scratch_bytes(shape, batch);
     if scratch_len < need {
@@ -265,7 +299,7 @@ pub fn attention(
     let seqs_u = to_u32("num_seqs", batch.num_seqs)?;
 
     let esize = dt.bits() / 8;
-    let (decode_smem, prefill_smem) = tc_smem(head_dim, esize);
+    let (decode_smem, prefill_smem) = tc_smem(head_dim, esize, kv == DType::F8E4M3);
     // A single sequence is a decode exactly when it has one query row.
     let decode = batch.all_decode || batch.num_seqs > 1 || batch.total_q == 1;
     let prefill = !batch.all_decode && batch.max_q_len > 1;
@@ -294,7 +328,7 @@ pub fn attention(
             KernelArg::I32(window_i),
         ]);
         let grid = (to_u32("total_q", batch.total_q)?, to_u32("heads", heads.div_ceil(4))?, 1);
-        return gpu.launch(&format!("attn_simple_{sfx}"), grid, (THREADS, 1, 1), 0, &args);
+        return gpu.launch(&format!("attn_simple_{sfx}{ksfx}"), grid, (THREADS, 1, 1), 0, &args);
     }
 
     let scale_log2 = scale * std::f32::consts::LOG2_E;
@@ -324,7 +358,7 @@ pub fn attention(
             KernelArg::I32(to_i32("partition", plan.partition)?),
         ]);
         let grid = (to_u32("splits", plan.splits)?, to_u32("kv_heads * sub-groups", kv_heads * n_sub)?, seqs_u);
-        gpu.launch(&format!("attn_decode_d{head_dim}_{sfx}"), grid, (THREADS, 1, 1), decode_smem as u32, &args)?;
+        gpu.launch(&format!("attn_decode_d{head_dim}_{sfx}{ksfx}"), grid, (THREADS, 1, 1), decode_smem as u32, &args)?;
         if plan.splits > 1 {
             let args = [
                 KernelArg::Ptr(out),
@@ -362,9 +396,55 @@ pub fn attention(
             KernelArg::I32(window_i),
         ]);
         let grid = (to_u32("prefill tiles", tiles)?, to_u32("kv_heads * sub-groups", kv_heads * n_sub)?, 1);
-        gpu.launch(&format!("attn_prefill_d{head_dim}_{sfx}"), grid, (THREADS, 1, 1), prefill_smem as u32, &args)?;
+        gpu.launch(
+            &format!("attn_prefill_d{head_dim}_{sfx}{ksfx}"),
+            grid,
+            (THREADS, 1, 1),
+            prefill_smem as u32,
+            &args,
+        )?;
     }
     Ok(())
+}
+
+/// Writes `k, v: [tokens, kv_dim]` (in `dt`) as FP8 E4M3 codes into the caches at the u32 slots
+/// `slots` (rows of `kv_dim` codes; slot `0xffffffff` skips the token): round to nearest even,
+/// saturating at ±448 (`tm_core::fp8`).
+#[allow(clippy::too_many_arguments)]
+pub fn write_kv_e4m3(
+    gpu: &Gpu,
+    dt: DType,
+    k_cache: u64,
+    v_cache: u64,
+    k: u64,
+    v: u64,
+    slots: u64,
+    tokens: usize,
+    kv_dim: usize,
+) -> Result<()> {
+    let sfx = suffix(dt)?;
+    let (t32, d32) = (to_i32("tokens", tokens)?, to_i32("kv_dim", kv_dim)?);
+    if tokens == 0 || kv_dim == 0 {
+        return Ok(());
+    }
+    // one block per token row (at most 65535 rows of blocks; the kernel loops over the rest)
+    let grid = (t32.clamp(1, 65_535) as u32, 1, 1);
+    let threads = kv_dim.div_ceil(16).next_multiple_of(32).clamp(32, THREADS as usize) as u32;
+    gpu.launch(
+        &format!("write_kv_e4m3_{sfx}"),
+        grid,
+        (threads, 1, 1),
+        0,
+        &[
+            KernelArg::Ptr(k_cache),
+            KernelArg::Ptr(v_cache),
+            KernelArg::Ptr(k),
+            KernelArg::Ptr(v),
+            KernelArg::Ptr(slots),
+            KernelArg::I32(t32),
+            KernelArg::I32(d32),
+        ],
+    )
 }
 
 #[cfg(test)]
@@ -414,12 +494,25 @@ mod tests {
     fn shared_memory_fits_the_big_arches() {
         // 163 KiB per block on sm_80/sm_87, 227 KiB on sm_90; the 16-bit tiles at most ~105 KB.
         for d in TC_HEAD_DIMS {
-            let (decode, prefill) = tc_smem(d, 2);
-            assert!(decode + 1024 <= 163 * 1024 && prefill + 1024 <= 163 * 1024, "head_dim {d}");
+            for kv8 in [false, true] {
+                let (decode, prefill) = tc_smem(d, 2, kv8);
+                assert!(decode + 1024 <= 163 * 1024 && prefill + 1024 <= 163 * 1024, "head_dim {d}, kv8 {kv8}");
+            }
         }
-        assert_eq!(tc_smem(128, 2), ((16 + 128) * 136 * 2, (128 + 256) * 136 * 2));
-        assert_eq!(tc_smem(64, 2), ((16 + 256) * 72 * 2, (128 + 256) * 72 * 2));
-        assert_eq!(tc_smem(256, 2), ((16 + 128) * 264 * 2, (64 + 128) * 264 * 2));
+        assert_eq!(tc_smem(128, 2, false), ((16 + 128) * 136 * 2, (128 + 256) * 136 * 2));
+        assert_eq!(tc_smem(64, 2, false), ((16 + 256) * 72 * 2, (128 + 256) * 72 * 2));
+        assert_eq!(tc_smem(256, 2, false), ((16 + 128) * 264 * 2, (64 + 128) * 264 * 2));
+        // fp8: Q + one converted K/V tile + the raw K/V codes
+        assert_eq!(tc_smem(128, 2, true), ((16 + 128) * 136 * 2 + 128 * 128, (128 + 128) * 136 * 2 + 128 * 128));
+        assert_eq!(tc_smem(256, 2, true), ((16 + 128) * 264 * 2 + 128 * 256, (64 + 64) * 264 * 2 + 64 * 256));
+    }
+
+    #[test]
+    fn kv_suffixes_name_the_cache() {
+        assert_eq!(kv_suffix(DType::BF16, DType::BF16).unwrap(), "");
+        assert_eq!(kv_suffix(DType::F16, DType::F8E4M3).unwrap(), "_kv8");
+        assert_eq!(kv_suffix(DType::F32, DType::F8E4M3).unwrap(), "_kv8");
+        assert!(kv_suffix(DType::BF16, DType::F16).is_err());
     }
 
     #[test]

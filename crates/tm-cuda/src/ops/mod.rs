@@ -147,6 +147,20 @@ impl CudaBackend {
         t.expect_dtype(what, self.dtype)
     }
 
+    /// The KV caches' dtype: both the activation dtype, or both FP8 E4M3.
+    fn check_kv(&self, k_cache: &Tensor, v_cache: &Tensor) -> Result<DType> {
+        let kv = k_cache.dtype();
+        if !self.supports_kv_cache_dtype(kv) {
+            return Err(Error::DType {
+                op: "k cache".into(),
+                expected: format!("{} or f8e4m3", self.dtype),
+                got: kv.to_string(),
+            });
+        }
+        v_cache.expect_dtype("v cache", kv)?;
+        Ok(kv)
+    }
+
     /// Uploads a small input into its per-kind device buffer. While a graph is being captured
     /// the buffers must already hold the step's inputs (the eager run just uploaded them).
     fn put(&self, st: &mut StepState, slot: Slot, bytes: &[u8]) -> Result<u64> {
@@ -221,6 +235,9 @@ impl Ops for CudaBackend {
         } else {
             src
         }
+    }
+    fn supports_kv_cache_dtype(&self, dtype: DType) -> bool {
+        dtype == self.dtype || dtype == DType::F8E4M3
     }
 
     fn run_step(&self, step: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
@@ -449,12 +466,17 @@ impl Ops for CudaBackend {
         slot_mapping: &[u32],
     ) -> Result<()> {
         let width = checks::write_kv(k, v, k_cache, v_cache, slot_mapping)?;
-        for (t, what) in [(k, "k"), (v, "v"), (&*k_cache, "k cache"), (&*v_cache, "v cache")] {
+        for (t, what) in [(k, "k"), (v, "v")] {
             self.check(t, what)?;
         }
+        let kv = self.check_kv(k_cache, v_cache)?;
         let mut st = self.state()?;
         let s = self.put(&mut st, Slot::Slots, as_bytes(slot_mapping))?;
-        ew::write_kv(&self.gpu, self.dtype, ptr(k_cache), ptr(v_cache), ptr(k), ptr(v), s, slot_mapping.len(), width)
+        let (kc, vc, n) = (ptr(k_cache), ptr(v_cache), slot_mapping.len());
+        if kv == DType::F8E4M3 {
+            return attn::write_kv_e4m3(&self.gpu, self.dtype, kc, vc, ptr(k), ptr(v), s, n, width);
+        }
+        ew::write_kv(&self.gpu, self.dtype, kc, vc, ptr(k), ptr(v), s, n, width)
     }
 
     fn attention(
@@ -467,9 +489,10 @@ impl Ops for CudaBackend {
     ) -> Result<()> {
         let checks::AttentionDims { tokens, heads, kv_heads, head_dim, .. } =
             checks::attention(q, k_cache, v_cache, meta, out)?;
-        for (t, what) in [(q, "q"), (k_cache, "k cache"), (v_cache, "v cache"), (&*out, "attention output")] {
+        for (t, what) in [(q, "q"), (&*out, "attention output")] {
             self.check(t, what)?;
         }
+        let kv = self.check_kv(k_cache, v_cache)?;
         let ns = meta.seqs.len();
         let mut st = self.state()?;
         // One upload: q_start, q_len, ctx_len, bt_start (i32 each, `ns` of them), then the tables.
@@ -517,6 +540,7 @@ impl Ops for CudaBackend {
         attn::attention(
             &self.gpu,
             self.dtype,
+            kv,
             ptr(q),
             ptr(k_cache),
             ptr(v_cache),

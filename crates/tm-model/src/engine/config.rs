@@ -1,7 +1,7 @@
 //! Engine settings and the counters it reports.
 
 use crate::config::ModelConfig;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, KvCacheDtype};
 use tm_core::DType;
 
 /// Settings of an [`super::Engine`].
@@ -23,11 +23,14 @@ pub struct EngineConfig {
     pub max_model_len: Option<usize>,
     /// Reuse the KV blocks of prompts seen before.
     pub enable_prefix_caching: bool,
+    /// What the KV cache stores keys and values as (the activation dtype, or FP8 E4M3). A
+    /// tensor-parallel group takes it from its `TpOptions` instead.
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 impl Default for EngineConfig {
     /// Block size 64, 256 blocks, 8192 tokens and 256 sequences per step, 1024 queued
-    /// requests, prefix caching on.
+    /// requests, prefix caching on, the KV cache in the activation dtype.
     fn default() -> Self {
         EngineConfig {
             block_size: 64,
@@ -37,13 +40,14 @@ impl Default for EngineConfig {
             max_queue: 1024,
             max_model_len: None,
             enable_prefix_caching: true,
+            kv_cache_dtype: KvCacheDtype::Auto,
         }
     }
 }
 
 impl EngineConfig {
     /// How many blocks of `block_size` tokens fit in `bytes` of KV cache for `model` with
-    /// keys and values stored as `dtype` (the backend's activation dtype).
+    /// keys and values stored as `dtype` (the resolved [`EngineConfig::kv_cache_dtype`]).
     pub fn blocks_for_bytes(model: &ModelConfig, dtype: DType, block_size: usize, bytes: u64) -> usize {
         let per_block = KvCache::bytes_per_block(model, dtype, block_size.max(1)).max(1);
         (bytes / per_block) as usize

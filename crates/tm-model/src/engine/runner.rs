@@ -12,8 +12,8 @@ use super::scheduler::Batch;
 use super::sequence::Sequence;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::kv_cache::KvCache;
-use crate::llama::{LlamaModel, StepInput, Workspace};
+use crate::kv_cache::{KvCache, KvCacheDtype};
+use crate::llama::{LlamaModel, ShardLayout, StepInput, Workspace};
 use crate::tp::{OwnedSample, TpGroup};
 use tm_core::ops::{SampleRequest, SeqAttention};
 use tm_core::Ops;
@@ -56,8 +56,8 @@ pub struct ModelRunner {
 }
 
 impl ModelRunner {
-    /// Allocates `num_blocks` KV blocks of `block_size` tokens and a workspace for steps of up
-    /// to `max_tokens` tokens and `max_seqs` sequences.
+    /// Allocates `num_blocks` KV blocks of `block_size` tokens stored as `kv_dtype` and a
+    /// workspace for steps of up to `max_tokens` tokens and `max_seqs` sequences.
     pub fn new(
         ops: &dyn Ops,
         cfg: &ModelConfig,
@@ -65,8 +65,9 @@ impl ModelRunner {
         block_size: usize,
         max_tokens: usize,
         max_seqs: usize,
+        kv_dtype: KvCacheDtype,
     ) -> Result<Self> {
-        let kv = KvCache::new(ops, cfg, num_blocks, block_size)?;
+        let kv = KvCache::for_shard(ops, cfg, &ShardLayout::single(cfg), num_blocks, block_size, kv_dtype)?;
         let ws = Workspace::new(ops, cfg, max_tokens, max_seqs)?;
         let mut runner = Self::for_tp(cfg, block_size, max_tokens, max_seqs);
         runner.local = Some((kv, ws));

@@ -118,9 +118,15 @@ impl Worker {
         let cfg = model.config();
         let max_seqs = c.max_batch_size.min(c.max_batched_tokens);
         let runner = match &exec {
-            Exec::Local { ops, .. } => {
-                ModelRunner::new(ops.as_ref(), cfg, c.num_blocks, c.block_size, c.max_batched_tokens, max_seqs)?
-            }
+            Exec::Local { ops, .. } => ModelRunner::new(
+                ops.as_ref(),
+                cfg,
+                c.num_blocks,
+                c.block_size,
+                c.max_batched_tokens,
+                max_seqs,
+                c.kv_cache_dtype,
+            )?,
             Exec::Tp(group) => {
                 if group.block_size() != c.block_size || group.num_blocks() < c.num_blocks {
                     return Err(ModelError::InvalidInput(format!(

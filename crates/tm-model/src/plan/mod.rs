@@ -41,7 +41,8 @@
 //!   [`PlanTarget::zero_copy`] (the CUDA unified variant: Jetson), dense tensors held exactly as
 //!   stored are read by the GPU from the checkpoint's pinned file pages instead of a copy. They
 //!   are charged once, as weights, and need no load staging.
-//! - **KV cache**: `num_blocks × KvCache::bytes_per_block` in the activation dtype.
+//! - **KV cache**: `num_blocks × KvCache::bytes_per_block` in the activation dtype, or one byte
+//!   per element with [`PlanRequest::kv_cache_dtype`] fp8.
 //!
 //! What is *not* counted, and why: on the CPU backend (and any device that shares memory with the
 //! host) the memory-mapped checkpoint's pages are page cache. The CPU backend copies every tensor
@@ -77,7 +78,7 @@ pub mod rss;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, KvCacheDtype};
 use crate::llama::{ShardLayout, ShardSpec};
 use crate::loader::Checkpoint;
 use serde::Serialize;
@@ -206,6 +207,9 @@ pub struct PlanRequest {
     pub kv_cache_bytes: Option<u64>,
     /// Tensor-parallel ranks (`--tp`): the plan is per rank.
     pub tp: usize,
+    /// What the KV cache stores (`--kv-cache-dtype`): the activation dtype or FP8 E4M3 (one byte
+    /// per element, twice the blocks of a 16-bit cache in the same bytes).
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 impl Default for PlanRequest {
@@ -218,6 +222,7 @@ impl Default for PlanRequest {
             memory_fraction: 0.9,
             kv_cache_bytes: None,
             tp: 1,
+            kv_cache_dtype: KvCacheDtype::Auto,
         }
     }
 }
@@ -324,8 +329,10 @@ pub struct MemoryPlan {
     pub host_buffers: u64,
     /// Whether `host_buffers` is charged to the budget (devices sharing memory with the host).
     pub host_buffers_counted: bool,
-    /// Dtype of activations and KV cache.
+    /// Dtype of activations (and of the KV cache with `--kv-cache-dtype auto`).
     pub activation_dtype: DType,
+    /// The dtype KV-cache elements are stored in (the activation dtype, or f8e4m3).
+    pub kv_dtype: DType,
     /// Tokens per KV block.
     pub block_size: usize,
     /// Bytes of one KV block over all layers (keys and values).
@@ -393,7 +400,8 @@ pub fn estimate(ckpt: &Checkpoint, target: &PlanTarget, req: &PlanRequest) -> Re
     let (tokens, rows) = (req.max_batched_tokens, req.max_batch_size);
     let fixed = sizer.fixed(tokens, rows);
     let budget = (target.memory.usable as f64 * req.memory_fraction / ranks_per_memory as f64).floor() as u64;
-    let bpb = KvCache::bytes_per_block_shard(cfg, &layout, target.activation_dtype, req.block_size);
+    let kv_dtype = req.kv_cache_dtype.resolve(target.activation_dtype);
+    let bpb = KvCache::bytes_per_block_shard(cfg, &layout, kv_dtype, req.block_size);
     if bpb == 0 {
         return Err(ModelError::InvalidInput(format!("{}: the model has no KV cache to plan", ckpt.path.display())));
     }
@@ -472,6 +480,7 @@ pub fn estimate(ckpt: &Checkpoint, target: &PlanTarget, req: &PlanRequest) -> Re
         host_buffers: target.host_buffers,
         host_buffers_counted: target.memory.shared_with_host,
         activation_dtype: target.activation_dtype,
+        kv_dtype,
         block_size: req.block_size,
         kv_bytes_per_block: bpb,
         kv_blocks_fit,
@@ -878,7 +887,7 @@ impl MemoryPlan {
                 self.num_blocks,
                 human(self.kv_bytes_per_block),
                 self.block_size,
-                self.activation_dtype,
+                self.kv_dtype,
                 self.kv_tokens
             ),
         );

@@ -32,6 +32,7 @@ pub fn config(num_blocks: usize, prefix_caching: bool) -> EngineConfig {
         max_queue: 64,
         max_model_len: None,
         enable_prefix_caching: prefix_caching,
+        kv_cache_dtype: Default::default(),
     }
 }
 
