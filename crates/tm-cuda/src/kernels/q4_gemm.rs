@@ -15,6 +15,7 @@
 //!
 //! All fit the 99 KiB per block of sm_86/sm_89 and the Jetson's (sm_87) 163 KiB.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use tm_core::{DType, Error, Result};
@@ -139,6 +140,32 @@ impl Policy {
                 Policy::Auto
             })
         })
+    }
+}
+
+/// The process-wide override of [`Policy::from_env`] set by [`set_policy`]: 0 = none, 1 = auto,
+/// 2 = off, 3 + i = force `Tile::ALL[i]`.
+static OVERRIDE: AtomicU8 = AtomicU8::new(0);
+
+/// Overrides `TM_Q4_GEMM` for the whole process (`None`: back to the environment's policy). For
+/// tests and benchmarks that compare the tile shapes or the older kernel in one process.
+pub fn set_policy(policy: Option<Policy>) {
+    let code = match policy {
+        None => 0,
+        Some(Policy::Auto) => 1,
+        Some(Policy::Off) => 2,
+        Some(Policy::Force(t)) => 3 + Tile::ALL.iter().position(|&a| a == t).unwrap_or(0) as u8,
+    };
+    OVERRIDE.store(code, Ordering::Relaxed);
+}
+
+/// The policy in force: [`set_policy`]'s override, else `TM_Q4_GEMM` ([`Policy::from_env`]).
+pub fn policy() -> Policy {
+    match OVERRIDE.load(Ordering::Relaxed) {
+        0 => Policy::from_env(),
+        1 => Policy::Auto,
+        2 => Policy::Off,
+        c => Policy::Force(Tile::ALL[usize::from(c - 3).min(Tile::ALL.len() - 1)]),
     }
 }
 
@@ -334,5 +361,15 @@ mod tests {
         assert_eq!(choose(Policy::Off, 512, 4096, 132), None);
         assert_eq!(choose(Policy::Force(Tile::Small), 8192, 4096, 132), Some(Tile::Small));
         assert_eq!(choose(Policy::Auto, 8192, 4096, 132), Some(Tile::Large));
+    }
+
+    #[test]
+    fn policy_override_round_trips() {
+        for p in [Policy::Auto, Policy::Off, Policy::Force(Tile::Large), Policy::Force(Tile::Small)] {
+            set_policy(Some(p));
+            assert_eq!(policy(), p);
+        }
+        set_policy(None);
+        assert_eq!(policy(), Policy::from_env());
     }
 }
