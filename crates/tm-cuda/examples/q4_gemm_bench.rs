@@ -5,10 +5,12 @@
 //! `M` = 512, 2048, 8192 tokens: `out[M, rows] = x[M, cols] · Wᵀ` through
 //! - cuBLASLt with a dense `W` of the same dtype (tm-cuda's `Blas`, what dense models run),
 //! - `matmul_q4` with its automatic choice (int4 group 128, the AWQ default),
-//! - the int4 GEMM with each tile shape forced, and the older tiled kernel (`TM_Q4_GEMM=off`),
+//! - the int4 GEMM with each tile shape forced (`l`, `m`, `s`, `t`), and the older tiled kernel
+//!   (`TM_Q4_GEMM=off`),
 //!
 //! each timed with CUDA events over `--iters` launches after warm-up, printing µs, TFLOP/s and the
-//! int4/cuBLAS throughput ratio. Asserts nothing. Without a CUDA device it says so and exits 0.
+//! int4/cuBLAS throughput ratio (`ratio` = cuBLAS time / int4 time) for the automatic choice and
+//! for the fastest tile. Asserts nothing. Without a CUDA device it says so and exits 0.
 //!
 //! ```text
 //! cargo build --release -p tm-cuda --examples
@@ -188,7 +190,7 @@ fn run(args: &Args) -> Result<()> {
         std::env::var("TM_Q4_GEMM").unwrap_or_else(|_| "(unset)".into())
     );
     println!(
-        "{:<5} {:<8} {:>5} {:>6} {:>6} | {:>9} {:>7} | {:>9} {:>7} {:>6} {:>4} | {:>9} {:>9} {:>9} {:>9}",
+        "{:<5} {:<8} {:>5} {:>6} {:>6} | {:>9} {:>7} | {:>9} {:>7} {:>6} {:>4} | {:>4} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8}",
         "dtype",
         "shape",
         "M",
@@ -200,9 +202,12 @@ fn run(args: &Args) -> Result<()> {
         "TFLOP/s",
         "ratio",
         "tile",
+        "best",
+        "ratio",
         "l us",
         "m us",
         "s us",
+        "t us",
         "tiled us"
     );
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
@@ -256,9 +261,13 @@ fn run(args: &Args) -> Result<()> {
                 }
                 let t_tiled = time_us(&gpu, args.iters, || q4(Some(Policy::Off)))?;
                 let auto_tile = q4_gemm::pick(m, rows, sms);
+                let (best, t_best) = Tile::ALL
+                    .iter()
+                    .zip(&per_tile)
+                    .fold((auto_tile, f64::INFINITY), |acc, (&t, &us)| if us < acc.1 { (t, us) } else { acc });
+                let cells: Vec<String> = per_tile.iter().chain([&t_tiled]).map(|us| format!("{us:>8.1}")).collect();
                 println!(
-                    "{:<5} {:<8} {:>5} {:>6} {:>6} | {:>9.1} {:>7.1} | {:>9.1} {:>7.1} {:>5.0}% {:>4} | {:>9.1} {:>9.1} {:>9.1} \
-                     {:>9.1}",
+                    "{:<5} {:<8} {:>5} {:>6} {:>6} | {:>9.1} {:>7.1} | {:>9.1} {:>7.1} {:>5.0}% {:>4} | {:>4} {:>5.0}% | {}",
                     dt.to_string(),
                     name,
                     m,
@@ -270,10 +279,9 @@ fn run(args: &Args) -> Result<()> {
                     tflops(m, rows, cols, t_auto),
                     100.0 * t_blas / t_auto,
                     auto_tile.tag(),
-                    per_tile[0],
-                    per_tile[1],
-                    per_tile[2],
-                    t_tiled
+                    best.tag(),
+                    100.0 * t_blas / t_best,
+                    cells.join(" ")
                 );
             }
         }

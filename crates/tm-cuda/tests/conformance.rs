@@ -1599,6 +1599,7 @@ fn matmul_q4_policies(s: &mut Suite, n: usize, rows: usize, cols: usize, group: 
             Policy::Force(Tile::Large),
             Policy::Force(Tile::Medium),
             Policy::Force(Tile::Small),
+            Policy::Force(Tile::Tall),
             Policy::Auto,
             Policy::Off,
         ];

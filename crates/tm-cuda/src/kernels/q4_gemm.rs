@@ -11,7 +11,8 @@
 //! estimated waves of work (override with `TM_Q4_GEMM`, see [`Policy`]):
 //! - [`Tile::Large`]: 128 × 256, warp tiles 64 × 64, 3 pipeline stages, 84 KiB shared memory;
 //! - [`Tile::Medium`]: 128 × 128, warp tiles 64 × 32, 4 stages, 88 KiB;
-//! - [`Tile::Small`]: 64 × 128, warp tiles 32 × 32, 4 stages, 56 KiB.
+//! - [`Tile::Small`]: 64 × 128, warp tiles 32 × 32, 4 stages, 56 KiB;
+//! - [`Tile::Tall`] (only when forced): 128 × 256, warp tiles 128 × 32, 3 stages, 84 KiB.
 //!
 //! All fit the 99 KiB per block of sm_86/sm_89 and the Jetson's (sm_87) 163 KiB.
 
@@ -39,11 +40,17 @@ pub enum Tile {
     Medium,
     /// 64 × 128 (warp tiles 32 × 32), 4 stages: small batches.
     Small,
+    /// 128 × 256 with tall warp tiles (128 × 32, warps 1 × 8), 3 stages: each weight is
+    /// dequantized once per block instead of twice, for twice the activation ldmatrix traffic.
+    /// Never picked automatically; forced (`TM_Q4_GEMM=t`) to measure it against [`Tile::Large`].
+    Tall,
 }
 
 impl Tile {
-    /// Every tile shape, largest first.
-    pub const ALL: [Tile; 3] = [Tile::Large, Tile::Medium, Tile::Small];
+    /// Every tile shape.
+    pub const ALL: [Tile; 4] = [Tile::Large, Tile::Medium, Tile::Small, Tile::Tall];
+    /// The shapes [`pick`] chooses from, largest first.
+    pub const AUTO: [Tile; 3] = [Tile::Large, Tile::Medium, Tile::Small];
 
     /// The letter in the kernel name (`matmul_q4_gemm_{tag}_{dtype}`).
     pub fn tag(self) -> &'static str {
@@ -51,13 +58,14 @@ impl Tile {
             Tile::Large => "l",
             Tile::Medium => "m",
             Tile::Small => "s",
+            Tile::Tall => "t",
         }
     }
 
     /// Activation rows (`n`) per block.
     pub fn bm(self) -> usize {
         match self {
-            Tile::Large | Tile::Medium => 128,
+            Tile::Large | Tile::Medium | Tile::Tall => 128,
             Tile::Small => 64,
         }
     }
@@ -65,14 +73,14 @@ impl Tile {
     /// Weight rows per block.
     pub fn bn(self) -> usize {
         match self {
-            Tile::Large => 256,
+            Tile::Large | Tile::Tall => 256,
             Tile::Medium | Tile::Small => 128,
         }
     }
 
     fn stages(self) -> usize {
         match self {
-            Tile::Large => 3,
+            Tile::Large | Tile::Tall => 3,
             Tile::Medium | Tile::Small => 4,
         }
     }
@@ -87,25 +95,26 @@ impl Tile {
     /// dequantized fragment more), for [`pick`].
     fn efficiency(self) -> f64 {
         match self {
-            Tile::Large => 1.0,
+            Tile::Large | Tile::Tall => 1.0,
             Tile::Medium => 0.8,
             Tile::Small => 0.6,
         }
     }
 
-    /// The tile named by `s` (`l`, `m`, `s`, or `large`, `medium`, `small`).
+    /// The tile named by `s` (`l`, `m`, `s`, `t`, or `large`, `medium`, `small`, `tall`).
     pub fn parse(s: &str) -> Option<Tile> {
         match s.trim().to_ascii_lowercase().as_str() {
             "l" | "large" => Some(Tile::Large),
             "m" | "medium" => Some(Tile::Medium),
             "s" | "small" => Some(Tile::Small),
+            "t" | "tall" => Some(Tile::Tall),
             _ => None,
         }
     }
 }
 
 /// Which prefill kernel int4 matmuls use, from `TM_Q4_GEMM`: unset or `auto` → [`Policy::Auto`];
-/// `off`/`0`/`tiled` → [`Policy::Off`] (the older tiled kernel, for comparisons); `l`/`m`/`s`
+/// `off`/`0`/`tiled` → [`Policy::Off`] (the older tiled kernel, for comparisons); `l`/`m`/`s`/`t`
 /// → [`Policy::Force`]. Anything else is reported once on stderr and treated as `auto`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
@@ -126,7 +135,7 @@ impl Policy {
             Some(s) if s == "off" || s == "0" || s == "tiled" => Ok(Policy::Off),
             Some(s) => Tile::parse(&s)
                 .map(Policy::Force)
-                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s")),
+                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s, t")),
         }
     }
 
@@ -209,7 +218,7 @@ pub fn eligible(
 pub fn pick(n: usize, rows: usize, sms: usize) -> Tile {
     let sms = sms.max(1);
     let mut best = (f64::INFINITY, Tile::Small);
-    for tile in Tile::ALL {
+    for tile in Tile::AUTO {
         if n.div_ceil(tile.bm()) > MAX_GRID_Y {
             continue;
         }
@@ -357,6 +366,7 @@ mod tests {
         assert_eq!(Policy::parse(Some("auto")), Ok(Policy::Auto));
         assert_eq!(Policy::parse(Some("off")), Ok(Policy::Off));
         assert_eq!(Policy::parse(Some(" M ")), Ok(Policy::Force(Tile::Medium)));
+        assert_eq!(Policy::parse(Some("t")), Ok(Policy::Force(Tile::Tall)));
         assert!(Policy::parse(Some("huge")).is_err());
         assert_eq!(choose(Policy::Off, 512, 4096, 132), None);
         assert_eq!(choose(Policy::Force(Tile::Small), 8192, 4096, 132), Some(Tile::Small));
@@ -365,7 +375,7 @@ mod tests {
 
     #[test]
     fn policy_override_round_trips() {
-        for p in [Policy::Auto, Policy::Off, Policy::Force(Tile::Large), Policy::Force(Tile::Small)] {
+        for p in [Policy::Auto, Policy::Off, Policy::Force(Tile::Large), Policy::Force(Tile::Tall)] {
             set_policy(Some(p));
             assert_eq!(policy(), p);
         }
