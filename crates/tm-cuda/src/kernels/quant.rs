@@ -7,8 +7,9 @@
 //!   packed row, dequantize each in registers once and multiply it with all `n` activation rows.
 //! - `n > 8` (prefill), int4 with f16/bf16 on sm_80+ when [`q4_gemm::eligible`]: the w4a16
 //!   tensor-core GEMM of [`q4_gemm`] (packed weights in shared memory, dequantized in registers).
-//! - `n > 8` (prefill) otherwise: `matmul_q{4,8}_tiled_T`, 256 threads per block. Each k-step dequantizes a
-//!   weight tile into shared memory (no dequantized copy of `W` is ever written to global memory).
+//! - `n > 8` (prefill) otherwise: `matmul_q{4,8}_tiled_T`, 256 threads per block. Each k-step
+//!   dequantizes a weight tile into shared memory (no dequantized copy of `W` is ever written to
+//!   global memory).
 //!   f16/bf16 use tensor cores (mma.sync m16n8k16, f32 accumulators) on 64 × 128 (`n` × `rows`)
 //!   block tiles; f32 uses CUDA cores on 64 × 64 tiles, so f32 results stay f32-accurate (only the
 //!   order of the f32 sums differs from the CPU's exact path). With f16/bf16 the dequantized
