@@ -319,7 +319,8 @@ __device__ __forceinline__ void q4_gemm(T* __restrict__ out, const T* __restrict
 
 // ---------------------------------------------------------------------------------------------
 // Entry points: matmul_q4_gemm_{l,m,s}_{f16,bf16}; the tile shapes are listed in ABI.md and in the
-// launcher. `l`: 128 x 256 (warp tiles 64 x 64, 3 stages); `m`: 128 x 128 (64 x 32, 4 stages);
+// launcher. `l`: 128 x 256 (warp tiles 64 x 64, 3 stages); `m`: 128 x 128 (64 x 32, 4 stages, at
+// most 128 registers so that two blocks fit an SM where shared memory allows, e.g. sm_90);
 // `s`: 64 x 128 (32 x 32, 4 stages); `t`: 128 x 256 with tall warp tiles (128 x 32, 3 stages: each
 // weight dequantized once per block instead of twice, at twice the activation ldmatrix traffic;
 // chosen only when forced, for measuring against `l`).
@@ -334,7 +335,7 @@ __device__ __forceinline__ void q4_gemm(T* __restrict__ out, const T* __restrict
 
 #define TMG_KERNELS(SUF, T)                          \
     TMG_KERNEL(l, SUF, T, 128, 256, 2, 4, 3, 1)      \
-    TMG_KERNEL(m, SUF, T, 128, 128, 2, 4, 4, 1)      \
+    TMG_KERNEL(m, SUF, T, 128, 128, 2, 4, 4, 2)      \
     TMG_KERNEL(s, SUF, T, 64, 128, 2, 4, 4, 2)       \
     TMG_KERNEL(t, SUF, T, 128, 256, 1, 8, 3, 1)
 
