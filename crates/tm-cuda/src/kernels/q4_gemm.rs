@@ -10,7 +10,8 @@
 //! Three tile shapes (`n` × `rows` per block, 256 threads), chosen by [`pick`] for the fewest
 //! estimated waves of work (override with `TM_Q4_GEMM`, see [`Policy`]):
 //! - [`Tile::Large`]: 128 × 256, warp tiles 64 × 64, 3 pipeline stages, 84 KiB shared memory;
-//! - [`Tile::Medium`]: 128 × 128, warp tiles 64 × 32, 4 stages, 88 KiB;
+//! - [`Tile::Medium`]: 128 × 128, warp tiles 64 × 32, 4 stages, 88 KiB (two blocks per SM where
+//!   shared memory allows);
 //! - [`Tile::Small`]: 64 × 128, warp tiles 32 × 32, 4 stages, 56 KiB;
 //! - [`Tile::Tall`] (only when forced): 128 × 256, warp tiles 128 × 32, 3 stages, 84 KiB.
 //!
