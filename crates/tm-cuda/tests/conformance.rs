@@ -1616,7 +1616,7 @@ fn matmul_q4_policies(s: &mut Suite, n: usize, rows: usize, cols: usize, group: 
 }
 
 /// The w4a16 prefill GEMM (`q4_gemm.cu`) on Llama-3-8B-like and odd shapes: partial tiles in
-/// both `n` and `rows`, k-loops shorter than the pipeline, groups 32/64/128; and shapes it
+/// both `n` and `rows`, k-loops shorter than the pipeline, groups 32/64/96/128; and shapes it
 /// refuses, which must fall back to the tiled kernel.
 #[test]
 fn matmul_int4_gemm() {
@@ -1633,6 +1633,7 @@ fn matmul_int4_gemm() {
             (33, 256, 64, 32),
             (200, 384, 128, 128),
             (129, 264, 320, 32),
+            (48, 512, 192, 96),
             // Refused by the GEMM: cols % 64 != 0, rows % 8 != 0.
             (100, 1000, 4064, 32),
             (40, 1001, 512, 128),
