@@ -1725,6 +1725,68 @@ fn matmul_int4_decode() {
     });
 }
 
+/// An int4 matmul through each prefill kernel in turn: the w4a16 GEMM with every tile shape
+/// forced (`q4_gemm::set_policy`), its automatic choice, and the older tiled kernel, each
+/// against one exact host product. Shapes the GEMM refuses (f32, `cols % 64 != 0`,
+/// `rows % 8 != 0`) take the tiled kernel under every policy, so this also checks the fallback.
+fn matmul_q4_policies(s: &mut Suite, n: usize, rows: usize, cols: usize, group: usize) {
+    use tm_cuda::kernels::q4_gemm::{set_policy, Policy, Tile};
+    s.case(format!("matmul_q4 prefill kernels x[{n}, {cols}] · W[{rows}, {cols}]ᵀ g{group}"), |c| {
+        let xs = c.activations(n * cols, 1.0);
+        let w = c.weight(Kind::Int4(group), rows, cols, (3.0 / cols as f32).sqrt())?;
+        let x = c.act(&[n, cols], &xs)?;
+        let q = w.quant.as_ref().ok_or("int4 weight without its host copy")?;
+        let mut want = vec![0f32; n * rows];
+        tm_cpu::quant_matmul::matmul_int4_exact(&xs, n, &q.view(), &mut want).ctx("host exact int4 matmul")?;
+        let policies = [
+            Policy::Force(Tile::Large),
+            Policy::Force(Tile::Medium),
+            Policy::Force(Tile::Small),
+            Policy::Force(Tile::Tall),
+            Policy::Auto,
+            Policy::Off,
+        ];
+        for p in policies {
+            let mut out = c.output(&[n, rows])?;
+            set_policy(Some(p));
+            let ran = c.gpu.matmul(&x.gpu, &w.gpu, None, &mut out.gpu);
+            set_policy(None);
+            ran.ctx(format!("cuda matmul ({p:?})"))?;
+            c.check(&format!("out {p:?}"), &out.gpu, &want, rows, 1.0)?;
+        }
+        Ok(())
+    });
+}
+
+/// The w4a16 prefill GEMM (`q4_gemm.cu`) on Llama-3-8B-like and odd shapes: partial tiles in
+/// both `n` and `rows`, k-loops shorter than the pipeline, groups 32/64/96/128; and shapes it
+/// refuses, which must fall back to the tiled kernel.
+#[test]
+fn matmul_int4_gemm() {
+    run("matmul_int4_gemm", &ALL_DTYPES, |s| {
+        for (n, rows, cols, g) in [
+            (9, 4096, 4096, 128),
+            (9, 14336, 4096, 32),
+            (16, 4096, 14336, 128),
+            (64, 1024, 4096, 64),
+            (127, 1032, 576, 64),
+            (256, 2048, 2048, 128),
+            (1000, 520, 896, 32),
+            (300, 4104, 192, 64),
+            (33, 256, 64, 32),
+            (200, 384, 128, 128),
+            (129, 264, 320, 32),
+            (48, 512, 192, 96),
+            // Refused by the GEMM: cols % 64 != 0, rows % 8 != 0.
+            (100, 1000, 4064, 32),
+            (40, 1001, 512, 128),
+            (9, 100, 96, 32),
+        ] {
+            matmul_q4_policies(s, n, rows, cols, g);
+        }
+    });
+}
+
 #[test]
 fn matmul_int8() {
     run("matmul_int8", &ALL_DTYPES, |s| {

@@ -169,6 +169,25 @@ mod tests {
     }
 
     #[test]
+    fn q4_gemm_images_define_every_abi_kernel() {
+        let kernels = abi_kernels("q4_gemm.cu");
+        assert_eq!(kernels.len(), 4, "{kernels:?}");
+        let src = modules().iter().find(|s| s.name == "q4_gemm.cu").expect("q4_gemm.cu").text;
+        for k in &kernels {
+            let tile = k.strip_prefix("matmul_q4_gemm_").expect("kernel name");
+            assert!(src.contains(&format!("TMG_KERNEL({tile}, SUF")), "q4_gemm.cu does not define `{k}`");
+        }
+        for a in artefacts().iter().filter(|a| a.module == "q4_gemm") {
+            let entries = entry_points(a.bytes);
+            for k in &kernels {
+                for dt in ["f16", "bf16"] {
+                    assert!(entries.contains(&format!("{k}_{dt}")), "q4_gemm ({:?}) lacks {k}_{dt}", a.target);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn artefacts_are_consistent() {
         let modules: Vec<&str> = modules().iter().map(|s| s.name.trim_end_matches(".cu")).collect();
         for a in artefacts() {

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod elementwise;
 pub mod gemv;
+pub mod q4_gemm;
 pub mod q4_gemv;
 pub mod quant;
 pub mod sampling;

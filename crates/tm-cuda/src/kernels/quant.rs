@@ -6,8 +6,11 @@
 //! - `n <= 8` (decode): `matmul_q{4,8}_gemv{NB}_T` with `NB` the next power of two `>= n`. One
 //!   warp per weight row, 8 rows per 256-thread block; the lanes stride over 16-byte chunks of the
 //!   packed row, dequantize each in registers once and multiply it with all `n` activation rows.
-//! - `n > 8` (prefill): `matmul_q{4,8}_tiled_T`, 256 threads per block. Each k-step dequantizes a
-//!   weight tile into shared memory (no dequantized copy of `W` is ever written to global memory).
+//! - `n > 8` (prefill), int4 with f16/bf16 on sm_80+ when [`q4_gemm::eligible`]: the w4a16
+//!   tensor-core GEMM of [`q4_gemm`] (packed weights in shared memory, dequantized in registers).
+//! - `n > 8` (prefill) otherwise: `matmul_q{4,8}_tiled_T`, 256 threads per block. Each k-step
+//!   dequantizes a weight tile into shared memory (no dequantized copy of `W` is ever written to
+//!   global memory).
 //!   f16/bf16 use tensor cores (mma.sync m16n8k16, f32 accumulators) on 64 × 128 (`n` × `rows`)
 //!   block tiles; f32 uses CUDA cores on 64 × 64 tiles, so f32 results stay f32-accurate (only the
 //!   order of the f32 sums differs from the CPU's exact path). With f16/bf16 the dequantized
@@ -19,7 +22,7 @@
 
 use tm_core::{DType, Error, Result};
 
-use super::suffix;
+use super::{q4_gemm, suffix};
 use crate::runtime::{Dim3, Gpu, KernelArg};
 
 /// Threads per block of every quant kernel.
@@ -147,6 +150,12 @@ pub fn matmul_q4(
     };
     check_align(op, "scales", scales, 2)?;
     check_align(op, "mins", mins, 2)?;
+    if n > GEMV_MAX_N && q4_gemm::eligible(gpu.sm(), dt, n, rows, cols, group, x, out, packed, scales, mins) {
+        let sms = gpu.info().multiprocessors as usize;
+        if let Some(tile) = q4_gemm::choose(q4_gemm::policy(), n, rows, sms) {
+            return q4_gemm::launch(gpu, tile, dt, out, x, packed, scales, mins, n, rows, cols, group);
+        }
+    }
     let (name, grid, block) = plan(Kind::Int4, dt, n, rows)?;
     gpu.launch(
         &name,

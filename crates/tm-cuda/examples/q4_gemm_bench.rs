@@ -1,0 +1,291 @@
+//! Times the w4a16 prefill GEMM (`q4_gemm.cu`) against cuBLASLt on the same shapes.
+//!
+//! For f16 and bf16, the Llama-3-8B projection shapes (`rows × cols` = 4096 × 4096 (q, o),
+//! 6144 × 4096 (fused q/k/v), 14336 × 4096 (gate, up), 4096 × 14336 (down)) and batches
+//! `M` = 512, 2048, 8192 tokens: `out[M, rows] = x[M, cols] · Wᵀ` through
+//! - cuBLASLt with a dense `W` of the same dtype (tm-cuda's `Blas`, what dense models run),
+//! - `matmul_q4` with its automatic choice (int4 group 128, the AWQ default),
+//! - the int4 GEMM with each tile shape forced (`l`, `m`, `s`, `t`), and the older tiled kernel
+//!   (`TM_Q4_GEMM=off`),
+//!
+//! each timed with CUDA events over `--iters` launches after warm-up, printing µs, TFLOP/s and the
+//! int4/cuBLAS throughput ratio (`ratio` = cuBLAS time / int4 time) for the automatic choice and
+//! for the fastest tile. Asserts nothing. Without a CUDA device it says so and exits 0.
+//!
+//! ```text
+//! cargo build --release -p tm-cuda --examples
+//! target/release/examples/q4_gemm_bench [--iters 20] [--dtype f16|bf16|both] [--m 512,2048,8192] [--group 128]
+//! ```
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use tm_core::{Allocator, Buffer, DType, Device, Result};
+use tm_cuda::allocator::CudaAllocator;
+use tm_cuda::blas::{self, Blas};
+use tm_cuda::kernels::q4_gemm::{self, Policy, Tile};
+use tm_cuda::kernels::quant;
+use tm_cuda::runtime::Gpu;
+use tm_cuda::staging::{Staging, DEFAULT_STAGING_BYTES};
+use tm_cuda::CudaDevice;
+
+/// Llama-3-8B projection shapes: (name, rows, cols).
+const SHAPES: [(&str, usize, usize); 4] =
+    [("q/o", 4096, 4096), ("qkv", 6144, 4096), ("gate/up", 14336, 4096), ("down", 4096, 14336)];
+
+struct Args {
+    iters: usize,
+    dtypes: Vec<DType>,
+    ms: Vec<usize>,
+    group: usize,
+}
+
+fn parse_args() -> std::result::Result<Args, String> {
+    let mut a = Args { iters: 20, dtypes: vec![DType::F16, DType::BF16], ms: vec![512, 2048, 8192], group: 128 };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--iters" => a.iters = val()?.parse().map_err(|e| format!("--iters: {e}"))?,
+            "--group" => a.group = val()?.parse().map_err(|e| format!("--group: {e}"))?,
+            "--dtype" => {
+                a.dtypes = match val()?.as_str() {
+                    "f16" => vec![DType::F16],
+                    "bf16" => vec![DType::BF16],
+                    "both" => vec![DType::F16, DType::BF16],
+                    other => return Err(format!("--dtype {other}: expected f16, bf16 or both")),
+                }
+            }
+            "--m" => {
+                a.ms = val()?
+                    .split(',')
+                    .map(|s| s.trim().parse::<usize>().map_err(|e| format!("--m {s}: {e}")))
+                    .collect::<std::result::Result<_, _>>()?
+            }
+            "-h" | "--help" => {
+                println!("q4_gemm_bench [--iters N] [--dtype f16|bf16|both] [--m 512,2048,8192] [--group 128]");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other} (try --help)")),
+        }
+    }
+    if a.iters == 0 || a.ms.contains(&0) {
+        return Err("--iters and every --m must be positive".into());
+    }
+    Ok(a)
+}
+
+/// A small xorshift generator for the random inputs.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// `count` values `scale * unit()` encoded as `dt`.
+fn random_values(rng: &mut Rng, dt: DType, count: usize, scale: f32) -> Vec<u8> {
+    let mut out = Vec::with_capacity(count * 2);
+    for _ in 0..count {
+        let v = scale * rng.unit();
+        let b = match dt {
+            DType::BF16 => half::bf16::from_f32(v).to_le_bytes(),
+            _ => half::f16::from_f32(v).to_le_bytes(),
+        };
+        out.extend_from_slice(&b);
+    }
+    out
+}
+
+/// A device buffer holding `bytes`.
+fn upload(alloc: &Arc<dyn Allocator>, staging: &Staging, bytes: &[u8]) -> Result<Buffer> {
+    let b = Buffer::new(alloc, bytes.len().max(1), "bench")?;
+    staging.upload(b.addr(), bytes)?;
+    Ok(b)
+}
+
+/// Mean µs per call of `f` over `iters` calls (after 3 warm-up calls), timed with CUDA events.
+fn time_us(gpu: &Gpu, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let err = |what: &'static str| {
+        move |e: cudarc::driver::DriverError| tm_core::Error::Backend {
+            backend: "cuda".into(),
+            message: format!("{what}: {e:?}"),
+        }
+    };
+    for _ in 0..3 {
+        f()?;
+    }
+    let ctx = gpu.stream().context();
+    let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let start = ctx.new_event(flags).map_err(err("cuEventCreate"))?;
+    let end = ctx.new_event(flags).map_err(err("cuEventCreate"))?;
+    start.record(gpu.stream()).map_err(err("cuEventRecord"))?;
+    for _ in 0..iters {
+        f()?;
+    }
+    end.record(gpu.stream()).map_err(err("cuEventRecord"))?;
+    end.synchronize().map_err(err("cuEventSynchronize"))?;
+    let ms = start.elapsed_ms(&end).map_err(err("cuEventElapsedTime"))?;
+    Ok(ms as f64 * 1e3 / iters as f64)
+}
+
+fn tflops(m: usize, rows: usize, cols: usize, us: f64) -> f64 {
+    2.0 * (m * rows * cols) as f64 / (us * 1e-6) / 1e12
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("q4_gemm_bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    match tm_cuda::probe() {
+        Ok(devs) if !devs.is_empty() => {}
+        Ok(_) => {
+            println!("q4_gemm_bench: no CUDA device; nothing to measure");
+            return;
+        }
+        Err(e) => {
+            println!("q4_gemm_bench: no CUDA device ({e}); nothing to measure");
+            return;
+        }
+    }
+    if let Err(e) = run(&args) {
+        eprintln!("q4_gemm_bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: &Args) -> Result<()> {
+    let gpu = Gpu::open(0)?;
+    let device: Arc<dyn Device> = Arc::new(
+        CudaDevice::new(0).map_err(|e| tm_core::Error::Backend { backend: "cuda".into(), message: e.to_string() })?,
+    );
+    let alloc: Arc<dyn Allocator> = CudaAllocator::new(gpu.clone(), device, 16 << 30);
+    if !blas::available() {
+        println!("q4_gemm_bench: cuBLASLt not found; nothing to compare against");
+        return Ok(());
+    }
+    let blas = Blas::new(gpu.clone(), &alloc)?;
+    let staging = Staging::new(gpu.clone(), DEFAULT_STAGING_BYTES)?;
+    let info = gpu.info();
+    println!(
+        "{} (sm_{}, {} SMs), kernels from {}; int4 group {}, {} timed iterations; TM_Q4_GEMM={}",
+        info.name,
+        gpu.sm(),
+        info.multiprocessors,
+        gpu.kernel_source(),
+        args.group,
+        args.iters,
+        std::env::var("TM_Q4_GEMM").unwrap_or_else(|_| "(unset)".into())
+    );
+    println!(
+        "{:<5} {:<8} {:>5} {:>6} {:>6} | {:>9} {:>7} | {:>9} {:>7} {:>6} {:>4} | {:>4} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8}",
+        "dtype",
+        "shape",
+        "M",
+        "N",
+        "K",
+        "cuBLAS us",
+        "TFLOP/s",
+        "int4 us",
+        "TFLOP/s",
+        "ratio",
+        "tile",
+        "best",
+        "ratio",
+        "l us",
+        "m us",
+        "s us",
+        "t us",
+        "tiled us"
+    );
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let sms = info.multiprocessors as usize;
+    for &dt in &args.dtypes {
+        for (name, rows, cols) in SHAPES {
+            if !cols.is_multiple_of(args.group) {
+                println!("skipping {name}: group {} does not divide cols = {cols}", args.group);
+                continue;
+            }
+            let groups = cols / args.group;
+            // Weights: dense for cuBLAS, int4 (random nibbles, scales about 1/64, mins -8 scales).
+            let dense = upload(&alloc, &staging, &random_values(&mut rng, dt, rows * cols, 0.03))?;
+            let packed_host: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
+            let packed = upload(&alloc, &staging, &packed_host)?;
+            let scale_host: Vec<u8> = (0..rows * groups)
+                .flat_map(|_| half::f16::from_f32(0.004 + 0.001 * rng.unit()).to_le_bytes())
+                .collect();
+            let min_host: Vec<u8> = (0..rows * groups)
+                .flat_map(|_| half::f16::from_f32(-0.032 + 0.004 * rng.unit()).to_le_bytes())
+                .collect();
+            let scales = upload(&alloc, &staging, &scale_host)?;
+            let mins = upload(&alloc, &staging, &min_host)?;
+            for &m in &args.ms {
+                let x = upload(&alloc, &staging, &random_values(&mut rng, dt, m * cols, 1.0))?;
+                let out = Buffer::new(&alloc, m * rows * 2, "bench")?;
+                let q4 = |p: Option<Policy>| {
+                    q4_gemm::set_policy(p);
+                    let r = quant::matmul_q4(
+                        &gpu,
+                        dt,
+                        out.addr(),
+                        x.addr(),
+                        packed.addr(),
+                        scales.addr(),
+                        mins.addr(),
+                        m,
+                        rows,
+                        cols,
+                        args.group,
+                    );
+                    q4_gemm::set_policy(None);
+                    r
+                };
+                let t_blas =
+                    time_us(&gpu, args.iters, || blas.gemm(dt, m, rows, cols, x.addr(), dense.addr(), out.addr()))?;
+                let t_auto = time_us(&gpu, args.iters, || q4(Some(Policy::Auto)))?;
+                let mut per_tile = Vec::new();
+                for tile in Tile::ALL {
+                    per_tile.push(time_us(&gpu, args.iters, || q4(Some(Policy::Force(tile))))?);
+                }
+                let t_tiled = time_us(&gpu, args.iters, || q4(Some(Policy::Off)))?;
+                let auto_tile = q4_gemm::pick(m, rows, sms);
+                let (best, t_best) = Tile::ALL
+                    .iter()
+                    .zip(&per_tile)
+                    .fold((auto_tile, f64::INFINITY), |acc, (&t, &us)| if us < acc.1 { (t, us) } else { acc });
+                let cells: Vec<String> = per_tile.iter().chain([&t_tiled]).map(|us| format!("{us:>8.1}")).collect();
+                println!(
+                    "{:<5} {:<8} {:>5} {:>6} {:>6} | {:>9.1} {:>7.1} | {:>9.1} {:>7.1} {:>5.0}% {:>4} | {:>4} {:>5.0}% | {}",
+                    dt.to_string(),
+                    name,
+                    m,
+                    rows,
+                    cols,
+                    t_blas,
+                    tflops(m, rows, cols, t_blas),
+                    t_auto,
+                    tflops(m, rows, cols, t_auto),
+                    100.0 * t_blas / t_auto,
+                    auto_tile.tag(),
+                    best.tag(),
+                    100.0 * t_blas / t_best,
+                    cells.join(" ")
+                );
+            }
+        }
+    }
+    gpu.synchronize()?;
+    Ok(())
+}

@@ -1,0 +1,386 @@
+//! Launcher for `q4_gemm.cu`: the w4a16 prefill GEMM `out[n, rows] = x[n, cols] · Wᵀ` with `W` in
+//! tm's int4 layout ([`tm_core::quant`]), f16 or bf16 activations, tensor cores (mma.sync
+//! m16n8k16, f32 accumulators), the packed weights dequantized in registers right before the mma
+//! (never into memory).
+//!
+//! [`crate::kernels::quant::matmul_q4`] sends a call here when `n` is above the GEMV range and
+//! [`eligible`] accepts it; everything else (f32, `cols % 64 != 0`, unaligned pointers, pre-sm_80
+//! devices) stays on the older `matmul_q4_tiled` kernel.
+//!
+//! Three tile shapes (`n` × `rows` per block, 256 threads), chosen by [`pick`] for the fewest
+//! estimated waves of work (override with `TM_Q4_GEMM`, see [`Policy`]):
+//! - [`Tile::Large`]: 128 × 256, warp tiles 64 × 64, 3 pipeline stages, 84 KiB shared memory;
+//! - [`Tile::Medium`]: 128 × 128, warp tiles 64 × 32, 4 stages, 88 KiB (two blocks per SM where
+//!   shared memory allows);
+//! - [`Tile::Small`]: 64 × 128, warp tiles 32 × 32, 4 stages, 56 KiB;
+//! - [`Tile::Tall`] (only when forced): 128 × 256, warp tiles 128 × 32, 3 stages, 84 KiB.
+//!
+//! All fit the 99 KiB per block of sm_86/sm_89 and the Jetson's (sm_87) 163 KiB.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+use tm_core::{DType, Error, Result};
+
+use super::suffix;
+use crate::runtime::{Gpu, KernelArg};
+
+/// Threads per block.
+const THREADS: u32 = 256;
+/// Columns per k-tile; `cols` must be a multiple.
+pub const BK: usize = 64;
+/// The hardware's limit on `grid.y` (the `n` tiles).
+const MAX_GRID_Y: usize = 65535;
+
+/// A block tile shape of the kernel (`BM` activation rows × `BN` weight rows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tile {
+    /// 128 × 256 (warp tiles 64 × 64), 3 stages: large prefill batches.
+    Large,
+    /// 128 × 128 (warp tiles 64 × 32), 4 stages: mid-sized batches, or too few large tiles.
+    Medium,
+    /// 64 × 128 (warp tiles 32 × 32), 4 stages: small batches.
+    Small,
+    /// 128 × 256 with tall warp tiles (128 × 32, warps 1 × 8), 3 stages: each weight is
+    /// dequantized once per block instead of twice, for twice the activation ldmatrix traffic.
+    /// Never picked automatically; forced (`TM_Q4_GEMM=t`) to measure it against [`Tile::Large`].
+    Tall,
+}
+
+impl Tile {
+    /// Every tile shape.
+    pub const ALL: [Tile; 4] = [Tile::Large, Tile::Medium, Tile::Small, Tile::Tall];
+    /// The shapes [`pick`] chooses from, largest first.
+    pub const AUTO: [Tile; 3] = [Tile::Large, Tile::Medium, Tile::Small];
+
+    /// The letter in the kernel name (`matmul_q4_gemm_{tag}_{dtype}`).
+    pub fn tag(self) -> &'static str {
+        match self {
+            Tile::Large => "l",
+            Tile::Medium => "m",
+            Tile::Small => "s",
+            Tile::Tall => "t",
+        }
+    }
+
+    /// Activation rows (`n`) per block.
+    pub fn bm(self) -> usize {
+        match self {
+            Tile::Large | Tile::Medium | Tile::Tall => 128,
+            Tile::Small => 64,
+        }
+    }
+
+    /// Weight rows per block.
+    pub fn bn(self) -> usize {
+        match self {
+            Tile::Large | Tile::Tall => 256,
+            Tile::Medium | Tile::Small => 128,
+        }
+    }
+
+    fn stages(self) -> usize {
+        match self {
+            Tile::Large | Tile::Tall => 3,
+            Tile::Medium | Tile::Small => 4,
+        }
+    }
+
+    /// Dynamic shared memory per block: per stage the activation tile (`bm` × 64 × 2 bytes), the
+    /// packed weight tile (`bn` × 32 bytes) and the scale/min pairs (`bn` × 16 bytes).
+    pub fn shared_bytes(self) -> usize {
+        self.stages() * (self.bm() * BK * 2 + self.bn() * BK / 2 + self.bn() * 16)
+    }
+
+    /// Relative math throughput of a block of this shape (bigger warp tiles reuse each loaded or
+    /// dequantized fragment more), for [`pick`].
+    fn efficiency(self) -> f64 {
+        match self {
+            Tile::Large | Tile::Tall => 1.0,
+            Tile::Medium => 0.8,
+            Tile::Small => 0.6,
+        }
+    }
+
+    /// The tile named by `s` (`l`, `m`, `s`, `t`, or `large`, `medium`, `small`, `tall`).
+    pub fn parse(s: &str) -> Option<Tile> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "l" | "large" => Some(Tile::Large),
+            "m" | "medium" => Some(Tile::Medium),
+            "s" | "small" => Some(Tile::Small),
+            "t" | "tall" => Some(Tile::Tall),
+            _ => None,
+        }
+    }
+}
+
+/// Which prefill kernel int4 matmuls use, from `TM_Q4_GEMM`: unset or `auto` → [`Policy::Auto`];
+/// `off`/`0`/`tiled` → [`Policy::Off`] (the older tiled kernel, for comparisons); `l`/`m`/`s`/`t`
+/// → [`Policy::Force`]. Anything else is reported once on stderr and treated as `auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// [`pick`] chooses the tile.
+    Auto,
+    /// Never use this kernel.
+    Off,
+    /// Always this tile (when the call is [`eligible`]).
+    Force(Tile),
+}
+
+impl Policy {
+    /// Parses a `TM_Q4_GEMM` value.
+    pub fn parse(v: Option<&str>) -> std::result::Result<Policy, String> {
+        match v.map(|s| s.trim().to_ascii_lowercase()) {
+            None => Ok(Policy::Auto),
+            Some(s) if s.is_empty() || s == "auto" => Ok(Policy::Auto),
+            Some(s) if s == "off" || s == "0" || s == "tiled" => Ok(Policy::Off),
+            Some(s) => Tile::parse(&s)
+                .map(Policy::Force)
+                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s, t")),
+        }
+    }
+
+    /// The process's policy (read once).
+    pub fn from_env() -> Policy {
+        static POLICY: OnceLock<Policy> = OnceLock::new();
+        *POLICY.get_or_init(|| {
+            let v = std::env::var("TM_Q4_GEMM").ok();
+            Policy::parse(v.as_deref()).unwrap_or_else(|e| {
+                eprintln!("warning: {e}; using auto");
+                Policy::Auto
+            })
+        })
+    }
+}
+
+/// The process-wide override of [`Policy::from_env`] set by [`set_policy`]: 0 = none, 1 = auto,
+/// 2 = off, 3 + i = force `Tile::ALL[i]`.
+static OVERRIDE: AtomicU8 = AtomicU8::new(0);
+
+/// Overrides `TM_Q4_GEMM` for the whole process (`None`: back to the environment's policy). For
+/// tests and benchmarks that compare the tile shapes or the older kernel in one process.
+pub fn set_policy(policy: Option<Policy>) {
+    let code = match policy {
+        None => 0,
+        Some(Policy::Auto) => 1,
+        Some(Policy::Off) => 2,
+        Some(Policy::Force(t)) => 3 + Tile::ALL.iter().position(|&a| a == t).unwrap_or(0) as u8,
+    };
+    OVERRIDE.store(code, Ordering::Relaxed);
+}
+
+/// The policy in force: [`set_policy`]'s override, else `TM_Q4_GEMM` ([`Policy::from_env`]).
+pub fn policy() -> Policy {
+    match OVERRIDE.load(Ordering::Relaxed) {
+        0 => Policy::from_env(),
+        1 => Policy::Auto,
+        2 => Policy::Off,
+        c => Policy::Force(Tile::ALL[usize::from(c - 3).min(Tile::ALL.len() - 1)]),
+    }
+}
+
+/// Whether the kernel takes a call: f16/bf16 on sm_80+, `cols % 64 == 0`, `group % 32 == 0`
+/// dividing `cols`, `rows % 8 == 0`, `x` and `packed` 16-byte aligned, `out` 4-byte and
+/// `scales`/`mins` 2-byte aligned, and `n` within the grid limit of the smallest tile. The
+/// caller has validated sizes against `int` already.
+#[allow(clippy::too_many_arguments)]
+pub fn eligible(
+    sm: u32,
+    dt: DType,
+    n: usize,
+    rows: usize,
+    cols: usize,
+    group: usize,
+    x: u64,
+    out: u64,
+    packed: u64,
+    scales: u64,
+    mins: u64,
+) -> bool {
+    sm >= 80
+        && matches!(dt, DType::F16 | DType::BF16)
+        && cols > 0
+        && cols.is_multiple_of(BK)
+        && group > 0
+        && group.is_multiple_of(32)
+        && cols.is_multiple_of(group)
+        && rows.is_multiple_of(8)
+        && x.is_multiple_of(16)
+        && packed.is_multiple_of(16)
+        && out.is_multiple_of(4)
+        && scales.is_multiple_of(2)
+        && mins.is_multiple_of(2)
+        && n.div_ceil(Tile::Small.bm()) <= MAX_GRID_Y
+}
+
+/// The tile with the least estimated time on `sms` multiprocessors: whole waves of blocks (one
+/// block per SM) times the work of a block over its [`Tile::efficiency`]. Tiles whose `n` grid
+/// would exceed the hardware limit are skipped (the small tile always fits an [`eligible`] call).
+pub fn pick(n: usize, rows: usize, sms: usize) -> Tile {
+    let sms = sms.max(1);
+    let mut best = (f64::INFINITY, Tile::Small);
+    for tile in Tile::AUTO {
+        if n.div_ceil(tile.bm()) > MAX_GRID_Y {
+            continue;
+        }
+        let blocks = n.div_ceil(tile.bm()) * rows.div_ceil(tile.bn());
+        let waves = blocks.div_ceil(sms) as f64;
+        let cost = waves * (tile.bm() * tile.bn()) as f64 / tile.efficiency();
+        if cost < best.0 {
+            best = (cost, tile);
+        }
+    }
+    best.1
+}
+
+/// The kernel name, grid and dynamic shared memory of a call with `tile`.
+pub fn plan(tile: Tile, dt: DType, n: usize, rows: usize) -> Result<(String, (u32, u32, u32), u32)> {
+    let sfx = suffix(dt)?;
+    if dt == DType::F32 {
+        return Err(Error::invalid("matmul_q4_gemm: f32 activations are not supported (f16 or bf16 only)"));
+    }
+    let gx = rows.div_ceil(tile.bn());
+    let gy = n.div_ceil(tile.bm());
+    if gy > MAX_GRID_Y {
+        return Err(Error::invalid(format!(
+            "matmul_q4_gemm: n = {n} exceeds the grid limit of {} for tile {tile:?}",
+            MAX_GRID_Y * tile.bm()
+        )));
+    }
+    let gx = u32::try_from(gx)
+        .map_err(|_| Error::invalid(format!("matmul_q4_gemm: rows = {rows} needs too many blocks")))?;
+    Ok((format!("matmul_q4_gemm_{}_{sfx}", tile.tag()), (gx, gy as u32, 1), tile.shared_bytes() as u32))
+}
+
+/// Launches the kernel with `tile` (the caller checked [`eligible`]): `packed` u8 `[rows, cols/2]`
+/// in tm's nibble order, `scales`/`mins` f16 `[rows, cols/group]`, `x` `[n, cols]` and `out`
+/// `[n, rows]` in `dt`. All pointers are device addresses; the kernel is queued on the GPU's stream.
+#[allow(clippy::too_many_arguments)]
+pub fn launch(
+    gpu: &Gpu,
+    tile: Tile,
+    dt: DType,
+    out: u64,
+    x: u64,
+    packed: u64,
+    scales: u64,
+    mins: u64,
+    n: usize,
+    rows: usize,
+    cols: usize,
+    group: usize,
+) -> Result<()> {
+    let int = |what: &str, v: usize| {
+        i32::try_from(v).map_err(|_| Error::invalid(format!("matmul_q4_gemm: {what} = {v} exceeds the kernel's int")))
+    };
+    let (n32, r32, c32, g32) = (int("n", n)?, int("rows", rows)?, int("cols", cols)?, int("group", group)?);
+    if n == 0 || rows == 0 {
+        return Ok(());
+    }
+    if !eligible(gpu.sm(), dt, n, rows, cols, group, x, out, packed, scales, mins) {
+        return Err(Error::invalid(format!(
+            "matmul_q4_gemm: the call (dtype {dt}, n = {n}, rows = {rows}, cols = {cols}, group = {group}, sm_{}) \
+             does not meet the kernel's requirements (f16/bf16, sm_80+, cols % 64, rows % 8, aligned pointers)",
+            gpu.sm()
+        )));
+    }
+    let (name, grid, smem) = plan(tile, dt, n, rows)?;
+    gpu.launch(
+        &name,
+        grid,
+        (THREADS, 1, 1),
+        smem,
+        &[
+            KernelArg::Ptr(out),
+            KernelArg::Ptr(x),
+            KernelArg::Ptr(packed),
+            KernelArg::Ptr(scales),
+            KernelArg::Ptr(mins),
+            KernelArg::I32(n32),
+            KernelArg::I32(r32),
+            KernelArg::I32(c32),
+            KernelArg::I32(g32),
+        ],
+    )
+}
+
+/// The tile [`crate::kernels::quant::matmul_q4`] uses for an [`eligible`] call under `policy`, or
+/// `None` for the older tiled kernel.
+pub fn choose(policy: Policy, n: usize, rows: usize, sms: usize) -> Option<Tile> {
+    match policy {
+        Policy::Off => None,
+        Policy::Force(t) if n.div_ceil(t.bm()) <= MAX_GRID_Y => Some(t),
+        Policy::Force(_) | Policy::Auto => Some(pick(n, rows, sms)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_fits_every_supported_arch() {
+        // sm_86/sm_89 allow 99 KiB of dynamic shared memory per block.
+        for t in Tile::ALL {
+            assert!(t.shared_bytes() <= 99 * 1024, "{t:?}: {} bytes", t.shared_bytes());
+        }
+        assert_eq!(Tile::Large.shared_bytes(), 3 * (16384 + 8192 + 4096));
+        assert_eq!(Tile::Small.shared_bytes(), 4 * (8192 + 4096 + 2048));
+    }
+
+    #[test]
+    fn eligibility() {
+        let ok = |sm, dt, n, rows, cols, group, x, out| {
+            eligible(sm, dt, n, rows, cols, group, x, out, 0x1000, 0x2000, 0x3000)
+        };
+        assert!(ok(90, DType::F16, 512, 4096, 4096, 128, 0x100, 0x200));
+        assert!(ok(80, DType::BF16, 9, 14336, 4096, 32, 0x100, 0x204));
+        assert!(ok(87, DType::BF16, 1000, 8, 64, 64, 0x100, 0x200));
+        assert!(!ok(75, DType::F16, 512, 4096, 4096, 128, 0x100, 0x200));
+        assert!(!ok(90, DType::F32, 512, 4096, 4096, 128, 0x100, 0x200));
+        assert!(!ok(90, DType::F16, 512, 4096, 4064, 32, 0x100, 0x200)); // cols % 64
+        assert!(!ok(90, DType::F16, 512, 4100, 4096, 32, 0x100, 0x200)); // rows % 8
+        assert!(!ok(90, DType::F16, 512, 4096, 4096, 48, 0x100, 0x200)); // group
+        assert!(!ok(90, DType::F16, 512, 4096, 4096, 128, 0x108, 0x200)); // x alignment
+        assert!(!ok(90, DType::F16, 512, 4096, 4096, 128, 0x100, 0x202)); // out alignment
+        assert!(!eligible(90, DType::F16, 512, 4096, 4096, 128, 0x100, 0x200, 0x1008, 0x2000, 0x3000));
+        assert!(!eligible(90, DType::F16, 512, 4096, 4096, 128, 0x100, 0x200, 0x1000, 0x2001, 0x3000));
+    }
+
+    #[test]
+    fn picks_tiles_by_waves() {
+        // 8192 tokens: plenty of large tiles.
+        assert_eq!(pick(8192, 14336, 132), Tile::Large);
+        assert_eq!(pick(2048, 4096, 132), Tile::Large);
+        // 512 tokens x 4096 rows: 64 large tiles would leave half the SMs idle.
+        assert_eq!(pick(512, 4096, 132), Tile::Medium);
+        assert_eq!(pick(64, 4096, 132), Tile::Small);
+        assert_eq!(pick(9, 576, 16), Tile::Small);
+        let (name, grid, smem) = plan(Tile::Large, DType::BF16, 1000, 4104).unwrap();
+        assert_eq!((name.as_str(), grid, smem), ("matmul_q4_gemm_l_bf16", (17, 8, 1), 86016));
+        assert!(plan(Tile::Small, DType::F32, 10, 8).is_err());
+    }
+
+    #[test]
+    fn policy_from_text() {
+        assert_eq!(Policy::parse(None), Ok(Policy::Auto));
+        assert_eq!(Policy::parse(Some("auto")), Ok(Policy::Auto));
+        assert_eq!(Policy::parse(Some("off")), Ok(Policy::Off));
+        assert_eq!(Policy::parse(Some(" M ")), Ok(Policy::Force(Tile::Medium)));
+        assert_eq!(Policy::parse(Some("t")), Ok(Policy::Force(Tile::Tall)));
+        assert!(Policy::parse(Some("huge")).is_err());
+        assert_eq!(choose(Policy::Off, 512, 4096, 132), None);
+        assert_eq!(choose(Policy::Force(Tile::Small), 8192, 4096, 132), Some(Tile::Small));
+        assert_eq!(choose(Policy::Auto, 8192, 4096, 132), Some(Tile::Large));
+    }
+
+    #[test]
+    fn policy_override_round_trips() {
+        for p in [Policy::Auto, Policy::Off, Policy::Force(Tile::Large), Policy::Force(Tile::Tall)] {
+            set_policy(Some(p));
+            assert_eq!(policy(), p);
+        }
+        set_policy(None);
+        assert_eq!(policy(), Policy::from_env());
+    }
+}
