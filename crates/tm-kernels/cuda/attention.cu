@@ -29,11 +29,13 @@
 // (as flash-attention does). Output rows that belong to no sequence are not written.
 //
 // 8-bit KV cache (`_kv8` kernels, C = __nv_fp8_e4m3, scale 1.0): the same kernels, templated on
-// the cache element C. The tensor-core kernels copy each K/V tile of fp8 codes into a raw
-// shared-memory stage with 16-byte cp.async (16 codes per copy), convert it to T in registers
-// into the one T stage (exact: every E4M3 value is an f16 and a bf16 value), and issue the next
-// tile's copies before computing on this one, so the loads of tile t + 1 overlap the math of
-// tile t. write_kv_e4m3_<T> converts K and V to E4M3 (round to nearest even, saturating at
+// the cache element C; codes are decoded exactly (every E4M3 value is an f16 and a bf16 value).
+// The tensor-core kernels copy each K/V tile of fp8 codes into raw shared-memory stages with
+// 16-byte cp.async (16 codes per copy). Decode keeps a ring of NS raw stages (NS - 1 tiles in
+// flight, one barrier per tile) and decodes the codes straight into the mma B fragments
+// (flash_step_kv8), so it moves half the bytes of a 16-bit cache with no extra shared-memory
+// pass. Prefill converts the raw stage to T in registers into one T stage and issues the next
+// tile's copies before computing on it, so the loads of tile t + 1 overlap the math of tile t. write_kv_e4m3_<T> converts K and V to E4M3 (round to nearest even, saturating at
 // +-448, NaN -> 0x7f) as it writes them; see crates/tm-core/src/fp8.rs for the format.
 
 #include <cuda_fp16.h>
@@ -327,23 +329,155 @@ __device__ __forceinline__ void convert_kv_tile(T* sK, T* sV, const unsigned cha
         dst[1] = hi;
     }
 }
+
+// Row stride in bytes of a raw fp8 K/V stage of the decode kernel: D, plus 16 when D / 16 is even,
+// so that RS / 16 is odd and the fragment loads of flash_step_kv8 are free of bank conflicts
+// (rows gid = 0..7 at word offsets RS / 4 * gid fall in 8 distinct groups of 4 banks).
+template <int D> struct Kv8Row {
+    static constexpr int RS = (D / 16) % 2 == 0 ? D + 16 : D;
+};
+
+// The head-dim column held by element `e` (0/1 of a pair) of column pair `2 * tig` of n-tile `nt`
+// of flash_step_kv8's output accumulators: a thread's 32-bit V load covers 4 consecutive columns,
+// which land in 4 consecutive n-tiles (the last D % 32 = 16 columns: 2 columns, 2 n-tiles).
+template <int D> __device__ __forceinline__ int kv8_col(int nt, int c) {
+    const int g = nt >> 2, i = nt & 3;
+    return g < D / 32 ? g * 32 + 4 * c + i : g * 32 + 2 * c + i;
+}
+
+// flash_step for MT = KP = 1 (16 query rows x 16 keys) with K and V as E4M3 codes in shared
+// memory (key i at byte row i, stride RS), decoded to T while building the mma B fragments, with
+// no T copy of the tile:
+// - S = Q K^T: in k-step ks the mma k indices 2*tig + {0, 1} stand for d = 16*ks + 4*tig + {0, 1}
+//   and 2*tig + 8 + {0, 1} for d = 16*ks + 4*tig + {2, 3} (a dot product does not depend on the
+//   order of its terms), so one 32-bit load brings a thread's four K codes; Q's A fragment is read
+//   in the same order with two 64-bit loads.
+// - O += P V: P's A fragment is the usual one (keys 2*tig + {0, 1} and 2*tig + 8 + {0, 1}); the
+//   output columns are permuted (kv8_col) so that one 32-bit load per key row brings the codes of
+//   4 n-tiles, paired across rows with byte permutes.
+template <typename T, int D, typename Mask>
+__device__ __forceinline__ void flash_step_kv8(const T* sQ, const unsigned char* rK, const unsigned char* rV,
+                                               float scale_log2, float m[2], float l[2], float o[D / 8][4],
+                                               Mask mask) {
+    constexpr int LD = D + 8;
+    constexpr int RS = Kv8Row<D>::RS;
+    const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    // S = Q K^T
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+        const uint2 q0 = *reinterpret_cast<const uint2*>(sQ + gid * LD + ks * 16 + 4 * tig);
+        const uint2 q1 = *reinterpret_cast<const uint2*>(sQ + (gid + 8) * LD + ks * 16 + 4 * tig);
+        const unsigned a[4] = {q0.x, q1.x, q0.y, q1.y};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const unsigned k = *reinterpret_cast<const unsigned*>(rK + (nt * 8 + gid) * RS + ks * 16 + 4 * tig);
+            mma16816<T>(s[nt], a, fp8x2_to<T>(k), fp8x2_to<T>(k >> 16));
+        }
+    }
+    // scale, mask, running max
+    float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = nt * 8 + 2 * tig + (e & 1);
+            const float v = mask(0, e >> 1, key, s[nt][e] * scale_log2);
+            s[nt][e] = v;
+            mx[e >> 1] = fmaxf(mx[e >> 1], v);
+        }
+    }
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(TM_FULL_MASK, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(TM_FULL_MASK, mx[i], 2));
+        const float m_new = fmaxf(m[i], mx[i]);
+        m_use[i] = m_new == neg_inf() ? 0.f : m_new;
+        alpha[i] = exp2f(m[i] - m_use[i]);
+        m[i] = m_new;
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float p = exp2f(s[nt][e] - m_use[e >> 1]);
+            s[nt][e] = p;
+            rs[e >> 1] += p;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + rs[i];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+        o[nt][0] *= alpha[0];
+        o[nt][1] *= alpha[0];
+        o[nt][2] *= alpha[1];
+        o[nt][3] *= alpha[1];
+    }
+    // O += P V
+    const unsigned a[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]), pack2<T>(s[1][0], s[1][1]),
+                           pack2<T>(s[1][2], s[1][3])};
+    // this thread's B rows: keys 2*tig, 2*tig + 1 (b0) and 2*tig + 8, 2*tig + 9 (b1)
+    const unsigned char* v0 = rV + 2 * tig * RS;
+#pragma unroll
+    for (int g = 0; g < D / 32; ++g) {
+        const int off = g * 32 + 4 * gid;
+        const unsigned x0 = *reinterpret_cast<const unsigned*>(v0 + off);
+        const unsigned x1 = *reinterpret_cast<const unsigned*>(v0 + RS + off);
+        const unsigned x2 = *reinterpret_cast<const unsigned*>(v0 + 8 * RS + off);
+        const unsigned x3 = *reinterpret_cast<const unsigned*>(v0 + 9 * RS + off);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            // byte i of the first row in the low byte, byte i of the second row above it
+            const unsigned sel = i | ((4 + i) << 4);
+            mma16816<T>(o[4 * g + i], a, fp8x2_to<T>(__byte_perm(x0, x1, sel)),
+                        fp8x2_to<T>(__byte_perm(x2, x3, sel)));
+        }
+    }
+    if constexpr (D % 32 != 0) {
+        // the last 16 columns: 2 codes per row and load, n-tiles D / 8 - 2 and D / 8 - 1
+        constexpr int g = D / 32;
+        const int off = g * 32 + 2 * gid;
+        const unsigned x0 = *reinterpret_cast<const unsigned short*>(v0 + off);
+        const unsigned x1 = *reinterpret_cast<const unsigned short*>(v0 + RS + off);
+        const unsigned x2 = *reinterpret_cast<const unsigned short*>(v0 + 8 * RS + off);
+        const unsigned x3 = *reinterpret_cast<const unsigned short*>(v0 + 9 * RS + off);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const unsigned sel = i | ((4 + i) << 4);
+            mma16816<T>(o[4 * g + i], a, fp8x2_to<T>(__byte_perm(x0, x1, sel)),
+                        fp8x2_to<T>(__byte_perm(x2, x3, sel)));
+        }
+    }
+}
 #endif  // TM_ATTN_TC
 
 // ---------------------------------------------------------------------------------------------
 // Decode (q_len == 1), split-K.
 // grid (num_splits, kv_heads * n_sub, num_seqs), block 128,
-// dynamic smem (16 + 2 * ST * 64) * (D + 8) * sizeof(T); fp8 cache: (16 + 2 * 64) * (D + 8) * sizeof(T)
-// + 2 * 64 * D.
+// dynamic smem (16 + 2 * ST * 64) * (D + 8) * sizeof(T); fp8 cache: 16 * (D + 8) * sizeof(T)
+// + NS * 2 * 64 * RS (NS = DecodeCfg::NS8 raw stages, RS = Kv8Row::RS).
 // ---------------------------------------------------------------------------------------------
 // Tuning knob (the launcher mirrors it): largest head_dim whose K/V tiles are double buffered;
 // above it one stage keeps the shared memory small enough for several CTAs per SM.
 #ifndef TM_ATTN_DECODE_2STAGE_MAX_D
 #define TM_ATTN_DECODE_2STAGE_MAX_D 112
 #endif
+// fp8 cache (the launcher mirrors it): raw K/V stages of the decode ring for D <= 128 (2 above, to
+// stay within 99 KB of shared memory); at least 2, as the final merge reuses the ring.
+#ifndef TM_ATTN_DECODE_KV8_STAGES
+#define TM_ATTN_DECODE_KV8_STAGES 3
+#endif
 template <int D> struct DecodeCfg {
     static constexpr int BN = 64;  // keys per CTA tile (16 per warp)
     static constexpr int LD = D + 8;
     static constexpr int ST = D <= TM_ATTN_DECODE_2STAGE_MAX_D ? 2 : 1;  // K/V stages
+    static constexpr int NS8 = D <= 128 ? TM_ATTN_DECODE_KV8_STAGES : 2;  // fp8: raw K/V stages
+    static_assert(NS8 >= 2, "the merge needs 256 * D bytes of the raw ring");
 };
 
 // The split plan of one decode sequence, shared by attn_decode and attn_combine.
@@ -380,11 +514,15 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
     __shared__ float s_m[4][16], s_l[4][16], s_f[4][16];
     T* sQ = reinterpret_cast<T*>(attn_smem);
     constexpr bool KV8 = IsKv8<C>::value;
-    constexpr int ST = KV8 ? 1 : DecodeCfg<D>::ST;  // T stages (fp8: one, fed by the raw stage)
+    constexpr int ST = DecodeCfg<D>::ST;  // T stages (T cache only)
     T* sK = sQ + 16 * LD;
     T* sV = sK + ST * BN * LD;  // directly after the K stages (the final merge spans both)
-    C* rK = reinterpret_cast<C*>(sV + ST * BN * LD);  // fp8 only: the raw stage, [BN][D] codes
-    C* rV = rK + BN * D;
+    // fp8 cache only: a ring of NS stages of raw codes right after Q, stage s = K [BN][RS] then V
+    // [BN][RS] at raw + s * SB (no T stage; the final merge reuses the ring)
+    constexpr int NS = DecodeCfg<D>::NS8;
+    constexpr int RS = Kv8Row<D>::RS;
+    constexpr int SB = 2 * BN * RS;
+    unsigned char* raw = attn_smem + 16 * LD * sizeof(T);
 
     const int seq = blockIdx.z;
     const int split = blockIdx.x;
@@ -409,36 +547,55 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
         cp_async16(sQ + i * LD + ch * 8, src, valid ? 16 : 0);
     }
     const int ntiles = k_end > k_begin ? (k_end - k_begin + BN - 1) / BN : 0;
-    if (ntiles > 0) {
-        if constexpr (KV8)
-            load_kv_tile<C, D, D>(rK, rV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
-                                  k_begin, k_end, BN);
-        else
+    if constexpr (KV8) {
+        // tiles 0 .. NS - 2 in flight, one commit group each (Q's copies join group 0)
+#pragma unroll
+        for (int p = 0; p < NS - 1; ++p) {
+            if (p < ntiles)
+                load_kv_tile<C, D, RS>(reinterpret_cast<C*>(raw + p * SB), reinterpret_cast<C*>(raw + p * SB + BN * RS),
+                                       k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
+                                       k_begin + p * BN, k_end, BN);
+            cp_async_commit();
+        }
+    } else {
+        if (ntiles > 0)
             load_kv_tile<C, D, LD>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
                                    k_begin, k_end, BN);
+        cp_async_commit();
     }
-    cp_async_commit();
 
     float o[1][D / 8][4];
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) o[0][nt][0] = o[0][nt][1] = o[0][nt][2] = o[0][nt][3] = 0.f;
     float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {{0.f, 0.f}};
 
-    for (int t = 0; t < ntiles; ++t) {
-        const int st = ST == 2 ? (t & 1) : 0;
-        if constexpr (KV8) {
-            // raw tile t (with Q at t = 0) landed, and every warp is done with the T stage
-            cp_async_wait<0>();
+    if constexpr (KV8) {
+        // One barrier per tile. Before iteration t, NS - 1 + t groups are committed; waiting until
+        // at most NS - 2 are pending completes groups 0 .. t, i.e. tile t (and Q). The barrier
+        // publishes every thread's copies and tells that every warp is done with tile t - 1, whose
+        // stage ((t - 1) % NS) then receives tile t + NS - 1.
+        for (int t = 0; t < ntiles; ++t) {
+            cp_async_wait<NS - 2>();
             __syncthreads();
-            convert_kv_tile<T, D>(sK, sV, reinterpret_cast<const unsigned char*>(rK),
-                                  reinterpret_cast<const unsigned char*>(rV), BN);
-            __syncthreads();
-            // the raw stage is free: fetch tile t + 1 while tile t is used
-            if (t + 1 < ntiles)
-                load_kv_tile<C, D, D>(rK, rV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
-                                      k_begin + (t + 1) * BN, k_end, BN);
+            const int tn = t + NS - 1;
+            if (tn < ntiles) {
+                unsigned char* dst = raw + (tn % NS) * SB;
+                load_kv_tile<C, D, RS>(reinterpret_cast<C*>(dst), reinterpret_cast<C*>(dst + BN * RS), k_cache,
+                                       v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
+                                       k_begin + tn * BN, k_end, BN);
+            }
             cp_async_commit();
-        } else {
+            const int kw = k_begin + t * BN + warp * 16;  // the warp's first key
+            if (kw < k_end) {
+                const int valid = k_end - kw;  // keys at index >= valid are masked
+                const unsigned char* stage = raw + (t % NS) * SB + warp * 16 * RS;
+                flash_step_kv8<T, D>(sQ, stage, stage + BN * RS, scale_log2, m[0], l[0], o[0],
+                                     [valid](int, int, int key, float v) { return key < valid ? v : neg_inf(); });
+            }
+        }
+    } else {
+        for (int t = 0; t < ntiles; ++t) {
+            const int st = ST == 2 ? (t & 1) : 0;
             if (ST == 2) {
                 // prefetch tile t + 1 into the other stage while tile t is used
                 if (t + 1 < ntiles)
@@ -456,15 +613,15 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
                 cp_async_wait<0>();
             }
             __syncthreads();
+            const int kw = k_begin + t * BN + warp * 16;  // the warp's first key
+            if (kw < k_end) {
+                const int valid = k_end - kw;  // keys at index >= valid are masked
+                flash_step<T, D, 1, 1>(sQ, sK + st * BN * LD + warp * 16 * LD, sV + st * BN * LD + warp * 16 * LD,
+                                       scale_log2, m, l, o,
+                                       [valid](int, int, int key, float v) { return key < valid ? v : neg_inf(); });
+            }
+            __syncthreads();
         }
-        const int kw = k_begin + t * BN + warp * 16;  // the warp's first key
-        if (kw < k_end) {
-            const int valid = k_end - kw;  // keys at index >= valid are masked
-            flash_step<T, D, 1, 1>(sQ, sK + st * BN * LD + warp * 16 * LD, sV + st * BN * LD + warp * 16 * LD,
-                                   scale_log2, m, l, o,
-                                   [valid](int, int, int key, float v) { return key < valid ? v : neg_inf(); });
-        }
-        __syncthreads();
     }
     cp_async_wait<0>();
     __syncthreads();
@@ -476,16 +633,17 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
         l[0][i] += __shfl_xor_sync(TM_FULL_MASK, l[0][i], 2);
     }
     // [4][16][D] floats = 256 * D bytes; the K and V stages hold 4 * ST * BN * LD >= 256 * (D + 8)
-    // (the raw fp8 stage after them is not touched).
-    float* sO = reinterpret_cast<float*>(sK);
+    // (fp8: the raw ring holds NS * 2 * BN * RS >= 256 * D bytes).
+    float* sO = KV8 ? reinterpret_cast<float*>(raw) : reinterpret_cast<float*>(sK);
     const int gid = lane >> 2, tig = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {
-        const int col = nt * 8 + 2 * tig;
+        const int col = KV8 ? kv8_col<D>(nt, 2 * tig) : nt * 8 + 2 * tig;
+        const int col1 = KV8 ? kv8_col<D>(nt, 2 * tig + 1) : col + 1;
         sO[(warp * 16 + gid) * D + col] = o[0][nt][0];
-        sO[(warp * 16 + gid) * D + col + 1] = o[0][nt][1];
+        sO[(warp * 16 + gid) * D + col1] = o[0][nt][1];
         sO[(warp * 16 + gid + 8) * D + col] = o[0][nt][2];
-        sO[(warp * 16 + gid + 8) * D + col + 1] = o[0][nt][3];
+        sO[(warp * 16 + gid + 8) * D + col1] = o[0][nt][3];
     }
     if (tig == 0) {
         s_m[warp][gid] = m[0][0];

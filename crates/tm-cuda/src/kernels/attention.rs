@@ -12,9 +12,9 @@
 //!   `TM_ATTENTION=simple` in the environment (a debugging switch).
 //!
 //! **FP8 KV cache** (`kv` = [`DType::F8E4M3`]): the same kernels with the `_kv8` suffix read E4M3
-//! codes and convert them in registers (the tensor-core kernels through one raw shared-memory
-//! stage of codes and one stage of converted tiles); [`write_kv_e4m3`] converts K and V as it
-//! writes them.
+//! codes and convert them in registers (decode: straight from a ring of raw shared-memory stages
+//! of codes into the mma fragments; prefill: through one raw stage and one stage of converted
+//! tiles); [`write_kv_e4m3`] converts K and V as it writes them.
 //!
 //! The split-K plan depends only on `num_seqs`, `kv_heads`, `heads / kv_heads`, `max_ctx_len` and
 //! `window`, so [`scratch_bytes`] and [`attention`] agree without the device.
@@ -118,6 +118,26 @@ fn decode_stages(head_dim: usize) -> usize {
     }
 }
 
+/// Raw fp8 K/V stages of the decode kernel's ring (`DecodeCfg::NS8`).
+fn decode_kv8_stages(head_dim: usize) -> usize {
+    if head_dim <= 128 {
+        3
+    } else {
+        2
+    }
+}
+
+/// Byte row stride of a raw fp8 decode stage (`Kv8Row::RS`): `head_dim`, plus 16 when
+/// `head_dim / 16` is even (an odd number of 16-byte chunks keeps the fragment loads free of bank
+/// conflicts).
+fn decode_kv8_row(head_dim: usize) -> usize {
+    if (head_dim / 16) % 2 == 0 {
+        head_dim + 16
+    } else {
+        head_dim
+    }
+}
+
 /// Query rows (tokens x group heads) per prefill CTA (`PrefillCfg::BM`).
 fn prefill_rows(head_dim: usize) -> usize {
     if head_dim <= 128 {
@@ -137,14 +157,15 @@ fn prefill_block_n(head_dim: usize) -> usize {
 }
 
 /// Dynamic shared memory of the decode and prefill kernels for elements of `esize` bytes: with a
-/// 16-bit cache, Q and `stages` K/V tiles; with an fp8 cache (`kv8`), Q, one converted K/V tile
-/// and one raw stage of codes (`2 * tile * head_dim` bytes).
+/// 16-bit cache, Q and `stages` K/V tiles; with an fp8 cache (`kv8`): decode, Q and a ring of
+/// raw K/V stages of codes (`2 * tile * row` bytes each, see [`decode_kv8_row`]); prefill, Q, one
+/// converted K/V tile and one raw stage of codes (`2 * tile * head_dim` bytes).
 fn tc_smem(head_dim: usize, esize: usize, kv8: bool) -> (usize, usize) {
     let ld = head_dim + 8; // shared-memory row stride in elements
     let (decode, prefill) = if kv8 {
         let (dn, pn) = (DECODE_TILE, prefill_block_n(head_dim));
         (
-            (DECODE_ROWS + 2 * dn) * ld * esize + 2 * dn * head_dim,
+            DECODE_ROWS * ld * esize + decode_kv8_stages(head_dim) * 2 * dn * decode_kv8_row(head_dim),
             (prefill_rows(head_dim) + 2 * pn) * ld * esize + 2 * pn * head_dim,
         )
     } else {
@@ -502,9 +523,18 @@ mod tests {
         assert_eq!(tc_smem(128, 2, false), ((16 + 128) * 136 * 2, (128 + 256) * 136 * 2));
         assert_eq!(tc_smem(64, 2, false), ((16 + 256) * 72 * 2, (128 + 256) * 72 * 2));
         assert_eq!(tc_smem(256, 2, false), ((16 + 128) * 264 * 2, (64 + 128) * 264 * 2));
-        // fp8: Q + one converted K/V tile + the raw K/V codes
-        assert_eq!(tc_smem(128, 2, true), ((16 + 128) * 136 * 2 + 128 * 128, (128 + 128) * 136 * 2 + 128 * 128));
-        assert_eq!(tc_smem(256, 2, true), ((16 + 128) * 264 * 2 + 128 * 256, (64 + 64) * 264 * 2 + 64 * 256));
+        // fp8 decode: Q + a ring of raw K/V stages (rows padded to an odd number of 16-byte
+        // chunks); prefill: Q + one converted K/V tile + the raw K/V codes
+        assert_eq!(tc_smem(128, 2, true), (16 * 136 * 2 + 3 * 128 * 144, (128 + 128) * 136 * 2 + 128 * 128));
+        assert_eq!(tc_smem(80, 2, true).0, 16 * 88 * 2 + 3 * 128 * 80);
+        assert_eq!(tc_smem(256, 2, true), (16 * 264 * 2 + 2 * 128 * 272, (64 + 64) * 264 * 2 + 64 * 256));
+        for d in TC_HEAD_DIMS {
+            // the decode kernel's final merge reuses the ring: [4][16][D] floats
+            let ring = decode_kv8_stages(d) * 2 * DECODE_TILE * decode_kv8_row(d);
+            assert!(ring >= 256 * d && decode_kv8_row(d) % 16 == 0, "head_dim {d}");
+            // and 99 KB per block (sm_86/sm_89) still holds every fp8 decode kernel
+            assert!(tc_smem(d, 2, true).0 + 1024 <= 99 * 1024, "head_dim {d}");
+        }
     }
 
     #[test]

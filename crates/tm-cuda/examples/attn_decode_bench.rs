@@ -1,0 +1,238 @@
+//! Times the paged decode attention kernel (`attn_decode`, plus `attn_combine` when the context is
+//! split) on the GPU with CUDA events, with a 16-bit KV cache and with the FP8 E4M3 cache, for a
+//! Llama-3-8B-shaped layer: 256 sequences, 8 KV heads, 32 query heads (group 4), head_dim 128,
+//! blocks of 64 tokens, 768 tokens of context each.
+//!
+//! ```text
+//! cargo build --release -p tm-cuda --examples
+//! target/release/examples/attn_decode_bench [--dtype f16|bf16] [--seqs 256] [--ctx 768] [--iters 200]
+//! ```
+//!
+//! Each line gives the time per call, the KV-cache bytes read per second (K and V of every
+//! sequence's context; Q, the output and the metadata are not counted) and that as a fraction of
+//! the H200's measured copy bandwidth (4.275 TB/s). The blocks of the sequences are scattered
+//! through the cache (a shuffled block table), as in a serving engine. No assertions (the
+//! conformance tests check the results); without a CUDA device it says so and exits successfully.
+
+use std::process::ExitCode;
+
+use tm_core::{DType, Ops, Tensor, TensorDesc};
+use tm_cuda::kernels::attention::{self, AttentionBatch, AttentionShape};
+use tm_cuda::{CudaBackend, CudaOptions};
+
+/// The H200's measured device-to-device copy bandwidth, bytes/s.
+const COPY_BW: f64 = 4.275e12;
+/// Query heads, KV heads, head size and tokens per block of the benchmarked layer.
+const HEADS: usize = 32;
+const KV_HEADS: usize = 8;
+const HEAD_DIM: usize = 128;
+const BLOCK: usize = 64;
+
+/// Options from the command line.
+struct Opts {
+    dtype: DType,
+    seqs: usize,
+    ctx: usize,
+    iters: usize,
+}
+
+fn positive(what: &str, v: &str) -> Result<usize, String> {
+    v.parse().ok().filter(|&n: &usize| n > 0).ok_or_else(|| format!("{what} {v}: expected a positive integer"))
+}
+
+fn parse() -> Result<Opts, String> {
+    let mut o = Opts { dtype: DType::BF16, seqs: 256, ctx: 768, iters: 200 };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = |what: &str| args.next().ok_or_else(|| format!("{what} needs a value"));
+        match a.as_str() {
+            "--dtype" => {
+                o.dtype = match value("--dtype")?.as_str() {
+                    "f16" => DType::F16,
+                    "bf16" => DType::BF16,
+                    other => return Err(format!("--dtype {other}: expected f16 or bf16")),
+                }
+            }
+            "--seqs" => o.seqs = positive("--seqs", &value("--seqs")?)?,
+            "--ctx" => o.ctx = positive("--ctx", &value("--ctx")?)?,
+            "--iters" => o.iters = positive("--iters", &value("--iters")?)?,
+            "-h" | "--help" => {
+                println!("usage: attn_decode_bench [--dtype f16|bf16] [--seqs 256] [--ctx 768] [--iters 200]");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument `{other}`")),
+        }
+    }
+    Ok(o)
+}
+
+/// A SplitMix64 stream for random data.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// `n` elements of `dtype` with random values in about [-1, 1] (E4M3: random finite codes), as
+/// bytes: a 1 MiB random pattern repeated (enough to keep the scores varied).
+fn random_bytes(rng: &mut Rng, dtype: DType, n: usize) -> Vec<u8> {
+    let pattern: Vec<u8> = (0..(1usize << 19))
+        .flat_map(|_| {
+            let r = rng.next();
+            let v = (r % 2001) as f32 / 1000.0 - 1.0;
+            match dtype {
+                DType::BF16 => half::bf16::from_f32(v).to_le_bytes(),
+                DType::F16 => half::f16::from_f32(v).to_le_bytes(),
+                // two E4M3 codes with exponent <= 7 (|x| < 2; bit 6 clear: never NaN)
+                _ => [(r >> 8) as u8 & 0xbf, (r >> 16) as u8 & 0xbf],
+            }
+        })
+        .collect();
+    let len = dtype.storage_bytes(n);
+    pattern.iter().copied().cycle().take(len).collect()
+}
+
+fn upload(ops: &dyn Ops, dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Tensor, String> {
+    let mut t = ops.zeros(TensorDesc::new(dtype, shape), "bench").map_err(|e| format!("allocating {shape:?}: {e}"))?;
+    ops.upload(&mut t, bytes).map_err(|e| format!("uploading {shape:?}: {e}"))?;
+    Ok(t)
+}
+
+fn i32_bytes(v: impl IntoIterator<Item = usize>) -> Vec<u8> {
+    v.into_iter().flat_map(|x| (x as i32).to_le_bytes()).collect()
+}
+
+/// Milliseconds per call of `f` over `iters` calls (after a warm-up), timed with CUDA events.
+fn time_ms(b: &CudaBackend, iters: usize, mut f: impl FnMut() -> tm_core::Result<()>) -> Result<f64, String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    for _ in 0..10 {
+        f().map_err(|e| err(&e))?;
+    }
+    let stream = b.gpu().stream();
+    // Timing events (cudarc's default flags disable timing).
+    let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let start = stream.record_event(timed).map_err(|e| err(&e))?;
+    for _ in 0..iters {
+        f().map_err(|e| err(&e))?;
+    }
+    let end = stream.record_event(timed).map_err(|e| err(&e))?;
+    end.synchronize().map_err(|e| err(&e))?;
+    Ok(start.elapsed_ms(&end).map_err(|e| err(&e))? as f64 / iters as f64)
+}
+
+fn bench(o: &Opts) -> Result<(), String> {
+    let opts = CudaOptions {
+        ordinal: 0,
+        dtype: o.dtype,
+        memory_cap: None,
+        cuda_graphs: false,
+        memory_model: Default::default(),
+    };
+    let b = CudaBackend::open(opts).map_err(|e| format!("opening the CUDA backend: {e}"))?;
+    let ops: &dyn Ops = &b;
+    let mut rng = Rng(0xA77E_D0C0);
+
+    let blocks_per_seq = o.ctx.div_ceil(BLOCK);
+    let blocks = o.seqs * blocks_per_seq;
+    // a shuffled block table (Fisher-Yates)
+    let mut table: Vec<usize> = (0..blocks).collect();
+    for i in (1..blocks).rev() {
+        let j = (rng.next() % (i as u64 + 1)) as usize;
+        table.swap(i, j);
+    }
+    let q =
+        upload(ops, o.dtype, &[o.seqs, HEADS * HEAD_DIM], &random_bytes(&mut rng, o.dtype, o.seqs * HEADS * HEAD_DIM))?;
+    let out = ops.zeros(TensorDesc::new(o.dtype, &[o.seqs, HEADS * HEAD_DIM]), "bench").map_err(|e| e.to_string())?;
+    let q_start = upload(ops, DType::I32, &[o.seqs], &i32_bytes(0..o.seqs))?;
+    let q_len = upload(ops, DType::I32, &[o.seqs], &i32_bytes(std::iter::repeat_n(1, o.seqs)))?;
+    let ctx_len = upload(ops, DType::I32, &[o.seqs], &i32_bytes(std::iter::repeat_n(o.ctx, o.seqs)))?;
+    let bt_start = upload(ops, DType::I32, &[o.seqs], &i32_bytes((0..o.seqs).map(|s| s * blocks_per_seq)))?;
+    let block_tables = upload(ops, DType::I32, &[blocks], &i32_bytes(table))?;
+    let shape = AttentionShape {
+        heads: HEADS,
+        kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        block_size: BLOCK,
+        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+        window: 0,
+    };
+    let batch = AttentionBatch {
+        num_seqs: o.seqs,
+        total_q: o.seqs,
+        max_q_len: 1,
+        max_ctx_len: o.ctx,
+        all_decode: true,
+        q_start: q_start.buffer().addr(),
+        q_len: q_len.buffer().addr(),
+        ctx_len: ctx_len.buffer().addr(),
+        bt_start: bt_start.buffer().addr(),
+        block_tables: block_tables.buffer().addr(),
+    };
+    let scratch_len = attention::scratch_bytes(&shape, &batch);
+    let scratch = ops.zeros(TensorDesc::new(DType::U8, &[scratch_len.max(16)]), "bench").map_err(|e| e.to_string())?;
+    println!(
+        "decode attention, {} activations: {} seqs x {HEADS} heads ({KV_HEADS} KV heads), head_dim {HEAD_DIM}, ctx {}, \
+         block {BLOCK}, {} iterations; GB/s of K + V bytes read, % of {:.3} TB/s",
+        o.dtype,
+        o.seqs,
+        o.ctx,
+        o.iters,
+        COPY_BW / 1e12
+    );
+    for kv in [o.dtype, DType::F8E4M3] {
+        let elems = blocks * BLOCK * KV_HEADS * HEAD_DIM;
+        let k = upload(ops, kv, &[elems], &random_bytes(&mut rng, kv, elems))?;
+        let v = upload(ops, kv, &[elems], &random_bytes(&mut rng, kv, elems))?;
+        let ms = time_ms(&b, o.iters, || {
+            attention::attention(
+                b.gpu(),
+                o.dtype,
+                kv,
+                q.buffer().addr(),
+                k.buffer().addr(),
+                v.buffer().addr(),
+                out.buffer().addr(),
+                &shape,
+                &batch,
+                scratch.buffer().addr(),
+                scratch_len,
+            )
+        })?;
+        let bytes = 2.0 * kv.storage_bytes(o.seqs * o.ctx * KV_HEADS * HEAD_DIM) as f64;
+        let bw = bytes / (ms * 1e-3);
+        println!(
+            "  cache {:<8} {:>9.1} us  {:>7.0} GB/s  {:>5.1}%",
+            kv.to_string(),
+            ms * 1e3,
+            bw / 1e9,
+            100.0 * bw / COPY_BW
+        );
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let o = match parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("attn_decode_bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(e) = tm_cuda::probe() {
+        println!("attn_decode_bench: skipped: no CUDA device ({e})");
+        return ExitCode::SUCCESS;
+    }
+    match bench(&o) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("attn_decode_bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
