@@ -35,8 +35,9 @@
 // flight, one barrier per tile) and decodes the codes straight into the mma B fragments
 // (flash_step_kv8), so it moves half the bytes of a 16-bit cache with no extra shared-memory
 // pass. Prefill converts the raw stage to T in registers into one T stage and issues the next
-// tile's copies before computing on it, so the loads of tile t + 1 overlap the math of tile t. write_kv_e4m3_<T> converts K and V to E4M3 (round to nearest even, saturating at
-// +-448, NaN -> 0x7f) as it writes them; see crates/tm-core/src/fp8.rs for the format.
+// tile's copies before computing on it, so the loads of tile t + 1 overlap the math of tile t.
+// write_kv_e4m3_<T> converts K and V to E4M3 (round to nearest even, saturating at +-448,
+// NaN -> 0x7f) as it writes them; see crates/tm-core/src/fp8.rs for the format.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -350,16 +351,27 @@ template <int D> __device__ __forceinline__ int kv8_col(int nt, int c) {
 // no T copy of the tile:
 // - S = Q K^T: in k-step ks the mma k indices 2*tig + {0, 1} stand for d = 16*ks + 4*tig + {0, 1}
 //   and 2*tig + 8 + {0, 1} for d = 16*ks + 4*tig + {2, 3} (a dot product does not depend on the
-//   order of its terms), so one 32-bit load brings a thread's four K codes; Q's A fragment is read
-//   in the same order with two 64-bit loads.
+//   order of its terms), so one 32-bit load brings a thread's four K codes; Q's A fragment is in
+//   the same order (kv8_q_frag): held in registers (`qf`, QREG) or read from sQ per step.
 // - O += P V: P's A fragment is the usual one (keys 2*tig + {0, 1} and 2*tig + 8 + {0, 1}); the
 //   output columns are permuted (kv8_col) so that one 32-bit load per key row brings the codes of
 //   4 n-tiles, paired across rows with byte permutes.
-template <typename T, int D, typename Mask>
-__device__ __forceinline__ void flash_step_kv8(const T* sQ, const unsigned char* rK, const unsigned char* rV,
-                                               float scale_log2, float m[2], float l[2], float o[D / 8][4],
-                                               Mask mask) {
+template <typename T, int D>
+__device__ __forceinline__ void kv8_q_frag(unsigned a[4], const T* sQ, int ks) {
     constexpr int LD = D + 8;
+    const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+    const uint2 q0 = *reinterpret_cast<const uint2*>(sQ + gid * LD + ks * 16 + 4 * tig);
+    const uint2 q1 = *reinterpret_cast<const uint2*>(sQ + (gid + 8) * LD + ks * 16 + 4 * tig);
+    a[0] = q0.x;
+    a[1] = q1.x;
+    a[2] = q0.y;
+    a[3] = q1.y;
+}
+
+template <typename T, int D, bool QREG, typename Mask>
+__device__ __forceinline__ void flash_step_kv8(const T* sQ, const unsigned (&qf)[D / 16][4], const unsigned char* rK,
+                                               const unsigned char* rV, float scale_log2, float m[2], float l[2],
+                                               float o[D / 8][4], Mask mask) {
     constexpr int RS = Kv8Row<D>::RS;
     const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     float s[2][4];
@@ -368,9 +380,15 @@ __device__ __forceinline__ void flash_step_kv8(const T* sQ, const unsigned char*
     // S = Q K^T
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
-        const uint2 q0 = *reinterpret_cast<const uint2*>(sQ + gid * LD + ks * 16 + 4 * tig);
-        const uint2 q1 = *reinterpret_cast<const uint2*>(sQ + (gid + 8) * LD + ks * 16 + 4 * tig);
-        const unsigned a[4] = {q0.x, q1.x, q0.y, q1.y};
+        unsigned a[4];
+        if constexpr (QREG) {
+            a[0] = qf[ks][0];
+            a[1] = qf[ks][1];
+            a[2] = qf[ks][2];
+            a[3] = qf[ks][3];
+        } else {
+            kv8_q_frag<T, D>(a, sQ, ks);
+        }
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             const unsigned k = *reinterpret_cast<const unsigned*>(rK + (nt * 8 + gid) * RS + ks * 16 + 4 * tig);
@@ -548,7 +566,8 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
     }
     const int ntiles = k_end > k_begin ? (k_end - k_begin + BN - 1) / BN : 0;
     if constexpr (KV8) {
-        // tiles 0 .. NS - 2 in flight, one commit group each (Q's copies join group 0)
+        // Q is group 0; tiles 0 .. NS - 2 in flight, one commit group each
+        cp_async_commit();
 #pragma unroll
         for (int p = 0; p < NS - 1; ++p) {
             if (p < ntiles)
@@ -570,10 +589,19 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
     float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {{0.f, 0.f}};
 
     if constexpr (KV8) {
-        // One barrier per tile. Before iteration t, NS - 1 + t groups are committed; waiting until
-        // at most NS - 2 are pending completes groups 0 .. t, i.e. tile t (and Q). The barrier
-        // publishes every thread's copies and tells that every warp is done with tile t - 1, whose
-        // stage ((t - 1) % NS) then receives tile t + NS - 1.
+        // Q's A fragments in registers for D <= 128 (above, the registers are better spent on o)
+        constexpr bool QREG = D <= 128;
+        unsigned qf[D / 16][4];
+        cp_async_wait<NS - 1>();  // group 0 (Q) landed; the NS - 1 tile groups may be pending
+        __syncthreads();
+        if constexpr (QREG) {
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) kv8_q_frag<T, D>(qf[ks], sQ, ks);
+        }
+        // One barrier per tile. Before iteration t, NS + t groups are committed (Q, then one per
+        // tile); waiting until at most NS - 2 are pending completes groups 0 .. t + 1, i.e. Q and
+        // tile t. The barrier publishes every thread's copies and tells that every warp is done
+        // with tile t - 1, whose stage ((t - 1) % NS) then receives tile t + NS - 1.
         for (int t = 0; t < ntiles; ++t) {
             cp_async_wait<NS - 2>();
             __syncthreads();
@@ -589,8 +617,8 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
             if (kw < k_end) {
                 const int valid = k_end - kw;  // keys at index >= valid are masked
                 const unsigned char* stage = raw + (t % NS) * SB + warp * 16 * RS;
-                flash_step_kv8<T, D>(sQ, stage, stage + BN * RS, scale_log2, m[0], l[0], o[0],
-                                     [valid](int, int, int key, float v) { return key < valid ? v : neg_inf(); });
+                flash_step_kv8<T, D, QREG>(sQ, qf, stage, stage + BN * RS, scale_log2, m[0], l[0], o[0],
+                                           [valid](int, int, int key, float v) { return key < valid ? v : neg_inf(); });
             }
         }
     } else {

@@ -131,7 +131,7 @@ fn decode_kv8_stages(head_dim: usize) -> usize {
 /// `head_dim / 16` is even (an odd number of 16-byte chunks keeps the fragment loads free of bank
 /// conflicts).
 fn decode_kv8_row(head_dim: usize) -> usize {
-    if (head_dim / 16) % 2 == 0 {
+    if (head_dim / 16).is_multiple_of(2) {
         head_dim + 16
     } else {
         head_dim
@@ -531,7 +531,7 @@ mod tests {
         for d in TC_HEAD_DIMS {
             // the decode kernel's final merge reuses the ring: [4][16][D] floats
             let ring = decode_kv8_stages(d) * 2 * DECODE_TILE * decode_kv8_row(d);
-            assert!(ring >= 256 * d && decode_kv8_row(d) % 16 == 0, "head_dim {d}");
+            assert!(ring >= 256 * d && decode_kv8_row(d).is_multiple_of(16), "head_dim {d}");
             // and 99 KB per block (sm_86/sm_89) still holds every fp8 decode kernel
             assert!(tc_smem(d, 2, true).0 + 1024 <= 99 * 1024, "head_dim {d}");
         }
