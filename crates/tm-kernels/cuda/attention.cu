@@ -589,8 +589,9 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
     float m[1][2] = {{neg_inf(), neg_inf()}}, l[1][2] = {{0.f, 0.f}};
 
     if constexpr (KV8) {
-        // Q's A fragments in registers for D <= 128 (above, the registers are better spent on o)
-        constexpr bool QREG = D <= 128;
+        // Q's A fragments in registers for D <= 80 and D = 128 (ptxas -v: at D = 96 they spill, as
+        // ptxas stops at 128 registers; above 128 the registers are better spent on o)
+        constexpr bool QREG = D <= 80 || D == 128;
         unsigned qf[D / 16][4];
         cp_async_wait<NS - 1>();  // group 0 (Q) landed; the NS - 1 tile groups may be pending
         __syncthreads();
