@@ -113,3 +113,4 @@ for D in [32,64,80,96,112,128,160,192,256]:
             banks=[(((2*(l&3)+r0)*R + g*32+4*(l>>2))//4)%32 for l in range(32)]
             worst=max(worst, max(banks.count(b) for b in set(banks)))
     print(D, R, "worst bank multiplicity", worst)
+    assert worst == 1, f"bank conflicts at D = {D}"
