@@ -21,16 +21,19 @@
 //   fma(v, 1/16, -64). Scales and mins are f16, exact in f16; bf16 moves the group's integer
 //   zero point into the subtraction first (see Q4<__nv_bfloat16>::prep), so that rounding the
 //   scale and the remaining min to bf16 costs about one bf16 rounding of the group's sum.
-// - K is split over the 8 warps of a CTA (warp w takes steps w, w + 8, ...), each warp issuing
-//   the loads of U steps before any math (U = 2: two CTAs per SM fit; U = 4: one, for grids of
-//   at most one CTA per SM); the partial sums are reduced through shared memory.
-//   A CTA covers TILES = 2 tiles of 16 rows: 32 consecutive rows of one weight, or 16 rows of the
-//   gate and the same 16 rows of the up weight (the SiLU variant).
+// - K is split over the 8 warps of a CTA (warp w takes steps w, w + 8, ...); the partial sums are
+//   reduced through shared memory. Each warp keeps a ring of U step buffers: the loads of its
+//   first U steps are issued up front, and a buffer is refilled with the step U * 8 ahead as soon
+//   as its math is issued, so U - 1 to U steps' loads stay in flight while the warp computes.
+//   A CTA covers NT tiles of 16 rows: 16 NT consecutive rows of one weight, or 16 rows of the
+//   gate and the same 16 rows of the up weight (the SiLU variant, NT = 2).
 //
-// Kernels (T = f16, bf16; U = 2, 4):
-// - `q4_gemv_uU_T`: up to three weights sharing x (a layer's q, k and v), rows of weight i in CTAs
-//   numbered one weight after the other (ceil(rows_i / 32) each). Optional biases (null when
-//   absent) are added before rounding to T.
+// Kernels (T = f16, bf16):
+// - `q4_gemv_u2_T`, `q4_gemv_u4_T` (NT = 2, U = 2 or 4: two CTAs per SM or one) and
+//   `q4_gemv_n16_T` (NT = 1, U = 2, x loaded at use rather than buffered, at most 80 registers:
+//   three CTAs per SM, twice the CTAs for small weights): up to three weights sharing x (a
+//   layer's q, k and v), rows of weight i in CTAs numbered one weight after the other
+//   (ceil(rows_i / 16 NT) each). Optional biases (null when absent) are added before rounding to T.
 // - `q4_gemv_silu_uU_T`: out = silu(x·G^T) * (x·U^T) for gate G and up U [rows, cols], each product
 //   rounded to T first (what separate products would store); ceil(rows / 16) CTAs.
 //
