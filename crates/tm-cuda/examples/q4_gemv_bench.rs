@@ -11,7 +11,7 @@
 //! scales + mins; activations are not counted) and that as a fraction of the H200's measured copy
 //! bandwidth (4.275 TB/s). "ops" is what the model calls (`Ops::matmul_many`,
 //! `Ops::gate_up_silu`: the tensor-core `q4_gemv.cu` kernels with the automatic variant unless
-//! `TM_Q4_GEMV=0`); "u2", "u4" and "n16" (16-row CTAs, plain products only) launch each variant
+//! `TM_Q4_GEMV=0`); "u2", "u4", "n16" and "n16u4" (16-row CTAs, plain products only) launch each variant
 //! of those kernels directly; "cuda-core" is the previous path, one `matmul_q4` CUDA-core GEMV
 //! launch per weight (plus `silu_mul` for the MLP). Enough copies of each weight set are cycled through that they do not stay in L2. No
 //! assertions; without a CUDA device it says so and exits successfully.
@@ -252,9 +252,9 @@ fn bench(o: &Opts) -> Result<(), String> {
             };
             let (u2, u4) = (variant(Unroll::Two)?, variant(Unroll::Four)?);
             // The 16-row variant exists for the plain products only.
-            let n16 = match shape {
-                Shape::GateUp => None,
-                _ => Some(variant(Unroll::Narrow)?),
+            let (n16, n16u4) = match shape {
+                Shape::GateUp => (None, None),
+                _ => (Some(variant(Unroll::Narrow)?), Some(variant(Unroll::NarrowFour)?)),
             };
             let old = time_ms(&b, o.iters, |i| {
                 for s in &slots[i % copies] {
@@ -266,8 +266,14 @@ fn bench(o: &Opts) -> Result<(), String> {
                 }
                 Ok(())
             })?;
-            let rows =
-                [("ops", Some(ops_ms)), ("u2", Some(u2)), ("u4", Some(u4)), ("n16", n16), ("cuda-core", Some(old))];
+            let rows = [
+                ("ops", Some(ops_ms)),
+                ("u2", Some(u2)),
+                ("u4", Some(u4)),
+                ("n16", n16),
+                ("n16u4", n16u4),
+                ("cuda-core", Some(old)),
+            ];
             for (what, ms) in rows.into_iter().filter_map(|(w, ms)| Some((w, ms?))) {
                 let gbs = set_bytes as f64 / (ms * 1e-3) / 1e9;
                 println!(

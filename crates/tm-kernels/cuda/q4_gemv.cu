@@ -31,7 +31,8 @@
 // Kernels (T = f16, bf16):
 // - `q4_gemv_u2_T`, `q4_gemv_u4_T` (NT = 2, U = 2 or 4: two CTAs per SM or one) and
 //   `q4_gemv_n16_T` (NT = 1, U = 2, x loaded at use rather than buffered, at most 80 registers:
-//   three CTAs per SM, twice the CTAs for small weights): up to three weights sharing x (a
+//   three CTAs per SM, twice the CTAs for small weights) and `q4_gemv_n16u4_T` (the same with
+//   U = 4, two CTAs per SM): up to three weights sharing x (a
 //   layer's q, k and v), rows of weight i in CTAs numbered one weight after the other
 //   (ceil(rows_i / 16 NT) each). Optional biases (null when absent) are added before rounding to T.
 // - `q4_gemv_silu_uU_T`: out = silu(x·G^T) * (x·U^T) for gate G and up U [rows, cols], each product
@@ -363,7 +364,9 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
 // Variants (see the launcher): U = steps in flight per warp, MIN_CTAS = CTAs per SM the register
 // budget is cut for. `u2` (32-row CTAs, at most 128 registers: two CTAs per SM), `u4` (32-row CTAs,
 // one CTA per SM, twice the bytes in flight per warp), `n16` (16-row CTAs, U = 2, at most 80
-// registers: three CTAs per SM; twice the CTAs of `u2` for weights too small to fill the GPU).
+// registers: three CTAs per SM; twice the CTAs of `u2` for weights too small to fill the GPU),
+// `n16u4` (16-row CTAs, U = 4: two CTAs per SM; a warp of a 4096-column product then issues the
+// loads of all its 4 steps at once).
 #define TM_Q4_GEMV_PLAIN(NAME, T, U, NT, MIN_CTAS)                                                                 \
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                          \
         NAME(const T* __restrict__ x, int n, int cols, int group, T* o0, T* o1, T* o2, const unsigned char* w0,     \
@@ -386,6 +389,7 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
     TM_Q4_GEMV_PLAIN(q4_gemv_u2_##SUF, T, 2, 2, 2)        \
     TM_Q4_GEMV_PLAIN(q4_gemv_u4_##SUF, T, 4, 2, 1)        \
     TM_Q4_GEMV_PLAIN(q4_gemv_n16_##SUF, T, 2, 1, 3)       \
+    TM_Q4_GEMV_PLAIN(q4_gemv_n16u4_##SUF, T, 4, 1, 2)     \
     TM_Q4_GEMV_SILU(SUF, T, 2, 2)                         \
     TM_Q4_GEMV_SILU(SUF, T, 4, 1)
 

@@ -18,11 +18,14 @@
 //! - `n16` (plain products only): 16-row CTAs, U = 2, x loaded at use, at most 80 registers so
 //!   three CTAs fit per SM: twice the CTAs of `u2`, for weights too small to give every SM two
 //!   32-row CTAs (the q/k/v, o and down products of an 8B model on an H200: 192, 128 and 128
-//!   CTAs on 132 SMs).
+//!   CTAs on 132 SMs);
+//! - `n16u4`: `n16` with U = 4 and two CTAs per SM (a warp of a 4096-column product issues the
+//!   loads of all its steps at once).
 //!
 //! `Auto` takes `n16` for a plain product whose 32-row grid is under two CTAs per SM, else `u2`
-//! (the SiLU variant always `u2`). `TM_Q4_GEMV_UNROLL=2|4|n16` overrides it (`n16` means `u2` for
-//! the SiLU variant, which has no 16-row form).
+//! (the SiLU variant always `u2`). `TM_Q4_GEMV_UNROLL=2|4|n16|n16u4` overrides it (`n16` and
+//! `n16u4` mean `u2` for the SiLU variant, which has no 16-row form). `q4_gemv_bench` times every
+//! variant on the 8B shapes.
 
 use std::sync::OnceLock;
 
@@ -50,6 +53,8 @@ pub enum Unroll {
     Four,
     /// `q4_gemv_n16_*`: 16-row CTAs, three per SM (plain products; the SiLU variant takes `u2`).
     Narrow,
+    /// `q4_gemv_n16u4_*`: 16-row CTAs, U = 4, two per SM (plain products; SiLU takes `u2`).
+    NarrowFour,
 }
 
 impl Unroll {
@@ -69,7 +74,7 @@ impl Unroll {
     /// Rows per CTA of the plain product.
     fn rows_per_cta(self) -> usize {
         match self {
-            Unroll::Narrow => 16,
+            Unroll::Narrow | Unroll::NarrowFour => 16,
             _ => 32,
         }
     }
@@ -78,12 +83,13 @@ impl Unroll {
     fn plain_stem(self) -> &'static str {
         match self {
             Unroll::Narrow => "q4_gemv_n16",
+            Unroll::NarrowFour => "q4_gemv_n16u4",
             Unroll::Four => "q4_gemv_u4",
             _ => "q4_gemv_u2",
         }
     }
 
-    /// The SiLU kernel's name stem (`Narrow` has no SiLU form: `u2`).
+    /// The SiLU kernel's name stem (`Narrow` and `NarrowFour` have no SiLU form: `u2`).
     fn silu_stem(self) -> &'static str {
         match self {
             Unroll::Four => "q4_gemv_silu_u4",
@@ -92,7 +98,7 @@ impl Unroll {
     }
 }
 
-/// `TM_Q4_GEMV_UNROLL` when it is 2, 4 or n16.
+/// `TM_Q4_GEMV_UNROLL` when it is 2, 4, n16 or n16u4.
 fn forced_unroll() -> Option<Unroll> {
     static FORCED: OnceLock<Option<Unroll>> = OnceLock::new();
     *FORCED.get_or_init(|| {
@@ -101,8 +107,9 @@ fn forced_unroll() -> Option<Unroll> {
             "2" => Some(Unroll::Two),
             "4" => Some(Unroll::Four),
             "n16" => Some(Unroll::Narrow),
+            "n16u4" => Some(Unroll::NarrowFour),
             other => {
-                tracing::warn!("TM_Q4_GEMV_UNROLL={other} ignored: expected 2, 4 or n16");
+                tracing::warn!("TM_Q4_GEMV_UNROLL={other} ignored: expected 2, 4, n16 or n16u4");
                 None
             }
         }
@@ -324,6 +331,9 @@ mod tests {
             assert_eq!(Unroll::Auto.resolve(264, 132), Unroll::Two);
         }
         assert_eq!(Unroll::Narrow.rows_per_cta(), 16);
+        assert_eq!(Unroll::NarrowFour.rows_per_cta(), 16);
+        assert_eq!(Unroll::NarrowFour.plain_stem(), "q4_gemv_n16u4");
+        assert_eq!(Unroll::NarrowFour.silu_stem(), "q4_gemv_silu_u2");
         assert_eq!(Unroll::Two.rows_per_cta(), 32);
         assert_eq!(Unroll::Narrow.plain_stem(), "q4_gemv_n16");
         assert_eq!(Unroll::Narrow.silu_stem(), "q4_gemv_silu_u2");
