@@ -11,9 +11,9 @@
 //! scales + mins; activations are not counted) and that as a fraction of the H200's measured copy
 //! bandwidth (4.275 TB/s). "ops" is what the model calls (`Ops::matmul_many`,
 //! `Ops::gate_up_silu`: the tensor-core `q4_gemv.cu` kernels with the automatic variant unless
-//! `TM_Q4_GEMV=0`); "u2" and "u4" launch each variant of those kernels directly; "cuda-core" is
-//! the previous path, one `matmul_q4` CUDA-core GEMV launch per weight (plus `silu_mul` for the
-//! MLP). Enough copies of each weight set are cycled through that they do not stay in L2. No
+//! `TM_Q4_GEMV=0`); "u2", "u4", "n16" and "n16u4" (16-row CTAs, plain products only) launch each variant
+//! of those kernels directly; "cuda-core" is the previous path, one `matmul_q4` CUDA-core GEMV
+//! launch per weight (plus `silu_mul` for the MLP). Enough copies of each weight set are cycled through that they do not stay in L2. No
 //! assertions; without a CUDA device it says so and exits successfully.
 
 use std::process::ExitCode;
@@ -251,6 +251,11 @@ fn bench(o: &Opts) -> Result<(), String> {
                 })
             };
             let (u2, u4) = (variant(Unroll::Two)?, variant(Unroll::Four)?);
+            // The 16-row variant exists for the plain products only.
+            let (n16, n16u4) = match shape {
+                Shape::GateUp => (None, None),
+                _ => (Some(variant(Unroll::Narrow)?), Some(variant(Unroll::NarrowFour)?)),
+            };
             let old = time_ms(&b, o.iters, |i| {
                 for s in &slots[i % copies] {
                     quant::matmul_q4(b.gpu(), o.dtype, s.out, xa, s.packed, s.scales, s.mins, n, s.rows, cols, group)?;
@@ -261,7 +266,15 @@ fn bench(o: &Opts) -> Result<(), String> {
                 }
                 Ok(())
             })?;
-            for (what, ms) in [("ops", ops_ms), ("u2", u2), ("u4", u4), ("cuda-core", old)] {
+            let rows = [
+                ("ops", Some(ops_ms)),
+                ("u2", Some(u2)),
+                ("u4", Some(u4)),
+                ("n16", n16),
+                ("n16u4", n16u4),
+                ("cuda-core", Some(old)),
+            ];
+            for (what, ms) in rows.into_iter().filter_map(|(w, ms)| Some((w, ms?))) {
                 let gbs = set_bytes as f64 / (ms * 1e-3) / 1e9;
                 println!(
                     "{:<22} n={n}  {what:<9} {:>8.1} us  {:>7.0} GB/s  {:>5.1}% of copy bandwidth",

@@ -21,16 +21,20 @@
 //   fma(v, 1/16, -64). Scales and mins are f16, exact in f16; bf16 moves the group's integer
 //   zero point into the subtraction first (see Q4<__nv_bfloat16>::prep), so that rounding the
 //   scale and the remaining min to bf16 costs about one bf16 rounding of the group's sum.
-// - K is split over the 8 warps of a CTA (warp w takes steps w, w + 8, ...), each warp issuing
-//   the loads of U steps before any math (U = 2: two CTAs per SM fit; U = 4: one, for grids of
-//   at most one CTA per SM); the partial sums are reduced through shared memory.
-//   A CTA covers TILES = 2 tiles of 16 rows: 32 consecutive rows of one weight, or 16 rows of the
-//   gate and the same 16 rows of the up weight (the SiLU variant).
+// - K is split over the 8 warps of a CTA (warp w takes steps w, w + 8, ...); the partial sums are
+//   reduced through shared memory. Each warp keeps a ring of U step buffers: the loads of its
+//   first U steps are issued up front, and a buffer is refilled with the step U * 8 ahead as soon
+//   as its math is issued, so U - 1 to U steps' loads stay in flight while the warp computes.
+//   A CTA covers NT tiles of 16 rows: 16 NT consecutive rows of one weight, or 16 rows of the
+//   gate and the same 16 rows of the up weight (the SiLU variant, NT = 2).
 //
-// Kernels (T = f16, bf16; U = 2, 4):
-// - `q4_gemv_uU_T`: up to three weights sharing x (a layer's q, k and v), rows of weight i in CTAs
-//   numbered one weight after the other (ceil(rows_i / 32) each). Optional biases (null when
-//   absent) are added before rounding to T.
+// Kernels (T = f16, bf16):
+// - `q4_gemv_u2_T`, `q4_gemv_u4_T` (NT = 2, U = 2 or 4: two CTAs per SM or one) and
+//   `q4_gemv_n16_T` (NT = 1, U = 2, x loaded at use rather than buffered, at most 80 registers:
+//   three CTAs per SM, twice the CTAs for small weights) and `q4_gemv_n16u4_T` (the same with
+//   U = 4, two CTAs per SM): up to three weights sharing x (a
+//   layer's q, k and v), rows of weight i in CTAs numbered one weight after the other
+//   (ceil(rows_i / 16 NT) each). Optional biases (null when absent) are added before rounding to T.
 // - `q4_gemv_silu_uU_T`: out = silu(x·G^T) * (x·U^T) for gate G and up U [rows, cols], each product
 //   rounded to T first (what separate products would store); ceil(rows / 16) CTAs.
 //
@@ -45,7 +49,6 @@ using tmk::i64;
 
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;  // K slices per CTA
-constexpr int TILES = 2;             // 16-row tiles per CTA (each warp computes all of them)
 constexpr int BLOCKS_PER_STEP = 4;   // 32-column blocks per warp step (one per lane of a row quad)
 
 __device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned bits) {
@@ -152,12 +155,26 @@ struct Tile {
     int rows;
 };
 
-// This warp's K share of the TILES tiles, into acc[tile][4] (the m16n8 C fragment: c0, c1 = row
+// One warp step's operands as loaded: per tile, the lane's 16-byte chunks of rows g and g + 8
+// (h = 0, 1) with their group's scale and min, and x[g] of the chunk's 32 columns.
+template <int NT> struct StepBuf {
+    uint4 w[NT][2];
+    __half s[NT][2], m[NT][2];
+    uint4 x[4];
+};
+
+// This warp's K share of the NT tiles, into acc[tile][4] (the m16n8 C fragment: c0, c1 = row
 // g, batch columns 2t, 2t+1; c2, c3 = row g + 8).
-template <class T, int UNROLL>
+//
+// Software pipelined: the warp keeps a ring of U step buffers; the loads of steps w, w + 8, ...,
+// w + 8 (U - 1) are issued first, and each step's buffer is refilled with the step U * 8 ahead as
+// soon as its math is issued, so U - 1 to U steps' loads are always in flight while the warp
+// computes (the previous version waited for all U, computed all U, then loaded again). XPRE:
+// x is loaded with the weights (16 more registers per step buffer); else right before the step's
+// math (x is small and shared by every CTA, so those loads hit L1/L2; other warps cover them).
+template <class T, int U, int NT, bool XPRE>
 __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict__ x, int n, int cols, int group,
-                                         float acc[TILES][4]) {
-    typedef typename Q4<T>::V2 V2;
+                                         float acc[NT][4]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int nblk = cols >> 5;  // 32-column blocks of a row (16 bytes each)
@@ -166,126 +183,131 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
     const int group_blocks = group >> 5;
     // Group of block b: b >> gshift when group / 32 is a power of two, else b / group_blocks.
     const int gshift = (group_blocks & (group_blocks - 1)) == 0 ? __ffs(group_blocks) - 1 : -1;
-    constexpr int STRIDE = WARPS * BLOCKS_PER_STEP;  // blocks between a warp's consecutive steps
 
     // The lane's rows: g and g + 8 of each tile (h = 0, 1); rows past the end read nothing. The
-    // weight pointers start at the lane's first block (warp * 4 + t) and advance with the steps,
-    // so the loads of a batch use constant offsets.
-    const int b0 = warp * BLOCKS_PER_STEP + t;
-    const uint4* wp[TILES][2];
-    int soff[TILES][2];  // row * groups
-    bool rok[TILES][2];
+    // weight pointer points at row g's block t of step 0 (row g + 8 is 8 rows on, step s adds 4 s
+    // blocks); soff = row g * groups. Both are clamped to row 0 of the tile's weight when row g is
+    // past the end (then neither row is read).
+    const int rstride = cols >> 5;  // 16-byte chunks per row
+    const uint4* wp[NT];
+    int soff[NT];
+    bool rok[NT][2];
 #pragma unroll
-    for (int i = 0; i < TILES; ++i) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = tiles[i].row0 + g + 8 * h;
-            rok[i][h] = r < tiles[i].rows;
-            const int rr = rok[i][h] ? r : 0;
-            wp[i][h] = reinterpret_cast<const uint4*>(tiles[i].packed + (i64)rr * (cols >> 1)) + b0;
-            soff[i][h] = rr * groups;
-        }
+    for (int i = 0; i < NT; ++i) {
+        const int r = tiles[i].row0 + g;
+        rok[i][0] = r < tiles[i].rows;
+        rok[i][1] = r + 8 < tiles[i].rows;
+        const int rr = rok[i][0] ? r : 0;
+        wp[i] = reinterpret_cast<const uint4*>(tiles[i].packed + (i64)rr * (cols >> 1)) + t;
+        soff[i] = rr * groups;
     }
     const bool xok = g < n;
-    const uint4* xp = reinterpret_cast<const uint4*>(x + (xok ? (i64)g * cols : 0)) + 4 * b0;
+    const uint4* xp = reinterpret_cast<const uint4*>(x + (xok ? (i64)g * cols : 0)) + 4 * t;
+
+    // Issues the loads of x for step s into B (zeros past the end of K or for batch rows >= n).
+    auto loadx = [&](StepBuf<NT>& B, int s) {
+        const bool xl = s * BLOCKS_PER_STEP + t < nblk && xok;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) B.x[q] = xl ? __ldg(xp + 4 * s * BLOCKS_PER_STEP + q) : make_uint4(0, 0, 0, 0);
+    };
+    // Issues the loads of step s into B (zeros past the end of K or the rows); x too when XPRE.
+    auto load = [&](StepBuf<NT>& B, int s) {
+        const int b = s * BLOCKS_PER_STEP + t;  // the lane's block
+        const bool bok = b < nblk;
+        const int gi = gshift >= 0 ? b >> gshift : b / group_blocks;
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const bool ok = bok && rok[i][h];
+                B.w[i][h] = ok ? __ldcs(wp[i] + h * 8 * rstride + s * BLOCKS_PER_STEP) : make_uint4(0, 0, 0, 0);
+                B.s[i][h] = ok ? tiles[i].scales[soff[i] + h * 8 * groups + gi] : __ushort_as_half(0);
+                B.m[i][h] = ok ? tiles[i].mins[soff[i] + h * 8 * groups + gi] : __ushort_as_half(0);
+            }
+        }
+        if (XPRE) loadx(B, s);
+    };
+
+    // The math of one loaded step.
+    auto compute = [&](const StepBuf<NT>& B) {
+        const unsigned xw[16] = {B.x[0].x, B.x[0].y, B.x[0].z, B.x[0].w, B.x[1].x, B.x[1].y, B.x[1].z, B.x[1].w,
+                                 B.x[2].x, B.x[2].y, B.x[2].z, B.x[2].w, B.x[3].x, B.x[3].y, B.x[3].z, B.x[3].w};
+        typename Q4<T>::Scale sc[NT][2];
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) sc[i][h] = Q4<T>::prep(B.s[i][h], B.m[i][h]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            // x pairs of columns (4k, 4k+2), (4k+1, 4k+3) and the same + 16.
+            const unsigned xl02 = __byte_perm(xw[2 * k], xw[2 * k + 1], 0x5410);
+            const unsigned xl13 = __byte_perm(xw[2 * k], xw[2 * k + 1], 0x7632);
+            const unsigned xh02 = __byte_perm(xw[8 + 2 * k], xw[9 + 2 * k], 0x5410);
+            const unsigned xh13 = __byte_perm(xw[8 + 2 * k], xw[9 + 2 * k], 0x7632);
+#pragma unroll
+            for (int i = 0; i < NT; ++i) {
+                const uint4& lo = B.w[i][0];
+                const uint4& hi = B.w[i][1];
+                const unsigned wl = k == 0 ? lo.x : k == 1 ? lo.y : k == 2 ? lo.z : lo.w;
+                const unsigned wh = k == 0 ? hi.x : k == 1 ? hi.y : k == 2 ? hi.z : hi.w;
+                unsigned pl[4], ph[4];  // rows g and g + 8
+                Q4<T>::dequant(wl, sc[i][0], pl);
+                Q4<T>::dequant(wh, sc[i][1], ph);
+                // a0: row g, slots 2t..2t+1; a1: row g+8, same; a2: row g, slots 2t+8..2t+9; a3: row g+8.
+                const unsigned alo[4] = {pl[0], ph[0], pl[1], ph[1]};
+                const unsigned ahi[4] = {pl[2], ph[2], pl[3], ph[3]};
+                mma(acc[i], alo, xl02, xl13, T());
+                mma(acc[i], ahi, xh02, xh13, T());
+            }
+        }
+    };
 
 #pragma unroll
-    for (int i = 0; i < TILES; ++i)
+    for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
 
-    for (int s0 = warp; s0 < steps; s0 += WARPS * UNROLL) {
-        uint4 wv[UNROLL][TILES][2];
-        uint4 xv[UNROLL][4];
-        __half sv[UNROLL][TILES][2], mv[UNROLL][TILES][2];
-        // Loads of UNROLL steps first.
+    StepBuf<NT> buf[U];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int b = s0 * BLOCKS_PER_STEP + t + u * STRIDE;  // the lane's block
-            const bool bok = b < nblk;
-            const int gi = gshift >= 0 ? b >> gshift : b / group_blocks;
+    for (int u = 0; u < U; ++u) load(buf[u], warp + u * WARPS);
+    for (int s0 = warp; s0 < steps; s0 += U * WARPS) {
 #pragma unroll
-            for (int i = 0; i < TILES; ++i) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const bool ok = bok && rok[i][h];
-                    wv[u][i][h] = ok ? __ldcs(wp[i][h] + u * STRIDE) : make_uint4(0, 0, 0, 0);
-                    sv[u][i][h] = ok ? tiles[i].scales[soff[i][h] + gi] : __ushort_as_half(0);
-                    mv[u][i][h] = ok ? tiles[i].mins[soff[i][h] + gi] : __ushort_as_half(0);
-                }
-            }
-            const bool xl = bok && xok;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) xv[u][q] = xl ? __ldg(xp + 4 * u * STRIDE + q) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int i = 0; i < TILES; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) wp[i][h] += UNROLL * STRIDE;
-        xp += 4 * UNROLL * STRIDE;
-        // Then the math, step by step (a step past the end is skipped by the whole warp).
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            if (s0 + u * WARPS >= steps) break;
-            const unsigned xw[16] = {xv[u][0].x, xv[u][0].y, xv[u][0].z, xv[u][0].w, xv[u][1].x, xv[u][1].y,
-                                     xv[u][1].z, xv[u][1].w, xv[u][2].x, xv[u][2].y, xv[u][2].z, xv[u][2].w,
-                                     xv[u][3].x, xv[u][3].y, xv[u][3].z, xv[u][3].w};
-            typename Q4<T>::Scale sc[TILES][2];
-#pragma unroll
-            for (int i = 0; i < TILES; ++i)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) sc[i][h] = Q4<T>::prep(sv[u][i][h], mv[u][i][h]);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                // x pairs of columns (4k, 4k+2), (4k+1, 4k+3) and the same + 16.
-                const unsigned xl02 = __byte_perm(xw[2 * k], xw[2 * k + 1], 0x5410);
-                const unsigned xl13 = __byte_perm(xw[2 * k], xw[2 * k + 1], 0x7632);
-                const unsigned xh02 = __byte_perm(xw[8 + 2 * k], xw[9 + 2 * k], 0x5410);
-                const unsigned xh13 = __byte_perm(xw[8 + 2 * k], xw[9 + 2 * k], 0x7632);
-#pragma unroll
-                for (int i = 0; i < TILES; ++i) {
-                    const uint4& lo = wv[u][i][0];
-                    const uint4& hi = wv[u][i][1];
-                    const unsigned wl = k == 0 ? lo.x : k == 1 ? lo.y : k == 2 ? lo.z : lo.w;
-                    const unsigned wh = k == 0 ? hi.x : k == 1 ? hi.y : k == 2 ? hi.z : hi.w;
-                    unsigned pl[4], ph[4];  // rows g and g + 8
-                    Q4<T>::dequant(wl, sc[i][0], pl);
-                    Q4<T>::dequant(wh, sc[i][1], ph);
-                    // a0: row g, slots 2t..2t+1; a1: row g+8, same; a2: row g, slots 2t+8..2t+9; a3: row g+8.
-                    const unsigned alo[4] = {pl[0], ph[0], pl[1], ph[1]};
-                    const unsigned ahi[4] = {pl[2], ph[2], pl[3], ph[3]};
-                    mma(acc[i], alo, xl02, xl13, T());
-                    mma(acc[i], ahi, xh02, xh13, T());
-                }
-            }
+        for (int u = 0; u < U; ++u) {
+            const int s = s0 + u * WARPS;
+            if (s >= steps) break;  // the whole warp
+            if (!XPRE) loadx(buf[u], s);
+            compute(buf[u]);
+            load(buf[u], s + U * WARPS);  // the ring's next step for this slot
         }
     }
 }
 
-// Sums the warps' fragments: thread `tid` (< TILES * 128) gets element e = tid / 32 (tile e / 4,
+// Sums the warps' fragments: thread `tid` (< NT * 128) gets element e = tid / 32 (tile e / 4,
 // fragment element e % 4) of lane tid % 32, summed over the warps. Every thread must call it.
-__device__ __forceinline__ float reduce_warps(const float acc[TILES][4]) {
-    __shared__ float red[WARPS * TILES * 4 * 32];
+template <int NT> __device__ __forceinline__ float reduce_warps(const float acc[NT][4]) {
+    __shared__ float red[WARPS * NT * 4 * 32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-    for (int i = 0; i < TILES; ++i)
+    for (int i = 0; i < NT; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) red[(warp * TILES * 4 + i * 4 + e) * 32 + lane] = acc[i][e];
+        for (int e = 0; e < 4; ++e) red[(warp * NT * 4 + i * 4 + e) * 32 + lane] = acc[i][e];
     __syncthreads();
     float v = 0.f;
-    if (threadIdx.x < TILES * 4 * 32) {
+    if (threadIdx.x < NT * 4 * 32) {
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) v += red[w * TILES * 4 * 32 + threadIdx.x];
+        for (int w = 0; w < WARPS; ++w) v += red[w * NT * 4 * 32 + threadIdx.x];
     }
     return v;
 }
 
-template <class T, int UNROLL>
+// The plain products with NT 16-row tiles (16 NT consecutive rows of one weight) per CTA.
+template <class T, int U, int NT>
 __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols, int group, const Slot<T>* slots) {
-    // The CTA's weight: weight i owns ceil(rows_i / 32) CTAs.
+    constexpr int ROWS = 16 * NT;  // rows per CTA
+    // The CTA's weight: weight i owns ceil(rows_i / ROWS) CTAs.
     int cta = blockIdx.x, si = 0;
-    const int own0 = (slots[0].rows + 16 * TILES - 1) / (16 * TILES);
-    const int own1 = (slots[1].rows + 16 * TILES - 1) / (16 * TILES);
+    const int own0 = (slots[0].rows + ROWS - 1) / ROWS;
+    const int own1 = (slots[1].rows + ROWS - 1) / ROWS;
     if (cta >= own0) {
         cta -= own0;
         si = 1;
@@ -295,15 +317,15 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
         }
     }
     const Slot<T> s = si == 0 ? slots[0] : si == 1 ? slots[1] : slots[2];  // constant indices: no local memory
-    Tile tiles[TILES];
+    Tile tiles[NT];
 #pragma unroll
-    for (int i = 0; i < TILES; ++i) tiles[i] = Tile{s.packed, s.scales, s.mins, cta * 16 * TILES + 16 * i, s.rows};
-    float acc[TILES][4];
-    q4_tiles<T, UNROLL>(tiles, x, n, cols, group, acc);
-    const float v = reduce_warps(acc);
-    if (threadIdx.x < TILES * 128) {
+    for (int i = 0; i < NT; ++i) tiles[i] = Tile{s.packed, s.scales, s.mins, cta * ROWS + 16 * i, s.rows};
+    float acc[NT][4];
+    q4_tiles<T, U, NT, NT == 2>(tiles, x, n, cols, group, acc);
+    const float v = reduce_warps<NT>(acc);
+    if (threadIdx.x < NT * 128) {
         const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        const int row = cta * 16 * TILES + 16 * (e >> 2) + (lane >> 2) + 8 * ((e >> 1) & 1);
+        const int row = cta * ROWS + 16 * (e >> 2) + (lane >> 2) + 8 * ((e >> 1) & 1);
         const int j = 2 * (lane & 3) + (e & 1);
         if (j < n && row < s.rows) {
             const float b = s.bias ? tmk::to_float(s.bias[row]) : 0.f;
@@ -312,18 +334,17 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
     }
 }
 
-template <class T, int UNROLL>
+template <class T, int U>
 __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, int n, int cols, int group,
                                              const Slot<T>& gate, const Slot<T>& up) {
-    static_assert(TILES == 2, "the SiLU variant pairs one gate tile with one up tile");
     const int row0 = blockIdx.x * 16, rows = gate.rows;
-    const Tile tiles[TILES] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
-                               Tile{up.packed, up.scales, up.mins, row0, rows}};
-    float acc[TILES][4];
-    q4_tiles<T, UNROLL>(tiles, x, n, cols, group, acc);
+    const Tile tiles[2] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
+                           Tile{up.packed, up.scales, up.mins, row0, rows}};
+    float acc[2][4];
+    q4_tiles<T, U, 2, true>(tiles, x, n, cols, group, acc);
     // Gate sums land in threads 0..127, up sums in 128..255 (same fragment order).
     __shared__ float upv[128];
-    const float v = reduce_warps(acc);
+    const float v = reduce_warps<2>(acc);
     if (threadIdx.x >= 128) upv[threadIdx.x - 128] = v;
     __syncthreads();
     if (threadIdx.x < 128) {
@@ -340,18 +361,22 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
 
 }  // namespace tmq4
 
-// U = steps per batch of loads: 2 (at most 128 registers, two CTAs per SM) or 4 (one CTA per SM,
-// twice the bytes in flight per warp: for grids of at most one CTA per SM).
-#define TM_Q4_GEMV(SUF, T, U, MIN_CTAS)                                                                            \
+// Variants (see the launcher): U = steps in flight per warp, MIN_CTAS = CTAs per SM the register
+// budget is cut for. `u2` (32-row CTAs, at most 128 registers: two CTAs per SM), `u4` (32-row CTAs,
+// one CTA per SM, twice the bytes in flight per warp), `n16` (16-row CTAs, U = 2, at most 80
+// registers: three CTAs per SM; twice the CTAs of `u2` for weights too small to fill the GPU),
+// `n16u4` (16-row CTAs, U = 4: two CTAs per SM; a warp of a 4096-column product then issues the
+// loads of all its 4 steps at once).
+#define TM_Q4_GEMV_PLAIN(NAME, T, U, NT, MIN_CTAS)                                                                 \
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                          \
-        q4_gemv_u##U##_##SUF(const T* __restrict__ x, int n, int cols, int group, T* o0, T* o1, T* o2,              \
-                             const unsigned char* w0, const unsigned char* w1, const unsigned char* w2,             \
-                             const __half* s0, const __half* s1, const __half* s2, const __half* m0,                \
-                             const __half* m1, const __half* m2, const T* b0, const T* b1, const T* b2, int r0,     \
-                             int r1, int r2) {                                                                      \
+        NAME(const T* __restrict__ x, int n, int cols, int group, T* o0, T* o1, T* o2, const unsigned char* w0,     \
+             const unsigned char* w1, const unsigned char* w2, const __half* s0, const __half* s1,                 \
+             const __half* s2, const __half* m0, const __half* m1, const __half* m2, const T* b0, const T* b1,     \
+             const T* b2, int r0, int r1, int r2) {                                                                 \
         const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}}; \
-        tmq4::q4_gemv<T, U>(x, n, cols, group, slots);                                                              \
-    }                                                                                                               \
+        tmq4::q4_gemv<T, U, NT>(x, n, cols, group, slots);                                                          \
+    }
+#define TM_Q4_GEMV_SILU(SUF, T, U, MIN_CTAS)                                                                       \
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                          \
         q4_gemv_silu_u##U##_##SUF(T* out, const T* __restrict__ x, int n, int cols, int group,                      \
                                   const unsigned char* wg, const __half* sg, const __half* mg,                      \
@@ -360,8 +385,13 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
         const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                  \
         tmq4::q4_gemv_silu<T, U>(out, x, n, cols, group, gate, up);                                                 \
     }
+#define TM_Q4_GEMV(SUF, T)                                \
+    TM_Q4_GEMV_PLAIN(q4_gemv_u2_##SUF, T, 2, 2, 2)        \
+    TM_Q4_GEMV_PLAIN(q4_gemv_u4_##SUF, T, 4, 2, 1)        \
+    TM_Q4_GEMV_PLAIN(q4_gemv_n16_##SUF, T, 2, 1, 3)       \
+    TM_Q4_GEMV_PLAIN(q4_gemv_n16u4_##SUF, T, 4, 1, 2)     \
+    TM_Q4_GEMV_SILU(SUF, T, 2, 2)                         \
+    TM_Q4_GEMV_SILU(SUF, T, 4, 1)
 
-TM_Q4_GEMV(f16, __half, 2, 2)
-TM_Q4_GEMV(f16, __half, 4, 1)
-TM_Q4_GEMV(bf16, __nv_bfloat16, 2, 2)
-TM_Q4_GEMV(bf16, __nv_bfloat16, 4, 1)
+TM_Q4_GEMV(f16, __half)
+TM_Q4_GEMV(bf16, __nv_bfloat16)

@@ -169,6 +169,23 @@ mod tests {
     }
 
     #[test]
+    fn q4_gemv_images_define_every_abi_kernel() {
+        let kernels = abi_kernels("q4_gemv.cu");
+        assert_eq!(
+            kernels,
+            ["q4_gemv_u2", "q4_gemv_u4", "q4_gemv_n16", "q4_gemv_n16u4", "q4_gemv_silu_u2", "q4_gemv_silu_u4"]
+        );
+        for a in artefacts().iter().filter(|a| a.module == "q4_gemv") {
+            let entries = entry_points(a.bytes);
+            for k in &kernels {
+                for dt in ["f16", "bf16"] {
+                    assert!(entries.contains(&format!("{k}_{dt}")), "q4_gemv ({:?}) lacks {k}_{dt}", a.target);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn q4_gemm_images_define_every_abi_kernel() {
         let kernels = abi_kernels("q4_gemm.cu");
         assert_eq!(kernels.len(), 4, "{kernels:?}");

@@ -11,10 +11,21 @@
 //!
 //! Each CTA (256 threads, 8 warps) computes 32 rows of one weight (or 16 rows of the gate and the
 //! same 16 of the up weight) with K split over its warps; see the kernel source for the layout.
-//! Two variants differ in how many steps' loads a warp issues before its math ([`Unroll`]): 2
-//! (two CTAs fit on an SM) or 4 (one CTA per SM, twice the bytes in flight per warp). `Auto`
-//! takes 4 when the grid has at most one CTA per SM (the 4096-row products of an 8B model on an
-//! H200), else 2; `TM_Q4_GEMV_UNROLL=2|4` overrides it.
+//! Every warp keeps a ring of `U` steps' loads in flight (software pipelined). The variants
+//! ([`Unroll`]):
+//! - `u2`: U = 2, at most 128 registers, two CTAs per SM;
+//! - `u4`: U = 4, one CTA per SM, twice the bytes in flight per warp;
+//! - `n16` (plain products only): 16-row CTAs, U = 2, x loaded at use, at most 80 registers so
+//!   three CTAs fit per SM: twice the CTAs of `u2`, for weights too small to give every SM two
+//!   32-row CTAs (the q/k/v, o and down products of an 8B model on an H200: 192, 128 and 128
+//!   CTAs on 132 SMs);
+//! - `n16u4`: `n16` with U = 4 and two CTAs per SM (a warp of a 4096-column product issues the
+//!   loads of all its steps at once).
+//!
+//! `Auto` takes `n16` for a plain product whose 32-row grid is under two CTAs per SM, else `u2`
+//! (the SiLU variant always `u2`). `TM_Q4_GEMV_UNROLL=2|4|n16|n16u4` overrides it (`n16` and
+//! `n16u4` mean `u2` for the SiLU variant, which has no 16-row form). `q4_gemv_bench` times every
+//! variant on the 8B shapes.
 
 use std::sync::OnceLock;
 
@@ -25,49 +36,80 @@ use crate::runtime::{Gpu, KernelArg};
 
 /// Threads per CTA.
 const THREADS: u32 = 256;
-/// Weight rows per CTA of [`q4_gemv`].
-const ROWS_PER_CTA: usize = 32;
 /// Output rows per CTA of [`q4_gemv_silu`].
 const SILU_ROWS_PER_CTA: usize = 16;
 /// The most activation rows the kernels take.
 pub const MAX_N: usize = 8;
 
-/// Steps whose loads a warp issues before its math: the kernel variant.
+/// The kernel variant: steps in flight per warp and rows per CTA (see the module doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Unroll {
-    /// 4 when the grid has at most one CTA per SM, else 2 (`TM_Q4_GEMV_UNROLL` overrides it).
+    /// `n16` for plain products under two 32-row CTAs per SM, else `u2` (`TM_Q4_GEMV_UNROLL`
+    /// overrides it).
     Auto,
-    /// `*_u2_*`: at most 128 registers, two CTAs per SM.
+    /// `*_u2_*`: 32-row CTAs, at most 128 registers, two CTAs per SM.
     Two,
-    /// `*_u4_*`: one CTA per SM.
+    /// `*_u4_*`: 32-row CTAs, one CTA per SM.
     Four,
+    /// `q4_gemv_n16_*`: 16-row CTAs, three per SM (plain products; the SiLU variant takes `u2`).
+    Narrow,
+    /// `q4_gemv_n16u4_*`: 16-row CTAs, U = 4, two per SM (plain products; SiLU takes `u2`).
+    NarrowFour,
 }
 
 impl Unroll {
-    /// The variant's number for a grid of `ctas` CTAs on `sms` multiprocessors.
-    fn resolve(self, ctas: usize, sms: usize) -> u32 {
+    /// The variant for a plain product whose 32-row grid has `ctas32` CTAs, on `sms`
+    /// multiprocessors; never `Auto`.
+    fn resolve(self, ctas32: usize, sms: usize) -> Unroll {
         match self {
-            Unroll::Two => 2,
-            Unroll::Four => 4,
             Unroll::Auto => match forced_unroll() {
                 Some(u) => u,
-                None if ctas <= sms => 4,
-                None => 2,
+                None if ctas32 < 2 * sms => Unroll::Narrow,
+                None => Unroll::Two,
             },
+            u => u,
+        }
+    }
+
+    /// Rows per CTA of the plain product.
+    fn rows_per_cta(self) -> usize {
+        match self {
+            Unroll::Narrow | Unroll::NarrowFour => 16,
+            _ => 32,
+        }
+    }
+
+    /// The plain kernel's name stem.
+    fn plain_stem(self) -> &'static str {
+        match self {
+            Unroll::Narrow => "q4_gemv_n16",
+            Unroll::NarrowFour => "q4_gemv_n16u4",
+            Unroll::Four => "q4_gemv_u4",
+            _ => "q4_gemv_u2",
+        }
+    }
+
+    /// The SiLU kernel's name stem (`Narrow` and `NarrowFour` have no SiLU form: `u2`).
+    fn silu_stem(self) -> &'static str {
+        match self {
+            Unroll::Four => "q4_gemv_silu_u4",
+            _ => "q4_gemv_silu_u2",
         }
     }
 }
 
-/// `TM_Q4_GEMV_UNROLL` when it is 2 or 4.
-fn forced_unroll() -> Option<u32> {
-    static FORCED: OnceLock<Option<u32>> = OnceLock::new();
+/// `TM_Q4_GEMV_UNROLL` when it is 2, 4, n16 or n16u4.
+fn forced_unroll() -> Option<Unroll> {
+    static FORCED: OnceLock<Option<Unroll>> = OnceLock::new();
     *FORCED.get_or_init(|| {
         let v = std::env::var("TM_Q4_GEMV_UNROLL").ok()?;
         match v.trim() {
-            "2" => Some(2),
-            "4" => Some(4),
+            "2" => Some(Unroll::Two),
+            "4" => Some(Unroll::Four),
+            "n16" => Some(Unroll::Narrow),
+            "n16u4" => Some(Unroll::NarrowFour),
             other => {
-                tracing::warn!("TM_Q4_GEMV_UNROLL={other} ignored: expected 2 or 4");
+                tracing::warn!("TM_Q4_GEMV_UNROLL={other} ignored: expected 2, 4, n16 or n16u4");
                 None
             }
         }
@@ -134,9 +176,9 @@ fn ctas(rows: usize, per: usize) -> usize {
     rows.div_ceil(per)
 }
 
-/// The grid of a [`q4_gemv`] launch: each weight's rows in CTAs of [`ROWS_PER_CTA`].
-fn plain_grid(slots: &[Q4Slot]) -> Result<u32> {
-    let total: usize = slots.iter().map(|s| ctas(s.rows, ROWS_PER_CTA)).sum();
+/// The grid of a [`q4_gemv`] launch: each weight's rows in CTAs of `per` rows.
+fn plain_grid(slots: &[Q4Slot], per: usize) -> Result<u32> {
+    let total: usize = slots.iter().map(|s| ctas(s.rows, per)).sum();
     u32::try_from(total).map_err(|_| Error::invalid(format!("q4_gemv: {total} CTAs exceed the grid limit")))
 }
 
@@ -158,13 +200,14 @@ pub fn q4_gemv(
     }
     // Empty weights take no CTAs; the kernel finds a CTA's weight from the counts.
     let used: Vec<Q4Slot> = slots.iter().copied().filter(|s| s.rows > 0).collect();
-    let grid = plain_grid(&used)?;
-    if grid == 0 || n == 0 {
+    let grid32 = plain_grid(&used, 32)?;
+    if grid32 == 0 || n == 0 {
         return Ok(());
     }
     let s = |i: usize| used.get(i).copied().unwrap_or_default();
-    let u = unroll.resolve(grid as usize, gpu.info().multiprocessors as usize);
-    let name = format!("q4_gemv_u{u}_{}", suffix(dt)?);
+    let u = unroll.resolve(grid32 as usize, gpu.info().multiprocessors as usize);
+    let grid = plain_grid(&used, u.rows_per_cta())?;
+    let name = format!("{}_{}", u.plain_stem(), suffix(dt)?);
     let args = [
         KernelArg::Ptr(x),
         KernelArg::I32(int("n", n)?),
@@ -217,8 +260,12 @@ pub fn q4_gemv_silu(
     }
     let grid = u32::try_from(ctas(rows, SILU_ROWS_PER_CTA))
         .map_err(|_| Error::invalid(format!("q4_gemv_silu: {rows} rows need too many CTAs")))?;
-    let u = unroll.resolve(grid as usize, gpu.info().multiprocessors as usize);
-    let name = format!("q4_gemv_silu_u{u}_{}", suffix(dt)?);
+    // No 16-row form: `Narrow` and `Auto` (without an override) take `u2`.
+    let u = match unroll {
+        Unroll::Auto => forced_unroll().unwrap_or(Unroll::Two),
+        u => u,
+    };
+    let name = format!("{}_{}", u.silu_stem(), suffix(dt)?);
     let args = [
         KernelArg::Ptr(out),
         KernelArg::Ptr(x),
@@ -263,20 +310,33 @@ mod tests {
 
     #[test]
     fn grid_counts_each_weights_ctas() {
-        assert_eq!(plain_grid(&[slot(4096), slot(1024), slot(1024)]).unwrap(), 192);
-        assert_eq!(plain_grid(&[slot(200), slot(72)]).unwrap(), 7 + 3);
-        assert_eq!(plain_grid(&[slot(1)]).unwrap(), 1);
+        assert_eq!(plain_grid(&[slot(4096), slot(1024), slot(1024)], 32).unwrap(), 192);
+        assert_eq!(plain_grid(&[slot(4096), slot(1024), slot(1024)], 16).unwrap(), 384);
+        assert_eq!(plain_grid(&[slot(200), slot(72)], 32).unwrap(), 7 + 3);
+        assert_eq!(plain_grid(&[slot(200), slot(72)], 16).unwrap(), 13 + 5);
+        assert_eq!(plain_grid(&[slot(1)], 32).unwrap(), 1);
         assert_eq!(ctas(14336, SILU_ROWS_PER_CTA), 896);
         assert_eq!(ctas(100, SILU_ROWS_PER_CTA), 7);
     }
 
     #[test]
     fn unroll_variants() {
-        assert_eq!(Unroll::Two.resolve(10, 132), 2);
-        assert_eq!(Unroll::Four.resolve(1000, 132), 4);
+        assert_eq!(Unroll::Two.resolve(10, 132), Unroll::Two);
+        assert_eq!(Unroll::Four.resolve(1000, 132), Unroll::Four);
+        assert_eq!(Unroll::Narrow.resolve(1000, 132), Unroll::Narrow);
         if forced_unroll().is_none() {
-            assert_eq!(Unroll::Auto.resolve(128, 132), 4);
-            assert_eq!(Unroll::Auto.resolve(192, 132), 2);
+            // An 8B model on an H200: q/k/v 192, o and down 128 32-row CTAs; 132 SMs.
+            assert_eq!(Unroll::Auto.resolve(128, 132), Unroll::Narrow);
+            assert_eq!(Unroll::Auto.resolve(192, 132), Unroll::Narrow);
+            assert_eq!(Unroll::Auto.resolve(264, 132), Unroll::Two);
         }
+        assert_eq!(Unroll::Narrow.rows_per_cta(), 16);
+        assert_eq!(Unroll::NarrowFour.rows_per_cta(), 16);
+        assert_eq!(Unroll::NarrowFour.plain_stem(), "q4_gemv_n16u4");
+        assert_eq!(Unroll::NarrowFour.silu_stem(), "q4_gemv_silu_u2");
+        assert_eq!(Unroll::Two.rows_per_cta(), 32);
+        assert_eq!(Unroll::Narrow.plain_stem(), "q4_gemv_n16");
+        assert_eq!(Unroll::Narrow.silu_stem(), "q4_gemv_silu_u2");
+        assert_eq!(Unroll::Four.silu_stem(), "q4_gemv_silu_u4");
     }
 }
