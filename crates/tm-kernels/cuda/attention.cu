@@ -347,8 +347,8 @@ template <int D> __device__ __forceinline__ int kv8_col(int nt, int c) {
 }
 
 // flash_step for MT = KP = 1 (16 query rows x 16 keys) with K and V as E4M3 codes in shared
-// memory (key i at byte row i, stride RS), decoded to T while building the mma B fragments, with
-// no T copy of the tile:
+// memory (key i at byte row i, stride RS), decoded to f16 (for every T: see pair_to_f16) while
+// building the mma B fragments, with no T copy of the tile:
 // - S = Q K^T: in k-step ks the mma k indices 2*tig + {0, 1} stand for d = 16*ks + 4*tig + {0, 1}
 //   and 2*tig + 8 + {0, 1} for d = 16*ks + 4*tig + {2, 3} (a dot product does not depend on the
 //   order of its terms), so one 32-bit load brings a thread's four K codes; Q's A fragment is in
@@ -356,16 +356,28 @@ template <int D> __device__ __forceinline__ int kv8_col(int nt, int c) {
 // - O += P V: P's A fragment is the usual one (keys 2*tig + {0, 1} and 2*tig + 8 + {0, 1}); the
 //   output columns are permuted (kv8_col) so that one 32-bit load per key row brings the codes of
 //   4 n-tiles, paired across rows with byte permutes.
+// A T pair (one register) as an f16 pair: the fp8 decode path multiplies in f16 for every T,
+// since E4M3 codes convert to f16 in one instruction (to bf16 it takes four) and exactly, P in
+// [0, 1] is finer in f16 than in bf16, and a bf16 query is exact in f16 within its range (it is
+// clamped to +-65504 beyond; |q| that large does not occur after the projections).
+template <typename T> __device__ __forceinline__ unsigned pair_to_f16(unsigned v);
+template <> __device__ __forceinline__ unsigned pair_to_f16<__half>(unsigned v) { return v; }
+template <> __device__ __forceinline__ unsigned pair_to_f16<__nv_bfloat16>(unsigned v) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+    return pack2<__half>(fminf(fmaxf(f.x, -65504.f), 65504.f), fminf(fmaxf(f.y, -65504.f), 65504.f));
+}
+
+// Q's A fragment for k-step `ks` of flash_step_kv8, as f16 pairs (see pair_to_f16).
 template <typename T, int D>
 __device__ __forceinline__ void kv8_q_frag(unsigned a[4], const T* sQ, int ks) {
     constexpr int LD = D + 8;
     const int lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
     const uint2 q0 = *reinterpret_cast<const uint2*>(sQ + gid * LD + ks * 16 + 4 * tig);
     const uint2 q1 = *reinterpret_cast<const uint2*>(sQ + (gid + 8) * LD + ks * 16 + 4 * tig);
-    a[0] = q0.x;
-    a[1] = q1.x;
-    a[2] = q0.y;
-    a[3] = q1.y;
+    a[0] = pair_to_f16<T>(q0.x);
+    a[1] = pair_to_f16<T>(q1.x);
+    a[2] = pair_to_f16<T>(q0.y);
+    a[3] = pair_to_f16<T>(q1.y);
 }
 
 template <typename T, int D, bool QREG, typename Mask>
@@ -392,7 +404,7 @@ __device__ __forceinline__ void flash_step_kv8(const T* sQ, const unsigned (&qf)
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             const unsigned k = *reinterpret_cast<const unsigned*>(rK + (nt * 8 + gid) * RS + ks * 16 + 4 * tig);
-            mma16816<T>(s[nt], a, fp8x2_to<T>(k), fp8x2_to<T>(k >> 16));
+            mma16816<__half>(s[nt], a, fp8x2_to<__half>(k), fp8x2_to<__half>(k >> 16));
         }
     }
     // scale, mask, running max
@@ -437,8 +449,8 @@ __device__ __forceinline__ void flash_step_kv8(const T* sQ, const unsigned (&qf)
         o[nt][3] *= alpha[1];
     }
     // O += P V
-    const unsigned a[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]), pack2<T>(s[1][0], s[1][1]),
-                           pack2<T>(s[1][2], s[1][3])};
+    const unsigned a[4] = {pack2<__half>(s[0][0], s[0][1]), pack2<__half>(s[0][2], s[0][3]), pack2<__half>(s[1][0], s[1][1]),
+                           pack2<__half>(s[1][2], s[1][3])};
     // this thread's B rows: keys 2*tig, 2*tig + 1 (b0) and 2*tig + 8, 2*tig + 9 (b1)
     const unsigned char* v0 = rV + 2 * tig * RS;
 #pragma unroll
@@ -452,8 +464,8 @@ __device__ __forceinline__ void flash_step_kv8(const T* sQ, const unsigned (&qf)
         for (int i = 0; i < 4; ++i) {
             // byte i of the first row in the low byte, byte i of the second row above it
             const unsigned sel = i | ((4 + i) << 4);
-            mma16816<T>(o[4 * g + i], a, fp8x2_to<T>(__byte_perm(x0, x1, sel)),
-                        fp8x2_to<T>(__byte_perm(x2, x3, sel)));
+            mma16816<__half>(o[4 * g + i], a, fp8x2_to<__half>(__byte_perm(x0, x1, sel)),
+                        fp8x2_to<__half>(__byte_perm(x2, x3, sel)));
         }
     }
     if constexpr (D % 32 != 0) {
@@ -467,8 +479,8 @@ __device__ __forceinline__ void flash_step_kv8(const T* sQ, const unsigned (&qf)
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const unsigned sel = i | ((4 + i) << 4);
-            mma16816<T>(o[4 * g + i], a, fp8x2_to<T>(__byte_perm(x0, x1, sel)),
-                        fp8x2_to<T>(__byte_perm(x2, x3, sel)));
+            mma16816<__half>(o[4 * g + i], a, fp8x2_to<__half>(__byte_perm(x0, x1, sel)),
+                        fp8x2_to<__half>(__byte_perm(x2, x3, sel)));
         }
     }
 }
