@@ -14,14 +14,17 @@
 //! through the cache (a shuffled block table), as in a serving engine. No assertions (the
 //! conformance tests check the results); without a CUDA device it says so and exits successfully.
 
+mod common;
+
 use std::process::ExitCode;
+
+use common::{Rng, COPY_BW};
 
 use tm_core::{DType, Ops, Tensor, TensorDesc};
 use tm_cuda::kernels::attention::{self, AttentionBatch, AttentionShape};
 use tm_cuda::{CudaBackend, CudaOptions};
 
 /// The H200's measured device-to-device copy bandwidth, bytes/s.
-const COPY_BW: f64 = 4.275e12;
 /// Query heads, KV heads, head size and tokens per block of the benchmarked layer.
 const HEADS: usize = 32;
 const KV_HEADS: usize = 8;
@@ -66,24 +69,12 @@ fn parse() -> Result<Opts, String> {
     Ok(o)
 }
 
-/// A SplitMix64 stream for random data.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
-
 /// `n` elements of `dtype` with random values in about [-1, 1] (E4M3: random finite codes), as
 /// bytes: a 1 MiB random pattern repeated (enough to keep the scores varied).
 fn random_bytes(rng: &mut Rng, dtype: DType, n: usize) -> Vec<u8> {
     let pattern: Vec<u8> = (0..(1usize << 19))
         .flat_map(|_| {
-            let r = rng.next();
+            let r = rng.next_u64();
             let v = (r % 2001) as f32 / 1000.0 - 1.0;
             match dtype {
                 DType::BF16 => half::bf16::from_f32(v).to_le_bytes(),
@@ -135,14 +126,14 @@ fn bench(o: &Opts) -> Result<(), String> {
     };
     let b = CudaBackend::open(opts).map_err(|e| format!("opening the CUDA backend: {e}"))?;
     let ops: &dyn Ops = &b;
-    let mut rng = Rng(0xA77E_D0C0);
+    let mut rng = Rng::new(0xA77E_D0C0);
 
     let blocks_per_seq = o.ctx.div_ceil(BLOCK);
     let blocks = o.seqs * blocks_per_seq;
     // a shuffled block table (Fisher-Yates)
     let mut table: Vec<usize> = (0..blocks).collect();
     for i in (1..blocks).rev() {
-        let j = (rng.next() % (i as u64 + 1)) as usize;
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
         table.swap(i, j);
     }
     let q =
@@ -217,22 +208,5 @@ fn bench(o: &Opts) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    let o = match parse() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("attn_decode_bench: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    if let Err(e) = tm_cuda::probe() {
-        println!("attn_decode_bench: skipped: no CUDA device ({e})");
-        return ExitCode::SUCCESS;
-    }
-    match bench(&o) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("attn_decode_bench: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    common::run("attn_decode_bench", parse, bench)
 }

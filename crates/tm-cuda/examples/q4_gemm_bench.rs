@@ -17,7 +17,12 @@
 //! target/release/examples/q4_gemm_bench [--iters 20] [--dtype f16|bf16|both] [--m 512,2048,8192] [--group 128]
 //! ```
 
+mod common;
+
+use std::process::ExitCode;
 use std::sync::Arc;
+
+use common::Rng;
 
 use cudarc::driver::sys;
 use tm_core::{Allocator, Buffer, DType, Device, Result};
@@ -75,27 +80,11 @@ fn parse_args() -> std::result::Result<Args, String> {
     Ok(a)
 }
 
-/// A small xorshift generator for the random inputs.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
-
 /// `count` values `scale * unit()` encoded as `dt`.
 fn random_values(rng: &mut Rng, dt: DType, count: usize, scale: f32) -> Vec<u8> {
     let mut out = Vec::with_capacity(count * 2);
     for _ in 0..count {
-        let v = scale * rng.unit();
+        let v = scale * common::unit(rng);
         let b = match dt {
             DType::BF16 => half::bf16::from_f32(v).to_le_bytes(),
             _ => half::f16::from_f32(v).to_le_bytes(),
@@ -141,29 +130,8 @@ fn tflops(m: usize, rows: usize, cols: usize, us: f64) -> f64 {
     2.0 * (m * rows * cols) as f64 / (us * 1e-6) / 1e12
 }
 
-fn main() {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("q4_gemm_bench: {e}");
-            std::process::exit(2);
-        }
-    };
-    match tm_cuda::probe() {
-        Ok(devs) if !devs.is_empty() => {}
-        Ok(_) => {
-            println!("q4_gemm_bench: no CUDA device; nothing to measure");
-            return;
-        }
-        Err(e) => {
-            println!("q4_gemm_bench: no CUDA device ({e}); nothing to measure");
-            return;
-        }
-    }
-    if let Err(e) = run(&args) {
-        eprintln!("q4_gemm_bench: {e}");
-        std::process::exit(1);
-    }
+fn main() -> ExitCode {
+    common::run("q4_gemm_bench", parse_args, run)
 }
 
 fn run(args: &Args) -> Result<()> {
@@ -210,7 +178,7 @@ fn run(args: &Args) -> Result<()> {
         "t us",
         "tiled us"
     );
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut rng = Rng::new(0x9E37_79B9_7F4A_7C15);
     let sms = info.multiprocessors as usize;
     for &dt in &args.dtypes {
         for (name, rows, cols) in SHAPES {
@@ -221,13 +189,13 @@ fn run(args: &Args) -> Result<()> {
             let groups = cols / args.group;
             // Weights: dense for cuBLAS, int4 (random nibbles, scales about 1/64, mins -8 scales).
             let dense = upload(&alloc, &staging, &random_values(&mut rng, dt, rows * cols, 0.03))?;
-            let packed_host: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next() as u8).collect();
+            let packed_host: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next_u64() as u8).collect();
             let packed = upload(&alloc, &staging, &packed_host)?;
             let scale_host: Vec<u8> = (0..rows * groups)
-                .flat_map(|_| half::f16::from_f32(0.004 + 0.001 * rng.unit()).to_le_bytes())
+                .flat_map(|_| half::f16::from_f32(0.004 + 0.001 * common::unit(&mut rng)).to_le_bytes())
                 .collect();
             let min_host: Vec<u8> = (0..rows * groups)
-                .flat_map(|_| half::f16::from_f32(-0.032 + 0.004 * rng.unit()).to_le_bytes())
+                .flat_map(|_| half::f16::from_f32(-0.032 + 0.004 * common::unit(&mut rng)).to_le_bytes())
                 .collect();
             let scales = upload(&alloc, &staging, &scale_host)?;
             let mins = upload(&alloc, &staging, &min_host)?;

@@ -16,7 +16,11 @@
 //! launch per weight (plus `silu_mul` for the MLP). Enough copies of each weight set are cycled through that they do not stay in L2. No
 //! assertions; without a CUDA device it says so and exits successfully.
 
+mod common;
+
 use std::process::ExitCode;
+
+use common::{Rng, COPY_BW};
 
 use tm_core::quant::Weight;
 use tm_core::{DType, Ops, Tensor, TensorDesc};
@@ -26,7 +30,6 @@ use tm_cuda::{CudaBackend, CudaOptions};
 use tm_quant::HostQuant;
 
 /// The H200's measured device-to-device copy bandwidth, bytes/s.
-const COPY_BW: f64 = 4.275e12;
 /// Bytes of weights cycled through per measurement (well past the 50 MB L2).
 const CYCLE_BYTES: usize = 512 << 20;
 
@@ -75,23 +78,11 @@ fn parse() -> Result<Opts, String> {
     Ok(o)
 }
 
-/// A SplitMix64 stream for random weights.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-}
-
 /// A random int4 weight `[rows, cols]` (weights of about ±0.03, like a trained model's).
 fn random_q4(ops: &dyn Ops, rng: &mut Rng, rows: usize, cols: usize, group: usize) -> Result<Weight, String> {
     let mut packed = vec![0u8; rows * cols / 2];
     for chunk in packed.chunks_mut(8) {
-        let v = rng.next().to_le_bytes();
+        let v = rng.next_u64().to_le_bytes();
         chunk.copy_from_slice(&v[..chunk.len()]);
     }
     let groups = rows * (cols / group);
@@ -107,7 +98,7 @@ fn activations(ops: &dyn Ops, rng: &mut Rng, dtype: DType, n: usize, cols: usize
     let mut t = ops.zeros(TensorDesc::new(dtype, &[n, cols]), "bench")?;
     let bytes: Vec<u8> = (0..n * cols)
         .flat_map(|_| {
-            let v = (rng.next() % 2001) as f32 / 1000.0 - 1.0;
+            let v = (rng.next_u64() % 2001) as f32 / 1000.0 - 1.0;
             match dtype {
                 DType::BF16 => half::bf16::from_f32(v).to_le_bytes(),
                 _ => half::f16::from_f32(v).to_le_bytes(),
@@ -193,7 +184,7 @@ fn bench(o: &Opts) -> Result<(), String> {
     };
     let b = CudaBackend::open(opts).map_err(|e| format!("opening the CUDA backend: {e}"))?;
     let ops: &dyn Ops = &b;
-    let mut rng = Rng(0x51_0E_6E_4D);
+    let mut rng = Rng::new(0x51_0E_6E_4D);
     println!(
         "int4 decode products, {} activations, group {}, {} iterations; GB/s of packed weights + scales + mins, % of \
          {:.3} TB/s",
@@ -290,22 +281,5 @@ fn bench(o: &Opts) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
-    let o = match parse() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("q4_gemv_bench: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    if let Err(e) = tm_cuda::probe() {
-        println!("q4_gemv_bench: skipped: no CUDA device ({e})");
-        return ExitCode::SUCCESS;
-    }
-    match bench(&o) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("q4_gemv_bench: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    common::run("q4_gemv_bench", parse, bench)
 }

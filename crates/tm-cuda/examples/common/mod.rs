@@ -1,0 +1,52 @@
+//! What the benchmark examples share: the copy bandwidth their figures are a fraction of, the
+//! random stream for their inputs, and the `main` that skips cleanly without a GPU.
+
+#![allow(dead_code)] // each example uses part of it
+
+use std::fmt::Display;
+use std::process::ExitCode;
+
+pub use tm_core::sampling::Rng;
+
+/// Device-to-device copy bandwidth measured on the H200, bytes/s: the roofline the examples
+/// report against.
+pub const COPY_BW: f64 = 4.275e12;
+
+/// Uniform in [-1, 1) from `rng`.
+pub fn unit(rng: &mut Rng) -> f32 {
+    (rng.next_f64() * 2.0 - 1.0) as f32
+}
+
+/// Parses the arguments with `parse` (exit 2 on an error), skips saying why when there is no
+/// CUDA device (exit 0), else runs `bench` (exit 1 on an error).
+pub fn run<O, E1: Display, E2: Display>(
+    name: &str,
+    parse: impl FnOnce() -> Result<O, E1>,
+    bench: impl FnOnce(&O) -> Result<(), E2>,
+) -> ExitCode {
+    let o = match parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match tm_cuda::probe() {
+        Ok(devs) if !devs.is_empty() => {}
+        Ok(_) => {
+            println!("{name}: skipped: no CUDA device");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            println!("{name}: skipped: no CUDA device ({e})");
+            return ExitCode::SUCCESS;
+        }
+    }
+    match bench(&o) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
