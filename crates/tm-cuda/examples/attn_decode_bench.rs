@@ -98,24 +98,6 @@ fn i32_bytes(v: impl IntoIterator<Item = usize>) -> Vec<u8> {
     v.into_iter().flat_map(|x| (x as i32).to_le_bytes()).collect()
 }
 
-/// Milliseconds per call of `f` over `iters` calls (after a warm-up), timed with CUDA events.
-fn time_ms(b: &CudaBackend, iters: usize, mut f: impl FnMut() -> tm_core::Result<()>) -> Result<f64, String> {
-    let err = |e: &dyn std::fmt::Display| e.to_string();
-    for _ in 0..10 {
-        f().map_err(|e| err(&e))?;
-    }
-    let stream = b.gpu().stream();
-    // Timing events (cudarc's default flags disable timing).
-    let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let start = stream.record_event(timed).map_err(|e| err(&e))?;
-    for _ in 0..iters {
-        f().map_err(|e| err(&e))?;
-    }
-    let end = stream.record_event(timed).map_err(|e| err(&e))?;
-    end.synchronize().map_err(|e| err(&e))?;
-    Ok(start.elapsed_ms(&end).map_err(|e| err(&e))? as f64 / iters as f64)
-}
-
 fn bench(o: &Opts) -> Result<(), String> {
     let opts = CudaOptions {
         ordinal: 0,
@@ -179,7 +161,7 @@ fn bench(o: &Opts) -> Result<(), String> {
         let elems = blocks * BLOCK * KV_HEADS * HEAD_DIM;
         let k = upload(ops, kv, &[elems], &random_bytes(&mut rng, kv, elems))?;
         let v = upload(ops, kv, &[elems], &random_bytes(&mut rng, kv, elems))?;
-        let ms = time_ms(&b, o.iters, || {
+        let ms = common::time_ms(&b, o.iters, |_| {
             attention::attention(
                 b.gpu(),
                 o.dtype,

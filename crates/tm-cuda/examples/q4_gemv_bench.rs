@@ -156,24 +156,6 @@ impl Shape {
     }
 }
 
-/// Milliseconds per call of `f` over `iters` calls (after a warm-up), timed with CUDA events.
-fn time_ms(b: &CudaBackend, iters: usize, mut f: impl FnMut(usize) -> tm_core::Result<()>) -> Result<f64, String> {
-    let err = |e: &dyn std::fmt::Display| e.to_string();
-    for i in 0..10 {
-        f(i).map_err(|e| err(&e))?;
-    }
-    let stream = b.gpu().stream();
-    // Timing events (cudarc's default flags disable timing).
-    let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let start = stream.record_event(timed).map_err(|e| err(&e))?;
-    for i in 0..iters {
-        f(i).map_err(|e| err(&e))?;
-    }
-    let end = stream.record_event(timed).map_err(|e| err(&e))?;
-    end.synchronize().map_err(|e| err(&e))?;
-    Ok(start.elapsed_ms(&end).map_err(|e| err(&e))? as f64 / iters as f64)
-}
-
 fn bench(o: &Opts) -> Result<(), String> {
     let opts = CudaOptions {
         ordinal: 0,
@@ -210,7 +192,7 @@ fn bench(o: &Opts) -> Result<(), String> {
                 .collect::<tm_core::Result<_>>()
                 .map_err(e)?;
             let mut act = ops.zeros(TensorDesc::new(o.dtype, &[n, dims[0].0]), "bench").map_err(e)?;
-            let ops_ms = time_ms(&b, o.iters, |i| {
+            let ops_ms = common::time_ms(&b, o.iters, |i| {
                 let set = &sets[i % copies];
                 match shape {
                     Shape::GateUp => {
@@ -231,7 +213,7 @@ fn bench(o: &Opts) -> Result<(), String> {
             let (xa, aa) = (x.buffer().addr(), act.buffer().addr());
             let group = o.group;
             let variant = |unroll: Unroll| {
-                time_ms(&b, o.iters, |i| {
+                common::time_ms(&b, o.iters, |i| {
                     let ss = &slots[i % copies];
                     match shape {
                         Shape::GateUp => {
@@ -247,7 +229,7 @@ fn bench(o: &Opts) -> Result<(), String> {
                 Shape::GateUp => (None, None),
                 _ => (Some(variant(Unroll::Narrow)?), Some(variant(Unroll::NarrowFour)?)),
             };
-            let old = time_ms(&b, o.iters, |i| {
+            let old = common::time_ms(&b, o.iters, |i| {
                 for s in &slots[i % copies] {
                     quant::matmul_q4(b.gpu(), o.dtype, s.out, xa, s.packed, s.scales, s.mins, n, s.rows, cols, group)?;
                 }

@@ -7,6 +7,7 @@ use std::fmt::Display;
 use std::process::ExitCode;
 
 pub use tm_core::sampling::Rng;
+use tm_cuda::CudaBackend;
 
 /// Device-to-device copy bandwidth measured on the H200, bytes/s: the roofline the examples
 /// report against.
@@ -49,4 +50,23 @@ pub fn run<O, E1: Display, E2: Display>(
             ExitCode::FAILURE
         }
     }
+}
+
+/// Milliseconds per call of `f` (given the call's index) over `iters` calls, after 10 warm-up
+/// calls, timed with CUDA events on the backend's stream.
+pub fn time_ms(b: &CudaBackend, iters: usize, mut f: impl FnMut(usize) -> tm_core::Result<()>) -> Result<f64, String> {
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    for i in 0..10 {
+        f(i).map_err(|e| err(&e))?;
+    }
+    let stream = b.gpu().stream();
+    // Timing events (cudarc's default flags disable timing).
+    let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let start = stream.record_event(timed).map_err(|e| err(&e))?;
+    for i in 0..iters {
+        f(i).map_err(|e| err(&e))?;
+    }
+    let end = stream.record_event(timed).map_err(|e| err(&e))?;
+    end.synchronize().map_err(|e| err(&e))?;
+    Ok(start.elapsed_ms(&end).map_err(|e| err(&e))? as f64 / iters as f64)
 }
