@@ -39,6 +39,26 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
     return __float2bfloat16_rn(x);
 }
 
+/// Programmatic dependent launch (sm_90+), part 1: lets the next kernel of the stream, when it is
+/// launched with the programmatic-serialization attribute, start its blocks before this grid ends.
+/// Safe anywhere: it only allows the next grid to be scheduled; that grid still calls `pdl_wait`
+/// before it reads anything this grid writes. A no-op before sm_90.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/// Programmatic dependent launch, part 2: blocks until every grid this one depends on has finished
+/// and its writes are visible. Anything read from an earlier kernel's output, and every global
+/// write, must come after it; loads of data no earlier kernel writes (weights) may come before.
+/// Returns at once when the grid was launched without the attribute. A no-op before sm_90.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 /// Rounds `x` to `T` and back (what storing to a `T` tensor and reloading it gives).
 template <typename T>
 __device__ __forceinline__ float round_to(float x) {
