@@ -27,6 +27,12 @@
 //   as its math is issued, so U - 1 to U steps' loads stay in flight while the warp computes.
 //   A CTA covers NT tiles of 16 rows: 16 NT consecutive rows of one weight, or 16 rows of the
 //   gate and the same 16 rows of the up weight (the SiLU variant, NT = 2).
+// - Programmatic dependent launch (sm_90+; no-ops before): every kernel first lets the next
+//   kernel of the stream launch (`tmk::pdl_launch_dependents`), then issues the weight loads of
+//   its ring's first U steps (they do not depend on any earlier kernel) and only then waits for
+//   the previous kernel (`tmk::pdl_wait`) before it reads x or writes anything. Launched with the
+//   programmatic-serialization attribute, a CTA's weight stream thus overlaps the previous
+//   kernel's tail; for a 4096-column product at U = 4 it is the whole of the CTA's weights.
 //
 // Kernels (T = f16, bf16):
 // - `q4_gemv_u2_T`, `q4_gemv_u4_T` (NT = 2, U = 2 or 4: two CTAs per SM or one) and
@@ -35,6 +41,9 @@
 //   U = 4, two CTAs per SM): up to three weights sharing x (a
 //   layer's q, k and v), rows of weight i in CTAs numbered one weight after the other
 //   (ceil(rows_i / 16 NT) each). Optional biases (null when absent) are added before rounding to T.
+// - `q4_gemv_pf_T`: `n16u4` cut to 80 registers (three CTAs per SM, so the 384 CTAs of an 8B
+//   model's q/k/v are resident in one wave on 132 SMs) by reading a step's scales and mins right
+//   before its math (the ring's loads only prefetch them into L2, which takes no registers).
 // - `q4_gemv_silu_uU_T`: out = silu(x·G^T) * (x·U^T) for gate G and up U [rows, cols], each product
 //   rounded to T first (what separate products would store); ceil(rows / 16) CTAs.
 //
@@ -50,6 +59,16 @@ using tmk::i64;
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;  // K slices per CTA
 constexpr int BLOCKS_PER_STEP = 4;   // 32-column blocks per warp step (one per lane of a row quad)
+
+// Prefetches the 32-byte sector holding `p` into L2 (no register, nothing waits for it). A no-op
+// on the host emulation.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifdef __CUDA_ARCH__
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+#else
+    (void)p;
+#endif
+}
 
 __device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned bits) {
     unsigned r;
@@ -172,7 +191,11 @@ template <int NT> struct StepBuf {
 // computes (the previous version waited for all U, computed all U, then loaded again). XPRE:
 // x is loaded with the weights (16 more registers per step buffer); else right before the step's
 // math (x is small and shared by every CTA, so those loads hit L1/L2; other warps cover them).
-template <class T, int U, int NT, bool XPRE>
+// SLATE: a step's scales and mins are only prefetched into L2 (`prefetch.global.L2`, no
+// registers) when its weights are loaded, and read right before its math, like x without XPRE:
+// 4 U fewer registers, which lets `pf` keep all 4 steps of a 4096-column warp in flight within
+// the 80 registers of three CTAs per SM.
+template <class T, int U, int NT, bool XPRE, bool SLATE>
 __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict__ x, int n, int cols, int group,
                                          float acc[NT][4]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -210,8 +233,9 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
 #pragma unroll
         for (int q = 0; q < 4; ++q) B.x[q] = xl ? __ldg(xp + 4 * s * BLOCKS_PER_STEP + q) : make_uint4(0, 0, 0, 0);
     };
-    // Issues the loads of step s into B (zeros past the end of K or the rows); x too when XPRE.
-    auto load = [&](StepBuf<NT>& B, int s) {
+    // Issues the loads of step s's scales and mins into B (zeros past the end of K or the rows),
+    // or with PREFETCH only their L2 prefetches.
+    auto loadsm = [&](StepBuf<NT>& B, int s, bool prefetch) {
         const int b = s * BLOCKS_PER_STEP + t;  // the lane's block
         const bool bok = b < nblk;
         const int gi = gshift >= 0 ? b >> gshift : b / group_blocks;
@@ -220,11 +244,39 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const bool ok = bok && rok[i][h];
-                B.w[i][h] = ok ? __ldcs(wp[i] + h * 8 * rstride + s * BLOCKS_PER_STEP) : make_uint4(0, 0, 0, 0);
-                B.s[i][h] = ok ? tiles[i].scales[soff[i] + h * 8 * groups + gi] : __ushort_as_half(0);
-                B.m[i][h] = ok ? tiles[i].mins[soff[i] + h * 8 * groups + gi] : __ushort_as_half(0);
+                const __half* sp = tiles[i].scales + soff[i] + h * 8 * groups + gi;
+                const __half* mp = tiles[i].mins + soff[i] + h * 8 * groups + gi;
+                if (prefetch) {
+                    if (ok) {
+                        prefetch_l2(sp);
+                        prefetch_l2(mp);
+                    }
+                } else {
+                    B.s[i][h] = ok ? *sp : __ushort_as_half(0);
+                    B.m[i][h] = ok ? *mp : __ushort_as_half(0);
+                }
             }
         }
+    };
+    // Issues the weight loads (packed nibbles; scales and mins, or with SLATE their prefetches) of
+    // step s into B (zeros past the end of K or the rows). No earlier kernel writes weights, so
+    // these may precede `pdl_wait`.
+    auto loadw = [&](StepBuf<NT>& B, int s) {
+        const int b = s * BLOCKS_PER_STEP + t;  // the lane's block
+        const bool bok = b < nblk;
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const bool ok = bok && rok[i][h];
+                B.w[i][h] = ok ? __ldcs(wp[i] + h * 8 * rstride + s * BLOCKS_PER_STEP) : make_uint4(0, 0, 0, 0);
+            }
+        }
+        loadsm(B, s, SLATE);
+    };
+    // All the loads of step s into B: the weights, and x too when XPRE.
+    auto load = [&](StepBuf<NT>& B, int s) {
+        loadw(B, s);
         if (XPRE) loadx(B, s);
     };
 
@@ -267,15 +319,25 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
 
+    // The ring's first U steps: the weights are issued before `pdl_wait` (they do not depend on
+    // the previous kernel, so under programmatic dependent launch their DRAM traffic overlaps that
+    // kernel's tail; for a 4096-column product at U = 4 these are all of the warp's loads), x only
+    // after it (the previous kernel may be writing x).
     StepBuf<NT> buf[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) load(buf[u], warp + u * WARPS);
+    for (int u = 0; u < U; ++u) loadw(buf[u], warp + u * WARPS);
+    tmk::pdl_wait();
+    if (XPRE) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) loadx(buf[u], warp + u * WARPS);
+    }
     for (int s0 = warp; s0 < steps; s0 += U * WARPS) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int s = s0 + u * WARPS;
             if (s >= steps) break;  // the whole warp
             if (!XPRE) loadx(buf[u], s);
+            if (SLATE) loadsm(buf[u], s, false);
             compute(buf[u]);
             load(buf[u], s + U * WARPS);  // the ring's next step for this slot
         }
@@ -301,7 +363,7 @@ template <int NT> __device__ __forceinline__ float reduce_warps(const float acc[
 }
 
 // The plain products with NT 16-row tiles (16 NT consecutive rows of one weight) per CTA.
-template <class T, int U, int NT>
+template <class T, int U, int NT, bool SLATE>
 __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols, int group, const Slot<T>* slots) {
     constexpr int ROWS = 16 * NT;  // rows per CTA
     // The CTA's weight: weight i owns ceil(rows_i / ROWS) CTAs.
@@ -321,7 +383,7 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
 #pragma unroll
     for (int i = 0; i < NT; ++i) tiles[i] = Tile{s.packed, s.scales, s.mins, cta * ROWS + 16 * i, s.rows};
     float acc[NT][4];
-    q4_tiles<T, U, NT, NT == 2>(tiles, x, n, cols, group, acc);
+    q4_tiles<T, U, NT, NT == 2, SLATE>(tiles, x, n, cols, group, acc);
     const float v = reduce_warps<NT>(acc);
     if (threadIdx.x < NT * 128) {
         const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -341,7 +403,7 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
     const Tile tiles[2] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
                            Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[2][4];
-    q4_tiles<T, U, 2, true>(tiles, x, n, cols, group, acc);
+    q4_tiles<T, U, 2, true, false>(tiles, x, n, cols, group, acc);
     // Gate sums land in threads 0..127, up sums in 128..255 (same fragment order).
     __shared__ float upv[128];
     const float v = reduce_warps<2>(acc);
@@ -366,30 +428,34 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
 // one CTA per SM, twice the bytes in flight per warp), `n16` (16-row CTAs, U = 2, at most 80
 // registers: three CTAs per SM; twice the CTAs of `u2` for weights too small to fill the GPU),
 // `n16u4` (16-row CTAs, U = 4: two CTAs per SM; a warp of a 4096-column product then issues the
-// loads of all its 4 steps at once).
-#define TM_Q4_GEMV_PLAIN(NAME, T, U, NT, MIN_CTAS)                                                                 \
+// loads of all its 4 steps at once), `pf` (`n16u4` at three CTAs per SM, scales read at use;
+// SLATE = true).
+#define TM_Q4_GEMV_PLAIN(NAME, T, U, NT, MIN_CTAS, SLATE)                                                                \
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                          \
         NAME(const T* __restrict__ x, int n, int cols, int group, T* o0, T* o1, T* o2, const unsigned char* w0,     \
              const unsigned char* w1, const unsigned char* w2, const __half* s0, const __half* s1,                 \
              const __half* s2, const __half* m0, const __half* m1, const __half* m2, const T* b0, const T* b1,     \
              const T* b2, int r0, int r1, int r2) {                                                                 \
+        tmk::pdl_launch_dependents();                                                                              \
         const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}}; \
-        tmq4::q4_gemv<T, U, NT>(x, n, cols, group, slots);                                                          \
+        tmq4::q4_gemv<T, U, NT, SLATE>(x, n, cols, group, slots);                                                          \
     }
 #define TM_Q4_GEMV_SILU(SUF, T, U, MIN_CTAS)                                                                       \
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                          \
         q4_gemv_silu_u##U##_##SUF(T* out, const T* __restrict__ x, int n, int cols, int group,                      \
                                   const unsigned char* wg, const __half* sg, const __half* mg,                      \
                                   const unsigned char* wu, const __half* su, const __half* mu, int rows) {          \
+        tmk::pdl_launch_dependents();                                                                              \
         const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                \
         const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                  \
         tmq4::q4_gemv_silu<T, U>(out, x, n, cols, group, gate, up);                                                 \
     }
 #define TM_Q4_GEMV(SUF, T)                                \
-    TM_Q4_GEMV_PLAIN(q4_gemv_u2_##SUF, T, 2, 2, 2)        \
-    TM_Q4_GEMV_PLAIN(q4_gemv_u4_##SUF, T, 4, 2, 1)        \
-    TM_Q4_GEMV_PLAIN(q4_gemv_n16_##SUF, T, 2, 1, 3)       \
-    TM_Q4_GEMV_PLAIN(q4_gemv_n16u4_##SUF, T, 4, 1, 2)     \
+    TM_Q4_GEMV_PLAIN(q4_gemv_u2_##SUF, T, 2, 2, 2, false)        \
+    TM_Q4_GEMV_PLAIN(q4_gemv_u4_##SUF, T, 4, 2, 1, false)        \
+    TM_Q4_GEMV_PLAIN(q4_gemv_n16_##SUF, T, 2, 1, 3, false)       \
+    TM_Q4_GEMV_PLAIN(q4_gemv_n16u4_##SUF, T, 4, 1, 2, false)     \
+    TM_Q4_GEMV_PLAIN(q4_gemv_pf_##SUF, T, 4, 1, 3, true)        \
     TM_Q4_GEMV_SILU(SUF, T, 2, 2)                         \
     TM_Q4_GEMV_SILU(SUF, T, 4, 1)
 

@@ -129,13 +129,13 @@ static void case_plain(const char* dt, int U, int n, std::vector<int> rowsv, int
     auto M = [&](int i) { return i < k ? qs[i].m.data() : nullptr; };
     auto B = [&](int i) { return i < k && bias && i % 2 == 0 ? biases[i].data() : nullptr; };
     auto R = [&](int i) { return i < k ? rowsv[i] : 0; };
-    const int per = U >= 16 ? 16 : 32;  // U = 16: the n16 variant, 64: n16u4
+    const int per = U >= 16 ? 16 : 32;  // U = 16: the n16 variant, 64: n16u4, 65: pf
     int ctas = 0; for (int r : rowsv) ctas += (r + per - 1) / per;
     run_grid(ctas, [&] {
         if constexpr (std::is_same_v<T, __half>) {
-            (U == 2 ? q4_gemv_u2_f16 : U == 4 ? q4_gemv_u4_f16 : U == 16 ? q4_gemv_n16_f16 : q4_gemv_n16u4_f16)(x.data(), n, cols, group, O(0), O(1), O(2), W(0), W(1), W(2), S(0), S(1), S(2), M(0), M(1), M(2), B(0), B(1), B(2), R(0), R(1), R(2));
+            (U == 2 ? q4_gemv_u2_f16 : U == 4 ? q4_gemv_u4_f16 : U == 16 ? q4_gemv_n16_f16 : U == 64 ? q4_gemv_n16u4_f16 : q4_gemv_pf_f16)(x.data(), n, cols, group, O(0), O(1), O(2), W(0), W(1), W(2), S(0), S(1), S(2), M(0), M(1), M(2), B(0), B(1), B(2), R(0), R(1), R(2));
         } else {
-            (U == 2 ? q4_gemv_u2_bf16 : U == 4 ? q4_gemv_u4_bf16 : U == 16 ? q4_gemv_n16_bf16 : q4_gemv_n16u4_bf16)(x.data(), n, cols, group, O(0), O(1), O(2), W(0), W(1), W(2), S(0), S(1), S(2), M(0), M(1), M(2), B(0), B(1), B(2), R(0), R(1), R(2));
+            (U == 2 ? q4_gemv_u2_bf16 : U == 4 ? q4_gemv_u4_bf16 : U == 16 ? q4_gemv_n16_bf16 : U == 64 ? q4_gemv_n16u4_bf16 : q4_gemv_pf_bf16)(x.data(), n, cols, group, O(0), O(1), O(2), W(0), W(1), W(2), S(0), S(1), S(2), M(0), M(1), M(2), B(0), B(1), B(2), R(0), R(1), R(2));
         }
     });
     for (int i = 0; i < k; ++i) {
@@ -148,7 +148,7 @@ static void case_plain(const char* dt, int U, int n, std::vector<int> rowsv, int
                 want[(size_t)j * rows + r] = acc;
             }
         char what[200];
-        snprintf(what, sizeof what, "%s %s plain n=%d rows=%d (slot %d of %d) cols=%d g=%d%s", dt, U == 16 ? "n16" : U == 64 ? "n16u4" : U == 2 ? "u2" : "u4", n, rows, i, k, cols, group, B(i) ? " +bias" : "");
+        snprintf(what, sizeof what, "%s %s plain n=%d rows=%d (slot %d of %d) cols=%d g=%d%s", dt, U == 16 ? "n16" : U == 64 ? "n16u4" : U == 65 ? "pf" : U == 2 ? "u2" : "u4", n, rows, i, k, cols, group, B(i) ? " +bias" : "");
         check(what, outs[i], want, n, rows, std::is_same_v<T, __half> ? 2e-3 : 2e-2);
     }
 }
@@ -182,7 +182,7 @@ static void case_silu(const char* dt, int U, int n, int rows, int cols, int grou
 int main() {
     // Varied scales and mins (not zero-centred), odd shapes: every batch size class, slot counts,
     // partial steps, row tails, a group size that is not a power-of-two number of blocks.
-    for (int U : {2, 4, 16, 64}) {  // 16: n16, 64: n16u4 (plain products only)
+    for (int U : {2, 4, 16, 64, 65}) {  // 16: n16, 64: n16u4, 65: pf (plain products only)
         case_plain<__half>("f16", U, 1, {40}, 96, 32, false);
         case_plain<__half>("f16", U, 3, {33, 17, 8}, 160, 32, true);
         case_plain<__half>("f16", U, 8, {64}, 1024, 128, true);
@@ -208,6 +208,9 @@ int main() {
     case_plain<__nv_bfloat16>("bf16 centred", 16, 1, {48}, 4096 + 160, 32, false);
     case_plain<__half>("f16 centred", 64, 3, {40, 16}, 4096 + 192, 64, true);
     case_plain<__nv_bfloat16>("bf16 centred", 64, 8, {32}, 8192, 128, false);
+    case_plain<__half>("f16 centred", 65, 1, {48, 16, 16}, 4096, 128, false);
+    case_plain<__nv_bfloat16>("bf16 centred", 65, 4, {40}, 4096 + 96, 32, true);
+    case_plain<__nv_bfloat16>("bf16 centred", 65, 2, {16}, 14336, 128, false);
     // K long enough for the step ring to wrap several times (35 steps: 4 or 5 per warp).
     amp = 0;
     for (int U : {2, 4}) case_silu<__half>("f16", U, 2, 16, 4480, 128);

@@ -21,12 +21,24 @@
 //!   CTAs on 132 SMs);
 //! - `n16u4`: `n16` with U = 4 and two CTAs per SM (a warp of a 4096-column product issues the
 //!   loads of all its steps at once).
+//! - `pf` (plain products only): `n16u4` cut to 80 registers so that three CTAs fit per SM, with
+//!   the scales and mins only prefetched into L2 with the weights and read right before the math:
+//!   every CTA of the 8B model's q/k/v (384), o (256) and down (256) products is resident in one
+//!   wave on 132 SMs, and each warp of a 4096-column product has all of its weight loads in
+//!   flight before it waits for the previous kernel (below).
+//!
+//! Programmatic dependent launch (sm_90+): every variant lets the next kernel start at once
+//! (`pdl_launch_dependents` first) and issues the weight loads of its first U steps before
+//! `pdl_wait` (weights do not depend on earlier kernels); x is read and outputs written after it.
+//! When the launch carries the programmatic-serialization attribute, the weight stream thus
+//! overlaps the previous kernel's tail; without it the waits return at once.
 //!
 //! `Auto` takes `n16` for a plain product whose 32-row grid is under two CTAs per SM, else `u2`
-//! (the SiLU variant always `u2`). `TM_Q4_GEMV_UNROLL=2|4|n16|n16u4` overrides it (`n16` and
-//! `n16u4` mean `u2` for the SiLU variant, which has no 16-row form). `q4_gemv_bench` times every
-//! variant on the 8B shapes.
+//! (the SiLU variant always `u2`). `TM_Q4_GEMV_UNROLL=2|4|n16|n16u4|pf` overrides it (`n16`,
+//! `n16u4` and `pf` mean `u2` for the SiLU variant, which has no 16-row form), and [`set_unroll`]
+//! overrides both (tests, benchmarks). `q4_gemv_bench` times every variant on the 8B shapes.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use tm_core::{DType, Error, Result};
@@ -55,17 +67,79 @@ pub enum Unroll {
     Narrow,
     /// `q4_gemv_n16u4_*`: 16-row CTAs, U = 4, two per SM (plain products; SiLU takes `u2`).
     NarrowFour,
+    /// `q4_gemv_pf_*`: 16-row CTAs, U = 4, scales read at use, three per SM (plain products;
+    /// SiLU takes `u2`).
+    Prefetch,
+}
+
+impl Unroll {
+    /// Every variant but `Auto`, in the order the benchmark prints them.
+    pub const ALL: [Unroll; 5] = [Unroll::Two, Unroll::Four, Unroll::Narrow, Unroll::NarrowFour, Unroll::Prefetch];
+
+    /// The variant's name in `TM_Q4_GEMV_UNROLL` and the benchmark's tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Unroll::Auto => "auto",
+            Unroll::Two => "u2",
+            Unroll::Four => "u4",
+            Unroll::Narrow => "n16",
+            Unroll::NarrowFour => "n16u4",
+            Unroll::Prefetch => "pf",
+        }
+    }
+
+    /// Parses a `TM_Q4_GEMV_UNROLL` value: 2 (or u2), 4 (or u4), n16, n16u4, pf or auto.
+    pub fn parse(v: &str) -> Option<Unroll> {
+        match v.trim() {
+            "auto" => Some(Unroll::Auto),
+            "2" | "u2" => Some(Unroll::Two),
+            "4" | "u4" => Some(Unroll::Four),
+            "n16" => Some(Unroll::Narrow),
+            "n16u4" => Some(Unroll::NarrowFour),
+            "pf" => Some(Unroll::Prefetch),
+            _ => None,
+        }
+    }
+
+    /// Whether the variant has a SiLU kernel of its own (the others take `u2` there).
+    pub fn has_silu_form(self) -> bool {
+        matches!(self, Unroll::Two | Unroll::Four)
+    }
+}
+
+/// [`set_unroll`]'s override: 0 = none, else 1 + the index in [`Unroll::ALL`].
+static OVERRIDE: AtomicU8 = AtomicU8::new(0);
+
+/// Makes `Auto` mean `unroll` for the whole process, over `TM_Q4_GEMV_UNROLL` (`None`, or
+/// `Some(Auto)`: back to the environment and the automatic choice). For tests and benchmarks
+/// that run every variant in one process.
+pub fn set_unroll(unroll: Option<Unroll>) {
+    let code = unroll.and_then(|u| Unroll::ALL.iter().position(|&a| a == u)).map_or(0, |i| i as u8 + 1);
+    OVERRIDE.store(code, Ordering::Relaxed);
+}
+
+/// The variant `Auto` is forced to: [`set_unroll`]'s, else `TM_Q4_GEMV_UNROLL`'s.
+fn forced() -> Option<Unroll> {
+    match OVERRIDE.load(Ordering::Relaxed) {
+        0 => forced_unroll(),
+        c => Unroll::ALL.get(usize::from(c - 1)).copied(),
+    }
 }
 
 impl Unroll {
     /// The variant for a plain product whose 32-row grid has `ctas32` CTAs, on `sms`
     /// multiprocessors; never `Auto`.
     fn resolve(self, ctas32: usize, sms: usize) -> Unroll {
+        self.resolve_with(forced(), ctas32, sms)
+    }
+
+    /// [`Unroll::resolve`] with `forced` as the override of `Auto`.
+    fn resolve_with(self, forced: Option<Unroll>, ctas32: usize, sms: usize) -> Unroll {
         match self {
-            Unroll::Auto => match forced_unroll() {
-                Some(u) => u,
-                None if ctas32 < 2 * sms => Unroll::Narrow,
-                None => Unroll::Two,
+            Unroll::Auto => match forced {
+                Some(u) if u != Unroll::Auto => u,
+                _ if ctas32 < 2 * sms => Unroll::Narrow,
+                _ => Unroll::Two,
             },
             u => u,
         }
@@ -74,7 +148,7 @@ impl Unroll {
     /// Rows per CTA of the plain product.
     fn rows_per_cta(self) -> usize {
         match self {
-            Unroll::Narrow | Unroll::NarrowFour => 16,
+            Unroll::Narrow | Unroll::NarrowFour | Unroll::Prefetch => 16,
             _ => 32,
         }
     }
@@ -84,12 +158,14 @@ impl Unroll {
         match self {
             Unroll::Narrow => "q4_gemv_n16",
             Unroll::NarrowFour => "q4_gemv_n16u4",
+            Unroll::Prefetch => "q4_gemv_pf",
             Unroll::Four => "q4_gemv_u4",
             _ => "q4_gemv_u2",
         }
     }
 
-    /// The SiLU kernel's name stem (`Narrow` and `NarrowFour` have no SiLU form: `u2`).
+    /// The SiLU kernel's name stem (`Narrow`, `NarrowFour` and `Prefetch` have no SiLU form:
+    /// `u2`).
     fn silu_stem(self) -> &'static str {
         match self {
             Unroll::Four => "q4_gemv_silu_u4",
@@ -98,18 +174,16 @@ impl Unroll {
     }
 }
 
-/// `TM_Q4_GEMV_UNROLL` when it is 2, 4, n16 or n16u4.
+/// `TM_Q4_GEMV_UNROLL` when it names a variant (2, 4, n16, n16u4 or pf; auto: none).
 fn forced_unroll() -> Option<Unroll> {
     static FORCED: OnceLock<Option<Unroll>> = OnceLock::new();
     *FORCED.get_or_init(|| {
         let v = std::env::var("TM_Q4_GEMV_UNROLL").ok()?;
-        match v.trim() {
-            "2" => Some(Unroll::Two),
-            "4" => Some(Unroll::Four),
-            "n16" => Some(Unroll::Narrow),
-            "n16u4" => Some(Unroll::NarrowFour),
-            other => {
-                tracing::warn!("TM_Q4_GEMV_UNROLL={other} ignored: expected 2, 4, n16 or n16u4");
+        match Unroll::parse(&v) {
+            Some(Unroll::Auto) => None,
+            Some(u) => Some(u),
+            None => {
+                tracing::warn!("TM_Q4_GEMV_UNROLL={v} ignored: expected 2, 4, n16, n16u4, pf or auto");
                 None
             }
         }
@@ -262,7 +336,7 @@ pub fn q4_gemv_silu(
         .map_err(|_| Error::invalid(format!("q4_gemv_silu: {rows} rows need too many CTAs")))?;
     // No 16-row form: `Narrow` and `Auto` (without an override) take `u2`.
     let u = match unroll {
-        Unroll::Auto => forced_unroll().unwrap_or(Unroll::Two),
+        Unroll::Auto => forced().unwrap_or(Unroll::Two),
         u => u,
     };
     let name = format!("{}_{}", u.silu_stem(), suffix(dt)?);
@@ -324,12 +398,12 @@ mod tests {
         assert_eq!(Unroll::Two.resolve(10, 132), Unroll::Two);
         assert_eq!(Unroll::Four.resolve(1000, 132), Unroll::Four);
         assert_eq!(Unroll::Narrow.resolve(1000, 132), Unroll::Narrow);
-        if forced_unroll().is_none() {
-            // An 8B model on an H200: q/k/v 192, o and down 128 32-row CTAs; 132 SMs.
-            assert_eq!(Unroll::Auto.resolve(128, 132), Unroll::Narrow);
-            assert_eq!(Unroll::Auto.resolve(192, 132), Unroll::Narrow);
-            assert_eq!(Unroll::Auto.resolve(264, 132), Unroll::Two);
-        }
+        // An 8B model on an H200: q/k/v 192, o and down 128 32-row CTAs; 132 SMs.
+        assert_eq!(Unroll::Auto.resolve_with(None, 128, 132), Unroll::Narrow);
+        assert_eq!(Unroll::Auto.resolve_with(None, 192, 132), Unroll::Narrow);
+        assert_eq!(Unroll::Auto.resolve_with(None, 264, 132), Unroll::Two);
+        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::Prefetch), 264, 132), Unroll::Prefetch);
+        assert_eq!(Unroll::Four.resolve_with(Some(Unroll::Prefetch), 264, 132), Unroll::Four);
         assert_eq!(Unroll::Narrow.rows_per_cta(), 16);
         assert_eq!(Unroll::NarrowFour.rows_per_cta(), 16);
         assert_eq!(Unroll::NarrowFour.plain_stem(), "q4_gemv_n16u4");
@@ -338,5 +412,33 @@ mod tests {
         assert_eq!(Unroll::Narrow.plain_stem(), "q4_gemv_n16");
         assert_eq!(Unroll::Narrow.silu_stem(), "q4_gemv_silu_u2");
         assert_eq!(Unroll::Four.silu_stem(), "q4_gemv_silu_u4");
+        assert_eq!(Unroll::Prefetch.rows_per_cta(), 16);
+        assert_eq!(Unroll::Prefetch.plain_stem(), "q4_gemv_pf");
+        assert_eq!(Unroll::Prefetch.silu_stem(), "q4_gemv_silu_u2");
+        assert!(!Unroll::Prefetch.has_silu_form() && Unroll::Four.has_silu_form());
+    }
+
+    #[test]
+    fn unroll_names_round_trip() {
+        for u in Unroll::ALL {
+            assert_eq!(Unroll::parse(u.name()), Some(u));
+        }
+        assert_eq!(Unroll::parse(" 2 "), Some(Unroll::Two));
+        assert_eq!(Unroll::parse("auto"), Some(Unroll::Auto));
+        assert_eq!(Unroll::parse("u8"), None);
+    }
+
+    #[test]
+    fn set_unroll_forces_auto() {
+        // The only test that sets the override (tests of this module share the process).
+        set_unroll(Some(Unroll::Prefetch));
+        assert_eq!(forced(), Some(Unroll::Prefetch));
+        assert_eq!(Unroll::Auto.resolve(1000, 132), Unroll::Prefetch);
+        set_unroll(Some(Unroll::Four));
+        assert_eq!(forced(), Some(Unroll::Four));
+        set_unroll(Some(Unroll::Auto));
+        assert_eq!(forced(), forced_unroll());
+        set_unroll(None);
+        assert_eq!(forced(), forced_unroll());
     }
 }
