@@ -171,6 +171,8 @@ struct Suite {
     filter: Option<String>,
     failures: Vec<String>,
     cases: usize,
+    /// Put before every case label (e.g. the kernel variant a test forced), or empty.
+    tag: String,
 }
 
 /// Runs `body` once per dtype of `wanted` (restricted by `TM_CONFORMANCE_DTYPES`) and fails the
@@ -201,7 +203,16 @@ fn run(test: &str, wanted: &[DType], body: impl Fn(&mut Suite)) {
             continue;
         }
         let mut s =
-            Suite { dtype, gpu, cpu: CpuBackend::new(), seed, filter: filter.clone(), failures: Vec::new(), cases: 0 };
+            Suite {
+                dtype,
+                gpu,
+                cpu: CpuBackend::new(),
+                seed,
+                filter: filter.clone(),
+                failures: Vec::new(),
+                cases: 0,
+                tag: String::new(),
+            };
         body(&mut s);
         failures.append(&mut s.failures);
         cases += s.cases;
@@ -222,7 +233,7 @@ impl Suite {
     /// Runs one case: `f` gets fresh random inputs seeded from the label; its errors, panics and
     /// failed comparisons are reported with the label, dtype and seed.
     fn case(&mut self, label: impl Into<String>, f: impl FnOnce(&mut Case<'_>) -> Result<(), String>) {
-        let label = label.into();
+        let label = format!("{}{}", self.tag, label.into());
         if self.filter.as_ref().is_some_and(|f| !label.contains(f.as_str())) {
             return;
         }
@@ -1722,6 +1733,46 @@ fn matmul_int4_decode() {
         ] {
             gate_up_silu(s, Kind::Int4(g), n, rows, cols);
         }
+    });
+}
+
+/// Every variant of the int4 decode kernels forced in turn (`q4_gemv::set_unroll`; the labels
+/// start with the variant's name): the 8B q/k/v, o, down and gate/up shapes at n = 1 and 8, and
+/// odd shapes (row tails, partial steps, group 32/64, three weights with biases, K long enough
+/// for the step ring to wrap).
+#[test]
+fn matmul_int4_decode_variants() {
+    use tm_cuda::kernels::q4_gemv::{set_unroll, Unroll};
+    run("matmul_int4_decode_variants", &[DType::F16, DType::BF16], |s| {
+        for u in Unroll::ALL {
+            set_unroll(Some(u));
+            s.tag = format!("[{}] ", u.name());
+            for (n, rows, cols, g, bias) in [
+                (1, 4096, 4096, 128, false),
+                (8, 4096, 14336, 128, false),
+                (1, 4096, 14336, 64, true),
+                (3, 47, 224, 32, false),
+                (5, 77, 4416, 64, true),
+                (7, 15, 1056, 32, true),
+            ] {
+                matmul(s, Kind::Int4(g), n, rows, cols, bias);
+            }
+            for (n, rows, cols, g, bias) in [
+                (1, vec![4096, 1024, 1024], 4096, 128, false),
+                (8, vec![4096, 1024, 1024], 4096, 128, true),
+                (3, vec![200, 72, 40], 192, 64, true),
+            ] {
+                matmul_many(s, Kind::Int4(g), n, &rows, cols, bias);
+            }
+            // The SiLU kernel exists for u2 and u4 only (the others launch u2).
+            if u.has_silu_form() {
+                for (n, rows, cols, g) in [(1, 14336, 4096, 128), (8, 1000, 640, 128), (2, 33, 4480, 32)] {
+                    gate_up_silu(s, Kind::Int4(g), n, rows, cols);
+                }
+            }
+        }
+        set_unroll(None);
+        s.tag.clear();
     });
 }
 

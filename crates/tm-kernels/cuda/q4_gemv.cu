@@ -195,9 +195,12 @@ template <int NT> struct StepBuf {
 // registers) when its weights are loaded, and read right before its math, like x without XPRE:
 // 4 U fewer registers, which lets `pf` keep all 4 steps of a 4096-column warp in flight within
 // the 80 registers of three CTAs per SM.
-template <class T, int U, int NT, bool XPRE, bool SLATE>
+//
+// `wait()` is called once every warp's first U steps of weights are issued and before anything
+// else is read: the kernel passes `tmk::pdl_wait` (so the wait stays visible in its body).
+template <class T, int U, int NT, bool XPRE, bool SLATE, class Wait>
 __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict__ x, int n, int cols, int group,
-                                         float acc[NT][4]) {
+                                         float acc[NT][4], Wait wait) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int nblk = cols >> 5;  // 32-column blocks of a row (16 bytes each)
@@ -233,9 +236,9 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
 #pragma unroll
         for (int q = 0; q < 4; ++q) B.x[q] = xl ? __ldg(xp + 4 * s * BLOCKS_PER_STEP + q) : make_uint4(0, 0, 0, 0);
     };
-    // Issues the loads of step s's scales and mins into B (zeros past the end of K or the rows),
-    // or with PREFETCH only their L2 prefetches.
-    auto loadsm = [&](StepBuf<NT>& B, int s, bool prefetch) {
+    // Issues the loads of step s's scales and mins into B (zeros past the end of K or the rows).
+    // With SLATE, right before the step's math; else `loadw` loads them with the weights.
+    auto loadsm = [&](StepBuf<NT>& B, int s) {
         const int b = s * BLOCKS_PER_STEP + t;  // the lane's block
         const bool bok = b < nblk;
         const int gi = gshift >= 0 ? b >> gshift : b / group_blocks;
@@ -244,35 +247,35 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const bool ok = bok && rok[i][h];
-                const __half* sp = tiles[i].scales + soff[i] + h * 8 * groups + gi;
-                const __half* mp = tiles[i].mins + soff[i] + h * 8 * groups + gi;
-                if (prefetch) {
-                    if (ok) {
-                        prefetch_l2(sp);
-                        prefetch_l2(mp);
-                    }
-                } else {
-                    B.s[i][h] = ok ? *sp : __ushort_as_half(0);
-                    B.m[i][h] = ok ? *mp : __ushort_as_half(0);
-                }
+                B.s[i][h] = ok ? tiles[i].scales[soff[i] + h * 8 * groups + gi] : __ushort_as_half(0);
+                B.m[i][h] = ok ? tiles[i].mins[soff[i] + h * 8 * groups + gi] : __ushort_as_half(0);
             }
         }
     };
-    // Issues the weight loads (packed nibbles; scales and mins, or with SLATE their prefetches) of
-    // step s into B (zeros past the end of K or the rows). No earlier kernel writes weights, so
-    // these may precede `pdl_wait`.
+    // Issues the weight loads of step s into B: packed nibbles, scales and mins (with SLATE only
+    // the prefetches of the scales and mins), zeros past the end of K or the rows. No earlier
+    // kernel writes weights, so these may precede the wait for the previous kernel.
     auto loadw = [&](StepBuf<NT>& B, int s) {
         const int b = s * BLOCKS_PER_STEP + t;  // the lane's block
         const bool bok = b < nblk;
+        const int gi = gshift >= 0 ? b >> gshift : b / group_blocks;
 #pragma unroll
         for (int i = 0; i < NT; ++i) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const bool ok = bok && rok[i][h];
                 B.w[i][h] = ok ? __ldcs(wp[i] + h * 8 * rstride + s * BLOCKS_PER_STEP) : make_uint4(0, 0, 0, 0);
+                if (SLATE) {
+                    if (ok) {
+                        prefetch_l2(tiles[i].scales + soff[i] + h * 8 * groups + gi);
+                        prefetch_l2(tiles[i].mins + soff[i] + h * 8 * groups + gi);
+                    }
+                } else {
+                    B.s[i][h] = ok ? tiles[i].scales[soff[i] + h * 8 * groups + gi] : __ushort_as_half(0);
+                    B.m[i][h] = ok ? tiles[i].mins[soff[i] + h * 8 * groups + gi] : __ushort_as_half(0);
+                }
             }
         }
-        loadsm(B, s, SLATE);
     };
     // All the loads of step s into B: the weights, and x too when XPRE.
     auto load = [&](StepBuf<NT>& B, int s) {
@@ -326,7 +329,7 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
     StepBuf<NT> buf[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) loadw(buf[u], warp + u * WARPS);
-    tmk::pdl_wait();
+    wait();
     if (XPRE) {
 #pragma unroll
         for (int u = 0; u < U; ++u) loadx(buf[u], warp + u * WARPS);
@@ -337,7 +340,7 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
             const int s = s0 + u * WARPS;
             if (s >= steps) break;  // the whole warp
             if (!XPRE) loadx(buf[u], s);
-            if (SLATE) loadsm(buf[u], s, false);
+            if (SLATE) loadsm(buf[u], s);
             compute(buf[u]);
             load(buf[u], s + U * WARPS);  // the ring's next step for this slot
         }
@@ -363,8 +366,9 @@ template <int NT> __device__ __forceinline__ float reduce_warps(const float acc[
 }
 
 // The plain products with NT 16-row tiles (16 NT consecutive rows of one weight) per CTA.
-template <class T, int U, int NT, bool SLATE>
-__device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols, int group, const Slot<T>* slots) {
+template <class T, int U, int NT, bool SLATE, class Wait>
+__device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols, int group, const Slot<T>* slots,
+                                        Wait wait) {
     constexpr int ROWS = 16 * NT;  // rows per CTA
     // The CTA's weight: weight i owns ceil(rows_i / ROWS) CTAs.
     int cta = blockIdx.x, si = 0;
@@ -383,7 +387,7 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
 #pragma unroll
     for (int i = 0; i < NT; ++i) tiles[i] = Tile{s.packed, s.scales, s.mins, cta * ROWS + 16 * i, s.rows};
     float acc[NT][4];
-    q4_tiles<T, U, NT, NT == 2, SLATE>(tiles, x, n, cols, group, acc);
+    q4_tiles<T, U, NT, NT == 2, SLATE>(tiles, x, n, cols, group, acc, wait);
     const float v = reduce_warps<NT>(acc);
     if (threadIdx.x < NT * 128) {
         const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -396,14 +400,14 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
     }
 }
 
-template <class T, int U>
+template <class T, int U, class Wait>
 __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, int n, int cols, int group,
-                                             const Slot<T>& gate, const Slot<T>& up) {
+                                             const Slot<T>& gate, const Slot<T>& up, Wait wait) {
     const int row0 = blockIdx.x * 16, rows = gate.rows;
     const Tile tiles[2] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
                            Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[2][4];
-    q4_tiles<T, U, 2, true, false>(tiles, x, n, cols, group, acc);
+    q4_tiles<T, U, 2, true, false>(tiles, x, n, cols, group, acc, wait);
     // Gate sums land in threads 0..127, up sums in 128..255 (same fragment order).
     __shared__ float upv[128];
     const float v = reduce_warps<2>(acc);
@@ -429,34 +433,35 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
 // registers: three CTAs per SM; twice the CTAs of `u2` for weights too small to fill the GPU),
 // `n16u4` (16-row CTAs, U = 4: two CTAs per SM; a warp of a 4096-column product then issues the
 // loads of all its 4 steps at once), `pf` (`n16u4` at three CTAs per SM, scales read at use;
-// SLATE = true).
-#define TM_Q4_GEMV_PLAIN(NAME, T, U, NT, MIN_CTAS, SLATE)                                                                \
-    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                          \
-        NAME(const T* __restrict__ x, int n, int cols, int group, T* o0, T* o1, T* o2, const unsigned char* w0,     \
-             const unsigned char* w1, const unsigned char* w2, const __half* s0, const __half* s1,                 \
-             const __half* s2, const __half* m0, const __half* m1, const __half* m2, const T* b0, const T* b1,     \
-             const T* b2, int r0, int r1, int r2) {                                                                 \
-        tmk::pdl_launch_dependents();                                                                              \
-        const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}}; \
-        tmq4::q4_gemv<T, U, NT, SLATE>(x, n, cols, group, slots);                                                          \
+// SLATE = true). Every kernel allows the next one to launch first thing and hands `pdl_wait` to
+// the tile loop, which calls it once the ring's first weights are in flight.
+#define TM_Q4_GEMV_PLAIN(NAME, T, U, NT, MIN_CTAS, SLATE)                                                               \
+    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
+        NAME(const T* __restrict__ x, int n, int cols, int group, T* o0, T* o1, T* o2, const unsigned char* w0,         \
+             const unsigned char* w1, const unsigned char* w2, const __half* s0, const __half* s1,                      \
+             const __half* s2, const __half* m0, const __half* m1, const __half* m2, const T* b0, const T* b1,          \
+             const T* b2, int r0, int r1, int r2) {                                                                     \
+        tmk::pdl_launch_dependents();                                                                                   \
+        const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}};  \
+        tmq4::q4_gemv<T, U, NT, SLATE>(x, n, cols, group, slots, [] { tmk::pdl_wait(); });                              \
     }
-#define TM_Q4_GEMV_SILU(SUF, T, U, MIN_CTAS)                                                                       \
-    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                          \
-        q4_gemv_silu_u##U##_##SUF(T* out, const T* __restrict__ x, int n, int cols, int group,                      \
-                                  const unsigned char* wg, const __half* sg, const __half* mg,                      \
-                                  const unsigned char* wu, const __half* su, const __half* mu, int rows) {          \
-        tmk::pdl_launch_dependents();                                                                              \
-        const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                \
-        const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                  \
-        tmq4::q4_gemv_silu<T, U>(out, x, n, cols, group, gate, up);                                                 \
+#define TM_Q4_GEMV_SILU(SUF, T, U, MIN_CTAS)                                                                            \
+    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
+        q4_gemv_silu_u##U##_##SUF(T* out, const T* __restrict__ x, int n, int cols, int group,                          \
+                                  const unsigned char* wg, const __half* sg, const __half* mg,                          \
+                                  const unsigned char* wu, const __half* su, const __half* mu, int rows) {              \
+        tmk::pdl_launch_dependents();                                                                                   \
+        const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                    \
+        const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                      \
+        tmq4::q4_gemv_silu<T, U>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });                            \
     }
-#define TM_Q4_GEMV(SUF, T)                                \
-    TM_Q4_GEMV_PLAIN(q4_gemv_u2_##SUF, T, 2, 2, 2, false)        \
-    TM_Q4_GEMV_PLAIN(q4_gemv_u4_##SUF, T, 4, 2, 1, false)        \
-    TM_Q4_GEMV_PLAIN(q4_gemv_n16_##SUF, T, 2, 1, 3, false)       \
-    TM_Q4_GEMV_PLAIN(q4_gemv_n16u4_##SUF, T, 4, 1, 2, false)     \
-    TM_Q4_GEMV_PLAIN(q4_gemv_pf_##SUF, T, 4, 1, 3, true)        \
-    TM_Q4_GEMV_SILU(SUF, T, 2, 2)                         \
+#define TM_Q4_GEMV(SUF, T)                                                                                              \
+    TM_Q4_GEMV_PLAIN(q4_gemv_u2_##SUF, T, 2, 2, 2, false)                                                               \
+    TM_Q4_GEMV_PLAIN(q4_gemv_u4_##SUF, T, 4, 2, 1, false)                                                               \
+    TM_Q4_GEMV_PLAIN(q4_gemv_n16_##SUF, T, 2, 1, 3, false)                                                              \
+    TM_Q4_GEMV_PLAIN(q4_gemv_n16u4_##SUF, T, 4, 1, 2, false)                                                            \
+    TM_Q4_GEMV_PLAIN(q4_gemv_pf_##SUF, T, 4, 1, 3, true)                                                                \
+    TM_Q4_GEMV_SILU(SUF, T, 2, 2)                                                                                       \
     TM_Q4_GEMV_SILU(SUF, T, 4, 1)
 
 TM_Q4_GEMV(f16, __half)
