@@ -9,12 +9,29 @@
 //!
 //! Each line gives the time per call, the weight bytes streamed per second (packed nibbles +
 //! scales + mins; activations are not counted) and that as a fraction of the H200's measured copy
-//! bandwidth (4.275 TB/s). "ops" is what the model calls (`Ops::matmul_many`,
-//! `Ops::gate_up_silu`: the tensor-core `q4_gemv.cu` kernels with the automatic variant unless
-//! `TM_Q4_GEMV=0`); "u2", "u4", "n16" and "n16u4" (16-row CTAs, plain products only) launch each variant
-//! of those kernels directly; "cuda-core" is the previous path, one `matmul_q4` CUDA-core GEMV
-//! launch per weight (plus `silu_mul` for the MLP). Enough copies of each weight set are cycled through that they do not stay in L2. No
-//! assertions; without a CUDA device it says so and exits successfully.
+//! bandwidth (4.275 TB/s). Enough copies of each weight set are cycled through that they do not
+//! stay in L2. No assertions; without a CUDA device it says so and exits successfully.
+//!
+//! What is timed (CUDA events around `--iters` calls, after warm-up):
+//! - `ops`: what the model calls (`Ops::matmul_many`, `Ops::gate_up_silu`: the tensor-core
+//!   `q4_gemv.cu` kernels with the automatic variant unless `TM_Q4_GEMV=0`), launched one by one
+//!   from the host;
+//! - `u2`, `u4`, `n16`, `n16u4`, `pf` (the last three plain products only): each variant of
+//!   those kernels launched directly, one by one from the host ("stream"). A call that takes
+//!   less GPU time than the host needs to launch it is timed at the host's launch rate, so for
+//!   the small products these lines measure launch gaps as much as the kernel;
+//! - `<variant> graph`: the same `--iters` calls captured once into a CUDA graph and the graph
+//!   replayed: no host in the loop, only the GPU's gaps between dependent kernels (what a decode
+//!   step replayed from a graph sees);
+//! - `<variant> chain`: a graph of `--iters` pairs "RMSNorm writes x, then the product reads x"
+//!   (a decode step's dependency pattern), its time per pair minus that of a graph of the
+//!   RMSNorms alone (`norm only`). With programmatic dependent launch (sm_90, `TM_PDL` unset
+//!   or not `0`) each product's weight loads overlap the RMSNorm before it, so this share can
+//!   drop below the product's own `graph` time; `TM_PDL=0` gives the serialized figure;
+//! - `cuda-core`: the previous path, one `matmul_q4` CUDA-core GEMV launch per weight (plus
+//!   `silu_mul` for the MLP), from the host.
+//!
+//! `--variants pf,n16` limits the variants timed (default: all).
 
 mod common;
 
@@ -22,14 +39,15 @@ use std::process::ExitCode;
 
 use common::{Rng, COPY_BW};
 
+use cudarc::driver::sys;
 use tm_core::quant::Weight;
 use tm_core::{DType, Ops, Tensor, TensorDesc};
 use tm_cuda::kernels::q4_gemv::{self, Q4Slot, Unroll};
 use tm_cuda::kernels::{elementwise, quant};
+use tm_cuda::runtime::LaunchMode;
 use tm_cuda::{CudaBackend, CudaOptions};
 use tm_quant::HostQuant;
 
-/// The H200's measured device-to-device copy bandwidth, bytes/s.
 /// Bytes of weights cycled through per measurement (well past the 50 MB L2).
 const CYCLE_BYTES: usize = 512 << 20;
 
@@ -38,10 +56,11 @@ struct Opts {
     dtype: DType,
     group: usize,
     iters: usize,
+    variants: Vec<Unroll>,
 }
 
 fn parse() -> Result<Opts, String> {
-    let mut o = Opts { dtype: DType::F16, group: 128, iters: 200 };
+    let mut o = Opts { dtype: DType::F16, group: 128, iters: 200, variants: Unroll::ALL.to_vec() };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = |what: &str| args.next().ok_or_else(|| format!("{what} needs a value"));
@@ -68,8 +87,19 @@ fn parse() -> Result<Opts, String> {
                 o.iters =
                     v.parse().ok().filter(|&i: &usize| i > 0).ok_or_else(|| format!("--iters {v}: expected > 0"))?;
             }
+            "--variants" => {
+                let v = value("--variants")?;
+                o.variants = v
+                    .split(',')
+                    .map(|name| {
+                        Unroll::parse(name)
+                            .filter(|&u| u != Unroll::Auto)
+                            .ok_or_else(|| format!("--variants: `{name}` is not a variant (u2, u4, n16, n16u4, pf)"))
+                    })
+                    .collect::<Result<_, String>>()?;
+            }
             "-h" | "--help" => {
-                println!("usage: q4_gemv_bench [--dtype f16|bf16] [--group 128] [--iters 200]");
+                println!("usage: q4_gemv_bench [--dtype f16|bf16] [--group 128] [--iters 200] [--variants u2,pf,...]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument `{other}`")),
@@ -109,6 +139,17 @@ fn activations(ops: &dyn Ops, rng: &mut Rng, dtype: DType, n: usize, cols: usize
     Ok(t)
 }
 
+/// A `[cols]` tensor of ones (the chain's RMSNorm weight).
+fn ones(ops: &dyn Ops, dtype: DType, cols: usize) -> tm_core::Result<Tensor> {
+    let mut t = ops.zeros(TensorDesc::new(dtype, &[cols]), "bench")?;
+    let one = match dtype {
+        DType::BF16 => half::bf16::ONE.to_le_bytes(),
+        _ => half::f16::ONE.to_le_bytes(),
+    };
+    ops.upload(&mut t, &one.repeat(cols))?;
+    Ok(t)
+}
+
 /// The device addresses of an int4 weight and its output.
 fn slot(w: &Weight, out: &Tensor) -> Result<Q4Slot, String> {
     match w {
@@ -125,6 +166,36 @@ fn slot(w: &Weight, out: &Tensor) -> Result<Q4Slot, String> {
         }
         _ => Err("not an int4 weight".into()),
     }
+}
+
+/// Milliseconds per call of `f` (given the call's index) when `iters` calls are captured once into
+/// a CUDA graph and the graph is replayed (one warm-up replay, then `REPLAYS` timed ones).
+fn graph_ms(b: &CudaBackend, iters: usize, mut f: impl FnMut(usize) -> tm_core::Result<()>) -> Result<f64, String> {
+    const REPLAYS: usize = 5;
+    let gpu = b.gpu();
+    let stream = gpu.stream();
+    let err = |what: &str, e: &dyn std::fmt::Display| format!("{what}: {e}");
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| err("cuStreamBeginCapture", &format!("{e:?}")))?;
+    gpu.set_mode(LaunchMode::Capture);
+    let ran = (0..iters).try_for_each(&mut f);
+    gpu.set_mode(LaunchMode::Eager);
+    // The capture must end whatever happened, or the stream stays in capture mode.
+    let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+    ran.map_err(|e| err("capturing the calls", &e))?;
+    let graph =
+        graph.map_err(|e| err("cuStreamEndCapture", &format!("{e:?}")))?.ok_or("the captured graph is empty")?;
+    let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let ev = |e: cudarc::driver::DriverError| format!("{e:?}");
+    graph.launch().map_err(ev)?;
+    let start = stream.record_event(timed).map_err(ev)?;
+    for _ in 0..REPLAYS {
+        graph.launch().map_err(ev)?;
+    }
+    let end = stream.record_event(timed).map_err(ev)?;
+    end.synchronize().map_err(ev)?;
+    Ok(start.elapsed_ms(&end).map_err(ev)? as f64 / (REPLAYS * iters) as f64)
 }
 
 /// One product family of the 8B layer.
@@ -212,23 +283,33 @@ fn bench(o: &Opts) -> Result<(), String> {
                 .collect::<Result<_, String>>()?;
             let (xa, aa) = (x.buffer().addr(), act.buffer().addr());
             let group = o.group;
-            let variant = |unroll: Unroll| {
-                common::time_ms(&b, o.iters, |i| {
-                    let ss = &slots[i % copies];
-                    match shape {
-                        Shape::GateUp => {
-                            q4_gemv::q4_gemv_silu(b.gpu(), o.dtype, aa, &ss[0], &ss[1], xa, n, cols, group, unroll)
-                        }
-                        _ => q4_gemv::q4_gemv(b.gpu(), o.dtype, xa, n, cols, group, ss, unroll),
+            let launch = |unroll: Unroll, i: usize| {
+                let ss = &slots[i % copies];
+                match shape {
+                    Shape::GateUp => {
+                        q4_gemv::q4_gemv_silu(b.gpu(), o.dtype, aa, &ss[0], &ss[1], xa, n, cols, group, unroll)
                     }
-                })
+                    _ => q4_gemv::q4_gemv(b.gpu(), o.dtype, xa, n, cols, group, ss, unroll),
+                }
             };
-            let (u2, u4) = (variant(Unroll::Two)?, variant(Unroll::Four)?);
-            // The 16-row variant exists for the plain products only.
-            let (n16, n16u4) = match shape {
-                Shape::GateUp => (None, None),
-                _ => (Some(variant(Unroll::Narrow)?), Some(variant(Unroll::NarrowFour)?)),
-            };
+            // The chain's RMSNorm: x = rmsnorm(x_in) * ones, which the product then reads.
+            let x_in = activations(ops, &mut rng, o.dtype, n, cols).map_err(e)?;
+            let ones = ones(ops, o.dtype, cols).map_err(e)?;
+            let (xin, wa) = (x_in.buffer().addr(), ones.buffer().addr());
+            let norm = || elementwise::rms_norm(b.gpu(), o.dtype, xa, xin, wa, 1e-5, n, cols);
+            let norm_ms = graph_ms(&b, o.iters, |_| norm())?;
+            let mut rows: Vec<(String, f64)> = vec![("ops".into(), ops_ms)];
+            // The SiLU kernel exists for u2 and u4 only; the others would time u2 again.
+            let variants = o.variants.iter().filter(|u| !matches!(shape, Shape::GateUp) || u.has_silu_form());
+            for &u in variants {
+                rows.push((u.name().into(), common::time_ms(&b, o.iters, |i| launch(u, i))?));
+                rows.push((format!("{} graph", u.name()), graph_ms(&b, o.iters, |i| launch(u, i))?));
+                let pair = graph_ms(&b, o.iters, |i| {
+                    norm()?;
+                    launch(u, i)
+                })?;
+                rows.push((format!("{} chain", u.name()), pair - norm_ms));
+            }
             let old = common::time_ms(&b, o.iters, |i| {
                 for s in &slots[i % copies] {
                     quant::matmul_q4(b.gpu(), o.dtype, s.out, xa, s.packed, s.scales, s.mins, n, s.rows, cols, group)?;
@@ -239,18 +320,17 @@ fn bench(o: &Opts) -> Result<(), String> {
                 }
                 Ok(())
             })?;
-            let rows = [
-                ("ops", Some(ops_ms)),
-                ("u2", Some(u2)),
-                ("u4", Some(u4)),
-                ("n16", n16),
-                ("n16u4", n16u4),
-                ("cuda-core", Some(old)),
-            ];
-            for (what, ms) in rows.into_iter().filter_map(|(w, ms)| Some((w, ms?))) {
+            rows.push(("cuda-core".into(), old));
+            println!(
+                "{:<22} n={n}  {:<12} {:>8.1} us  (graph of RMSNorms alone, subtracted from the chains)",
+                shape.name(),
+                "norm only",
+                norm_ms * 1e3
+            );
+            for (what, ms) in rows {
                 let gbs = set_bytes as f64 / (ms * 1e-3) / 1e9;
                 println!(
-                    "{:<22} n={n}  {what:<9} {:>8.1} us  {:>7.0} GB/s  {:>5.1}% of copy bandwidth",
+                    "{:<22} n={n}  {what:<12} {:>8.1} us  {:>7.0} GB/s  {:>5.1}% of copy bandwidth",
                     shape.name(),
                     ms * 1e3,
                     gbs,

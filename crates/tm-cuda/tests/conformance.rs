@@ -202,17 +202,16 @@ fn run(test: &str, wanted: &[DType], body: impl Fn(&mut Suite)) {
             failures.push(m);
             continue;
         }
-        let mut s =
-            Suite {
-                dtype,
-                gpu,
-                cpu: CpuBackend::new(),
-                seed,
-                filter: filter.clone(),
-                failures: Vec::new(),
-                cases: 0,
-                tag: String::new(),
-            };
+        let mut s = Suite {
+            dtype,
+            gpu,
+            cpu: CpuBackend::new(),
+            seed,
+            filter: filter.clone(),
+            failures: Vec::new(),
+            cases: 0,
+            tag: String::new(),
+        };
         body(&mut s);
         failures.append(&mut s.failures);
         cases += s.cases;

@@ -173,7 +173,15 @@ mod tests {
         let kernels = abi_kernels("q4_gemv.cu");
         assert_eq!(
             kernels,
-            ["q4_gemv_u2", "q4_gemv_u4", "q4_gemv_n16", "q4_gemv_n16u4", "q4_gemv_pf", "q4_gemv_silu_u2", "q4_gemv_silu_u4"]
+            [
+                "q4_gemv_u2",
+                "q4_gemv_u4",
+                "q4_gemv_n16",
+                "q4_gemv_n16u4",
+                "q4_gemv_pf",
+                "q4_gemv_silu_u2",
+                "q4_gemv_silu_u4"
+            ]
         );
         for a in artefacts().iter().filter(|a| a.module == "q4_gemv") {
             let entries = entry_points(a.bytes);
