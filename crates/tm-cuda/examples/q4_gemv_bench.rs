@@ -16,8 +16,8 @@
 //! - `ops`: what the model calls (`Ops::matmul_many`, `Ops::gate_up_silu`: the tensor-core
 //!   `q4_gemv.cu` kernels with the automatic variant unless `TM_Q4_GEMV=0`), launched one by one
 //!   from the host;
-//! - `u2`, `u4`, `n16`, `n16u4`, `pf` (the last three plain products only): each variant of
-//!   those kernels launched directly, one by one from the host ("stream"). A call that takes
+//! - `u2`, `u4`, `n16`, `n16u4`, `pf`, `pf8` (`n16`, `n16u4`, `pf8`: plain products only): each
+//!   variant of those kernels launched directly, one by one from the host ("stream"). A call that takes
 //!   less GPU time than the host needs to launch it is timed at the host's launch rate, so for
 //!   the small products these lines measure launch gaps as much as the kernel;
 //! - `<variant> graph`: the same `--iters` calls captured once into a CUDA graph and the graph
@@ -92,9 +92,9 @@ fn parse() -> Result<Opts, String> {
                 o.variants = v
                     .split(',')
                     .map(|name| {
-                        Unroll::parse(name)
-                            .filter(|&u| u != Unroll::Auto)
-                            .ok_or_else(|| format!("--variants: `{name}` is not a variant (u2, u4, n16, n16u4, pf)"))
+                        Unroll::parse(name).filter(|&u| u != Unroll::Auto).ok_or_else(|| {
+                            format!("--variants: `{name}` is not a variant (u2, u4, n16, n16u4, pf, pf8)")
+                        })
                     })
                     .collect::<Result<_, String>>()?;
             }
@@ -299,7 +299,7 @@ fn bench(o: &Opts) -> Result<(), String> {
             let norm = || elementwise::rms_norm(b.gpu(), o.dtype, xa, xin, wa, 1e-5, n, cols);
             let norm_ms = graph_ms(&b, o.iters, |_| norm())?;
             let mut rows: Vec<(String, f64)> = vec![("ops".into(), ops_ms)];
-            // The SiLU kernel exists for u2 and u4 only; the others would time u2 again.
+            // SiLU kernels exist for u2, u4 and pf only; the others would time one of those again.
             let variants = o.variants.iter().filter(|u| !matches!(shape, Shape::GateUp) || u.has_silu_form());
             for &u in variants {
                 rows.push((u.name().into(), common::time_ms(&b, o.iters, |i| launch(u, i))?));

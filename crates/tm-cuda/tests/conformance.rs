@@ -1763,7 +1763,7 @@ fn matmul_int4_decode_variants() {
             ] {
                 matmul_many(s, Kind::Int4(g), n, &rows, cols, bias);
             }
-            // The SiLU kernel exists for u2 and u4 only (the others launch u2).
+            // SiLU kernels exist for u2, u4 and pf only (the others launch one of those).
             if u.has_silu_form() {
                 for (n, rows, cols, g) in [(1, 14336, 4096, 128), (8, 1000, 640, 128), (2, 33, 4480, 32)] {
                     gate_up_silu(s, Kind::Int4(g), n, rows, cols);

@@ -44,8 +44,12 @@
 // - `q4_gemv_pf_T`: `n16u4` cut to 80 registers (three CTAs per SM, so the 384 CTAs of an 8B
 //   model's q/k/v are resident in one wave on 132 SMs) by reading a step's scales and mins right
 //   before its math (the ring's loads only prefetch them into L2, which takes no registers).
+// - `q4_gemv_pf8_T`: `pf` with U = 8 at two CTAs per SM (128 registers): twice the bytes in
+//   flight, for the long-K products (down: 14336 columns, 14 steps per warp).
 // - `q4_gemv_silu_uU_T`: out = silu(x·G^T) * (x·U^T) for gate G and up U [rows, cols], each product
-//   rounded to T first (what separate products would store); ceil(rows / 16) CTAs.
+//   rounded to T first (what separate products would store); ceil(rows / 16) CTAs. `q4_gemv_silu_pf_T`
+//   is U = 4 with x and the scales/mins read at use (SLATE), two CTAs per SM: four steps of gate
+//   and up in flight per warp, twice `u2`'s.
 //
 // Requirements checked by the launcher: 1 <= n <= 8, cols % 32 == 0, group % 32 == 0,
 // cols % group == 0, packed weights and x 16-byte aligned, scales and mins 2-byte aligned.
@@ -400,14 +404,15 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
     }
 }
 
-template <class T, int U, class Wait>
+template <class T, int U, bool SLATE, class Wait>
 __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, int n, int cols, int group,
                                              const Slot<T>& gate, const Slot<T>& up, Wait wait) {
     const int row0 = blockIdx.x * 16, rows = gate.rows;
     const Tile tiles[2] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
                            Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[2][4];
-    q4_tiles<T, U, 2, true, false>(tiles, x, n, cols, group, acc, wait);
+    // SLATE also loads x at use (XPRE = false): the registers go to weights in flight.
+    q4_tiles<T, U, 2, !SLATE, SLATE>(tiles, x, n, cols, group, acc, wait);
     // Gate sums land in threads 0..127, up sums in 128..255 (same fragment order).
     __shared__ float upv[128];
     const float v = reduce_warps<2>(acc);
@@ -433,7 +438,7 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
 // registers: three CTAs per SM; twice the CTAs of `u2` for weights too small to fill the GPU),
 // `n16u4` (16-row CTAs, U = 4: two CTAs per SM; a warp of a 4096-column product then issues the
 // loads of all its 4 steps at once), `pf` (`n16u4` at three CTAs per SM, scales read at use;
-// SLATE = true). Every kernel allows the next one to launch first thing and hands `pdl_wait` to
+// SLATE = true), `pf8` (`pf` with U = 8, two CTAs per SM). Every kernel allows the next one to launch first thing and hands `pdl_wait` to
 // the tile loop, which calls it once the ring's first weights are in flight.
 #define TM_Q4_GEMV_PLAIN(NAME, T, U, NT, MIN_CTAS, SLATE)                                                               \
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
@@ -445,15 +450,15 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
         const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}};  \
         tmq4::q4_gemv<T, U, NT, SLATE>(x, n, cols, group, slots, [] { tmk::pdl_wait(); });                              \
     }
-#define TM_Q4_GEMV_SILU(SUF, T, U, MIN_CTAS)                                                                            \
+#define TM_Q4_GEMV_SILU(NAME, T, U, MIN_CTAS, SLATE)                                                                    \
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
-        q4_gemv_silu_u##U##_##SUF(T* out, const T* __restrict__ x, int n, int cols, int group,                          \
+        NAME(T* out, const T* __restrict__ x, int n, int cols, int group,                                               \
                                   const unsigned char* wg, const __half* sg, const __half* mg,                          \
                                   const unsigned char* wu, const __half* su, const __half* mu, int rows) {              \
         tmk::pdl_launch_dependents();                                                                                   \
         const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                    \
         const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                      \
-        tmq4::q4_gemv_silu<T, U>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });                            \
+        tmq4::q4_gemv_silu<T, U, SLATE>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });                     \
     }
 #define TM_Q4_GEMV(SUF, T)                                                                                              \
     TM_Q4_GEMV_PLAIN(q4_gemv_u2_##SUF, T, 2, 2, 2, false)                                                               \
@@ -461,8 +466,10 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
     TM_Q4_GEMV_PLAIN(q4_gemv_n16_##SUF, T, 2, 1, 3, false)                                                              \
     TM_Q4_GEMV_PLAIN(q4_gemv_n16u4_##SUF, T, 4, 1, 2, false)                                                            \
     TM_Q4_GEMV_PLAIN(q4_gemv_pf_##SUF, T, 4, 1, 3, true)                                                                \
-    TM_Q4_GEMV_SILU(SUF, T, 2, 2)                                                                                       \
-    TM_Q4_GEMV_SILU(SUF, T, 4, 1)
+    TM_Q4_GEMV_PLAIN(q4_gemv_pf8_##SUF, T, 8, 1, 2, true)                                                               \
+    TM_Q4_GEMV_SILU(q4_gemv_silu_u2_##SUF, T, 2, 2, false)                                                              \
+    TM_Q4_GEMV_SILU(q4_gemv_silu_u4_##SUF, T, 4, 1, false)                                                              \
+    TM_Q4_GEMV_SILU(q4_gemv_silu_pf_##SUF, T, 4, 2, true)
 
 TM_Q4_GEMV(f16, __half)
 TM_Q4_GEMV(bf16, __nv_bfloat16)

@@ -21,11 +21,15 @@
 //!   CTAs on 132 SMs);
 //! - `n16u4`: `n16` with U = 4 and two CTAs per SM (a warp of a 4096-column product issues the
 //!   loads of all its steps at once).
-//! - `pf` (plain products only): `n16u4` cut to 80 registers so that three CTAs fit per SM, with
-//!   the scales and mins only prefetched into L2 with the weights and read right before the math:
-//!   every CTA of the 8B model's q/k/v (384), o (256) and down (256) products is resident in one
-//!   wave on 132 SMs, and each warp of a 4096-column product has all of its weight loads in
-//!   flight before it waits for the previous kernel (below).
+//! - `pf`: `n16u4` cut to 80 registers so that three CTAs fit per SM, with the scales and mins
+//!   only prefetched into L2 with the weights and read right before the math: every CTA of the
+//!   8B model's q/k/v (384), o (256) and down (256) products is resident in one wave on 132 SMs,
+//!   and each warp of a 4096-column product has all of its weight loads in flight before it
+//!   waits for the previous kernel (below). Its SiLU form (`q4_gemv_silu_pf`) keeps 4 steps of
+//!   gate and up in flight per warp, x and scales read at use, two CTAs per SM: twice the bytes
+//!   in flight per SM of `u2`'s.
+//! - `pf8` (plain products): `pf` with 8 steps in flight per warp, two CTAs per SM (o and down:
+//!   256 CTAs, one wave on 132 SMs, twice the bytes in flight of `pf`); SiLU takes `pf`'s form.
 //!
 //! Programmatic dependent launch (sm_90+): every variant lets the next kernel start at once
 //! (`pdl_launch_dependents` first) and issues the weight loads of its first U steps before
@@ -34,8 +38,8 @@
 //! overlaps the previous kernel's tail; without it the waits return at once.
 //!
 //! `Auto` takes `n16` for a plain product whose 32-row grid is under two CTAs per SM, else `u2`
-//! (the SiLU variant always `u2`). `TM_Q4_GEMV_UNROLL=2|4|n16|n16u4|pf` overrides it (`n16`,
-//! `n16u4` and `pf` mean `u2` for the SiLU variant, which has no 16-row form), and [`set_unroll`]
+//! (the SiLU variant always `u2`). `TM_Q4_GEMV_UNROLL=2|4|n16|n16u4|pf|pf8` overrides it (`n16`
+//! and `n16u4` mean `u2` for the SiLU variant, `pf8` means `pf`), and [`set_unroll`]
 //! overrides both (tests, benchmarks). `q4_gemv_bench` times every variant on the 8B shapes.
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -67,14 +71,17 @@ pub enum Unroll {
     Narrow,
     /// `q4_gemv_n16u4_*`: 16-row CTAs, U = 4, two per SM (plain products; SiLU takes `u2`).
     NarrowFour,
-    /// `q4_gemv_pf_*`: 16-row CTAs, U = 4, scales read at use, three per SM (plain products;
-    /// SiLU takes `u2`).
+    /// `q4_gemv_pf_*`: 16-row CTAs, U = 4, scales read at use, three per SM; SiLU
+    /// `q4_gemv_silu_pf_*` (U = 4, x and scales read at use, two per SM).
     Prefetch,
+    /// `q4_gemv_pf8_*`: `pf` with U = 8, two per SM (plain products; SiLU takes `pf`'s form).
+    Prefetch8,
 }
 
 impl Unroll {
     /// Every variant but `Auto`, in the order the benchmark prints them.
-    pub const ALL: [Unroll; 5] = [Unroll::Two, Unroll::Four, Unroll::Narrow, Unroll::NarrowFour, Unroll::Prefetch];
+    pub const ALL: [Unroll; 6] =
+        [Unroll::Two, Unroll::Four, Unroll::Narrow, Unroll::NarrowFour, Unroll::Prefetch, Unroll::Prefetch8];
 
     /// The variant's name in `TM_Q4_GEMV_UNROLL` and the benchmark's tables.
     pub fn name(self) -> &'static str {
@@ -85,10 +92,11 @@ impl Unroll {
             Unroll::Narrow => "n16",
             Unroll::NarrowFour => "n16u4",
             Unroll::Prefetch => "pf",
+            Unroll::Prefetch8 => "pf8",
         }
     }
 
-    /// Parses a `TM_Q4_GEMV_UNROLL` value: 2 (or u2), 4 (or u4), n16, n16u4, pf or auto.
+    /// Parses a `TM_Q4_GEMV_UNROLL` value: 2 (or u2), 4 (or u4), n16, n16u4, pf, pf8 or auto.
     pub fn parse(v: &str) -> Option<Unroll> {
         match v.trim() {
             "auto" => Some(Unroll::Auto),
@@ -97,13 +105,15 @@ impl Unroll {
             "n16" => Some(Unroll::Narrow),
             "n16u4" => Some(Unroll::NarrowFour),
             "pf" => Some(Unroll::Prefetch),
+            "pf8" => Some(Unroll::Prefetch8),
             _ => None,
         }
     }
 
-    /// Whether the variant has a SiLU kernel of its own (the others take `u2` there).
+    /// Whether the variant has a SiLU kernel of its own (`n16` and `n16u4` take `u2` there,
+    /// `pf8` takes `pf`'s).
     pub fn has_silu_form(self) -> bool {
-        matches!(self, Unroll::Two | Unroll::Four)
+        matches!(self, Unroll::Two | Unroll::Four | Unroll::Prefetch)
     }
 }
 
@@ -148,7 +158,7 @@ impl Unroll {
     /// Rows per CTA of the plain product.
     fn rows_per_cta(self) -> usize {
         match self {
-            Unroll::Narrow | Unroll::NarrowFour | Unroll::Prefetch => 16,
+            Unroll::Narrow | Unroll::NarrowFour | Unroll::Prefetch | Unroll::Prefetch8 => 16,
             _ => 32,
         }
     }
@@ -159,22 +169,24 @@ impl Unroll {
             Unroll::Narrow => "q4_gemv_n16",
             Unroll::NarrowFour => "q4_gemv_n16u4",
             Unroll::Prefetch => "q4_gemv_pf",
+            Unroll::Prefetch8 => "q4_gemv_pf8",
             Unroll::Four => "q4_gemv_u4",
             _ => "q4_gemv_u2",
         }
     }
 
-    /// The SiLU kernel's name stem (`Narrow`, `NarrowFour` and `Prefetch` have no SiLU form:
-    /// `u2`).
+    /// The SiLU kernel's name stem (`Narrow` and `NarrowFour` have no SiLU form: `u2`; `pf8`
+    /// takes `pf`'s).
     fn silu_stem(self) -> &'static str {
         match self {
             Unroll::Four => "q4_gemv_silu_u4",
+            Unroll::Prefetch | Unroll::Prefetch8 => "q4_gemv_silu_pf",
             _ => "q4_gemv_silu_u2",
         }
     }
 }
 
-/// `TM_Q4_GEMV_UNROLL` when it names a variant (2, 4, n16, n16u4 or pf; auto: none).
+/// `TM_Q4_GEMV_UNROLL` when it names a variant (2, 4, n16, n16u4, pf or pf8; auto: none).
 fn forced_unroll() -> Option<Unroll> {
     static FORCED: OnceLock<Option<Unroll>> = OnceLock::new();
     *FORCED.get_or_init(|| {
@@ -183,7 +195,7 @@ fn forced_unroll() -> Option<Unroll> {
             Some(Unroll::Auto) => None,
             Some(u) => Some(u),
             None => {
-                tracing::warn!("TM_Q4_GEMV_UNROLL={v} ignored: expected 2, 4, n16, n16u4, pf or auto");
+                tracing::warn!("TM_Q4_GEMV_UNROLL={v} ignored: expected 2, 4, n16, n16u4, pf, pf8 or auto");
                 None
             }
         }
@@ -334,7 +346,7 @@ pub fn q4_gemv_silu(
     }
     let grid = u32::try_from(ctas(rows, SILU_ROWS_PER_CTA))
         .map_err(|_| Error::invalid(format!("q4_gemv_silu: {rows} rows need too many CTAs")))?;
-    // No 16-row form: `Narrow` and `Auto` (without an override) take `u2`.
+    // `Narrow`, `NarrowFour` and `Auto` (without an override) take `u2`, `Prefetch8` `pf`.
     let u = match unroll {
         Unroll::Auto => forced().unwrap_or(Unroll::Two),
         u => u,
@@ -414,8 +426,12 @@ mod tests {
         assert_eq!(Unroll::Four.silu_stem(), "q4_gemv_silu_u4");
         assert_eq!(Unroll::Prefetch.rows_per_cta(), 16);
         assert_eq!(Unroll::Prefetch.plain_stem(), "q4_gemv_pf");
-        assert_eq!(Unroll::Prefetch.silu_stem(), "q4_gemv_silu_u2");
-        assert!(!Unroll::Prefetch.has_silu_form() && Unroll::Four.has_silu_form());
+        assert_eq!(Unroll::Prefetch.silu_stem(), "q4_gemv_silu_pf");
+        assert_eq!(Unroll::Prefetch8.silu_stem(), "q4_gemv_silu_pf");
+        assert_eq!(Unroll::Prefetch8.plain_stem(), "q4_gemv_pf8");
+        assert_eq!(Unroll::Prefetch8.rows_per_cta(), 16);
+        assert!(Unroll::Prefetch.has_silu_form() && Unroll::Four.has_silu_form());
+        assert!(!Unroll::Prefetch8.has_silu_form() && !Unroll::NarrowFour.has_silu_form());
     }
 
     #[test]
