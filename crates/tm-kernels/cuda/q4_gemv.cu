@@ -33,6 +33,8 @@
 //   the previous kernel (`tmk::pdl_wait`) before it reads x or writes anything. Launched with the
 //   programmatic-serialization attribute, a CTA's weight stream thus overlaps the previous
 //   kernel's tail; for a 4096-column product at U = 4 it is the whole of the CTA's weights.
+//   This relies on no kernel writing int4 weights (they arrive by copies, which PDL does not
+//   overlap); a kernel that wrote them would need a plain stream dependency before these.
 //
 // Kernels (T = f16, bf16):
 // - `q4_gemv_u2_T`, `q4_gemv_u4_T` (NT = 2, U = 2 or 4: two CTAs per SM or one) and
