@@ -9,8 +9,8 @@
 //! [`fits`] says whether a call can take this path; callers use `matmul_q4` (the CUDA-core GEMV,
 //! and the only path for f32) otherwise. `TM_Q4_GEMV=0` turns the path off, to compare.
 //!
-//! Each CTA (256 threads, 8 warps) computes 32 rows of one weight (or 16 rows of the gate and the
-//! same 16 of the up weight) with K split over its warps; see the kernel source for the layout.
+//! Each CTA (256 threads, 8 warps) computes 32 rows of one weight (16 for `n16`, `n16u4`, `pf`,
+//! `pf8`; or 16 rows of the gate and the same 16 of the up weight) with K split over its warps; see the kernel source for the layout.
 //! Every warp keeps a ring of `U` steps' loads in flight (software pipelined). The variants
 //! ([`Unroll`]):
 //! - `u2`: U = 2, at most 128 registers, two CTAs per SM;
@@ -20,14 +20,14 @@
 //!   32-row CTAs (the q/k/v, o and down products of an 8B model on an H200: 192, 128 and 128
 //!   CTAs on 132 SMs);
 //! - `n16u4`: `n16` with U = 4 and two CTAs per SM (a warp of a 4096-column product issues the
-//!   loads of all its steps at once).
+//!   loads of all its steps at once);
 //! - `pf`: `n16u4` cut to 80 registers so that three CTAs fit per SM, with the scales and mins
 //!   only prefetched into L2 with the weights and read right before the math: every CTA of the
 //!   8B model's q/k/v (384), o (256) and down (256) products is resident in one wave on 132 SMs,
 //!   and each warp of a 4096-column product has all of its weight loads in flight before it
 //!   waits for the previous kernel (below). Its SiLU form (`q4_gemv_silu_pf`) keeps 4 steps of
 //!   gate and up in flight per warp, x and scales read at use, two CTAs per SM: twice the bytes
-//!   in flight per SM of `u2`'s.
+//!   in flight per SM of `u2`'s;
 //! - `pf8` (plain products): `pf` with 8 steps in flight per warp, two CTAs per SM (o and down:
 //!   256 CTAs, one wave on 132 SMs, twice the bytes in flight of `pf`); SiLU takes `pf`'s form.
 //!
