@@ -31,7 +31,8 @@
 //! - `cuda-core`: the previous path, one `matmul_q4` CUDA-core GEMV launch per weight (plus
 //!   `silu_mul` for the MLP), from the host.
 //!
-//! `--variants pf,n16` limits the variants timed (default: all).
+//! `--variants pf,n16` limits the variants timed (default: all kernels; `pfw`, the choice of `pf8`
+//! or `pf` by grid size, may be named too).
 
 mod common;
 
@@ -93,7 +94,7 @@ fn parse() -> Result<Opts, String> {
                     .split(',')
                     .map(|name| {
                         Unroll::parse(name).filter(|&u| u != Unroll::Auto).ok_or_else(|| {
-                            format!("--variants: `{name}` is not a variant (u2, u4, n16, n16u4, pf, pf8)")
+                            format!("--variants: `{name}` is not a variant (u2, u4, n16, n16u4, pf, pf8, pfw)")
                         })
                     })
                     .collect::<Result<_, String>>()?;

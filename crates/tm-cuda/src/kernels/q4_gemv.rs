@@ -38,8 +38,9 @@
 //! overlaps the previous kernel's tail; without it the waits return at once.
 //!
 //! `Auto` takes `n16` for a plain product whose 32-row grid is under two CTAs per SM, else `u2`
-//! (the SiLU variant always `u2`). `TM_Q4_GEMV_UNROLL=2|4|n16|n16u4|pf|pf8` overrides it (`n16`
-//! and `n16u4` mean `u2` for the SiLU variant, `pf8` means `pf`), and [`set_unroll`]
+//! (the SiLU variant always `u2`). `TM_Q4_GEMV_UNROLL=2|4|n16|n16u4|pf|pf8|pfw` overrides it
+//! (`n16` and `n16u4` mean `u2` for the SiLU variant, `pf8` means `pf`; `pfw` is `pf8` for a
+//! plain product whose 16-row grid is one wave of two CTAs per SM, else `pf`), and [`set_unroll`]
 //! overrides both (tests, benchmarks). `q4_gemv_bench` times every variant on the 8B shapes.
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -76,6 +77,10 @@ pub enum Unroll {
     Prefetch,
     /// `q4_gemv_pf8_*`: `pf` with U = 8, two per SM (plain products; SiLU takes `pf`'s form).
     Prefetch8,
+    /// A choice, not a kernel (`pfw`): `pf8` for a plain product whose 16-row grid fits in one
+    /// wave of two CTAs per SM (the 8B model's o and down), else `pf` (q/k/v: one wave of three);
+    /// SiLU `pf`'s form.
+    OneWave,
 }
 
 impl Unroll {
@@ -93,10 +98,12 @@ impl Unroll {
             Unroll::NarrowFour => "n16u4",
             Unroll::Prefetch => "pf",
             Unroll::Prefetch8 => "pf8",
+            Unroll::OneWave => "pfw",
         }
     }
 
-    /// Parses a `TM_Q4_GEMV_UNROLL` value: 2 (or u2), 4 (or u4), n16, n16u4, pf, pf8 or auto.
+    /// Parses a `TM_Q4_GEMV_UNROLL` value: 2 (or u2), 4 (or u4), n16, n16u4, pf, pf8, pfw or
+    /// auto.
     pub fn parse(v: &str) -> Option<Unroll> {
         match v.trim() {
             "auto" => Some(Unroll::Auto),
@@ -106,6 +113,7 @@ impl Unroll {
             "n16u4" => Some(Unroll::NarrowFour),
             "pf" => Some(Unroll::Prefetch),
             "pf8" => Some(Unroll::Prefetch8),
+            "pfw" => Some(Unroll::OneWave),
             _ => None,
         }
     }
@@ -117,14 +125,25 @@ impl Unroll {
     }
 }
 
-/// [`set_unroll`]'s override: 0 = none, else 1 + the index in [`Unroll::ALL`].
+/// What [`set_unroll`] can force: the kernels and the `pfw` choice.
+const FORCIBLE: [Unroll; 7] = [
+    Unroll::Two,
+    Unroll::Four,
+    Unroll::Narrow,
+    Unroll::NarrowFour,
+    Unroll::Prefetch,
+    Unroll::Prefetch8,
+    Unroll::OneWave,
+];
+
+/// [`set_unroll`]'s override: 0 = none, else 1 + the index in [`FORCIBLE`].
 static OVERRIDE: AtomicU8 = AtomicU8::new(0);
 
 /// Makes `Auto` mean `unroll` for the whole process, over `TM_Q4_GEMV_UNROLL` (`None`, or
 /// `Some(Auto)`: back to the environment and the automatic choice). For tests and benchmarks
 /// that run every variant in one process.
 pub fn set_unroll(unroll: Option<Unroll>) {
-    let code = unroll.and_then(|u| Unroll::ALL.iter().position(|&a| a == u)).map_or(0, |i| i as u8 + 1);
+    let code = unroll.and_then(|u| FORCIBLE.iter().position(|&a| a == u)).map_or(0, |i| i as u8 + 1);
     OVERRIDE.store(code, Ordering::Relaxed);
 }
 
@@ -132,25 +151,28 @@ pub fn set_unroll(unroll: Option<Unroll>) {
 fn forced() -> Option<Unroll> {
     match OVERRIDE.load(Ordering::Relaxed) {
         0 => forced_unroll(),
-        c => Unroll::ALL.get(usize::from(c - 1)).copied(),
+        c => FORCIBLE.get(usize::from(c - 1)).copied(),
     }
 }
 
 impl Unroll {
-    /// The variant for a plain product whose 32-row grid has `ctas32` CTAs, on `sms`
-    /// multiprocessors; never `Auto`.
-    fn resolve(self, ctas32: usize, sms: usize) -> Unroll {
-        self.resolve_with(forced(), ctas32, sms)
+    /// The kernel for a plain product whose grid has `ctas16` 16-row and `ctas32` 32-row CTAs,
+    /// on `sms` multiprocessors; never `Auto` nor `OneWave`.
+    fn resolve(self, ctas16: usize, ctas32: usize, sms: usize) -> Unroll {
+        self.resolve_with(forced(), ctas16, ctas32, sms)
     }
 
     /// [`Unroll::resolve`] with `forced` as the override of `Auto`.
-    fn resolve_with(self, forced: Option<Unroll>, ctas32: usize, sms: usize) -> Unroll {
+    fn resolve_with(self, forced: Option<Unroll>, ctas16: usize, ctas32: usize, sms: usize) -> Unroll {
+        let one_wave = if ctas16 <= 2 * sms { Unroll::Prefetch8 } else { Unroll::Prefetch };
         match self {
             Unroll::Auto => match forced {
+                Some(Unroll::OneWave) => one_wave,
                 Some(u) if u != Unroll::Auto => u,
                 _ if ctas32 < 2 * sms => Unroll::Narrow,
                 _ => Unroll::Two,
             },
+            Unroll::OneWave => one_wave,
             u => u,
         }
     }
@@ -158,7 +180,7 @@ impl Unroll {
     /// Rows per CTA of the plain product.
     fn rows_per_cta(self) -> usize {
         match self {
-            Unroll::Narrow | Unroll::NarrowFour | Unroll::Prefetch | Unroll::Prefetch8 => 16,
+            Unroll::Narrow | Unroll::NarrowFour | Unroll::Prefetch | Unroll::Prefetch8 | Unroll::OneWave => 16,
             _ => 32,
         }
     }
@@ -168,7 +190,7 @@ impl Unroll {
         match self {
             Unroll::Narrow => "q4_gemv_n16",
             Unroll::NarrowFour => "q4_gemv_n16u4",
-            Unroll::Prefetch => "q4_gemv_pf",
+            Unroll::Prefetch | Unroll::OneWave => "q4_gemv_pf",
             Unroll::Prefetch8 => "q4_gemv_pf8",
             Unroll::Four => "q4_gemv_u4",
             _ => "q4_gemv_u2",
@@ -176,17 +198,18 @@ impl Unroll {
     }
 
     /// The SiLU kernel's name stem (`Narrow` and `NarrowFour` have no SiLU form: `u2`; `pf8`
-    /// takes `pf`'s).
+    /// and `pfw` take `pf`'s).
     fn silu_stem(self) -> &'static str {
         match self {
             Unroll::Four => "q4_gemv_silu_u4",
-            Unroll::Prefetch | Unroll::Prefetch8 => "q4_gemv_silu_pf",
+            Unroll::Prefetch | Unroll::Prefetch8 | Unroll::OneWave => "q4_gemv_silu_pf",
             _ => "q4_gemv_silu_u2",
         }
     }
 }
 
-/// `TM_Q4_GEMV_UNROLL` when it names a variant (2, 4, n16, n16u4, pf or pf8; auto: none).
+/// `TM_Q4_GEMV_UNROLL` when it names a variant or `pfw` (2, 4, n16, n16u4, pf, pf8, pfw; auto:
+/// none).
 fn forced_unroll() -> Option<Unroll> {
     static FORCED: OnceLock<Option<Unroll>> = OnceLock::new();
     *FORCED.get_or_init(|| {
@@ -195,7 +218,7 @@ fn forced_unroll() -> Option<Unroll> {
             Some(Unroll::Auto) => None,
             Some(u) => Some(u),
             None => {
-                tracing::warn!("TM_Q4_GEMV_UNROLL={v} ignored: expected 2, 4, n16, n16u4, pf, pf8 or auto");
+                tracing::warn!("TM_Q4_GEMV_UNROLL={v} ignored: expected 2, 4, n16, n16u4, pf, pf8, pfw or auto");
                 None
             }
         }
@@ -290,8 +313,9 @@ pub fn q4_gemv(
     if grid32 == 0 || n == 0 {
         return Ok(());
     }
+    let grid16 = plain_grid(&used, 16)?;
     let s = |i: usize| used.get(i).copied().unwrap_or_default();
-    let u = unroll.resolve(grid32 as usize, gpu.info().multiprocessors as usize);
+    let u = unroll.resolve(grid16 as usize, grid32 as usize, gpu.info().multiprocessors as usize);
     let grid = plain_grid(&used, u.rows_per_cta())?;
     let name = format!("{}_{}", u.plain_stem(), suffix(dt)?);
     let args = [
@@ -407,15 +431,22 @@ mod tests {
 
     #[test]
     fn unroll_variants() {
-        assert_eq!(Unroll::Two.resolve(10, 132), Unroll::Two);
-        assert_eq!(Unroll::Four.resolve(1000, 132), Unroll::Four);
-        assert_eq!(Unroll::Narrow.resolve(1000, 132), Unroll::Narrow);
-        // An 8B model on an H200: q/k/v 192, o and down 128 32-row CTAs; 132 SMs.
-        assert_eq!(Unroll::Auto.resolve_with(None, 128, 132), Unroll::Narrow);
-        assert_eq!(Unroll::Auto.resolve_with(None, 192, 132), Unroll::Narrow);
-        assert_eq!(Unroll::Auto.resolve_with(None, 264, 132), Unroll::Two);
-        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::Prefetch), 264, 132), Unroll::Prefetch);
-        assert_eq!(Unroll::Four.resolve_with(Some(Unroll::Prefetch), 264, 132), Unroll::Four);
+        assert_eq!(Unroll::Two.resolve(20, 10, 132), Unroll::Two);
+        assert_eq!(Unroll::Four.resolve(2000, 1000, 132), Unroll::Four);
+        assert_eq!(Unroll::Narrow.resolve(2000, 1000, 132), Unroll::Narrow);
+        // An 8B model on an H200: q/k/v 384 and 192, o and down 256 and 128 16- and 32-row CTAs;
+        // 132 SMs.
+        assert_eq!(Unroll::Auto.resolve_with(None, 256, 128, 132), Unroll::Narrow);
+        assert_eq!(Unroll::Auto.resolve_with(None, 384, 192, 132), Unroll::Narrow);
+        assert_eq!(Unroll::Auto.resolve_with(None, 528, 264, 132), Unroll::Two);
+        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::Prefetch), 528, 264, 132), Unroll::Prefetch);
+        assert_eq!(Unroll::Four.resolve_with(Some(Unroll::Prefetch), 528, 264, 132), Unroll::Four);
+        // `pfw`: pf8 for o and down (one wave of two per SM), pf for q/k/v.
+        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::OneWave), 256, 128, 132), Unroll::Prefetch8);
+        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::OneWave), 264, 132, 132), Unroll::Prefetch8);
+        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::OneWave), 384, 192, 132), Unroll::Prefetch);
+        assert_eq!(Unroll::OneWave.resolve_with(None, 384, 192, 132), Unroll::Prefetch);
+        assert_eq!(Unroll::OneWave.silu_stem(), "q4_gemv_silu_pf");
         assert_eq!(Unroll::Narrow.rows_per_cta(), 16);
         assert_eq!(Unroll::NarrowFour.rows_per_cta(), 16);
         assert_eq!(Unroll::NarrowFour.plain_stem(), "q4_gemv_n16u4");
@@ -441,6 +472,8 @@ mod tests {
         }
         assert_eq!(Unroll::parse(" 2 "), Some(Unroll::Two));
         assert_eq!(Unroll::parse("auto"), Some(Unroll::Auto));
+        assert_eq!(Unroll::parse("pfw"), Some(Unroll::OneWave));
+        assert!(!Unroll::ALL.contains(&Unroll::OneWave) && FORCIBLE.contains(&Unroll::OneWave));
         assert_eq!(Unroll::parse("u8"), None);
     }
 
@@ -449,7 +482,10 @@ mod tests {
         // The only test that sets the override (tests of this module share the process).
         set_unroll(Some(Unroll::Prefetch));
         assert_eq!(forced(), Some(Unroll::Prefetch));
-        assert_eq!(Unroll::Auto.resolve(1000, 132), Unroll::Prefetch);
+        assert_eq!(Unroll::Auto.resolve(2000, 1000, 132), Unroll::Prefetch);
+        set_unroll(Some(Unroll::OneWave));
+        assert_eq!(forced(), Some(Unroll::OneWave));
+        assert_eq!(Unroll::Auto.resolve(256, 128, 132), Unroll::Prefetch8);
         set_unroll(Some(Unroll::Four));
         assert_eq!(forced(), Some(Unroll::Four));
         set_unroll(Some(Unroll::Auto));
