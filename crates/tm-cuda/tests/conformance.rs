@@ -1787,6 +1787,87 @@ fn matmul_int4_gemm() {
     });
 }
 
+/// An int4 matmul through the large-batch slab path (dequantize a slab of rows, cuBLASLt into
+/// the output's columns; `tm_core::q4_slab`) forced with a slab budget of `budget` bytes, so
+/// small budgets give several slabs and a short last one; and through the fused kernels with
+/// the slab path off. Both against one exact host product. The process-wide slab counter must
+/// move for the slab run, so a silent fallback cannot pass for the slab path.
+fn matmul_q4_slab(s: &mut Suite, n: usize, rows: usize, cols: usize, group: usize, budget: usize, bias: bool) {
+    use tm_core::q4_slab::{slab_rows, SlabPolicy};
+    let b = if bias { " + bias" } else { "" };
+    let per = slab_rows(rows, cols, 2, budget.min(tm_core::q4_slab::SLAB_BYTES)).unwrap_or(0);
+    let label = format!("matmul_q4 slabs of {per} rows x[{n}, {cols}] · W[{rows}, {cols}]ᵀ g{group}{b}");
+    s.case(label, |c| {
+        let xs = c.activations(n * cols, 1.0);
+        let w = c.weight(Kind::Int4(group), rows, cols, (3.0 / cols as f32).sqrt())?;
+        let x = c.act(&[n, cols], &xs)?;
+        let bias = if bias {
+            let v = c.normal(rows, 0.5);
+            Some((c.dense(&[rows], &v)?, v))
+        } else {
+            None
+        };
+        let q = w.quant.as_ref().ok_or("int4 weight without its host copy")?;
+        let mut want = vec![0f32; n * rows];
+        tm_cpu::quant_matmul::matmul_int4_exact(&xs, n, &q.view(), &mut want).ctx("host exact int4 matmul")?;
+        if let Some((_, bv)) = &bias {
+            for row in want.chunks_mut(rows) {
+                row.iter_mut().zip(bv).for_each(|(o, b)| *o += b);
+            }
+        }
+        let on = SlabPolicy { enabled: true, min_tokens: 1 };
+        let off = SlabPolicy { enabled: false, min_tokens: 1 };
+        for (name, policy) in [("slabs", on), ("fused", off)] {
+            tm_cuda::set_slab_policy(Some((policy, budget)));
+            let before = tm_cuda::slab_products();
+            let ran = c.gpu.reserve_matmul_scratch(n).and_then(|_| {
+                let mut out = c.output(&[n, rows]).map_err(tm_core::Error::invalid)?;
+                c.gpu.matmul(&x.gpu, &w.gpu, bias.as_ref().map(|b| &b.0.gpu), &mut out.gpu)?;
+                Ok(out)
+            });
+            let after = tm_cuda::slab_products();
+            tm_cuda::set_slab_policy(None);
+            let out = ran.ctx(format!("cuda matmul ({name})"))?;
+            if name == "slabs" && after == before {
+                c.problems.push("the slab path was forced but did not run".into());
+            }
+            c.check(&format!("out {name}"), &out.gpu, &want, rows, 1.0)?;
+        }
+        Ok(())
+    });
+}
+
+/// The large-batch int4 slab path (f16/bf16; f32 never takes it): 512, 1500 and 2048 tokens,
+/// groups 64/128, one whole-matrix slab, Llama-3-8B's down projection in two default-budget
+/// slabs, and small budgets whose row counts do not divide the matrix (short last slab, a
+/// matrix of fewer rows than a slab); then q/k/v-like `matmul_many` and the gate/up/SiLU with
+/// the path forced (their fallbacks run one product at a time through it).
+#[test]
+fn matmul_int4_slab() {
+    run("matmul_int4_slab", &[DType::F16, DType::BF16], |s| {
+        for (n, rows, cols, g, budget, bias) in [
+            (512, 4096, 4096, 128, 64 << 20, false),
+            (512, 4096, 14336, 128, 64 << 20, false),
+            (1500, 1000, 1024, 64, 256 << 10, true),
+            (1500, 300, 640, 64, 160 << 10, false),
+            (1500, 100, 640, 128, 64 << 20, false),
+            (2048, 4104, 4096, 128, 2 << 20, false),
+            (2048, 14336, 4096, 64, 16 << 20, false),
+        ] {
+            matmul_q4_slab(s, n, rows, cols, g, budget, bias);
+        }
+        let on = tm_core::q4_slab::SlabPolicy { enabled: true, min_tokens: 1 };
+        tm_cuda::set_slab_policy(Some((on, 1 << 20)));
+        let reserved = s.gpu.reserve_matmul_scratch(512);
+        if let Err(e) = reserved {
+            s.failures.push(format!("[{}] reserve_matmul_scratch(512): {e}", s.dtype));
+        }
+        matmul_many(s, Kind::Int4(64), 600, &[1024, 256, 200], 1024, true);
+        gate_up_silu(s, Kind::Int4(128), 512, 1000, 1024);
+        tm_cuda::set_slab_policy(None);
+    });
+}
+
 #[test]
 fn matmul_int8() {
     run("matmul_int8", &ALL_DTYPES, |s| {
