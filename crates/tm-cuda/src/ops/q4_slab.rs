@@ -1,8 +1,8 @@
 //! Large-batch int4 products by dequantized slabs ([`tm_core::q4_slab`]): for `n` tokens at or
 //! above the policy's threshold, each slab of weight rows `[r0, r0 + R)` is dequantized into the
-//! backend's fixed slab buffer (`dequant_q4_rows`, quant.cu) and multiplied by cuBLASLt straight
-//! into `out[:, r0..r0 + R]`; slabs run one after the other on the stream, so one buffer serves
-//! them all. The buffer is reserved once with the workspace ([`CudaBackend::reserve_slab`]);
+//! backend's fixed slab buffer and multiplied by cuBLASLt straight into `out[:, r0..r0 + R]`
+//! ([`crate::kernels::q4_slab`]); slabs run one after the other on the stream, so one buffer
+//! serves them all. The buffer is reserved once with the workspace ([`CudaBackend::reserve_slab`]);
 //! without it the fused int4 kernels run instead, so nothing is ever allocated here.
 //!
 //! Everything is ordinary stream work on fixed addresses, so it records and captures into CUDA
@@ -10,15 +10,15 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use tm_core::q4_slab::{self, SlabPolicy};
+use tm_core::q4_slab::{SlabPolicy, SLAB_BYTES};
 use tm_core::quant::QuantWeight;
 use tm_core::{Buffer, DType, Error, Result, Tensor};
 
 use super::{ptr, CudaBackend};
-use crate::kernels::quant;
+use crate::kernels::q4_slab::{self, Int4Matrix};
 
 /// Test and benchmark override of the policy and the slab budget: 0 = none (the environment's
-/// policy and [`q4_slab::SLAB_BYTES`]); otherwise bit 63 set, bit 62 = enabled, bits 32..62 =
+/// policy and [`SLAB_BYTES`]); otherwise bit 63 set, bit 62 = enabled, bits 32..62 =
 /// budget in KiB, bits 0..32 = min tokens.
 static OVERRIDE: AtomicU64 = AtomicU64::new(0);
 
@@ -50,7 +50,7 @@ pub fn set_slab_policy(over: Option<(SlabPolicy, usize)>) {
 fn slab_policy() -> (SlabPolicy, usize) {
     let code = OVERRIDE.load(Ordering::Relaxed);
     if code == 0 {
-        return (SlabPolicy::from_env(), q4_slab::SLAB_BYTES);
+        return (SlabPolicy::from_env(), SLAB_BYTES);
     }
     let enabled = code & (1 << 62) != 0;
     let budget = (((code >> 32) & ((1 << 30) - 1)) as usize) << 10;
@@ -59,7 +59,7 @@ fn slab_policy() -> (SlabPolicy, usize) {
 }
 
 impl CudaBackend {
-    /// Reserves the slab buffer ([`q4_slab::SLAB_BYTES`], phase "workspace") when steps of
+    /// Reserves the slab buffer ([`SLAB_BYTES`], phase "workspace") when steps of
     /// `max_tokens` tokens can take the slab path: f16/bf16 activations and the policy on with a
     /// threshold at most `max_tokens`. Once reserved it stays.
     pub(super) fn reserve_slab(&self, max_tokens: usize) -> Result<()> {
@@ -76,7 +76,7 @@ impl CudaBackend {
                 message: "the int4 slab buffer must be reserved before a step is recorded or captured".into(),
             });
         }
-        let buf = Buffer::new(&self.allocator, q4_slab::SLAB_BYTES, "workspace")?;
+        let buf = Buffer::new(&self.allocator, SLAB_BYTES, "workspace")?;
         // Another thread may have won the race; its buffer is kept and this one freed.
         let _ = self.slab.set(buf);
         Ok(())
@@ -92,30 +92,19 @@ impl CudaBackend {
         }
         let Some(slab) = self.slab.get() else { return Ok(false) };
         let Some(mins) = q.mins.as_ref() else { return Ok(false) };
-        let es = self.dtype.storage_bytes(1);
-        let Some(per_slab) = q4_slab::slab_rows(q.rows, q.cols, es, budget.min(slab.len())) else {
-            return Ok(false);
+        let w = Int4Matrix {
+            packed: ptr(&q.packed),
+            scales: ptr(&q.scales),
+            mins: ptr(mins),
+            rows: q.rows,
+            cols: q.cols,
+            group: q.group_size,
         };
-        if !q.cols.is_multiple_of(32) || !ptr(&q.packed).is_multiple_of(16) || !slab.addr().is_multiple_of(16) {
+        let budget = budget.min(slab.len());
+        if q4_slab::rows_per_slab(self.dtype, &w, budget).is_none() || !w.cols.is_multiple_of(32) {
             return Ok(false);
         }
-        for (r0, len) in q4_slab::slabs(q.rows, per_slab) {
-            quant::dequant_q4_rows(
-                &self.gpu,
-                self.dtype,
-                slab.addr(),
-                ptr(&q.packed),
-                ptr(&q.scales),
-                ptr(mins),
-                r0,
-                len,
-                q.rows,
-                q.cols,
-                q.group_size,
-            )?;
-            let at = ptr(out) + (r0 * es) as u64;
-            self.blas.gemm_into(self.dtype, n, len, q.cols, ptr(x), slab.addr(), at, q.rows)?;
-        }
+        q4_slab::matmul_q4_slabs(&self.gpu, &self.blas, self.dtype, ptr(out), ptr(x), &w, n, slab.addr(), budget)?;
         PRODUCTS.fetch_add(1, Ordering::Relaxed);
         Ok(true)
     }
@@ -131,9 +120,9 @@ mod tests {
         set_slab_policy(Some((p, 1 << 20)));
         assert_eq!(slab_policy(), (p, 1 << 20));
         let off = SlabPolicy { enabled: false, min_tokens: 1 };
-        set_slab_policy(Some((off, q4_slab::SLAB_BYTES)));
-        assert_eq!(slab_policy(), (off, q4_slab::SLAB_BYTES));
+        set_slab_policy(Some((off, SLAB_BYTES)));
+        assert_eq!(slab_policy(), (off, SLAB_BYTES));
         set_slab_policy(None);
-        assert_eq!(slab_policy(), (SlabPolicy::from_env(), q4_slab::SLAB_BYTES));
+        assert_eq!(slab_policy(), (SlabPolicy::from_env(), SLAB_BYTES));
     }
 }
