@@ -70,10 +70,11 @@ impl CudaBackend {
         if self.slab.get().is_some() {
             return Ok(());
         }
-        if self.gpu.mode() != crate::runtime::LaunchMode::Eager {
+        // Recording a step may grow the workspace (the step then runs eagerly); a capture must not.
+        if self.gpu.mode() == crate::runtime::LaunchMode::Capture {
             return Err(Error::Backend {
                 backend: "cuda".into(),
-                message: "the int4 slab buffer must be reserved before a step is recorded or captured".into(),
+                message: "the int4 slab buffer would be reserved while a CUDA graph is being captured".into(),
             });
         }
         let buf = Buffer::new(&self.allocator, SLAB_BYTES, "workspace")?;
