@@ -1731,6 +1731,7 @@ fn matmul_int4_decode() {
 /// `rows % 8 != 0`) take the tiled kernel under every policy, so this also checks the fallback.
 fn matmul_q4_policies(s: &mut Suite, n: usize, rows: usize, cols: usize, group: usize) {
     use tm_cuda::kernels::q4_gemm::{set_policy, Policy, Tile};
+    let _serial = prefill_policy_lock();
     s.case(format!("matmul_q4 prefill kernels x[{n}, {cols}] · W[{rows}, {cols}]ᵀ g{group}"), |c| {
         let xs = c.activations(n * cols, 1.0);
         let w = c.weight(Kind::Int4(group), rows, cols, (3.0 / cols as f32).sqrt())?;
@@ -1787,6 +1788,13 @@ fn matmul_int4_gemm() {
     });
 }
 
+/// Held while a test forces a prefill kernel (`q4_gemm::set_policy`, `tm_cuda::set_slab_policy`:
+/// process-wide switches), so tests running in parallel do not switch each other's kernels.
+fn prefill_policy_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// An int4 matmul through the large-batch slab path (dequantize a slab of rows, cuBLASLt into
 /// the output's columns; `tm_core::q4_slab`) forced with a slab budget of `budget` bytes, so
 /// small budgets give several slabs and a short last one; and through the fused kernels with
@@ -1817,6 +1825,7 @@ fn matmul_q4_slab(s: &mut Suite, n: usize, rows: usize, cols: usize, group: usiz
         }
         let on = SlabPolicy { enabled: true, min_tokens: 1 };
         let off = SlabPolicy { enabled: false, min_tokens: 1 };
+        let _serial = prefill_policy_lock();
         for (name, policy) in [("slabs", on), ("fused", off)] {
             tm_cuda::set_slab_policy(Some((policy, budget)));
             let before = tm_cuda::slab_products();
@@ -1852,11 +1861,12 @@ fn matmul_int4_slab() {
             (1500, 300, 640, 64, 160 << 10, false),
             (1500, 100, 640, 128, 64 << 20, false),
             (2048, 4104, 4096, 128, 2 << 20, false),
-            (2048, 14336, 4096, 64, 16 << 20, false),
+            (2048, 6144, 4096, 64, 16 << 20, false),
         ] {
             matmul_q4_slab(s, n, rows, cols, g, budget, bias);
         }
         let on = tm_core::q4_slab::SlabPolicy { enabled: true, min_tokens: 1 };
+        let serial = prefill_policy_lock();
         tm_cuda::set_slab_policy(Some((on, 1 << 20)));
         let reserved = s.gpu.reserve_matmul_scratch(512);
         if let Err(e) = reserved {
@@ -1865,6 +1875,7 @@ fn matmul_int4_slab() {
         matmul_many(s, Kind::Int4(64), 600, &[1024, 256, 200], 1024, true);
         gate_up_silu(s, Kind::Int4(128), 512, 1000, 1024);
         tm_cuda::set_slab_policy(None);
+        drop(serial);
     });
 }
 

@@ -15,6 +15,7 @@ use tm_core::quant::QuantWeight;
 use tm_core::{Buffer, DType, Error, Result, Tensor};
 
 use super::{ptr, CudaBackend};
+use crate::kernels::q4_gemm;
 use crate::kernels::q4_slab::{self, Int4Matrix};
 
 /// Test and benchmark override of the policy and the slab budget: 0 = none (the environment's
@@ -52,6 +53,16 @@ fn slab_policy() -> (SlabPolicy, usize) {
     if code == 0 {
         return (SlabPolicy::from_env(), SLAB_BYTES);
     }
+    decode(code)
+}
+
+/// Whether [`set_slab_policy`] has forced a policy.
+fn overridden() -> bool {
+    OVERRIDE.load(Ordering::Relaxed) != 0
+}
+
+/// The policy and budget of an override code.
+fn decode(code: u64) -> (SlabPolicy, usize) {
     let enabled = code & (1 << 62) != 0;
     let budget = (((code >> 32) & ((1 << 30) - 1)) as usize) << 10;
     let min_tokens = (code & 0xFFFF_FFFF) as usize;
@@ -84,11 +95,15 @@ impl CudaBackend {
     }
 
     /// `out = x · Wᵀ` by slabs when the policy takes `n` tokens, the buffer is reserved and the
-    /// weight fits the kernels; `Ok(false)` sends the caller to the fused kernels. Shapes were
-    /// checked by the caller.
+    /// weight fits the kernels; `Ok(false)` sends the caller to the fused kernels. A fused
+    /// kernel forced with `TM_Q4_GEMM` (a tile, or `off`) keeps every product on it unless
+    /// [`set_slab_policy`] forces the slab path. Shapes were checked by the caller.
     pub(super) fn try_q4_slab(&self, x: &Tensor, q: &QuantWeight, n: usize, out: &mut Tensor) -> Result<bool> {
         let (policy, budget) = slab_policy();
         if !policy.takes(n) || !matches!(self.dtype, DType::F16 | DType::BF16) {
+            return Ok(false);
+        }
+        if !overridden() && q4_gemm::policy() != q4_gemm::Policy::Auto {
             return Ok(false);
         }
         let Some(slab) = self.slab.get() else { return Ok(false) };
