@@ -19,7 +19,9 @@
 //!   with deadlines, `ncclCommAbort`), the start-up self-test and the peer links.
 //! - [`peer`]: one-shot all-reduce and all-gather kernels over peer access for small messages
 //!   (what `nccl` uses for decode steps, captured into CUDA graphs), with device-side deadlines.
-//! - [`CudaBackend`]: tm-core's `Ops` on one GPU.
+//! - [`CudaBackend`]: tm-core's `Ops` on one GPU. Large-batch int4 products go by dequantized
+//!   slabs through cuBLASLt ([`kernels::q4_slab`], `TM_Q4_SLAB`, `TM_Q4_SLAB_MIN_M`);
+//!   [`set_slab_policy`] forces that path for tests and benchmarks, [`slab_products`] counts it.
 //!
 //! Features: `cuda-13` (default) or `cuda-12` chooses the CUDA bindings cudarc uses; enable exactly
 //! one (`--no-default-features --features cuda-12` for JetPack 6).
