@@ -112,7 +112,7 @@ impl Gpu {
         let mut sources = Vec::new();
         for src in kernels::modules() {
             let module = src.name.trim_end_matches(".cu");
-            let (image, how, entries) = pick_image(module, sm)?;
+            let (image, how, entries, current) = pick_image(module, sm)?;
             let loaded = ctx.load_module(image).map_err(driver_err("cuModuleLoadData"))?;
             sources.push(format!("{module} ({how})"));
             for name in &entries {
@@ -121,7 +121,8 @@ impl Gpu {
             modules.push(Module {
                 module: loaded,
                 listed: !entries.is_empty(),
-                pdl: pdl && tm_kernels::pdl::module_waits(module),
+                // Kernels built from other sources may not wait for their predecessors.
+                pdl: pdl && current && tm_kernels::pdl::module_waits(module),
             });
         }
         let kernel_source = if sources.is_empty() { "no kernel modules".to_string() } else { sources.join(", ") };
@@ -328,17 +329,32 @@ impl Gpu {
 }
 
 /// Chooses the image for `module` on arch `sm`: an exact cubin, else a cubin of the same major and
-/// a lower minor, else PTX of an arch `<= sm`, else NVRTC.
+/// a lower minor, else PTX of an arch `<= sm`, else NVRTC. Also says whether the image was built
+/// from the embedded sources (what [`tm_kernels::pdl`] checked).
 ///
 /// `TM_KERNELS_DIR` set at run time names a folder of `{module}.sm_{NN}.cubin` files (what
 /// `cargo xtask build-kernels --out DIR` writes) that take precedence over the embedded ones: the
-/// GPU test bundle carries its kernels once this way instead of inside every binary.
-fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String, Vec<String>)> {
+/// GPU test bundle carries its kernels once this way instead of inside every binary. They count
+/// as built from the embedded sources when the folder's `manifest.txt` says so.
+fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String, Vec<String>, bool)> {
     if let Some(dir) = std::env::var_os("TM_KERNELS_DIR") {
-        let path = std::path::Path::new(&dir).join(format!("{module}.sm_{sm}.cubin"));
+        let dir = std::path::Path::new(&dir);
+        let path = dir.join(format!("{module}.sm_{sm}.cubin"));
         if let Ok(bytes) = std::fs::read(&path) {
             let entries = kernels::entry_points(&bytes);
-            return Ok((Ptx::from_binary(bytes), format!("cubin {}", path.display()), entries));
+            let current = manifest_matches(dir);
+            if !current {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        "the cubins in {} were not built from this binary's kernel sources (their manifest.txt \
+                         says other sources, or is missing): they are launched without programmatic dependent \
+                         launch",
+                        dir.display()
+                    )
+                });
+            }
+            return Ok((Ptx::from_binary(bytes), format!("cubin {}", path.display()), entries, current));
         }
     }
     let mine = || kernels::artefacts().iter().filter(move |a| a.module == module);
@@ -349,7 +365,8 @@ fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String, Vec<String>)> {
         })
         .max_by_key(|(s, _)| *s);
     if let Some((s, bytes)) = cubin {
-        return Ok((Ptx::from_binary(bytes.to_vec()), format!("cubin sm_{s}"), kernels::entry_points(bytes)));
+        let entries = kernels::entry_points(bytes);
+        return Ok((Ptx::from_binary(bytes.to_vec()), format!("cubin sm_{s}"), entries, true));
     }
     let ptx = mine()
         .filter_map(|a| match a.target {
@@ -359,7 +376,7 @@ fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String, Vec<String>)> {
         .max_by_key(|(s, _)| *s);
     if let Some((s, bytes)) = ptx {
         let text = String::from_utf8_lossy(bytes).into_owned();
-        return Ok((Ptx::from_src(text), format!("ptx compute_{s}"), kernels::entry_points(bytes)));
+        return Ok((Ptx::from_src(text), format!("ptx compute_{s}"), kernels::entry_points(bytes), true));
     }
     let image = crate::nvrtc::compile_module(module, sm).map_err(|e| Error::Backend {
         backend: "cuda".into(),
@@ -370,5 +387,33 @@ fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String, Vec<String>)> {
             kernels::BUILD_COMMAND
         ),
     })?;
-    Ok((image, "nvrtc".to_string(), Vec::new()))
+    Ok((image, "nvrtc".to_string(), Vec::new(), true))
+}
+
+/// Whether `dir/manifest.txt` (written by `cargo xtask build-kernels`) records the sources
+/// embedded in this binary (its `sources <sha256>` line).
+fn manifest_matches(dir: &std::path::Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(dir.join("manifest.txt")) else { return false };
+    text.lines().filter_map(|l| l.strip_prefix("sources ")).any(|d| d.trim() == kernels::source_digest())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn manifest_must_name_the_embedded_sources() {
+        let dir = std::env::temp_dir().join(format!("tm-manifest-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        assert!(!manifest_matches(&dir), "no manifest");
+        let write = |digest: &str| {
+            std::fs::write(dir.join("manifest.txt"), format!("# comment\nsources {digest}\narches sm_90\n"))
+                .expect("manifest")
+        };
+        write(&"0".repeat(64));
+        assert!(!manifest_matches(&dir), "other sources");
+        write(kernels::source_digest());
+        assert!(manifest_matches(&dir));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
