@@ -1,7 +1,8 @@
 // Causal paged attention (prefill chunks, prefix-cache hits and decode alike).
 //
-// Self-contained on purpose (no common.cuh): it must also compile under NVRTC, so it includes
-// only the CUDA half/bfloat16/fp8 headers. The parameter lists are documented in ABI.md; the launch
+// It must also compile under NVRTC, so it includes only the CUDA half/bfloat16/fp8 headers and
+// common.cuh (for the programmatic-dependent-launch hooks; the rest of the helpers here are its
+// own). The parameter lists are documented in ABI.md; the launch
 // configuration lives in crates/tm-cuda/src/kernels/attention.rs.
 //
 // Kernels (T = f32/f16/bf16 suffix, D = head_dim):
@@ -42,6 +43,8 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+
+#include "common.cuh"  // tmk::pdl_launch_dependents, tmk::pdl_wait (every entry point starts with them)
 
 namespace tm_attn {
 
@@ -1413,6 +1416,8 @@ __device__ __forceinline__ void write_kv_fp8(unsigned char* __restrict__ k_cache
                                  float* part_ml, const int* q_start, const int* q_len, const int* ctx_len,            \
                                  const int* bt_start, const unsigned* block_tables, int heads, int kv_heads, int gs,  \
                                  int block_size, float scale_log2, int window, int num_splits, int partition) {       \
+        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_wait();                                                                                               \
         tm_attn::attn_decode<T, KV, D>(q, k_cache, v_cache, out, part_o, part_ml, q_start, q_len, ctx_len, bt_start,     \
                                    block_tables, heads, kv_heads, gs, block_size, scale_log2, window, num_splits,     \
                                    partition);                                                                         \
@@ -1422,6 +1427,8 @@ __device__ __forceinline__ void write_kv_fp8(unsigned char* __restrict__ k_cache
                                   const int* q_len, const int* ctx_len, const int* bt_start,                          \
                                   const unsigned* block_tables, int num_seqs, int heads, int kv_heads, int gs,        \
                                   int block_size, float scale_log2, int window) {                                     \
+        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_wait();                                                                                               \
         tm_attn::attn_prefill<T, KV, D>(q, k_cache, v_cache, out, q_start, q_len, ctx_len, bt_start, block_tables,       \
                                     num_seqs, heads, kv_heads, gs, block_size, scale_log2, window);                   \
     }
@@ -1450,6 +1457,8 @@ TM_ATTN_TC_ALL_D(bf16, __nv_bfloat16, tm_attn::kv8, _kv8)
                                                const unsigned* block_tables, int heads, int kv_heads, int gs,          \
                                                int block_size, float scale_log2, int window, int num_splits,           \
                                                int partition) {                                                        \
+        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_wait();                                                                                               \
         tm_attn::attn_decode_gqa_kv8<T, NS>(q, k_cache, v_cache, out, part_o, part_ml, q_start, q_len, ctx_len,        \
                                             bt_start, block_tables, heads, kv_heads, gs, block_size, scale_log2,       \
                                             window, num_splits, partition);                                            \
@@ -1466,6 +1475,8 @@ TM_ATTN_GQA_KV8_KERNEL(bf16, __nv_bfloat16, 4, _s4)
                                 const int* q_len, const int* ctx_len, const int* bt_start,                            \
                                 const unsigned* block_tables, int num_seqs, int heads, int kv_heads, int head_dim,    \
                                 int block_size, float scale, int window) {                                            \
+        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_wait();                                                                                               \
         tm_attn::attn_simple<T, KV>(q, k_cache, v_cache, out, q_start, q_len, ctx_len, bt_start, block_tables,        \
                                     num_seqs, heads, kv_heads, head_dim, block_size, scale, window);                  \
     }
@@ -1474,6 +1485,8 @@ TM_ATTN_GQA_KV8_KERNEL(bf16, __nv_bfloat16, 4, _s4)
     extern "C" __global__ void __launch_bounds__(128)                                                                  \
         attn_combine_##SUF(T* out, const float* part_o, const float* part_ml, const int* q_start, const int* q_len,    \
                            const int* ctx_len, int heads, int head_dim, int window, int num_splits, int partition) {  \
+        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_wait();                                                                                               \
         tm_attn::attn_combine<T>(out, part_o, part_ml, q_start, q_len, ctx_len, heads, head_dim, window, num_splits,  \
                                  partition);                                                                           \
     }                                                                                                                  \
@@ -1482,6 +1495,8 @@ TM_ATTN_GQA_KV8_KERNEL(bf16, __nv_bfloat16, 4, _s4)
     extern "C" __global__ void __launch_bounds__(128)                                                                  \
         write_kv_e4m3_##SUF(unsigned char* k_cache, unsigned char* v_cache, const T* k, const T* v,                   \
                             const unsigned* slots, int tokens, int kv_dim) {                                          \
+        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_wait();                                                                                               \
         tm_attn::write_kv_fp8<T>(k_cache, v_cache, k, v, slots, tokens, kv_dim);                                      \
     }
 
