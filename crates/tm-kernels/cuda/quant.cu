@@ -705,6 +705,8 @@ TMQ_KERNELS(bf16, __nv_bfloat16)
         dequant_q4_rows_##SUF(T* __restrict__ out, const unsigned char* __restrict__ packed,                    \
                               const __half* __restrict__ scales, const __half* __restrict__ mins, int r0,       \
                               int nrows, int cols, int group) {                                                 \
+        tmk::pdl_launch_dependents();                                                                           \
+        tmk::pdl_wait(); /* the previous slab's GEMM may still read the scratch this overwrites */             \
         tmq::dequant_q4_rows<T>(out, packed, scales, mins, r0, nrows, cols, group);                             \
     }
 
