@@ -6,8 +6,9 @@
 //! product. A backend then dequantizes a *slab* of weight rows `[r0, r0 + R)` into a fixed
 //! scratch buffer of [`SLAB_BYTES`] and multiplies it with a dense GEMM (cuBLASLt on CUDA),
 //! writing `out[:, r0..r0 + R]` in place, slab after slab. The scratch is allocated once when
-//! the workspace is (`Ops::reserve_matmul_scratch`); no dequantized copy of a whole matrix,
-//! let alone of the model, ever exists.
+//! the workspace is (`Ops::reserve_matmul_scratch`): at most [`SLAB_BYTES`] of dequantized
+//! weights exist at any time (one slab of one matrix, the whole matrix when it fits), never a
+//! dequantized copy of the model.
 //!
 //! Environment:
 //! - `TM_Q4_SLAB=0` (or `off`) turns the slab path off (no scratch is reserved either);
@@ -25,13 +26,14 @@ pub const SLAB_BYTES: usize = 64 << 20;
 /// 2-byte elements and the GEMM's `rows` a multiple of its tiles).
 pub const SLAB_ROW_ALIGN: usize = 128;
 
-/// Default smallest batch (tokens) for the slab path. Per weight element the slab path adds
-/// about 4.5 bytes of memory traffic (read 0.5, write 2 and read back 2 bytes) to the GEMM's
-/// `2 n` flops; on an H200 (4.3 TB/s, ~700 dense bf16 TFLOP/s achieved) that is `~370 / n` of
-/// the GEMM's time: 72% at 512 tokens, so about 58% of cuBLAS, against 35-40% for the fused
-/// mma.sync kernel; the two meet near 256 tokens, where cuBLAS itself is still half
-/// memory-bound. 512 leaves a margin; measure with `q4_gemm_bench` and tune with
-/// `TM_Q4_SLAB_MIN_M`.
+/// Default smallest batch (tokens) for the slab path. Next to cuBLAS on dense bf16 weights
+/// (which reads 2 bytes per weight element itself) the slab path adds only the dequantization:
+/// 2.5 bytes per element (read 0.5, write 2) against the GEMM's `2 n` flops. On an H200 (4.3 TB/s,
+/// ~700 dense bf16 TFLOP/s achieved) that is about `290 / n` of the GEMM's time once it is
+/// compute-bound: ~78% of cuBLAS at 512 tokens and ~90% at 2048, against 35-40% for the fused
+/// mma.sync kernel; at 256 tokens (cuBLAS half memory-bound) the estimate is ~56%, close to the
+/// fused kernel's. 512 leaves a margin; compare `slab %` with `best %` in `q4_gemm_bench` and
+/// tune with `TM_Q4_SLAB_MIN_M`.
 pub const DEFAULT_MIN_TOKENS: usize = 512;
 
 /// Whether and from which batch size the slab path is used.
