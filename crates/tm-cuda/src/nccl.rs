@@ -62,7 +62,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
-use tm_core::{Comm, DType, Error, Result, Tensor};
+use tm_core::{Comm, DType, Error, Ops, Result, Tensor};
 
 use crate::libs;
 use crate::peer::{self, PeerGroup, PeerTimeout};
@@ -315,6 +315,9 @@ struct Shared {
     tags: Mutex<(Vec<String>, std::collections::HashMap<String, u32>)>,
     /// Whether the transport of the peer path and of the NCCL path has been logged.
     logged: [AtomicBool; 2],
+    /// Whether [`Comm::all_reduce_add_rms_norm`] may use the fused one-shot kernel (on unless
+    /// `TM_FUSED_ALLREDUCE_NORM=0`; it needs the peer path too).
+    fuse_norm: bool,
 }
 
 /// Tags beyond this many step names are all `u32::MAX` ("unknown"): the names are a fixed set
@@ -819,6 +822,7 @@ impl NcclComm {
             peer,
             tags: Mutex::new((Vec::new(), std::collections::HashMap::new())),
             logged: [AtomicBool::new(false), AtomicBool::new(false)],
+            fuse_norm: fused_norm_enabled(),
         });
         let weak = Arc::downgrade(&shared);
         std::thread::Builder::new()
@@ -993,8 +997,9 @@ impl NcclComm {
     }
 
     /// One one-shot collective (see the module docs): numbered and checked like an NCCL one
-    /// (the stall hook included) unless the stream is being captured, then launched through
-    /// [`Gpu::launch`], which records, captures or runs it as the backend's mode says.
+    /// (the stall hook included) unless the stream is being captured, then launched by `launch`
+    /// (given the group and the step's tag) through [`Gpu::launch`], which records, captures or
+    /// runs it as the backend's mode says. `what` names it in errors, `bytes` (per rank) in the log.
     #[allow(clippy::too_many_arguments)]
     fn peer_collective(
         &self,
@@ -1006,13 +1011,28 @@ impl NcclComm {
         step: &str,
         deadline: Duration,
     ) -> Result<()> {
-        let p = self.shared.peer.as_ref().map_err(|why| nccl_err(format!("no peer path: {why}")))?;
-        let slot = self.slot();
-        let mode = slot.gpu.mode();
         let what = match kind {
             peer::Kind::AllReduce => "all_reduce",
             peer::Kind::AllGather => "all_gather",
         };
+        let bytes = count * dtype.bits() / 8;
+        self.peer_numbered(what, bytes, step, deadline, |p, tag| {
+            p.launch(kind, self.rank, src, dst, count, dtype, tag, deadline)
+        })
+    }
+
+    /// The numbering, checks and logging of [`NcclComm::peer_collective`] around `launch`.
+    fn peer_numbered(
+        &self,
+        what: &str,
+        bytes: usize,
+        step: &str,
+        deadline: Duration,
+        launch: impl FnOnce(&PeerGroup, u32) -> Result<()>,
+    ) -> Result<()> {
+        let p = self.shared.peer.as_ref().map_err(|why| nccl_err(format!("no peer path: {why}")))?;
+        let slot = self.slot();
+        let mode = slot.gpu.mode();
         let mut numbered = None;
         if mode != LaunchMode::Capture {
             let start = Instant::now();
@@ -1026,7 +1046,7 @@ impl NcclComm {
             numbered = Some((seq, label));
         }
         let tag = self.shared.tag(step);
-        let launched = p.launch(kind, self.rank, src, dst, count, dtype, tag, deadline);
+        let launched = launch(p, tag);
         if let Some((seq, label)) = numbered {
             if let Err(e) = launched {
                 return Err(self.fail_local(&label, e.to_string()));
@@ -1034,15 +1054,34 @@ impl NcclComm {
             if mode == LaunchMode::Eager {
                 *lock(&slot.last_peer) = Some((seq, label));
                 self.log_transport(0, || {
-                    format!(
-                        "{what} of {} bytes per rank ({step}) as a one-shot kernel over peer access",
-                        count * dtype.bits() / 8
-                    )
+                    format!("{what} of {bytes} bytes per rank ({step}) as a one-shot kernel over peer access")
                 });
             }
             slot.queued.store(seq + 1, Ordering::Release);
         }
         launched
+    }
+
+    /// The rows and columns of an [`Comm::all_reduce_add_rms_norm`] that the fused one-shot
+    /// kernel takes: the group has the peer path (and `TM_FUSED_ALLREDUCE_NORM` is not `0`), the
+    /// message fits it, and the four tensors are distinct GPU tensors of one dtype with
+    /// consistent sizes. `None` sends it through the separate all-reduce and `add_rms_norm`
+    /// (which also report any inconsistency).
+    fn fused_norm_shape(&self, x: &Tensor, residual: &Tensor, weight: &Tensor, out: &Tensor) -> Option<(usize, usize)> {
+        if !self.shared.fuse_norm {
+            return None;
+        }
+        let dtype = x.dtype();
+        let (count, cols) = (x.numel(), weight.numel());
+        let tensors = [x, residual, weight, out];
+        let consistent = tensors.iter().all(|t| t.dtype() == dtype && !t.buffer().allocator().host_accessible())
+            && residual.numel() == count
+            && out.numel() == count
+            && cols > 0
+            && count.is_multiple_of(cols);
+        let addrs = [x.buffer().addr(), residual.buffer().addr(), weight.buffer().addr(), out.buffer().addr()];
+        let distinct = (0..4).all(|i| (i + 1..4).all(|j| addrs[i] != addrs[j]));
+        (consistent && distinct && self.takes_peer_path(count, dtype)).then_some((count / cols, cols))
     }
 
     /// Sums `count` elements of `dtype` at device address `ptr` over all ranks, in place: through
@@ -1101,6 +1140,35 @@ impl Comm for NcclComm {
     fn all_reduce_sum(&self, tensor: &mut Tensor, step: &str, deadline: Duration) -> Result<()> {
         let ptr = device_ptr(tensor, "all_reduce")?;
         self.all_reduce_raw(ptr, tensor.numel(), tensor.dtype(), step, deadline)
+    }
+
+    /// One fused kernel (`peer_all_reduce_add_rms_norm`) when the one-shot peer path takes the
+    /// message ([`NcclComm::fused_norm_shape`]); else the all-reduce, then `ops.add_rms_norm`.
+    fn all_reduce_add_rms_norm(
+        &self,
+        ops: &dyn Ops,
+        x: &mut Tensor,
+        residual: &mut Tensor,
+        weight: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+        step: &str,
+        deadline: Duration,
+    ) -> Result<()> {
+        let Some((rows, cols)) = self.fused_norm_shape(x, residual, weight, out) else {
+            self.all_reduce_sum(x, step, deadline)?;
+            return ops.add_rms_norm(x, residual, weight, eps, out);
+        };
+        let tensors = peer::NormTensors {
+            x: x.buffer().addr(),
+            residual: residual.buffer().addr(),
+            out: out.buffer().addr(),
+            weight: weight.buffer().addr(),
+        };
+        let (dtype, bytes) = (x.dtype(), x.desc().bytes());
+        self.peer_numbered("all_reduce_add_rms_norm", bytes, step, deadline, |p, tag| {
+            p.launch_add_rms_norm(self.rank, tensors, eps, rows, cols, dtype, tag, deadline)
+        })
     }
 
     fn all_gather(&self, input: &Tensor, output: &mut Tensor, step: &str, deadline: Duration) -> Result<()> {
@@ -1218,6 +1286,12 @@ impl Comm for NcclComm {
     fn abort(&self, reason: &str) {
         self.shared.fail(Cause::Failed(format!("rank {} aborted the group: {reason}", self.rank)));
     }
+}
+
+/// Whether the fused all-reduce + residual add + RMSNorm kernel may be used:
+/// `TM_FUSED_ALLREDUCE_NORM=0` turns it off (the separate kernels run instead, for comparison).
+fn fused_norm_enabled() -> bool {
+    std::env::var("TM_FUSED_ALLREDUCE_NORM").map_or(true, |v| v.trim() != "0")
 }
 
 /// Creates one blocking communicator per GPU in one NCCL group (returns their addresses).
