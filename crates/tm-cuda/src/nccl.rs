@@ -1067,7 +1067,7 @@ impl NcclComm {
     /// message fits it, and the four tensors are distinct GPU tensors of one dtype with
     /// consistent sizes. `None` sends it through the separate all-reduce and `add_rms_norm`
     /// (which also report any inconsistency).
-    fn fused_norm_shape(&self, x: &Tensor, residual: &Tensor, weight: &Tensor, out: &Tensor) -> Option<(usize, usize)> {
+    pub fn fused_norm_shape(&self, x: &Tensor, residual: &Tensor, weight: &Tensor, out: &Tensor) -> Option<(usize, usize)> {
         if !self.shared.fuse_norm {
             return None;
         }
