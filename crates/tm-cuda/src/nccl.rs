@@ -45,6 +45,10 @@
 //! through NCCL, which is kept out of graphs: a step that queues an NCCL collective while it is
 //! recorded is marked uncapturable ([`Gpu::mark_uncapturable`]) and runs eagerly.
 //!
+//! [`Comm::all_reduce_add_rms_norm`] (a row-parallel projection's output joining the residual
+//! stream) is one fused one-shot kernel on the peer path (unless `TM_FUSED_ALLREDUCE_NORM=0`), the
+//! all-reduce then the backend's `add_rms_norm` otherwise; it counts as one collective either way.
+//!
 //! Collectives are numbered per rank in the order the rank's host issues them: a step recorded
 //! for a graph issues them once while recording and, when it is not replayed, once more while
 //! running eagerly (a capture issues nothing), the same on every rank.
@@ -1067,7 +1071,13 @@ impl NcclComm {
     /// message fits it, and the four tensors are distinct GPU tensors of one dtype with
     /// consistent sizes. `None` sends it through the separate all-reduce and `add_rms_norm`
     /// (which also report any inconsistency).
-    pub fn fused_norm_shape(&self, x: &Tensor, residual: &Tensor, weight: &Tensor, out: &Tensor) -> Option<(usize, usize)> {
+    pub fn fused_norm_shape(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        weight: &Tensor,
+        out: &Tensor,
+    ) -> Option<(usize, usize)> {
         if !self.shared.fuse_norm {
             return None;
         }

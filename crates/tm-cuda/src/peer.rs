@@ -11,6 +11,11 @@
 //! rank's flag (acquire) and sum (or gather) the slots locally. One launch, one exchange: about
 //! the latency of one NVLink round trip instead of NCCL's ~12 µs per call.
 //!
+//! A third kernel fuses the all-reduce with the residual add and RMSNorm that follow every
+//! row-parallel projection of a layer ([`PeerGroup::launch_add_rms_norm`], behind
+//! `tm_core::Comm::all_reduce_add_rms_norm`): one launch instead of two per collective, with the
+//! separate kernels' bits (it runs their row code, `norm.cuh`, at their block width).
+//!
 //! # CUDA graphs
 //! The kernels are launched through [`Gpu::launch`] on the rank's stream, so a step recorded for
 //! a graph signs them like any kernel and a captured graph contains them. Their arguments are

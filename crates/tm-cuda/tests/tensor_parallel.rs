@@ -966,5 +966,7 @@ fn fused_and_plain_collectives_interleave_eagerly_and_in_graphs() {
     });
     let errors: Vec<String> = errors.into_iter().flatten().collect();
     assert!(errors.is_empty(), "{test}: {errors:?}");
-    println!("{test}: 2000 eager and 1000 graph rounds of fused + plain collectives give the first result on both ranks");
+    println!(
+        "{test}: 2000 eager and 1000 graph rounds of fused + plain collectives give the first result on both ranks"
+    );
 }

@@ -14,6 +14,9 @@
 //      poisons the rank (every later call returns at once) and returns;
 //   4. sums its stripe of every slot in rank order in f32 (all ranks get identical bits) into
 //      `out` (all-reduce), or copies slot w to `out + w * count` (all-gather).
+// The fused all-reduce + residual add + RMSNorm (`peer_all_reduce_add_rms_norm`) stripes by rows
+// instead (block b: rows b, b + BLOCKS, ...) so that step 4 can finish each row's norm in the block
+// that summed it; steps 0-3 are the same code, so the three kernels share the epochs.
 // Why double buffering suffices: rank r writes slot parity p again only at epoch e + 2, after
 // every rank published e + 1, which each did only after its whole call e (stream order) had
 // finished reading. The grid is always BLOCKS blocks, so every block's epoch counts every call.
