@@ -324,7 +324,7 @@ impl PeerGroup {
         tag: u32,
         deadline: Duration,
     ) -> Result<()> {
-        let count = rows.checked_mul(cols).unwrap_or(usize::MAX);
+        let count = rows.saturating_mul(cols);
         if !self.fits(count, dtype) {
             return Err(Error::invalid(format!(
                 "peer all-reduce + add_rms_norm of {rows} x {cols} {dtype} elements (at most {} bytes of f32, f16 or \
