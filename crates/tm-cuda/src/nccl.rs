@@ -62,7 +62,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
@@ -315,8 +315,9 @@ struct Shared {
     /// The one-shot kernels for small messages, or why they are not used.
     peer: std::result::Result<PeerGroup, String>,
     /// Step names by tag and tags by step name (the one-shot kernels report the tag of the call
-    /// that gave up).
-    tags: Mutex<(Vec<String>, std::collections::HashMap<String, u32>)>,
+    /// that gave up). Every rank looks its step up here at every collective, while recording
+    /// too, so lookups take the shared read lock and only a new name the write lock.
+    tags: RwLock<(Vec<String>, std::collections::HashMap<String, u32>)>,
     /// Whether the transport of the peer path and of the NCCL path has been logged.
     logged: [AtomicBool; 2],
     /// Whether [`Comm::all_reduce_add_rms_norm`] may use the fused one-shot kernel (on unless
@@ -416,7 +417,13 @@ impl Shared {
 
     /// The tag of step name `step` (the same on every rank: the table is the group's).
     fn tag(&self, step: &str) -> u32 {
-        let mut t = lock(&self.tags);
+        {
+            let t = self.tags.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(&i) = t.1.get(step) {
+                return i;
+            }
+        }
+        let mut t = self.tags.write().unwrap_or_else(|e| e.into_inner());
         if let Some(&i) = t.1.get(step) {
             return i;
         }
@@ -443,7 +450,9 @@ impl Shared {
 
     /// The failure a one-shot kernel's report describes.
     fn peer_cause(&self, t: &PeerTimeout) -> Cause {
-        let step = lock(&self.tags).0.get(t.tag as usize).cloned().unwrap_or_else(|| "unknown step".into());
+        let tags = self.tags.read().unwrap_or_else(|e| e.into_inner());
+        let step = tags.0.get(t.tag as usize).cloned().unwrap_or_else(|| "unknown step".into());
+        drop(tags);
         let label = format!("one-shot collective ({step}; epoch {}, block {})", t.epoch, t.block);
         let mut missing = format!(
             "rank {} did not arrive (the GPU of rank {} waited for its data on the device in tm's one-shot \
@@ -824,7 +833,7 @@ impl NcclComm {
             aborted: AtomicBool::new(false),
             abort_started: AtomicBool::new(false),
             peer,
-            tags: Mutex::new((Vec::new(), std::collections::HashMap::new())),
+            tags: RwLock::new((Vec::new(), std::collections::HashMap::new())),
             logged: [AtomicBool::new(false), AtomicBool::new(false)],
             fuse_norm: fused_norm_enabled(),
         });
@@ -1038,25 +1047,35 @@ impl NcclComm {
         let slot = self.slot();
         let mode = slot.gpu.mode();
         let mut numbered = None;
+        // The label is only formatted when something needs it: every step of a replayed graph
+        // still records its collectives on the host, and this runs 2 · layers + 1 times per step.
+        let label = |seq: u64| format!("{what} #{seq} ({step}; peer-to-peer)");
         if mode != LaunchMode::Capture {
             let start = Instant::now();
             let seq = slot.seq.fetch_add(1, Ordering::AcqRel);
-            let label = format!("{what} #{seq} ({step}; peer-to-peer)");
-            *lock(&slot.last) = Some(label.clone());
-            self.check(&label, start)?;
-            if self.stall_after.is_some_and(|n| seq >= n) {
-                return Err(self.stall(&label, start, deadline));
+            {
+                // Reuses the last label's allocation.
+                let mut last = lock(&slot.last);
+                let s = last.get_or_insert_with(String::new);
+                s.clear();
+                let _ = write!(s, "{what} #{seq} ({step}; peer-to-peer)");
             }
-            numbered = Some((seq, label));
+            if self.shared.aborted.load(Ordering::Acquire) {
+                return Err(self.shared.aborted_error(self.rank, &label(seq), start));
+            }
+            if self.stall_after.is_some_and(|n| seq >= n) {
+                return Err(self.stall(&label(seq), start, deadline));
+            }
+            numbered = Some(seq);
         }
         let tag = self.shared.tag(step);
         let launched = launch(p, tag);
-        if let Some((seq, label)) = numbered {
+        if let Some(seq) = numbered {
             if let Err(e) = launched {
-                return Err(self.fail_local(&label, e.to_string()));
+                return Err(self.fail_local(&label(seq), e.to_string()));
             }
             if mode == LaunchMode::Eager {
-                *lock(&slot.last_peer) = Some((seq, label));
+                *lock(&slot.last_peer) = Some((seq, label(seq)));
                 self.log_transport(0, || {
                     format!("{what} of {bytes} bytes per rank ({step}) as a one-shot kernel over peer access")
                 });
