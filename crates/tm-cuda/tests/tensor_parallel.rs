@@ -202,7 +202,8 @@ fn nccl_self_test_reports_the_transport() {
 
 /// The cost of one decode-sized all-reduce (4096 bf16, as after an 8B model's o_proj at batch 1)
 /// queued back to back on each rank's stream, 64 per synchronize (one decode step's worth),
-/// through NCCL and through the one-shot peer path.
+/// through NCCL and through the one-shot peer path; and the peer all-reduce followed by the
+/// residual add + RMSNorm that consumes it, as two kernels and as the fused one.
 #[test]
 fn small_all_reduce_latency() {
     let test = "small_all_reduce_latency";
@@ -218,20 +219,33 @@ fn small_all_reduce_latency() {
                 let factory = Arc::clone(&factory);
                 s.spawn(move || {
                     let ops = factory(c.rank()).expect("backend");
-                    let t = ops.zeros(TensorDesc::new(DType::BF16, &[4096]), "test").expect("tensor");
+                    let ops = ops.as_ref();
+                    let zeros = || ops.zeros(TensorDesc::new(DType::BF16, &[4096]), "test").expect("tensor");
+                    let (mut t, mut residual, mut normed, w) = (zeros(), zeros(), zeros(), zeros());
                     let ptr = t.buffer().addr();
                     let deadline = Duration::from_secs(20);
                     let mut out = Vec::new();
-                    for path in ["NCCL", "peer"] {
-                        if path == "peer" && !peer {
+                    for path in ["NCCL", "peer", "peer + add_rms_norm", "fused peer all-reduce + add_rms_norm"] {
+                        if path != "NCCL" && !peer {
                             continue;
                         }
-                        let one = |step: &str| {
-                            if path == "NCCL" {
-                                c.all_reduce_nccl(ptr, 4096, DType::BF16, step, deadline)
-                            } else {
-                                c.all_reduce_peer(ptr, 4096, DType::BF16, step, deadline)
+                        let mut one = |step: &str| match path {
+                            "NCCL" => c.all_reduce_nccl(ptr, 4096, DType::BF16, step, deadline),
+                            "peer" => c.all_reduce_peer(ptr, 4096, DType::BF16, step, deadline),
+                            "peer + add_rms_norm" => {
+                                c.all_reduce_peer(ptr, 4096, DType::BF16, step, deadline)?;
+                                ops.add_rms_norm(&t, &mut residual, &w, 1e-5, &mut normed)
                             }
+                            _ => c.all_reduce_add_rms_norm(
+                                ops,
+                                &mut t,
+                                &mut residual,
+                                &w,
+                                1e-5,
+                                &mut normed,
+                                step,
+                                deadline,
+                            ),
                         };
                         for _ in 0..64 {
                             one("warm-up").expect("all-reduce");
