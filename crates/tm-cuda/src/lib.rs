@@ -7,6 +7,7 @@
 //! - [`driver_version`] and [`peer_access_matrix`] (`cuDeviceCanAccessPeer`).
 //! - [`CudaDevice`]: tm-core's `Device` for one GPU.
 //! - [`runtime::Gpu`]: context, stream and kernel modules of one GPU; kernel launches.
+//! - [`pdl`]: programmatic dependent launch on sm_90+ (`TM_PDL=0` turns it off).
 //! - [`allocator`]: the capped caching pool over `cuMemAlloc`.
 //! - [`staging`]: bounded pinned host buffers for host↔device copies.
 //! - [`memory_model`]: the discrete and unified (integrated GPU, Jetson) memory variants, and the
@@ -36,6 +37,7 @@ pub mod memory_model;
 pub mod nccl;
 pub mod nvrtc;
 mod ops;
+pub mod pdl;
 pub mod peer;
 mod probe;
 pub mod runtime;

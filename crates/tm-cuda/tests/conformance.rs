@@ -1550,6 +1550,12 @@ fn attention_fp8_cache() {
         attention(s, "decode", a(32, 32, 128, 16, None, decode_seqs(4, 8, 2000)));
         let edges = [1, 15, 16, 17, 31, 32, 33, 64, 65, 300].iter().map(|&c| (1, c)).collect();
         attention(s, "decode at block edges", a(9, 3, 64, 16, None, edges));
+        // head_dim 128 with groups of at most 8 take the transposed kernel (attn_decode_gqa): Qwen2.5
+        // 7B (GQA 7), split edges at GQA 4; GQA 16 keeps the 16-row kernel
+        attention(s, "decode GQA 7", a(28, 4, 128, 16, None, decode_seqs(6, 48, 3000)));
+        let edges = [1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 1000].iter().map(|&c| (1, c)).collect();
+        attention(s, "decode GQA 4 at tile edges", a(32, 8, 128, 16, None, edges));
+        attention(s, "decode GQA 16", a(32, 2, 128, 16, None, decode_seqs(7, 16, 2000)));
         // prefill, chunks after a cached prefix, mixed batches
         attention(s, "prefill", a(32, 8, 128, 16, None, vec![(256, 256), (37, 37)]));
         attention(s, "prefill chunks", a(32, 8, 128, 16, None, vec![(17, 300), (64, 1000), (100, 2047)]));

@@ -22,6 +22,8 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+#include "common.cuh"  // tmk::pdl_launch_dependents, tmk::pdl_wait
+
 namespace tmq {
 
 typedef unsigned long long u64;
@@ -614,11 +616,15 @@ __device__ __forceinline__ void tiled<float, false>(float* __restrict__ out, con
         matmul_q4_gemv##NB##_##SUF(T* __restrict__ out, const T* __restrict__ x,                                 \
                                    const unsigned char* __restrict__ packed, const __half* __restrict__ scales, \
                                    const __half* __restrict__ mins, int n, int rows, int cols, int group) {     \
+        tmk::pdl_launch_dependents();                                                                           \
+        tmk::pdl_wait();                                                                                        \
         tmq::gemv_q4<T, NB>(out, x, packed, scales, mins, n, rows, cols, group);                               \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(tmq::GEMV_THREADS)                                             \
         matmul_q8_gemv##NB##_##SUF(T* __restrict__ out, const T* __restrict__ x, const signed char* __restrict__ q, \
                                    const __half* __restrict__ scales, int n, int rows, int cols, int group) {   \
+        tmk::pdl_launch_dependents();                                                                           \
+        tmk::pdl_wait();                                                                                        \
         tmq::gemv_q8<T, NB>(out, x, q, scales, n, rows, cols, group);                                           \
     }
 
@@ -631,11 +637,15 @@ __device__ __forceinline__ void tiled<float, false>(float* __restrict__ out, con
         matmul_q4_tiled_##SUF(T* __restrict__ out, const T* __restrict__ x, const unsigned char* __restrict__ packed, \
                               const __half* __restrict__ scales, const __half* __restrict__ mins, int n, int rows, \
                               int cols, int group) {                                                             \
+        tmk::pdl_launch_dependents();                                                                            \
+        tmk::pdl_wait();                                                                                         \
         tmq::tiled<T, true>(out, x, packed, scales, mins, n, rows, cols, group);                                 \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(tmq::TILED_THREADS)                                            \
         matmul_q8_tiled_##SUF(T* __restrict__ out, const T* __restrict__ x, const signed char* __restrict__ q,   \
                               const __half* __restrict__ scales, int n, int rows, int cols, int group) {        \
+        tmk::pdl_launch_dependents();                                                                           \
+        tmk::pdl_wait();                                                                                        \
         tmq::tiled<T, false>(out, x, reinterpret_cast<const unsigned char*>(q), scales, nullptr, n, rows, cols, \
                              group);                                                                             \
     }
