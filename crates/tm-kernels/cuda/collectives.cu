@@ -281,8 +281,8 @@ __device__ void peer_all_reduce_add_rms_norm_impl(T* x, T* residual, T* out, con
                                                   int rank, int world, long long slot_bytes, long long deadline_ns,
                                                   unsigned* status, unsigned tag, u64 b0, u64 b1, u64 b2, u64 b3,
                                                   u64 b4, u64 b5, u64 b6, u64 b7) {
-    tmk::pdl_launch_dependents();
-    tmk::pdl_wait();
+    // The TM_KERNEL wrapper has triggered the next kernel and waited for the previous one (PDL),
+    // so `x` is the o_proj/down_proj output and the epochs are the last collective's.
     __shared__ volatile unsigned s_epoch;
     __shared__ volatile int s_fail;
     char* bufs[MAX_RANKS] = {(char*)b0, (char*)b1, (char*)b2, (char*)b3, (char*)b4, (char*)b5, (char*)b6, (char*)b7};
