@@ -3,7 +3,7 @@
 // crates/tm-cuda/src/kernels/elementwise.rs.
 //
 // Launch shapes (every kernel also loops, so smaller grids stay correct):
-// - row kernels (embedding*, write_kv, gather_rows): grid.x = rows, 1-D blocks;
+// - row kernels (embedding*, write_kv, gather_rows, zero_rows): grid.x = rows, 1-D blocks;
 // - rms_norm, add_rms_norm: block (bx, by) with bx a multiple of 32; each row is handled by the
 //   bx threads of one `threadIdx.y`; by > 1 only with bx == 32 (one warp per row);
 // - rope: grid.x = tokens (or fewer), dynamic shared memory `head_dim * sizeof(float)`;
@@ -50,6 +50,18 @@ __device__ __forceinline__ void gather_rows_impl(T* out, const T* x, const unsig
     }
 }
 TM_KERNEL(gather_rows, (T * out, const T* x, const unsigned* rows, int n, int cols), (out, x, rows, n, cols))
+
+/// `x[r] = 0` for every row `r < n` with `keep[r] == 0` (a vocab-parallel embedding's rows of
+/// tokens another rank holds); other rows are left alone.
+template <typename T>
+__device__ __forceinline__ void zero_rows_impl(T* x, const unsigned* keep, int n, int cols) {
+    for (int r = blockIdx.x; r < n; r += gridDim.x) {
+        if (keep[r] != 0u) continue;
+        T* row = x + (i64)r * cols;
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) row[i] = from_float<T>(0.0f);
+    }
+}
+TM_KERNEL(zero_rows, (T * x, const unsigned* keep, int n, int cols), (x, keep, n, cols))
 
 /// Slot `0xffffffff` marks a padding token that is not written.
 template <typename T>

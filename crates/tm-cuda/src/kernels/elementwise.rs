@@ -411,6 +411,23 @@ pub fn gather_rows(gpu: &Gpu, dt: DType, out: u64, x: u64, rows: u64, n: usize, 
     )
 }
 
+/// Zeroes every row `r < n` of `x` (`[n, cols]`) whose `keep[r]` (device u32s) is 0.
+pub fn zero_rows(gpu: &Gpu, dt: DType, x: u64, keep: u64, n: usize, cols: usize) -> Result<()> {
+    let op = "zero_rows";
+    let (n32, c32) = (int(op, "n", n)?, int(op, "cols", cols)?);
+    if n == 0 || cols == 0 {
+        return Ok(());
+    }
+    let threads = threads_for(cols, THREADS);
+    gpu.launch(
+        &name(op, dt)?,
+        row_grid(n32),
+        (threads, 1, 1),
+        0,
+        &[KernelArg::Ptr(x), KernelArg::Ptr(keep), KernelArg::I32(n32), KernelArg::I32(c32)],
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
