@@ -678,6 +678,26 @@ fn embedding(s: &mut Suite, kind: Kind, vocab: usize, hidden: usize, ns: &[usize
             c.gpu.embedding(&w.gpu, &ids, &mut out.gpu).ctx(format!("cuda embedding of {n} ids"))?;
             c.cpu.embedding(&w.cpu, &ids, &mut out.cpu).ctx("cpu embedding")?;
             c.check_pair(&format!("out[{n}]"), &out, hidden)?;
+            // The table as one rank's slice of a vocabulary starting at `first`: ids below and
+            // past the slice give zero rows (on the device, over rows that held other values).
+            let first = 1000u32;
+            let global: Vec<u32> = ids
+                .iter()
+                .enumerate()
+                .map(|(i, &id)| match i % 3 {
+                    0 => id + first,
+                    1 => id + first + vocab as u32,
+                    _ => id % first,
+                })
+                .collect();
+            let mut sliced = c.output(&[n, hidden])?;
+            c.gpu.embedding(&w.gpu, &ids, &mut sliced.gpu).ctx("cuda embedding")?;
+            c.cpu.embedding(&w.cpu, &ids, &mut sliced.cpu).ctx("cpu embedding")?;
+            c.gpu
+                .embedding_slice(&w.gpu, &global, first, &mut sliced.gpu)
+                .ctx(format!("cuda embedding_slice of {n} ids"))?;
+            c.cpu.embedding_slice(&w.cpu, &global, first, &mut sliced.cpu).ctx("cpu embedding_slice")?;
+            c.check_pair(&format!("slice out[{n}]"), &sliced, hidden)?;
         }
         Ok(())
     });

@@ -354,6 +354,22 @@ impl Ops for CudaBackend {
         }
     }
 
+    /// On the device: the embedding of the local ids (0 for tokens another rank holds), then
+    /// `zero_rows` with a per-row mask, both always launched. The default's host round trip (a
+    /// synchronous download, zeroing, an upload) would stall the stream, and it is not a kernel,
+    /// so a CUDA graph recorded on a step whose tokens were all local would replay without it.
+    fn embedding_slice(&self, table: &Weight, ids: &[u32], first_id: u32, out: &mut Tensor) -> Result<()> {
+        let (rows, _) = table.dims();
+        let inside = |id: u32| id.checked_sub(first_id).filter(|&l| (l as usize) < rows);
+        let local: Vec<u32> = ids.iter().map(|&id| inside(id).unwrap_or(0)).collect();
+        let keep: Vec<u32> = ids.iter().map(|&id| u32::from(inside(id).is_some())).collect();
+        self.embedding(table, &local, out)?;
+        let hidden = out.numel() / ids.len().max(1);
+        let mut st = self.state()?;
+        let keep_dev = self.put(&mut st, Slot::Keep, as_bytes(&keep))?;
+        ew::zero_rows(&self.gpu, self.dtype, ptr(out), keep_dev, ids.len(), hidden)
+    }
+
     fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {
         same_numel("rms_norm", x, out)?;
         let cols = weight.numel();
