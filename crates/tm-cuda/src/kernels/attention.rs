@@ -584,7 +584,8 @@ mod tests {
         assert_eq!(gqa_decode_smem(128, 2, 3), 8 * 136 * 2 + 3 * 64 * 256);
         assert!(4 * (gqa_decode_smem(128, 2, 3) + 1024 + 384) <= 228 * 1024);
         assert!(gqa_decode_smem(128, 2, 4) + 1024 <= 99 * 1024);
-        assert!(3 * 64 * 256 >= 4 * 8 * 128 * 4);
+        let ring = gqa_decode_smem(128, 2, 3) - 8 * 136 * 2;
+        assert!(ring >= 4 * 8 * 128 * 4);
     }
 
     #[test]
