@@ -243,8 +243,16 @@ fn decode_plan(shape: &AttentionShape, batch: &AttentionBatch) -> DecodePlan {
     let cap = keys.div_ceil(min_partition).clamp(1, MAX_SPLITS);
     let want = target_ctas.div_ceil(ctas).clamp(1, cap);
     let partition = keys.div_ceil(want).next_multiple_of(DECODE_TILE);
-    DecodePlan { splits: keys.div_ceil(partition), partition }
+    let splits = keys.div_ceil(partition);
+    // One split covers any context: pass a partition that does not grow with the longest
+    // context, so that the kernel's arguments (a CUDA graph's signature) stay the same while
+    // the sequences grow (large batches take one split for contexts up to thousands of keys).
+    let partition = if splits == 1 { ONE_SPLIT_PARTITION } else { partition };
+    DecodePlan { splits, partition }
 }
+
+/// The partition passed when one split covers the context (any context fits in it).
+const ONE_SPLIT_PARTITION: usize = (i32::MAX as usize / DECODE_TILE) * DECODE_TILE;
 
 /// Bytes of scratch [`attention`] needs for this call: the split-K partial outputs and their
 /// (max, sum) pairs, `num_seqs * heads * splits * (head_dim + 2)` f32 (0 when one split
@@ -547,6 +555,7 @@ mod tests {
                         assert_eq!(p.partition % DECODE_TILE, 0);
                         assert!(p.splits * p.partition >= keys, "{seqs} {ctx} {h}/{kv} {window}: {p:?}");
                         assert!((p.splits - 1) * p.partition < keys.max(1));
+                        assert!(p.splits > 1 || p.partition == ONE_SPLIT_PARTITION);
                         assert_eq!(scratch_bytes(&s, &b) == 0, p.splits == 1);
                     }
                 }
