@@ -5,9 +5,11 @@
 #   OUT=/some/dir bash scripts/gpu_tp_session.sh [tests|cli|bench|all|peer-tests|peer-bench]
 #
 # peer-tests / peer-bench: the short list for the one-shot peer collectives and CUDA graphs under
-# --tp (about 4 minutes each): the peer tests, the stall tests on both paths, the fixtures and the
-# engine with graphs on, the same with NCCL_P2P_DISABLE=1; batch-1 decode of the 8B-shaped model at
-# tp=1, tp=2, and tp=2 with NCCL_P2P_DISABLE=1 (NCCL only, no graphs).
+# --tp (about 4 minutes each): the peer tests (the fused all-reduce + add + norm included), the
+# stall tests on both paths, the fixtures and the engine with graphs on, the same with
+# NCCL_P2P_DISABLE=1; batch-1 decode of the 8B-shaped model at tp=1, tp=2, tp=2 with
+# TM_FUSED_ALLREDUCE_NORM=0 (separate all-reduce and add_rms_norm kernels), and tp=2 with
+# NCCL_P2P_DISABLE=1 (NCCL only, no graphs).
 #
 # Writes at most 8 files to $OUT: env.txt (nvidia-smi, topology, check-env with the NCCL
 # self-test), tests.txt and tests-nop2p.txt (crates/tm-cuda/tests/tensor_parallel.rs, the second
@@ -34,11 +36,11 @@ if [ "$WHAT" = peer-tests ]; then
     { nvidia-smi topo -m; timeout 60 "$CLI" check-env; } >"$OUT/env.txt" 2>&1
     say "check-env rc=$?"
     grep -E "custom all-reduce|NCCL self-test|NCCL transport" "$OUT/env.txt" | tee -a "$S"
-    timeout 360 "$TP" --test-threads=1 --nocapture peer_ small_all a_rank_that a_stalled fixtures_tp2 engine_over \
+    timeout 420 "$TP" --test-threads=1 --nocapture peer_ fused_ small_all a_rank_that a_stalled fixtures_tp2 engine_over \
         >"$OUT/tests.txt" 2>&1
     say "tensor_parallel (peer path, graphs) rc=$?"
     grep -E "^test |test result|: ok |FAIL|skipped|collectives: peer|stall at|failed after|stopped in|after the fault|greedy differs|per all-reduce|checked|graph rounds|panicked" \
-        "$OUT/tests.txt" | head -70 | tee -a "$S"
+        "$OUT/tests.txt" | head -80 | tee -a "$S"
     NCCL_P2P_DISABLE=1 timeout 150 "$TP" --test-threads=1 --nocapture a_stalled engine_over >"$OUT/tests-nop2p.txt" 2>&1
     say "tensor_parallel NCCL_P2P_DISABLE=1 rc=$?"
     grep -E "^test |test result|collectives: peer|stall at|failed after|panicked" "$OUT/tests-nop2p.txt" | head -20 | tee -a "$S"
@@ -61,6 +63,7 @@ if [ "$WHAT" = peer-bench ]; then
     }
     pb tp1-b1 --tp 1
     pb tp2-b1 --tp 2
+    TM_FUSED_ALLREDUCE_NORM=0 pb tp2-b1-unfused --tp 2
     NCCL_P2P_DISABLE=1 pb tp2-b1-nop2p --tp 2
 fi
 

@@ -1,7 +1,8 @@
 //! `tm-cli check-env`: what this machine offers tm — CPU threads, host memory, CUDA driver and
 //! devices (compute capability, memory, integrated or discrete), the GPU peer-access matrix, the
 //! kernel arches embedded in this build, the NVIDIA libraries found (driver, cuBLASLt, NVRTC, NCCL)
-//! and which backend `--backend auto` picks — or why CUDA is not available. With two GPUs or
+//! whether kernels use programmatic dependent launch, and which backend `--backend auto` picks — or
+//! why CUDA is not available. With two GPUs or
 //! more: the transport NCCL is expected to use and the result of an all-reduce self-test over
 //! every GPU (with a deadline: it reports a hang instead of hanging).
 
@@ -90,6 +91,18 @@ struct Cuda {
     custom_all_reduce: Option<Result<String, String>>,
     /// With two GPUs or more: the NCCL all-reduce self-test over every GPU.
     self_test: Option<Result<String, String>>,
+    /// Whether kernels are launched with programmatic dependent launch (`None` without devices).
+    pdl: Option<String>,
+}
+
+/// Whether tm's kernels use programmatic dependent launch on `devices`: one description, or one
+/// per device when they differ.
+fn pdl_line(devices: &[CudaDeviceInfo]) -> Option<String> {
+    let each: Vec<String> = devices.iter().map(|d| tm_cuda::pdl::describe(d.compute_capability)).collect();
+    if each.iter().all(|e| Some(e) == each.first()) {
+        return each.first().cloned();
+    }
+    Some(devices.iter().zip(&each).map(|(d, e)| format!("GPU {}: {e}", d.ordinal)).collect::<Vec<_>>().join("; "))
 }
 
 /// The NCCL self-test over GPUs `0..n`: initialisation and an all-reduce (plus a 64 MiB one for
@@ -128,6 +141,7 @@ fn gather(self_test_timeout: Option<std::time::Duration>) -> Report {
                 Some(t) if multi => Some(nccl_self_test(n, t)),
                 _ => None,
             },
+            pdl: pdl_line(&devices),
             devices,
         }
     });
@@ -262,6 +276,9 @@ fn to_text(r: &Report) -> String {
                 Some(Err(e)) => s += &format!("NCCL self-test: FAILED: {e}\n"),
                 None => {}
             }
+            if let Some(p) = &c.pdl {
+                s += &format!("programmatic dependent launch: {p}\n");
+            }
             match &c.peer_access {
                 Err(e) => s += &format!("peer access: unknown ({e})\n"),
                 Ok(m) if m.len() < 2 => s += "peer access: single GPU\n",
@@ -341,6 +358,7 @@ fn to_json(r: &Report) -> Value {
                 Some(Err(e)) => json!({ "available": false, "reason": e }),
                 None => Value::Null,
             },
+            "programmatic_dependent_launch": c.pdl,
             "nccl_self_test": match &c.self_test {
                 Some(Ok(t)) => json!({ "passed": true, "result": t }),
                 Some(Err(e)) => json!({ "passed": false, "error": e }),
@@ -457,9 +475,11 @@ mod tests {
             integrated: false,
             multiprocessors: 132,
         };
+        let devices = vec![dev(0), dev(1)];
         let cuda = Cuda {
             driver_version: Some((13, 0)),
-            devices: vec![dev(0), dev(1)],
+            pdl: pdl_line(&devices),
+            devices,
             peer_access: Ok(vec![vec![true, false], vec![false, true]]),
             transport: Some(Ok("SHM, through host memory (not every pair of GPUs has peer access)".into())),
             custom_all_reduce: Some(Err("rank 0 cannot access rank 1's memory (no peer access)".into())),
@@ -479,5 +499,28 @@ mod tests {
         assert_eq!(j["cuda"]["peer_access"][0][1], false);
         assert_eq!(j["backend_auto"]["backend"], "cuda");
         assert!(t.contains("--backend auto: cuda (GPU 0: NVIDIA H200)"), "{t}");
+        // sm_90: on unless TM_PDL=0 in this test's environment; one line for identical GPUs.
+        let pdl = t.lines().filter(|l| l.starts_with("programmatic dependent launch: ")).collect::<Vec<_>>();
+        assert_eq!(pdl.len(), 1, "{t}");
+        assert!(pdl[0].contains(": on (sm_90") || pdl[0].contains(": off (TM_PDL=0)"), "{t}");
+        assert_eq!(j["cuda"]["programmatic_dependent_launch"].as_str(), pdl[0].split_once(": ").map(|(_, v)| v));
+    }
+
+    #[test]
+    fn pdl_line_per_device_when_they_differ() {
+        let dev = |ordinal, cc| CudaDeviceInfo {
+            ordinal,
+            name: "GPU".into(),
+            total_memory: 1 << 30,
+            free_memory: 1 << 30,
+            compute_capability: cc,
+            integrated: false,
+            multiprocessors: 1,
+        };
+        assert_eq!(pdl_line(&[]), None);
+        let one = pdl_line(&[dev(0, (8, 0))]).unwrap_or_default();
+        assert!(one.starts_with("off (needs sm_90"), "{one}");
+        let mixed = pdl_line(&[dev(0, (8, 0)), dev(1, (9, 0))]).unwrap_or_default();
+        assert!(mixed.starts_with("GPU 0: off (needs sm_90") && mixed.contains("; GPU 1: "), "{mixed}");
     }
 }

@@ -15,7 +15,7 @@ mod local;
 
 pub use local::LocalComm;
 
-use crate::{Error, Result, Tensor};
+use crate::{Error, Ops, Result, Tensor};
 use std::fmt::Debug;
 use std::time::Duration;
 
@@ -28,6 +28,27 @@ pub trait Comm: Send + Sync + Debug {
     /// Sums `tensor` element-wise over all ranks, in place. `step` names the caller's step for
     /// error messages.
     fn all_reduce_sum(&self, tensor: &mut Tensor, step: &str, deadline: Duration) -> Result<()>;
+    /// An all-reduce followed by the residual add and RMSNorm that consume it (a row-parallel
+    /// projection's output joining the residual stream): sums `x` over all ranks in place as
+    /// [`Comm::all_reduce_sum`] does, then `residual += x` and `out = rms_norm(residual) * weight`
+    /// as [`Ops::add_rms_norm`] does on this rank's backend `ops`. The default does exactly those
+    /// two calls; a communicator that can do both in one device pass (tm-cuda's one-shot peer
+    /// kernels) overrides it with a result identical to theirs.
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce_add_rms_norm(
+        &self,
+        ops: &dyn Ops,
+        x: &mut Tensor,
+        residual: &mut Tensor,
+        weight: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+        step: &str,
+        deadline: Duration,
+    ) -> Result<()> {
+        self.all_reduce_sum(x, step, deadline)?;
+        ops.add_rms_norm(x, residual, weight, eps, out)
+    }
     /// Concatenates every rank's `input` along the outermost dimension into `output`.
     fn all_gather(&self, input: &Tensor, output: &mut Tensor, step: &str, deadline: Duration) -> Result<()>;
     /// Copies `tensor` from rank `root` to all ranks.

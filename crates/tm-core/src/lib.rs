@@ -9,6 +9,7 @@
 //!   (CPU ranks) implementations.
 //! - [`ops`]: the kernel-ops interface the model is written against (one kernel per call).
 //! - [`quant`]: the group-wise int4/int8 weight layout shared by importers and kernels.
+//! - [`q4_slab`]: the policy and arithmetic of large-batch int4 products by dequantized slabs.
 //! - [`rope`]: rotary-embedding frequencies for every scaling type the models use.
 //! - [`sampling`]: sampling parameters and the host reference sampler.
 //! - [`host_memory`]: what the host really has free (MemAvailable, cgroup limits).
@@ -23,6 +24,7 @@ pub mod error;
 pub mod fp8;
 pub mod host_memory;
 pub mod ops;
+pub mod q4_slab;
 pub mod quant;
 pub mod rope;
 pub mod sampling;

@@ -79,6 +79,16 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
         step()
     }
 
+    /// Reserves, once, the scratch the backend's matrix products need for steps of up to
+    /// `max_tokens` tokens (the CUDA backend's int4 slab buffer, [`crate::q4_slab`]), so that no
+    /// product allocates. Called when the activation workspace is allocated; the memory plan
+    /// charges it as kernel scratch. Calling it again reserves nothing new unless a larger step
+    /// needs scratch the first did not. The default reserves nothing.
+    fn reserve_matmul_scratch(&self, max_tokens: usize) -> Result<()> {
+        let _ = max_tokens;
+        Ok(())
+    }
+
     /// A zero-filled tensor. `phase` names what it is for (weights, kv cache, workspace).
     fn zeros(&self, desc: TensorDesc, phase: &str) -> Result<Tensor> {
         Tensor::zeros(self.allocator(), desc, phase)

@@ -7,14 +7,19 @@
 //! - `matmul_q4` with its automatic choice (int4 group 128, the AWQ default),
 //! - the int4 GEMM with each tile shape forced (`l`, `m`, `s`, `t`), and the older tiled kernel
 //!   (`TM_Q4_GEMM=off`),
+//! - the large-batch slab path (`tm_cuda::kernels::q4_slab`: dequantize a slab of rows into a
+//!   `--slab-mib` scratch buffer, default `tm_core::q4_slab::SLAB_BYTES`, then cuBLASLt into the
+//!   output's columns, slab after slab), and its dequantization alone (`deq us`),
 //!
 //! each timed with CUDA events over `--iters` launches after warm-up, printing µs, TFLOP/s and the
-//! int4/cuBLAS throughput ratio (`ratio` = cuBLAS time / int4 time) for the automatic choice and
-//! for the fastest tile. Asserts nothing. Without a CUDA device it says so and exits 0.
+//! int4/cuBLAS throughput ratio (`ratio` = cuBLAS time / int4 time) for the automatic choice, for
+//! the fastest tile and for the slab path (`slab %`). The backend takes the slab path from
+//! `TM_Q4_SLAB_MIN_M` tokens (default 512): compare `slab %` with `best %` per `M` to place it.
+//! Asserts nothing. Without a CUDA device it says so and exits 0.
 //!
 //! ```text
 //! cargo build --release -p tm-cuda --examples
-//! target/release/examples/q4_gemm_bench [--iters 20] [--dtype f16|bf16|both] [--m 512,2048,8192] [--group 128]
+//! target/release/examples/q4_gemm_bench [--iters 20] [--dtype f16|bf16|both] [--m 512,2048,8192] [--group 128] [--slab-mib 64]
 //! ```
 
 mod common;
@@ -25,10 +30,12 @@ use std::sync::Arc;
 use common::Rng;
 
 use cudarc::driver::sys;
+use tm_core::q4_slab::slabs;
 use tm_core::{Allocator, Buffer, DType, Device, Result};
 use tm_cuda::allocator::CudaAllocator;
 use tm_cuda::blas::{self, Blas};
 use tm_cuda::kernels::q4_gemm::{self, Policy, Tile};
+use tm_cuda::kernels::q4_slab::{matmul_q4_slabs, rows_per_slab, Int4Matrix};
 use tm_cuda::kernels::quant;
 use tm_cuda::runtime::Gpu;
 use tm_cuda::staging::{Staging, DEFAULT_STAGING_BYTES};
@@ -43,16 +50,30 @@ struct Args {
     dtypes: Vec<DType>,
     ms: Vec<usize>,
     group: usize,
+    slab_bytes: usize,
 }
 
 fn parse_args() -> std::result::Result<Args, String> {
-    let mut a = Args { iters: 20, dtypes: vec![DType::F16, DType::BF16], ms: vec![512, 2048, 8192], group: 128 };
+    let mut a = Args {
+        iters: 20,
+        dtypes: vec![DType::F16, DType::BF16],
+        ms: vec![512, 2048, 8192],
+        group: 128,
+        slab_bytes: tm_core::q4_slab::SLAB_BYTES,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut val = || it.next().ok_or_else(|| format!("{flag} needs a value"));
         match flag.as_str() {
             "--iters" => a.iters = val()?.parse().map_err(|e| format!("--iters: {e}"))?,
             "--group" => a.group = val()?.parse().map_err(|e| format!("--group: {e}"))?,
+            "--slab-mib" => {
+                let mib: usize = val()?.parse().map_err(|e| format!("--slab-mib: {e}"))?;
+                if mib == 0 || mib > 4096 {
+                    return Err(format!("--slab-mib {mib}: expected 1..=4096"));
+                }
+                a.slab_bytes = mib << 20;
+            }
             "--dtype" => {
                 a.dtypes = match val()?.as_str() {
                     "f16" => vec![DType::F16],
@@ -68,7 +89,9 @@ fn parse_args() -> std::result::Result<Args, String> {
                     .collect::<std::result::Result<_, _>>()?
             }
             "-h" | "--help" => {
-                println!("q4_gemm_bench [--iters N] [--dtype f16|bf16|both] [--m 512,2048,8192] [--group 128]");
+                println!(
+                    "q4_gemm_bench [--iters N] [--dtype f16|bf16|both] [--m 512,2048,8192] [--group 128] [--slab-mib 64]"
+                );
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other} (try --help)")),
@@ -146,19 +169,22 @@ fn run(args: &Args) -> Result<()> {
     }
     let blas = Blas::new(gpu.clone(), &alloc)?;
     let staging = Staging::new(gpu.clone(), DEFAULT_STAGING_BYTES)?;
+    let slab = Buffer::new(&alloc, args.slab_bytes, "bench")?;
     let info = gpu.info();
     println!(
-        "{} (sm_{}, {} SMs), kernels from {}; int4 group {}, {} timed iterations; TM_Q4_GEMM={}",
+        "{} (sm_{}, {} SMs), kernels from {}; int4 group {}, {} timed iterations; slab scratch {} MiB; TM_Q4_GEMM={}",
         info.name,
         gpu.sm(),
         info.multiprocessors,
         gpu.kernel_source(),
         args.group,
         args.iters,
+        args.slab_bytes >> 20,
         std::env::var("TM_Q4_GEMM").unwrap_or_else(|_| "(unset)".into())
     );
     println!(
-        "{:<5} {:<8} {:>5} {:>6} {:>6} | {:>9} {:>7} | {:>9} {:>7} {:>6} {:>4} | {:>4} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8}",
+        "{:<5} {:<8} {:>5} {:>6} {:>6} | {:>9} {:>7} | {:>9} {:>7} {:>6} {:>4} | {:>4} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8} \
+         | {:>8} {:>7} {:>6} {:>5} {:>7}",
         "dtype",
         "shape",
         "M",
@@ -176,7 +202,12 @@ fn run(args: &Args) -> Result<()> {
         "m us",
         "s us",
         "t us",
-        "tiled us"
+        "tiled us",
+        "slab us",
+        "TFLOP/s",
+        "slab %",
+        "slabs",
+        "deq us"
     );
     let mut rng = Rng::new(0x9E37_79B9_7F4A_7C15);
     let sms = info.multiprocessors as usize;
@@ -228,6 +259,48 @@ fn run(args: &Args) -> Result<()> {
                     per_tile.push(time_us(&gpu, args.iters, || q4(Some(Policy::Force(tile))))?);
                 }
                 let t_tiled = time_us(&gpu, args.iters, || q4(Some(Policy::Off)))?;
+                let w = Int4Matrix {
+                    packed: packed.addr(),
+                    scales: scales.addr(),
+                    mins: mins.addr(),
+                    rows,
+                    cols,
+                    group: args.group,
+                };
+                let slab_cells = match rows_per_slab(dt, &w, slab.len()) {
+                    Some(per) => {
+                        let mut count = 0;
+                        let t = time_us(&gpu, args.iters, || {
+                            count =
+                                matmul_q4_slabs(&gpu, &blas, dt, out.addr(), x.addr(), &w, m, slab.addr(), slab.len())?;
+                            Ok(())
+                        })?;
+                        let t_deq = time_us(&gpu, args.iters, || {
+                            for (r0, len) in slabs(rows, per) {
+                                quant::dequant_q4_rows(
+                                    &gpu,
+                                    dt,
+                                    slab.addr(),
+                                    w.packed,
+                                    w.scales,
+                                    w.mins,
+                                    r0,
+                                    len,
+                                    rows,
+                                    cols,
+                                    args.group,
+                                )?;
+                            }
+                            Ok(())
+                        })?;
+                        format!(
+                            "{t:>8.1} {:>7.1} {:>5.0}% {count:>5} {t_deq:>7.1}",
+                            tflops(m, rows, cols, t),
+                            100.0 * t_blas / t
+                        )
+                    }
+                    None => format!("{:>8} {:>7} {:>6} {:>5} {:>7}", "-", "-", "-", "-", "-"),
+                };
                 let auto_tile = q4_gemm::pick(m, rows, sms);
                 let (best, t_best) = Tile::ALL
                     .iter()
@@ -235,7 +308,7 @@ fn run(args: &Args) -> Result<()> {
                     .fold((auto_tile, f64::INFINITY), |acc, (&t, &us)| if us < acc.1 { (t, us) } else { acc });
                 let cells: Vec<String> = per_tile.iter().chain([&t_tiled]).map(|us| format!("{us:>8.1}")).collect();
                 println!(
-                    "{:<5} {:<8} {:>5} {:>6} {:>6} | {:>9.1} {:>7.1} | {:>9.1} {:>7.1} {:>5.0}% {:>4} | {:>4} {:>5.0}% | {}",
+                    "{:<5} {:<8} {:>5} {:>6} {:>6} | {:>9.1} {:>7.1} | {:>9.1} {:>7.1} {:>5.0}% {:>4} | {:>4} {:>5.0}% | {} | {}",
                     dt.to_string(),
                     name,
                     m,
@@ -249,7 +322,8 @@ fn run(args: &Args) -> Result<()> {
                     auto_tile.tag(),
                     best.tag(),
                     100.0 * t_blas / t_best,
-                    cells.join(" ")
+                    cells.join(" "),
+                    slab_cells
                 );
             }
         }

@@ -9,8 +9,11 @@
 //! - B is x's memory read as column-major `[cols, n]` (ld `cols`), not transposed;
 //! - C = D is out's memory read as column-major `[rows, n]` (ld `rows`).
 //!
-//! That is cuBLASLt's "TN" form, the one every algorithm supports. Descriptors, layouts and the
-//! heuristic's algorithm are made once per (dtype, n, rows, cols, pointer alignments) and cached.
+//! That is cuBLASLt's "TN" form, the one every algorithm supports. [`Blas::gemm_into`] writes a
+//! column block of a wider output (`out` rows `ldo` elements apart, as in `out[:, r0:r0 + rows]`
+//! of an `[n, ldo]` matrix): only D's leading dimension changes. Descriptors, layouts and the
+//! heuristic's algorithm are made once per (dtype, n, rows, cols, ldo, pointer alignments) and
+//! cached.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -48,6 +51,8 @@ struct Key {
     n: usize,
     rows: usize,
     cols: usize,
+    /// Elements between consecutive rows of out (`rows` when contiguous).
+    ldo: usize,
     /// Alignments (bytes) of W, x and out.
     align: [u32; 3],
 }
@@ -127,8 +132,9 @@ impl Plan {
             Ok((v as u64, i))
         };
         let (n, _) = dim(key.n)?;
-        let (rows, rows_ld) = dim(key.rows)?;
+        let (rows, _) = dim(key.rows)?;
         let (cols, cols_ld) = dim(key.cols)?;
+        let (_, out_ld) = dim(key.ldo)?;
         let mut plan = Plan {
             desc: std::ptr::null_mut(),
             a: std::ptr::null_mut(),
@@ -148,7 +154,7 @@ impl Plan {
         };
         plan.a = layout(cols, rows, cols_ld)?;
         plan.b = layout(cols, n, cols_ld)?;
-        plan.d = layout(rows, n, rows_ld)?;
+        plan.d = layout(rows, n, out_ld)?;
 
         let pref = Pref(lt::create_matmul_pref().map_err(blas_err("cublasLtMatmulPreferenceCreate"))?);
         use sys::cublasLtMatmulPreferenceAttributes_t as P;
@@ -164,8 +170,8 @@ impl Plan {
                 .map_err(|e| Error::Backend {
                     backend: "cublaslt".into(),
                     message: format!(
-                        "no cuBLASLt algorithm for {} gemm n={} rows={} cols={} (alignments {:?}): {:?}",
-                        key.dtype, key.n, key.rows, key.cols, key.align, e.0
+                        "no cuBLASLt algorithm for {} gemm n={} rows={} cols={} ldo={} (alignments {:?}): {:?}",
+                        key.dtype, key.n, key.rows, key.cols, key.ldo, key.align, e.0
                     ),
                 })?;
         plan.algo = heuristic.algo;
@@ -221,6 +227,27 @@ impl Blas {
     /// `x`, `w` and `out` are device addresses; `out` must not overlap the inputs.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(&self, dtype: DType, n: usize, rows: usize, cols: usize, x: u64, w: u64, out: u64) -> Result<()> {
+        self.gemm_into(dtype, n, rows, cols, x, w, out, rows)
+    }
+
+    /// [`Blas::gemm`] into a column block of a wider output: `out` row `i` starts `i * ldo`
+    /// elements after `out` (`ldo >= rows`), so with `out` pointing at column `r0` of an
+    /// `[n, ldo]` matrix this writes its columns `r0..r0 + rows` and leaves the others alone.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_into(
+        &self,
+        dtype: DType,
+        n: usize,
+        rows: usize,
+        cols: usize,
+        x: u64,
+        w: u64,
+        out: u64,
+        ldo: usize,
+    ) -> Result<()> {
+        if ldo < rows {
+            return Err(Error::invalid(format!("gemm: output leading dimension {ldo} is less than its {rows} rows")));
+        }
         if !matches!(dtype, DType::BF16 | DType::F16 | DType::F32) {
             return Err(Error::Unsupported(format!("cuBLASLt gemm for dtype {dtype} (only bf16, f16, f32)")));
         }
@@ -231,10 +258,10 @@ impl Blas {
             return Err(Error::invalid("gemm with cols = 0 (nothing to reduce; zero the output instead)"));
         }
         if self.gpu.mode() == crate::runtime::LaunchMode::Record {
-            self.gpu.record(&[0x6765_6d6d, dtype as u64, n as u64, rows as u64, cols as u64, x, w, out]);
+            self.gpu.record(&[0x6765_6d6d, dtype as u64, n as u64, rows as u64, cols as u64, ldo as u64, x, w, out]);
             return Ok(());
         }
-        let key = Key { dtype, n, rows, cols, align: [alignment(w), alignment(x), alignment(out)] };
+        let key = Key { dtype, n, rows, cols, ldo, align: [alignment(w), alignment(x), alignment(out)] };
         let mut plans = self.plans.lock().map_err(|_| Error::invalid("cuBLASLt plan cache poisoned"))?;
         self.gpu.bind()?;
         if !plans.contains_key(&key) {
@@ -364,7 +391,37 @@ mod tests {
             for (i, (g, r)) in got.iter().zip(&want).enumerate() {
                 assert!((g - r).abs() <= tol * (1.0 + r.abs()), "{dtype} out[{i}] = {g}, want {r}");
             }
+            // Into columns r0..r0 + rows of an [n, ldo] output whose other bytes must survive.
+            let (r0, ldo) = (8usize, rows + 13);
+            let es = dtype.storage_bytes(1);
+            let wide = Buffer::new(&alloc, n * ldo * es, "test").expect("wide out");
+            let sentinel = vec![0x5Au8; n * ldo * es];
+            staging.upload(wide.addr(), &sentinel).expect("upload sentinel");
+            let at = wide.addr() + (r0 * es) as u64;
+            blas.gemm_into(dtype, n, rows, cols, dx.addr(), dw.addr(), at, ldo).expect("gemm_into");
+            assert!(blas.gemm_into(dtype, n, rows, cols, dx.addr(), dw.addr(), at, rows - 1).is_err());
+            let mut back = vec![0u8; n * ldo * es];
+            staging.download(wide.addr(), &mut back).expect("download wide");
+            for i in 0..n {
+                for c in 0..ldo {
+                    let b = &back[(i * ldo + c) * es..(i * ldo + c + 1) * es];
+                    if c < r0 || c >= r0 + rows {
+                        assert!(
+                            b.iter().all(|&v| v == 0x5A),
+                            "{dtype} gemm_into wrote outside its block at [{i}, {c}]"
+                        );
+                        continue;
+                    }
+                    let g = match dtype {
+                        DType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                        DType::BF16 => half::bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+                        _ => half::f16::from_le_bytes([b[0], b[1]]).to_f32(),
+                    };
+                    let r = want[i * rows + c - r0];
+                    assert!((g - r).abs() <= tol * (1.0 + r.abs()), "{dtype} gemm_into [{i}, {c}] = {g}, want {r}");
+                }
+            }
         }
-        assert_eq!(blas.cached_plans(), 3);
+        assert_eq!(blas.cached_plans(), 6);
     }
 }

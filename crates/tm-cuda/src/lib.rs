@@ -7,6 +7,7 @@
 //! - [`driver_version`] and [`peer_access_matrix`] (`cuDeviceCanAccessPeer`).
 //! - [`CudaDevice`]: tm-core's `Device` for one GPU.
 //! - [`runtime::Gpu`]: context, stream and kernel modules of one GPU; kernel launches.
+//! - [`pdl`]: programmatic dependent launch on sm_90+ (`TM_PDL=0` turns it off).
 //! - [`allocator`]: the capped caching pool over `cuMemAlloc`.
 //! - [`staging`]: bounded pinned host buffers for host↔device copies.
 //! - [`memory_model`]: the discrete and unified (integrated GPU, Jetson) memory variants, and the
@@ -19,7 +20,9 @@
 //!   with deadlines, `ncclCommAbort`), the start-up self-test and the peer links.
 //! - [`peer`]: one-shot all-reduce and all-gather kernels over peer access for small messages
 //!   (what `nccl` uses for decode steps, captured into CUDA graphs), with device-side deadlines.
-//! - [`CudaBackend`]: tm-core's `Ops` on one GPU.
+//! - [`CudaBackend`]: tm-core's `Ops` on one GPU. Large-batch int4 products go by dequantized
+//!   slabs through cuBLASLt ([`kernels::q4_slab`], `TM_Q4_SLAB`, `TM_Q4_SLAB_MIN_M`);
+//!   [`set_slab_policy`] forces that path for tests and benchmarks, [`slab_products`] counts it.
 //!
 //! Features: `cuda-13` (default) or `cuda-12` chooses the CUDA bindings cudarc uses; enable exactly
 //! one (`--no-default-features --features cuda-12` for JetPack 6).
@@ -36,6 +39,7 @@ pub mod memory_model;
 pub mod nccl;
 pub mod nvrtc;
 mod ops;
+pub mod pdl;
 pub mod peer;
 mod probe;
 pub mod runtime;
@@ -44,5 +48,5 @@ pub mod zero_copy;
 
 pub use device::CudaDevice;
 pub use memory_model::{MemoryConfig, MemoryModel};
-pub use ops::{CudaBackend, CudaOptions};
+pub use ops::{set_slab_policy, slab_products, CudaBackend, CudaOptions};
 pub use probe::{driver_version, peer_access_matrix, probe, CudaDeviceInfo, ProbeError};

@@ -45,6 +45,10 @@
 //! through NCCL, which is kept out of graphs: a step that queues an NCCL collective while it is
 //! recorded is marked uncapturable ([`Gpu::mark_uncapturable`]) and runs eagerly.
 //!
+//! [`Comm::all_reduce_add_rms_norm`] (a row-parallel projection's output joining the residual
+//! stream) is one fused one-shot kernel on the peer path (unless `TM_FUSED_ALLREDUCE_NORM=0`), the
+//! all-reduce then the backend's `add_rms_norm` otherwise; it counts as one collective either way.
+//!
 //! Collectives are numbered per rank in the order the rank's host issues them: a step recorded
 //! for a graph issues them once while recording and, when it is not replayed, once more while
 //! running eagerly (a capture issues nothing), the same on every rank.
@@ -58,11 +62,11 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
-use tm_core::{Comm, DType, Error, Result, Tensor};
+use tm_core::{Comm, DType, Error, Ops, Result, Tensor};
 
 use crate::libs;
 use crate::peer::{self, PeerGroup, PeerTimeout};
@@ -311,10 +315,14 @@ struct Shared {
     /// The one-shot kernels for small messages, or why they are not used.
     peer: std::result::Result<PeerGroup, String>,
     /// Step names by tag and tags by step name (the one-shot kernels report the tag of the call
-    /// that gave up).
-    tags: Mutex<(Vec<String>, std::collections::HashMap<String, u32>)>,
+    /// that gave up). Every rank looks its step up here at every collective, while recording
+    /// too, so lookups take the shared read lock and only a new name the write lock.
+    tags: RwLock<(Vec<String>, std::collections::HashMap<String, u32>)>,
     /// Whether the transport of the peer path and of the NCCL path has been logged.
     logged: [AtomicBool; 2],
+    /// Whether [`Comm::all_reduce_add_rms_norm`] may use the fused one-shot kernel (on unless
+    /// `TM_FUSED_ALLREDUCE_NORM=0`; it needs the peer path too).
+    fuse_norm: bool,
 }
 
 /// Tags beyond this many step names are all `u32::MAX` ("unknown"): the names are a fixed set
@@ -409,7 +417,13 @@ impl Shared {
 
     /// The tag of step name `step` (the same on every rank: the table is the group's).
     fn tag(&self, step: &str) -> u32 {
-        let mut t = lock(&self.tags);
+        {
+            let t = self.tags.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(&i) = t.1.get(step) {
+                return i;
+            }
+        }
+        let mut t = self.tags.write().unwrap_or_else(|e| e.into_inner());
         if let Some(&i) = t.1.get(step) {
             return i;
         }
@@ -436,7 +450,9 @@ impl Shared {
 
     /// The failure a one-shot kernel's report describes.
     fn peer_cause(&self, t: &PeerTimeout) -> Cause {
-        let step = lock(&self.tags).0.get(t.tag as usize).cloned().unwrap_or_else(|| "unknown step".into());
+        let tags = self.tags.read().unwrap_or_else(|e| e.into_inner());
+        let step = tags.0.get(t.tag as usize).cloned().unwrap_or_else(|| "unknown step".into());
+        drop(tags);
         let label = format!("one-shot collective ({step}; epoch {}, block {})", t.epoch, t.block);
         let mut missing = format!(
             "rank {} did not arrive (the GPU of rank {} waited for its data on the device in tm's one-shot \
@@ -817,8 +833,9 @@ impl NcclComm {
             aborted: AtomicBool::new(false),
             abort_started: AtomicBool::new(false),
             peer,
-            tags: Mutex::new((Vec::new(), std::collections::HashMap::new())),
+            tags: RwLock::new((Vec::new(), std::collections::HashMap::new())),
             logged: [AtomicBool::new(false), AtomicBool::new(false)],
+            fuse_norm: fused_norm_enabled(),
         });
         let weak = Arc::downgrade(&shared);
         std::thread::Builder::new()
@@ -993,8 +1010,9 @@ impl NcclComm {
     }
 
     /// One one-shot collective (see the module docs): numbered and checked like an NCCL one
-    /// (the stall hook included) unless the stream is being captured, then launched through
-    /// [`Gpu::launch`], which records, captures or runs it as the backend's mode says.
+    /// (the stall hook included) unless the stream is being captured, then launched by `launch`
+    /// (given the group and the step's tag) through [`Gpu::launch`], which records, captures or
+    /// runs it as the backend's mode says. `what` names it in errors, `bytes` (per rank) in the log.
     #[allow(clippy::too_many_arguments)]
     fn peer_collective(
         &self,
@@ -1006,43 +1024,93 @@ impl NcclComm {
         step: &str,
         deadline: Duration,
     ) -> Result<()> {
-        let p = self.shared.peer.as_ref().map_err(|why| nccl_err(format!("no peer path: {why}")))?;
-        let slot = self.slot();
-        let mode = slot.gpu.mode();
         let what = match kind {
             peer::Kind::AllReduce => "all_reduce",
             peer::Kind::AllGather => "all_gather",
         };
+        let bytes = count * dtype.bits() / 8;
+        self.peer_numbered(what, bytes, step, deadline, |p, tag| {
+            p.launch(kind, self.rank, src, dst, count, dtype, tag, deadline)
+        })
+    }
+
+    /// The numbering, checks and logging of [`NcclComm::peer_collective`] around `launch`.
+    fn peer_numbered(
+        &self,
+        what: &str,
+        bytes: usize,
+        step: &str,
+        deadline: Duration,
+        launch: impl FnOnce(&PeerGroup, u32) -> Result<()>,
+    ) -> Result<()> {
+        let p = self.shared.peer.as_ref().map_err(|why| nccl_err(format!("no peer path: {why}")))?;
+        let slot = self.slot();
+        let mode = slot.gpu.mode();
         let mut numbered = None;
+        // The label is only formatted when something needs it: every step of a replayed graph
+        // still records its collectives on the host, and this runs 2 · layers + 1 times per step.
+        let label = |seq: u64| format!("{what} #{seq} ({step}; peer-to-peer)");
         if mode != LaunchMode::Capture {
             let start = Instant::now();
             let seq = slot.seq.fetch_add(1, Ordering::AcqRel);
-            let label = format!("{what} #{seq} ({step}; peer-to-peer)");
-            *lock(&slot.last) = Some(label.clone());
-            self.check(&label, start)?;
-            if self.stall_after.is_some_and(|n| seq >= n) {
-                return Err(self.stall(&label, start, deadline));
+            {
+                // Reuses the last label's allocation.
+                let mut last = lock(&slot.last);
+                let s = last.get_or_insert_with(String::new);
+                s.clear();
+                let _ = write!(s, "{what} #{seq} ({step}; peer-to-peer)");
             }
-            numbered = Some((seq, label));
+            if self.shared.aborted.load(Ordering::Acquire) {
+                return Err(self.shared.aborted_error(self.rank, &label(seq), start));
+            }
+            if self.stall_after.is_some_and(|n| seq >= n) {
+                return Err(self.stall(&label(seq), start, deadline));
+            }
+            numbered = Some(seq);
         }
         let tag = self.shared.tag(step);
-        let launched = p.launch(kind, self.rank, src, dst, count, dtype, tag, deadline);
-        if let Some((seq, label)) = numbered {
+        let launched = launch(p, tag);
+        if let Some(seq) = numbered {
             if let Err(e) = launched {
-                return Err(self.fail_local(&label, e.to_string()));
+                return Err(self.fail_local(&label(seq), e.to_string()));
             }
             if mode == LaunchMode::Eager {
-                *lock(&slot.last_peer) = Some((seq, label));
+                *lock(&slot.last_peer) = Some((seq, label(seq)));
                 self.log_transport(0, || {
-                    format!(
-                        "{what} of {} bytes per rank ({step}) as a one-shot kernel over peer access",
-                        count * dtype.bits() / 8
-                    )
+                    format!("{what} of {bytes} bytes per rank ({step}) as a one-shot kernel over peer access")
                 });
             }
             slot.queued.store(seq + 1, Ordering::Release);
         }
         launched
+    }
+
+    /// The rows and columns of an [`Comm::all_reduce_add_rms_norm`] that the fused one-shot
+    /// kernel takes: the group has the peer path (and `TM_FUSED_ALLREDUCE_NORM` is not `0`), the
+    /// message fits it, and the four tensors are distinct GPU tensors of one dtype with
+    /// consistent sizes. `None` sends it through the separate all-reduce and `add_rms_norm`
+    /// (which also report any inconsistency).
+    pub fn fused_norm_shape(
+        &self,
+        x: &Tensor,
+        residual: &Tensor,
+        weight: &Tensor,
+        out: &Tensor,
+    ) -> Option<(usize, usize)> {
+        if !self.shared.fuse_norm {
+            return None;
+        }
+        let dtype = x.dtype();
+        let (count, cols) = (x.numel(), weight.numel());
+        let tensors = [x, residual, weight, out];
+        let consistent = tensors.iter().all(|t| t.dtype() == dtype && !t.buffer().allocator().host_accessible())
+            && residual.numel() == count
+            && out.numel() == count
+            && cols > 0
+            && count.is_multiple_of(cols);
+        let addrs = [x.buffer().addr(), residual.buffer().addr(), weight.buffer().addr(), out.buffer().addr()];
+        let distinct = (0..4).all(|i| (i + 1..4).all(|j| addrs[i] != addrs[j]));
+        (consistent && distinct && self.takes_peer_path(count, dtype)).then_some((count / cols, cols))
     }
 
     /// Sums `count` elements of `dtype` at device address `ptr` over all ranks, in place: through
@@ -1101,6 +1169,35 @@ impl Comm for NcclComm {
     fn all_reduce_sum(&self, tensor: &mut Tensor, step: &str, deadline: Duration) -> Result<()> {
         let ptr = device_ptr(tensor, "all_reduce")?;
         self.all_reduce_raw(ptr, tensor.numel(), tensor.dtype(), step, deadline)
+    }
+
+    /// One fused kernel (`peer_all_reduce_add_rms_norm`) when the one-shot peer path takes the
+    /// message ([`NcclComm::fused_norm_shape`]); else the all-reduce, then `ops.add_rms_norm`.
+    fn all_reduce_add_rms_norm(
+        &self,
+        ops: &dyn Ops,
+        x: &mut Tensor,
+        residual: &mut Tensor,
+        weight: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+        step: &str,
+        deadline: Duration,
+    ) -> Result<()> {
+        let Some((rows, cols)) = self.fused_norm_shape(x, residual, weight, out) else {
+            self.all_reduce_sum(x, step, deadline)?;
+            return ops.add_rms_norm(x, residual, weight, eps, out);
+        };
+        let tensors = peer::NormTensors {
+            x: x.buffer().addr(),
+            residual: residual.buffer().addr(),
+            out: out.buffer().addr(),
+            weight: weight.buffer().addr(),
+        };
+        let (dtype, bytes) = (x.dtype(), x.desc().bytes());
+        self.peer_numbered("all_reduce_add_rms_norm", bytes, step, deadline, |p, tag| {
+            p.launch_add_rms_norm(self.rank, tensors, eps, rows, cols, dtype, tag, deadline)
+        })
     }
 
     fn all_gather(&self, input: &Tensor, output: &mut Tensor, step: &str, deadline: Duration) -> Result<()> {
@@ -1218,6 +1315,12 @@ impl Comm for NcclComm {
     fn abort(&self, reason: &str) {
         self.shared.fail(Cause::Failed(format!("rank {} aborted the group: {reason}", self.rank)));
     }
+}
+
+/// Whether the fused all-reduce + residual add + RMSNorm kernel may be used:
+/// `TM_FUSED_ALLREDUCE_NORM=0` turns it off (the separate kernels run instead, for comparison).
+fn fused_norm_enabled() -> bool {
+    std::env::var("TM_FUSED_ALLREDUCE_NORM").map_or(true, |v| v.trim() != "0")
 }
 
 /// Creates one blocking communicator per GPU in one NCCL group (returns their addresses).

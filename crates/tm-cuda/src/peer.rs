@@ -11,6 +11,11 @@
 //! rank's flag (acquire) and sum (or gather) the slots locally. One launch, one exchange: about
 //! the latency of one NVLink round trip instead of NCCL's ~12 µs per call.
 //!
+//! A third kernel fuses the all-reduce with the residual add and RMSNorm that follow every
+//! row-parallel projection of a layer ([`PeerGroup::launch_add_rms_norm`], behind
+//! `tm_core::Comm::all_reduce_add_rms_norm`): one launch instead of two per collective, with the
+//! separate kernels' bits (it runs their row code, `norm.cuh`, at their block width).
+//!
 //! # CUDA graphs
 //! The kernels are launched through [`Gpu::launch`] on the rank's stream, so a step recorded for
 //! a graph signs them like any kernel and a captured graph contains them. Their arguments are
@@ -141,6 +146,19 @@ pub enum Kind {
     AllReduce,
     /// Concatenate every rank's input.
     AllGather,
+}
+
+/// Device addresses of the tensors of [`PeerGroup::launch_add_rms_norm`].
+#[derive(Clone, Copy, Debug)]
+pub struct NormTensors {
+    /// This rank's partial sums `[rows, cols]`; the sum over ranks afterwards.
+    pub x: u64,
+    /// The residual stream `[rows, cols]`, updated in place.
+    pub residual: u64,
+    /// The normalized rows `[rows, cols]`.
+    pub out: u64,
+    /// The norm's weight `[cols]`.
+    pub weight: u64,
 }
 
 /// The buffers of every rank and the launches (see the module docs).
@@ -288,6 +306,59 @@ impl PeerGroup {
         me.gpu.launch(&format!("{name}_{}", suffix(dtype)?), (BLOCKS, 1, 1), (THREADS, 1, 1), 0, &args)
     }
 
+    /// Launches the all-reduce fused with the residual add and RMSNorm that follow it
+    /// (`peer_all_reduce_add_rms_norm`) on rank `rank`'s stream, like [`PeerGroup::launch`]: `x`
+    /// (`rows · cols` elements of `dtype`, this rank's partial sums) becomes the sum over ranks,
+    /// then `residual += x` and `out = rms_norm(residual) * weight` (`weight`: `cols` elements),
+    /// rounded as the separate all-reduce and `add_rms_norm` kernels round. `x`, `residual`, `out`
+    /// and `weight` must not overlap.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_add_rms_norm(
+        &self,
+        rank: usize,
+        tensors: NormTensors,
+        eps: f32,
+        rows: usize,
+        cols: usize,
+        dtype: DType,
+        tag: u32,
+        deadline: Duration,
+    ) -> Result<()> {
+        let count = rows.saturating_mul(cols);
+        if !self.fits(count, dtype) {
+            return Err(Error::invalid(format!(
+                "peer all-reduce + add_rms_norm of {rows} x {cols} {dtype} elements (at most {} bytes of f32, f16 or \
+                 bf16)",
+                self.slot_bytes
+            )));
+        }
+        let (Ok(r32), Ok(c32)) = (i32::try_from(rows), i32::try_from(cols)) else {
+            return Err(Error::invalid(format!("peer all-reduce + add_rms_norm of {rows} x {cols} elements")));
+        };
+        let me = self.ranks.get(rank).ok_or_else(|| Error::invalid(format!("peer collective on rank {rank}")))?;
+        let deadline_ns = i64::try_from(deadline.as_nanos()).unwrap_or(i64::MAX).max(1);
+        let mut args = [KernelArg::Ptr(0); 21];
+        args[0] = KernelArg::Ptr(tensors.x);
+        args[1] = KernelArg::Ptr(tensors.residual);
+        args[2] = KernelArg::Ptr(tensors.out);
+        args[3] = KernelArg::Ptr(tensors.weight);
+        args[4] = KernelArg::F32(eps);
+        args[5] = KernelArg::I32(r32);
+        args[6] = KernelArg::I32(c32);
+        args[7] = KernelArg::I32(rank as i32);
+        args[8] = KernelArg::I32(self.world() as i32);
+        args[9] = KernelArg::I64(self.slot_bytes as i64);
+        args[10] = KernelArg::I64(deadline_ns);
+        args[11] = KernelArg::Ptr(me.status_dev);
+        args[12] = KernelArg::U32(tag);
+        for (a, r) in args[13..].iter_mut().zip(&self.ranks) {
+            *a = KernelArg::Ptr(r.buf);
+        }
+        let threads = crate::kernels::elementwise::norm_row_threads(dtype, cols);
+        let name = format!("peer_all_reduce_add_rms_norm_{}", suffix(dtype)?);
+        me.gpu.launch(&name, (BLOCKS, 1, 1), (threads, 1, 1), 0, &args)
+    }
+
     fn status(&self, rank: usize) -> *mut u32 {
         self.ranks[rank].status_host as *mut u32
     }
@@ -392,6 +463,11 @@ mod tests {
         assert!(src.contains(&format!("constexpr u64 DATA_OFFSET = {HEADER_BYTES};")));
         assert!(src.contains(&format!("TM_KERNEL_BOUNDS(peer_all_reduce, {THREADS},")));
         assert!(src.contains(&format!("TM_KERNEL_BOUNDS(peer_all_gather, {THREADS},")));
+        // The fused kernel runs the norms' block widths (up to 512 threads).
+        assert!(src.contains("TM_KERNEL_BOUNDS(peer_all_reduce_add_rms_norm, NORM_MAX_THREADS,"));
+        let norm = tm_kernels::cuda::headers().iter().find(|s| s.name == "norm.cuh").expect("norm.cuh").text;
+        assert!(norm.contains("#define NORM_MAX_THREADS 512"));
+        assert!(crate::kernels::elementwise::norm_row_threads(DType::BF16, 8192) <= 512);
         for (name, word) in [("ST_STATE", ST_STATE), ("ST_PEER", ST_PEER), ("ST_EPOCH", ST_EPOCH), ("ST_TAG", ST_TAG)]
             .into_iter()
             .chain([("ST_BLOCK", ST_BLOCK), ("ST_WAITED_US", ST_WAITED_US), ("ST_ABORT", ST_ABORT)])

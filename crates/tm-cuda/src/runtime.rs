@@ -3,6 +3,7 @@
 //! Kernels come from `tm-kernels`: the cubin embedded for this device's arch (or the nearest
 //! lower minor of the same major), else the embedded PTX JIT-compiled by the driver, else the
 //! sources compiled with NVRTC (cached on disk). Kernels are looked up by name across modules.
+//! On sm_90+ they are launched with programmatic dependent launch ([`crate::pdl`]).
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -63,19 +64,32 @@ pub fn driver_err(call: &str) -> impl Fn(DriverError) -> Error + '_ {
     move |e| Error::Backend { backend: "cuda".into(), message: format!("{call}: {:?}", e.0) }
 }
 
+/// One loaded kernel module.
+#[derive(Debug)]
+struct Module {
+    module: Arc<CudaModule>,
+    /// Whether its kernel names are known (listed in [`Gpu`]'s `index`).
+    listed: bool,
+    /// Whether its kernels are launched with programmatic dependent launch.
+    pdl: bool,
+}
+
 /// The driver state of one GPU.
 #[derive(Debug)]
 pub struct Gpu {
     info: CudaDeviceInfo,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    /// Each module with whether its kernel names are known (listed in `index`).
-    modules: Vec<(String, Arc<CudaModule>, bool)>,
+    /// The loaded kernel modules.
+    modules: Vec<Module>,
     /// Kernel name → its module in `modules`, read from the images, so that a lookup asks the
     /// driver only for a function the module has (a failed `cuModuleGetFunction` is an API error
     /// that compute-sanitizer reports).
     index: HashMap<String, usize>,
-    functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Kernels looked up so far, with whether they are launched with PDL.
+    functions: Mutex<HashMap<String, (CudaFunction, bool)>>,
+    /// Whether kernels that wait for their predecessors are launched with PDL on this device.
+    pdl: bool,
     kernel_source: String,
     /// The launch mode, the signature being recorded, and whether the recorded step did work
     /// that cannot be captured into a graph ([`Gpu::mark_uncapturable`]).
@@ -91,18 +105,25 @@ impl Gpu {
         let ctx = CudaContext::new(ordinal).map_err(driver_err("cuCtxCreate"))?;
         let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
         let sm = info.compute_capability.0 * 10 + info.compute_capability.1;
+        let pdl = crate::pdl::enabled(info.compute_capability);
+        crate::pdl::log_choice(ordinal, info.compute_capability);
         let mut modules = Vec::new();
         let mut index = HashMap::new();
         let mut sources = Vec::new();
         for src in kernels::modules() {
             let module = src.name.trim_end_matches(".cu");
-            let (image, how, entries) = pick_image(module, sm)?;
+            let (image, how, entries, current) = pick_image(module, sm)?;
             let loaded = ctx.load_module(image).map_err(driver_err("cuModuleLoadData"))?;
             sources.push(format!("{module} ({how})"));
             for name in &entries {
                 index.insert(name.clone(), modules.len());
             }
-            modules.push((module.to_string(), loaded, !entries.is_empty()));
+            modules.push(Module {
+                module: loaded,
+                listed: !entries.is_empty(),
+                // Kernels built from other sources may not wait for their predecessors.
+                pdl: pdl && current && tm_kernels::pdl::module_waits(module),
+            });
         }
         let kernel_source = if sources.is_empty() { "no kernel modules".to_string() } else { sources.join(", ") };
         tracing::debug!("cuda device {ordinal}: kernels from {kernel_source}");
@@ -114,6 +135,7 @@ impl Gpu {
             index,
             functions: Mutex::new(HashMap::new()),
             kernel_source,
+            pdl,
             recorder: Mutex::new((LaunchMode::Eager, FNV_OFFSET, false)),
         }))
     }
@@ -141,6 +163,13 @@ impl Gpu {
     /// Where each kernel module came from (cubin, PTX or NVRTC), for `check-env` and logs.
     pub fn kernel_source(&self) -> &str {
         &self.kernel_source
+    }
+
+    /// Whether kernels are launched with programmatic dependent launch on this device (sm_90+,
+    /// `TM_PDL` not `0`); the kernels of modules that do not wait for their predecessors never are
+    /// (see [`crate::pdl`]).
+    pub fn pdl(&self) -> bool {
+        self.pdl
     }
 
     /// Makes the context current on the calling thread.
@@ -198,17 +227,22 @@ impl Gpu {
 
     /// Finds a kernel by name in any loaded module.
     pub fn function(&self, name: &str) -> Result<CudaFunction> {
+        self.lookup(name).map(|(f, _)| f)
+    }
+
+    /// Finds a kernel by name in any loaded module, with whether it is launched with PDL.
+    fn lookup(&self, name: &str) -> Result<(CudaFunction, bool)> {
         let mut cache = self.functions.lock().map_err(|_| Error::invalid("cuda function cache poisoned"))?;
         if let Some(f) = cache.get(name) {
             return Ok(f.clone());
         }
         // The module that lists the kernel, else those whose names could not be read.
         let listed = self.index.get(name).map(|&i| &self.modules[i]);
-        let unlisted = self.modules.iter().filter(|(_, _, known)| !known);
-        for (_, module, _) in listed.into_iter().chain(unlisted) {
-            if let Ok(f) = module.load_function(name) {
-                cache.insert(name.to_string(), f.clone());
-                return Ok(f);
+        let unlisted = self.modules.iter().filter(|m| !m.listed);
+        for m in listed.into_iter().chain(unlisted) {
+            if let Ok(f) = m.module.load_function(name) {
+                cache.insert(name.to_string(), (f.clone(), m.pdl));
+                return Ok((f, m.pdl));
             }
         }
         Err(Error::Backend {
@@ -222,6 +256,8 @@ impl Gpu {
     }
 
     /// Launches kernel `name` on the stream. Dynamic shared memory above 48 KiB is opted into.
+    /// With [`Gpu::pdl`] (and a kernel whose module waits for its predecessors) the launch carries
+    /// the programmatic-stream-serialization attribute; eager and captured launches alike.
     pub fn launch(&self, name: &str, grid: Dim3, block: Dim3, shared_mem: u32, args: &[KernelArg]) -> Result<()> {
         if self.mode() == LaunchMode::Record {
             let mut r = self.recorder.lock().map_err(|_| Error::invalid("cuda launch recorder poisoned"))?;
@@ -244,7 +280,7 @@ impl Gpu {
             r.1 = h;
             return Ok(());
         }
-        let f = self.function(name)?;
+        let (f, pdl) = self.lookup(name)?;
         if shared_mem > 48 * 1024 {
             f.set_attribute(
                 sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -278,24 +314,47 @@ impl Gpu {
         self.bind()?;
         // SAFETY: every parameter points at a little-endian u64 holding the value in its low
         // bytes, which is how 4- and 8-byte kernel parameters are read; the kernel's signature is
-        // the launcher's contract (see tm-kernels/cuda/ABI.md).
-        unsafe { result::launch_kernel(f.cu_function(), grid, block, shared_mem, self.stream.cu_stream(), params) }
-            .map_err(|e| Error::Backend { backend: "cuda".into(), message: format!("launching {name}: {:?}", e.0) })
+        // the launcher's contract (see tm-kernels/cuda/ABI.md). A PDL launch needs the kernel to
+        // wait for its predecessor, which `pdl` says it does.
+        let (func, stream) = (f.cu_function(), self.stream.cu_stream());
+        unsafe {
+            if pdl {
+                crate::pdl::launch(func, grid, block, shared_mem, stream, params)
+            } else {
+                result::launch_kernel(func, grid, block, shared_mem, stream, params)
+            }
+        }
+        .map_err(|e| Error::Backend { backend: "cuda".into(), message: format!("launching {name}: {:?}", e.0) })
     }
 }
 
 /// Chooses the image for `module` on arch `sm`: an exact cubin, else a cubin of the same major and
-/// a lower minor, else PTX of an arch `<= sm`, else NVRTC.
+/// a lower minor, else PTX of an arch `<= sm`, else NVRTC. Also says whether the image was built
+/// from the embedded sources (what [`tm_kernels::pdl`] checked).
 ///
 /// `TM_KERNELS_DIR` set at run time names a folder of `{module}.sm_{NN}.cubin` files (what
 /// `cargo xtask build-kernels --out DIR` writes) that take precedence over the embedded ones: the
-/// GPU test bundle carries its kernels once this way instead of inside every binary.
-fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String, Vec<String>)> {
+/// GPU test bundle carries its kernels once this way instead of inside every binary. They count
+/// as built from the embedded sources when the folder's `manifest.txt` says so.
+fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String, Vec<String>, bool)> {
     if let Some(dir) = std::env::var_os("TM_KERNELS_DIR") {
-        let path = std::path::Path::new(&dir).join(format!("{module}.sm_{sm}.cubin"));
+        let dir = std::path::Path::new(&dir);
+        let path = dir.join(format!("{module}.sm_{sm}.cubin"));
         if let Ok(bytes) = std::fs::read(&path) {
             let entries = kernels::entry_points(&bytes);
-            return Ok((Ptx::from_binary(bytes), format!("cubin {}", path.display()), entries));
+            let current = manifest_matches(dir);
+            if !current {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        "the cubins in {} were not built from this binary's kernel sources (their manifest.txt \
+                         says other sources, or is missing): they are launched without programmatic dependent \
+                         launch",
+                        dir.display()
+                    )
+                });
+            }
+            return Ok((Ptx::from_binary(bytes), format!("cubin {}", path.display()), entries, current));
         }
     }
     let mine = || kernels::artefacts().iter().filter(move |a| a.module == module);
@@ -306,7 +365,8 @@ fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String, Vec<String>)> {
         })
         .max_by_key(|(s, _)| *s);
     if let Some((s, bytes)) = cubin {
-        return Ok((Ptx::from_binary(bytes.to_vec()), format!("cubin sm_{s}"), kernels::entry_points(bytes)));
+        let entries = kernels::entry_points(bytes);
+        return Ok((Ptx::from_binary(bytes.to_vec()), format!("cubin sm_{s}"), entries, true));
     }
     let ptx = mine()
         .filter_map(|a| match a.target {
@@ -316,7 +376,7 @@ fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String, Vec<String>)> {
         .max_by_key(|(s, _)| *s);
     if let Some((s, bytes)) = ptx {
         let text = String::from_utf8_lossy(bytes).into_owned();
-        return Ok((Ptx::from_src(text), format!("ptx compute_{s}"), kernels::entry_points(bytes)));
+        return Ok((Ptx::from_src(text), format!("ptx compute_{s}"), kernels::entry_points(bytes), true));
     }
     let image = crate::nvrtc::compile_module(module, sm).map_err(|e| Error::Backend {
         backend: "cuda".into(),
@@ -327,5 +387,33 @@ fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String, Vec<String>)> {
             kernels::BUILD_COMMAND
         ),
     })?;
-    Ok((image, "nvrtc".to_string(), Vec::new()))
+    Ok((image, "nvrtc".to_string(), Vec::new(), true))
+}
+
+/// Whether `dir/manifest.txt` (written by `cargo xtask build-kernels`) records the sources
+/// embedded in this binary (its `sources <sha256>` line).
+fn manifest_matches(dir: &std::path::Path) -> bool {
+    let Ok(text) = std::fs::read_to_string(dir.join("manifest.txt")) else { return false };
+    text.lines().filter_map(|l| l.strip_prefix("sources ")).any(|d| d.trim() == kernels::source_digest())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn manifest_must_name_the_embedded_sources() {
+        let dir = std::env::temp_dir().join(format!("tm-manifest-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        assert!(!manifest_matches(&dir), "no manifest");
+        let write = |digest: &str| {
+            std::fs::write(dir.join("manifest.txt"), format!("# comment\nsources {digest}\narches sm_90\n"))
+                .expect("manifest")
+        };
+        write(&"0".repeat(64));
+        assert!(!manifest_matches(&dir), "other sources");
+        write(kernels::source_digest());
+        assert!(manifest_matches(&dir));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

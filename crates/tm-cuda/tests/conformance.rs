@@ -688,6 +688,26 @@ fn embedding(s: &mut Suite, kind: Kind, vocab: usize, hidden: usize, ns: &[usize
             c.gpu.embedding(&w.gpu, &ids, &mut out.gpu).ctx(format!("cuda embedding of {n} ids"))?;
             c.cpu.embedding(&w.cpu, &ids, &mut out.cpu).ctx("cpu embedding")?;
             c.check_pair(&format!("out[{n}]"), &out, hidden)?;
+            // The table as one rank's slice of a vocabulary starting at `first`: ids below and
+            // past the slice give zero rows (on the device, over rows that held other values).
+            let first = 1000u32;
+            let global: Vec<u32> = ids
+                .iter()
+                .enumerate()
+                .map(|(i, &id)| match i % 3 {
+                    0 => id + first,
+                    1 => id + first + vocab as u32,
+                    _ => id % first,
+                })
+                .collect();
+            let mut sliced = c.output(&[n, hidden])?;
+            c.gpu.embedding(&w.gpu, &ids, &mut sliced.gpu).ctx("cuda embedding")?;
+            c.cpu.embedding(&w.cpu, &ids, &mut sliced.cpu).ctx("cpu embedding")?;
+            c.gpu
+                .embedding_slice(&w.gpu, &global, first, &mut sliced.gpu)
+                .ctx(format!("cuda embedding_slice of {n} ids"))?;
+            c.cpu.embedding_slice(&w.cpu, &global, first, &mut sliced.cpu).ctx("cpu embedding_slice")?;
+            c.check_pair(&format!("slice out[{n}]"), &sliced, hidden)?;
         }
         Ok(())
     });
@@ -1560,6 +1580,12 @@ fn attention_fp8_cache() {
         attention(s, "decode", a(32, 32, 128, 16, None, decode_seqs(4, 8, 2000)));
         let edges = [1, 15, 16, 17, 31, 32, 33, 64, 65, 300].iter().map(|&c| (1, c)).collect();
         attention(s, "decode at block edges", a(9, 3, 64, 16, None, edges));
+        // head_dim 128 with groups of at most 8 take the transposed kernel (attn_decode_gqa): Qwen2.5
+        // 7B (GQA 7), split edges at GQA 4; GQA 16 keeps the 16-row kernel
+        attention(s, "decode GQA 7", a(28, 4, 128, 16, None, decode_seqs(6, 48, 3000)));
+        let edges = [1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 1000].iter().map(|&c| (1, c)).collect();
+        attention(s, "decode GQA 4 at tile edges", a(32, 8, 128, 16, None, edges));
+        attention(s, "decode GQA 16", a(32, 2, 128, 16, None, decode_seqs(7, 16, 2000)));
         // prefill, chunks after a cached prefix, mixed batches
         attention(s, "prefill", a(32, 8, 128, 16, None, vec![(256, 256), (37, 37)]));
         attention(s, "prefill chunks", a(32, 8, 128, 16, None, vec![(17, 300), (64, 1000), (100, 2047)]));
@@ -1781,6 +1807,7 @@ fn matmul_int4_decode_variants() {
 /// `rows % 8 != 0`) take the tiled kernel under every policy, so this also checks the fallback.
 fn matmul_q4_policies(s: &mut Suite, n: usize, rows: usize, cols: usize, group: usize) {
     use tm_cuda::kernels::q4_gemm::{set_policy, Policy, Tile};
+    let _serial = prefill_policy_lock();
     s.case(format!("matmul_q4 prefill kernels x[{n}, {cols}] · W[{rows}, {cols}]ᵀ g{group}"), |c| {
         let xs = c.activations(n * cols, 1.0);
         let w = c.weight(Kind::Int4(group), rows, cols, (3.0 / cols as f32).sqrt())?;
@@ -1834,6 +1861,97 @@ fn matmul_int4_gemm() {
         ] {
             matmul_q4_policies(s, n, rows, cols, g);
         }
+    });
+}
+
+/// Held while a test forces a prefill kernel (`q4_gemm::set_policy`, `tm_cuda::set_slab_policy`:
+/// process-wide switches), so tests running in parallel do not switch each other's kernels.
+fn prefill_policy_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// An int4 matmul through the large-batch slab path (dequantize a slab of rows, cuBLASLt into
+/// the output's columns; `tm_core::q4_slab`) forced with a slab budget of `budget` bytes, so
+/// small budgets give several slabs and a short last one; and through the fused kernels with
+/// the slab path off. Both against one exact host product. The process-wide slab counter must
+/// move for the slab run, so a silent fallback cannot pass for the slab path.
+fn matmul_q4_slab(s: &mut Suite, n: usize, rows: usize, cols: usize, group: usize, budget: usize, bias: bool) {
+    use tm_core::q4_slab::{slab_rows, SlabPolicy};
+    let b = if bias { " + bias" } else { "" };
+    let per = slab_rows(rows, cols, 2, budget.min(tm_core::q4_slab::SLAB_BYTES)).unwrap_or(0);
+    let label = format!("matmul_q4 slabs of {per} rows x[{n}, {cols}] · W[{rows}, {cols}]ᵀ g{group}{b}");
+    s.case(label, |c| {
+        let xs = c.activations(n * cols, 1.0);
+        let w = c.weight(Kind::Int4(group), rows, cols, (3.0 / cols as f32).sqrt())?;
+        let x = c.act(&[n, cols], &xs)?;
+        let bias = if bias {
+            let v = c.normal(rows, 0.5);
+            Some((c.dense(&[rows], &v)?, v))
+        } else {
+            None
+        };
+        let q = w.quant.as_ref().ok_or("int4 weight without its host copy")?;
+        let mut want = vec![0f32; n * rows];
+        tm_cpu::quant_matmul::matmul_int4_exact(&xs, n, &q.view(), &mut want).ctx("host exact int4 matmul")?;
+        if let Some((_, bv)) = &bias {
+            for row in want.chunks_mut(rows) {
+                row.iter_mut().zip(bv).for_each(|(o, b)| *o += b);
+            }
+        }
+        let on = SlabPolicy { enabled: true, min_tokens: 1 };
+        let off = SlabPolicy { enabled: false, min_tokens: 1 };
+        let _serial = prefill_policy_lock();
+        for (name, policy) in [("slabs", on), ("fused", off)] {
+            tm_cuda::set_slab_policy(Some((policy, budget)));
+            let before = tm_cuda::slab_products();
+            let ran = c.gpu.reserve_matmul_scratch(n).and_then(|_| {
+                let mut out = c.output(&[n, rows]).map_err(tm_core::Error::invalid)?;
+                c.gpu.matmul(&x.gpu, &w.gpu, bias.as_ref().map(|b| &b.0.gpu), &mut out.gpu)?;
+                Ok(out)
+            });
+            let after = tm_cuda::slab_products();
+            tm_cuda::set_slab_policy(None);
+            let out = ran.ctx(format!("cuda matmul ({name})"))?;
+            if name == "slabs" && after == before {
+                c.problems.push("the slab path was forced but did not run".into());
+            }
+            c.check(&format!("out {name}"), &out.gpu, &want, rows, 1.0)?;
+        }
+        Ok(())
+    });
+}
+
+/// The large-batch int4 slab path (f16/bf16; f32 never takes it): 512, 1500 and 2048 tokens,
+/// groups 64/128, one whole-matrix slab, Llama-3-8B's down projection in two default-budget
+/// slabs, and small budgets whose row counts do not divide the matrix (short last slab, a
+/// matrix of fewer rows than a slab); then q/k/v-like `matmul_many` and the gate/up/SiLU with
+/// the path forced (their fallbacks run one product at a time through it).
+#[test]
+fn matmul_int4_slab() {
+    run("matmul_int4_slab", &[DType::F16, DType::BF16], |s| {
+        for (n, rows, cols, g, budget, bias) in [
+            (512, 4096, 4096, 128, 64 << 20, false),
+            (512, 4096, 14336, 128, 64 << 20, false),
+            (1500, 1000, 1024, 64, 256 << 10, true),
+            (1500, 300, 640, 64, 160 << 10, false),
+            (1500, 100, 640, 128, 64 << 20, false),
+            (2048, 4104, 4096, 128, 2 << 20, false),
+            (2048, 6144, 4096, 64, 16 << 20, false),
+        ] {
+            matmul_q4_slab(s, n, rows, cols, g, budget, bias);
+        }
+        let on = tm_core::q4_slab::SlabPolicy { enabled: true, min_tokens: 1 };
+        let serial = prefill_policy_lock();
+        tm_cuda::set_slab_policy(Some((on, 1 << 20)));
+        let reserved = s.gpu.reserve_matmul_scratch(512);
+        if let Err(e) = reserved {
+            s.failures.push(format!("[{}] reserve_matmul_scratch(512): {e}", s.dtype));
+        }
+        matmul_many(s, Kind::Int4(64), 600, &[1024, 256, 200], 1024, true);
+        gate_up_silu(s, Kind::Int4(128), 512, 1000, 1024);
+        tm_cuda::set_slab_policy(None);
+        drop(serial);
     });
 }
 

@@ -801,6 +801,40 @@ fn int4_fixtures_awq_gptq() {
     report.finish(test);
 }
 
+/// The same int4 fixture checks with the large-batch slab path (`tm_core::q4_slab`: dequantize a
+/// slab of rows, cuBLASLt into the output's columns) forced for every product from one token up
+/// (f16 and bf16; decode steps of one token still take the int4 GEMV first), with 1 MiB slabs.
+/// The slab buffer is reserved by the session's workspace, as in serving. The slab path must
+/// have run.
+#[test]
+fn int4_fixtures_by_slabs() {
+    let test = "int4_fixtures_by_slabs";
+    if no_gpu(test) {
+        return;
+    }
+    let on = tm_core::q4_slab::SlabPolicy { enabled: true, min_tokens: 1 };
+    tm_cuda::set_slab_policy(Some((on, 1 << 20)));
+    let before = tm_cuda::slab_products();
+    let mut report = Report::default();
+    for name in ["llama-awq", "llama-gptq"] {
+        let dir = fixtures_dir().join(name);
+        let reference = read_json(&dir.join("reference.json"));
+        for dtype in [DType::F16, DType::BF16] {
+            let head = format!("{name} by slabs [{dtype}]");
+            let r = guarded(&head, || int4_fixture_on(&head, &dir, &reference, dtype, &mut report));
+            report.record(&head, r);
+        }
+    }
+    let ran = tm_cuda::slab_products() - before;
+    tm_cuda::set_slab_policy(None);
+    if ran == 0 {
+        report.fail("the slab path was forced but no product took it".into());
+    } else {
+        report.ok(&format!("{ran} int4 products took the slab path"));
+    }
+    report.finish(test);
+}
+
 /// The int4 fixture checks for one dtype; mismatches go to `report`, errors are returned.
 fn int4_fixture_on(head: &str, dir: &Path, reference: &Value, dtype: DType, report: &mut Report) -> Result<(), String> {
     let gpu = cuda(dtype)?;

@@ -17,6 +17,10 @@
 //!   the largest message, odd counts included; thousands of calls in a row, eager and replayed
 //!   from a CUDA graph (one rank replaying while the other runs eagerly); a rank that never
 //!   arrives makes the other's kernel give up within its deadline with an error naming it.
+//! - The fused one-shot all-reduce + residual add + RMSNorm (`Comm::all_reduce_add_rms_norm`):
+//!   bit-identical to the peer all-reduce followed by `add_rms_norm`, on both ranks, for f32,
+//!   f16 and bf16 at decode shapes up to the largest message; interleaved with plain all-reduces
+//!   eagerly and in graphs; and the never-arriving-rank test above run on it too.
 //! - The tensor-parallel ranks run with CUDA graphs on (decode steps replayed, collectives in the
 //!   graphs when the peer path is active), against a single GPU running eagerly.
 //!
@@ -198,7 +202,8 @@ fn nccl_self_test_reports_the_transport() {
 
 /// The cost of one decode-sized all-reduce (4096 bf16, as after an 8B model's o_proj at batch 1)
 /// queued back to back on each rank's stream, 64 per synchronize (one decode step's worth),
-/// through NCCL and through the one-shot peer path.
+/// through NCCL and through the one-shot peer path; and the peer all-reduce followed by the
+/// residual add + RMSNorm that consumes it, as two kernels and as the fused one.
 #[test]
 fn small_all_reduce_latency() {
     let test = "small_all_reduce_latency";
@@ -214,20 +219,33 @@ fn small_all_reduce_latency() {
                 let factory = Arc::clone(&factory);
                 s.spawn(move || {
                     let ops = factory(c.rank()).expect("backend");
-                    let t = ops.zeros(TensorDesc::new(DType::BF16, &[4096]), "test").expect("tensor");
+                    let ops = ops.as_ref();
+                    let zeros = || ops.zeros(TensorDesc::new(DType::BF16, &[4096]), "test").expect("tensor");
+                    let (mut t, mut residual, mut normed, w) = (zeros(), zeros(), zeros(), zeros());
                     let ptr = t.buffer().addr();
                     let deadline = Duration::from_secs(20);
                     let mut out = Vec::new();
-                    for path in ["NCCL", "peer"] {
-                        if path == "peer" && !peer {
+                    for path in ["NCCL", "peer", "peer + add_rms_norm", "fused peer all-reduce + add_rms_norm"] {
+                        if path != "NCCL" && !peer {
                             continue;
                         }
-                        let one = |step: &str| {
-                            if path == "NCCL" {
-                                c.all_reduce_nccl(ptr, 4096, DType::BF16, step, deadline)
-                            } else {
-                                c.all_reduce_peer(ptr, 4096, DType::BF16, step, deadline)
+                        let mut one = |step: &str| match path {
+                            "NCCL" => c.all_reduce_nccl(ptr, 4096, DType::BF16, step, deadline),
+                            "peer" => c.all_reduce_peer(ptr, 4096, DType::BF16, step, deadline),
+                            "peer + add_rms_norm" => {
+                                c.all_reduce_peer(ptr, 4096, DType::BF16, step, deadline)?;
+                                ops.add_rms_norm(&t, &mut residual, &w, 1e-5, &mut normed)
                             }
+                            _ => c.all_reduce_add_rms_norm(
+                                ops,
+                                &mut t,
+                                &mut residual,
+                                &w,
+                                1e-5,
+                                &mut normed,
+                                step,
+                                deadline,
+                            ),
                         };
                         for _ in 0..64 {
                             one("warm-up").expect("all-reduce");
@@ -448,7 +466,8 @@ fn a_stalled_rank_fails_the_other_within_the_deadline() {
         return;
     }
     // Counted from the group's start-up self-test (#0): without graphs #4 is layer 1's o_proj
-    // all-reduce of the first step and #1 the embedding's; with graphs (the ranks' backends have
+    // all-reduce of the first step (fused with the residual add and norm on the peer path) and
+    // #1 the embedding's; with graphs (the ranks' backends have
     // them on) the first step is recorded first, so both stall in its record pass and the other
     // rank's first collective waits. With the peer path the waiting rank's kernel gives up by
     // itself; through NCCL only, the watchdog gives up.
@@ -672,30 +691,59 @@ fn a_rank_that_never_arrives_fails_the_peer_collective_within_its_deadline() {
     if skip(test) {
         return;
     }
-    let Some((comms, factory)) = peer_ranks(test, DType::F32) else { return };
+    // The plain one-shot all-reduce, then the fused all-reduce + add + norm (its own kernel,
+    // the same wait), each on a fresh group.
+    for fused in [false, true] {
+        if fused && fused_off(test) {
+            return;
+        }
+        if !never_arrives(test, fused) {
+            return;
+        }
+    }
+}
+
+/// Rank 1 never calls the collective; rank 0's kernel must give up within its deadline with an
+/// error naming rank 1 and the step, every later collective fails at once, and a new group works.
+/// `false` when the test is skipped (no peer path).
+fn never_arrives(test: &str, fused: bool) -> bool {
+    let Some((comms, factory)) = peer_ranks(test, DType::F32) else { return false };
     let deadline = Duration::from_millis(500);
     let results = on_ranks(&comms, &factory, |c, ops| {
-        let t = upload(ops, DType::F32, &[1.0; 4096]);
+        let mut t = upload(ops, DType::F32, &[1.0; 4096]);
+        let mut residual = upload(ops, DType::F32, &[0.5; 4096]);
+        let mut out = upload(ops, DType::F32, &[0.0; 4096]);
+        let w = upload(ops, DType::F32, &[1.0; 4096]);
         if c.rank() == 1 {
             return None; // never arrives
         }
         let t0 = Instant::now();
-        let queued = c.all_reduce_peer(t.buffer().addr(), 4096, DType::F32, "layer 7 o_proj", deadline);
+        let queued = if fused {
+            assert_eq!(c.fused_norm_shape(&t, &residual, &w, &out), Some((1, 4096)), "takes the fused kernel");
+            c.all_reduce_add_rms_norm(ops, &mut t, &mut residual, &w, 1e-5, &mut out, "layer 7 o_proj", deadline)
+        } else {
+            c.all_reduce_peer(t.buffer().addr(), 4096, DType::F32, "layer 7 o_proj", deadline)
+        };
         let synced = c.synchronize("end of step", Duration::from_secs(10));
         Some((queued, synced, t0.elapsed()))
     });
     let (queued, synced, took) = results[0].as_ref().expect("rank 0's result");
     queued.as_ref().expect("queueing succeeds");
     let msg = synced.as_ref().expect_err("rank 0 must fail").to_string();
-    println!("{test}: failed after {took:?} (deadline {deadline:?}): {msg}");
+    println!("{test}: fused {fused}: failed after {took:?} (deadline {deadline:?}): {msg}");
     assert!(msg.contains("rank 1 did not arrive") && msg.contains("timed out"), "{msg}");
     assert!(msg.contains("layer 7 o_proj"), "the error names the step: {msg}");
     assert!(*took <= deadline + deadline / 10 + Duration::from_millis(100), "took {took:?}");
     assert!(comms[0].abort_reason().is_some(), "the group is aborted");
     // Every later collective fails at once, on both ranks.
     let later = on_ranks(&comms, &factory, |c, ops| {
-        let t = upload(ops, DType::F32, &[1.0; 8]);
-        c.all_reduce_peer(t.buffer().addr(), 8, DType::F32, "later", deadline).is_err()
+        let mut t = upload(ops, DType::F32, &[1.0; 8]);
+        let plain = c.all_reduce_peer(t.buffer().addr(), 8, DType::F32, "later", deadline).is_err();
+        let mut residual = upload(ops, DType::F32, &[1.0; 8]);
+        let mut out = upload(ops, DType::F32, &[1.0; 8]);
+        let w = upload(ops, DType::F32, &[1.0; 8]);
+        let fused = c.all_reduce_add_rms_norm(ops, &mut t, &mut residual, &w, 1e-5, &mut out, "later", deadline);
+        plain && fused.is_err()
     });
     assert!(later.iter().all(|&failed| failed), "later collectives must fail");
     drop(comms);
@@ -704,5 +752,248 @@ fn a_rank_that_never_arrives_fails_the_peer_collective_within_its_deadline() {
     let comms = NcclComm::group(&gpus, Duration::from_secs(30)).expect("a new group");
     let t = nccl::self_test(&comms, Duration::from_secs(10), 0).expect("self-test after the fault");
     assert!(t.peer.is_ok(), "{}", t.summary());
-    println!("{test}: after the fault: {}", t.summary());
+    println!("{test}: fused {fused}: after the fault: {}", t.summary());
+    true
+}
+
+/// Whether the fused all-reduce + add + norm kernel is turned off (`TM_FUSED_ALLREDUCE_NORM=0`);
+/// the tests of it are then skipped (printed).
+fn fused_off(test: &str) -> bool {
+    let off = std::env::var("TM_FUSED_ALLREDUCE_NORM").is_ok_and(|v| v.trim() == "0");
+    if off {
+        println!("{test}: skipped: TM_FUSED_ALLREDUCE_NORM=0");
+    }
+    off
+}
+
+/// Backends of `dtype` on the GPUs of `comms` (the fused op's `add_rms_norm` runs in the
+/// backend's dtype).
+fn backends_for(comms: &[NcclComm], dtype: DType) -> BackendFactory {
+    let gpus: Vec<Arc<Gpu>> = comms.iter().map(|c| Arc::clone(c.gpu())).collect();
+    Arc::new(move |r| Ok(Box::new(CudaBackend::open_on(Arc::clone(&gpus[r]), rank_options(dtype))?) as Box<dyn Ops>))
+}
+
+/// The tensors of one fused all-reduce + add + norm on one rank.
+struct NormCase {
+    x: Tensor,
+    residual: Tensor,
+    out: Tensor,
+}
+
+impl NormCase {
+    fn new(ops: &dyn Ops, dtype: DType, x: &[f32], residual: &[f32]) -> NormCase {
+        let out = ops.zeros(TensorDesc::new(dtype, &[x.len()]), "test").expect("tensor");
+        NormCase { x: upload(ops, dtype, x), residual: upload(ops, dtype, residual), out }
+    }
+
+    /// (x, residual, out) on the host.
+    fn download(&self, ops: &dyn Ops) -> [Vec<f32>; 3] {
+        [download(ops, &self.x), download(ops, &self.residual), download(ops, &self.out)]
+    }
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// The host's fused all-reduce + add + norm of two ranks' `inputs`: the sum in f32 in rank order
+/// and the residual add, each rounded to `dtype` (exactly what the kernels store), and the norm in
+/// f64 (the kernels' f32 arithmetic is within a rounding of it).
+fn norm_reference(
+    dtype: DType,
+    inputs: [&[f32]; 2],
+    residual: &[f32],
+    weight: &[f32],
+    eps: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f64>) {
+    let cols = weight.len();
+    let sum: Vec<f32> = inputs[0].iter().zip(inputs[1]).map(|(a, b)| round(dtype, a + b)).collect();
+    let resid: Vec<f32> = residual.iter().zip(&sum).map(|(r, s)| round(dtype, r + s)).collect();
+    let mut out = Vec::with_capacity(resid.len());
+    for row in resid.chunks(cols) {
+        let ss: f64 = row.iter().map(|&v| v as f64 * v as f64).sum();
+        let inv = 1.0 / (ss / cols as f64 + eps as f64).sqrt();
+        out.extend(row.iter().zip(weight).map(|(&v, &w)| v as f64 * inv * w as f64));
+    }
+    (sum, resid, out)
+}
+
+/// Whether `got` is within `dtype`'s rounding of `want`.
+fn norm_close(dtype: DType, got: &[f32], want: &[f64]) -> bool {
+    let tol = match dtype {
+        DType::F32 => 1e-5,
+        DType::F16 => 1.5e-3,
+        _ => 8e-3,
+    };
+    got.len() == want.len() && got.iter().zip(want).all(|(&g, &w)| (g as f64 - w).abs() <= tol * w.abs().max(1e-3))
+}
+
+/// The fused one-shot all-reduce + residual add + RMSNorm (`Comm::all_reduce_add_rms_norm` on the
+/// peer path) against the peer all-reduce followed by the backend's `add_rms_norm`: the same bits
+/// for the sum, the residual and the output, on both ranks, and both ranks the same; and against
+/// the host. Decode shapes of 4096- and 8192-wide models up to the largest message, the one-warp
+/// rows of small models, and odd widths (the scalar paths).
+#[test]
+fn fused_all_reduce_add_rms_norm_matches_the_separate_kernels() {
+    let test = "fused_all_reduce_add_rms_norm_matches_the_separate_kernels";
+    if skip(test) || fused_off(test) {
+        return;
+    }
+    let Some((comms, _)) = peer_ranks(test, DType::F32) else { return };
+    let max = comms[0].peer_path().unwrap();
+    let deadline = Duration::from_secs(20);
+    let eps = 1e-5;
+    let mut failures = Vec::new();
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let size = dtype.bits() / 8;
+        let shapes: Vec<(usize, usize)> = [
+            (1, 4096),
+            (2, 4096),
+            (1, 8192),
+            (3, 8192),
+            (17, 4096),
+            (max / size / 4096, 4096),
+            (max / size / 8192, 8192),
+            (1, 64),
+            (9, 200),
+            (2, 4095),
+            (5, 1000),
+            (40, 17),
+        ]
+        .into_iter()
+        .filter(|&(rows, cols)| rows > 0 && rows * cols * size <= max)
+        .collect();
+        let factory = backends_for(&comms, dtype);
+        // Per rank and shape: (fused shape, input, residual, weight, separate, fused).
+        let got = on_ranks(&comms, &factory, |c, ops| {
+            let mut results = Vec::new();
+            for &(rows, cols) in &shapes {
+                let count = rows * cols;
+                let input = rank_input(c.rank(), count, dtype);
+                let resid0 = rank_input(7, count, dtype);
+                let weight = rank_input(9, cols, dtype);
+                let w = upload(ops, dtype, &weight);
+                let mut a = NormCase::new(ops, dtype, &input, &resid0);
+                let mut b = NormCase::new(ops, dtype, &input, &resid0);
+                let fused = c.fused_norm_shape(&b.x, &b.residual, &w, &b.out);
+                c.all_reduce_peer(a.x.buffer().addr(), count, dtype, "separate", deadline).expect("peer all-reduce");
+                ops.add_rms_norm(&a.x, &mut a.residual, &w, eps, &mut a.out).expect("add_rms_norm");
+                c.all_reduce_add_rms_norm(ops, &mut b.x, &mut b.residual, &w, eps, &mut b.out, "fused", deadline)
+                    .expect("fused all-reduce + add_rms_norm");
+                c.synchronize("check", deadline).expect("synchronize");
+                results.push((fused, input, resid0, weight, a.download(ops), b.download(ops)));
+            }
+            results
+        });
+        for (k, &(rows, cols)) in shapes.iter().enumerate() {
+            let what = format!("{dtype} {rows} x {cols}");
+            let (r0, r1) = (&got[0][k], &got[1][k]);
+            let (sum, resid, out) = norm_reference(dtype, [&r0.1, &r1.1], &r0.2, &r0.3, eps);
+            for (r, (fused, _, _, _, separate, one)) in [r0, r1].into_iter().enumerate() {
+                if *fused != Some((rows, cols)) {
+                    failures.push(format!("{what} rank {r}: not taken by the fused kernel ({fused:?})"));
+                }
+                for (name, s, f) in [("sum", &separate[0], &one[0]), ("residual", &separate[1], &one[1])]
+                    .into_iter()
+                    .chain([("output", &separate[2], &one[2])])
+                {
+                    if !same_bits(s, f) {
+                        failures.push(format!("{what} rank {r}: the fused {name} differs from the separate kernels'"));
+                    }
+                }
+                if !same_bits(&one[0], &sum) || !same_bits(&one[1], &resid) {
+                    failures.push(format!("{what} rank {r}: the sum or the residual differs from the host's"));
+                }
+                if !norm_close(dtype, &one[2], &out) {
+                    failures.push(format!("{what} rank {r}: the output is not within rounding of the host's norm"));
+                }
+            }
+            if (0..3).any(|i| !same_bits(&r0.5[i], &r1.5[i])) {
+                failures.push(format!("{what}: the ranks' fused results differ"));
+            }
+        }
+        println!("{test}: {dtype}: {} shapes checked", shapes.len());
+    }
+    assert!(failures.is_empty(), "{test}: {failures:?}");
+}
+
+/// The fused kernel and the plain all-reduce share every rank's epochs: alternating them
+/// thousands of times, eagerly and replayed from a CUDA graph (rank 1 running every tenth round
+/// eagerly while rank 0 replays), keeps every result equal to the first separate computation.
+#[test]
+fn fused_and_plain_collectives_interleave_eagerly_and_in_graphs() {
+    let test = "fused_and_plain_collectives_interleave_eagerly_and_in_graphs";
+    if skip(test) || fused_off(test) {
+        return;
+    }
+    let dtype = DType::BF16;
+    let Some((comms, factory)) = peer_ranks(test, dtype) else { return };
+    let deadline = Duration::from_secs(20);
+    let eps = 1e-5;
+    let (rows, cols, plain) = (4usize, 4096usize, 17usize);
+    let errors = on_ranks(&comms, &factory, |c, ops| {
+        let gpu = c.gpu();
+        let count = rows * cols;
+        let bytes = count * 2;
+        let input = upload(ops, dtype, &rank_input(c.rank(), count, dtype));
+        let resid0 = upload(ops, dtype, &rank_input(7, count, dtype));
+        let w = upload(ops, dtype, &rank_input(9, cols, dtype));
+        let p_src = upload(ops, dtype, &rank_input(c.rank(), plain, dtype));
+        let p = ops.zeros(TensorDesc::new(dtype, &[plain]), "t").unwrap();
+        let mut case = NormCase::new(ops, dtype, &rank_input(c.rank(), count, dtype), &rank_input(7, count, dtype));
+        // The reference: the separate kernels, once.
+        c.all_reduce_peer(case.x.buffer().addr(), count, dtype, "reference", deadline).expect("all-reduce");
+        ops.add_rms_norm(&case.x, &mut case.residual, &w, eps, &mut case.out).expect("add_rms_norm");
+        copy_on_stream(gpu, p.buffer().addr(), p_src.buffer().addr(), plain * 2);
+        c.all_reduce_peer(p.buffer().addr(), plain, dtype, "reference", deadline).expect("all-reduce");
+        c.synchronize("reference", deadline).expect("synchronize");
+        let want = (case.download(ops), download(ops, &p));
+        let mut errors = Vec::new();
+        let one_round = |c: &NcclComm, case: &mut NormCase, step: &str| -> tm_core::Result<()> {
+            copy_on_stream(gpu, case.x.buffer().addr(), input.buffer().addr(), bytes);
+            copy_on_stream(gpu, case.residual.buffer().addr(), resid0.buffer().addr(), bytes);
+            c.all_reduce_add_rms_norm(ops, &mut case.x, &mut case.residual, &w, eps, &mut case.out, step, deadline)?;
+            copy_on_stream(gpu, p.buffer().addr(), p_src.buffer().addr(), plain * 2);
+            c.all_reduce_peer(p.buffer().addr(), plain, dtype, step, deadline)
+        };
+        let check = |case: &NormCase, when: &str, errors: &mut Vec<String>| {
+            c.synchronize(when, deadline).expect("synchronize");
+            let got = case.download(ops);
+            if (0..3).any(|i| !same_bits(&got[i], &want.0[i])) || download(ops, &p) != want.1 {
+                errors.push(format!("rank {}: {when}: wrong result", c.rank()));
+            }
+        };
+        for i in 0..2000 {
+            one_round(c, &mut case, "eager").expect("eager round");
+            if i % 500 == 499 {
+                check(&case, &format!("eager round {i}"), &mut errors);
+            }
+        }
+        let stream = gpu.stream();
+        stream
+            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .expect("begin capture");
+        gpu.set_mode(LaunchMode::Capture);
+        let captured = one_round(c, &mut case, "graph");
+        gpu.set_mode(LaunchMode::Eager);
+        let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)).expect("end capture");
+        captured.expect("captured round");
+        let graph = graph.expect("a graph");
+        for i in 0..1000 {
+            if c.rank() == 1 && i % 10 == 0 {
+                one_round(c, &mut case, "eager").expect("eager round");
+            } else {
+                graph.launch().expect("graph launch");
+            }
+            if i % 250 == 249 {
+                check(&case, &format!("graph round {i}"), &mut errors);
+            }
+        }
+        errors
+    });
+    let errors: Vec<String> = errors.into_iter().flatten().collect();
+    assert!(errors.is_empty(), "{test}: {errors:?}");
+    println!(
+        "{test}: 2000 eager and 1000 graph rounds of fused + plain collectives give the first result on both ranks"
+    );
 }

@@ -1,7 +1,8 @@
 // Causal paged attention (prefill chunks, prefix-cache hits and decode alike).
 //
-// Self-contained on purpose (no common.cuh): it must also compile under NVRTC, so it includes
-// only the CUDA half/bfloat16/fp8 headers. The parameter lists are documented in ABI.md; the launch
+// It must also compile under NVRTC, so it includes only the CUDA half/bfloat16/fp8 headers and
+// common.cuh (for the programmatic-dependent-launch hooks; the rest of the helpers here are its
+// own). The parameter lists are documented in ABI.md; the launch
 // configuration lives in crates/tm-cuda/src/kernels/attention.rs.
 //
 // Kernels (T = f32/f16/bf16 suffix, D = head_dim):
@@ -42,6 +43,8 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+
+#include "common.cuh"  // tmk::pdl_launch_dependents, tmk::pdl_wait (every entry point starts with them)
 
 namespace tm_attn {
 
@@ -725,6 +728,283 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// Decode with an fp8 cache, D = 128, GQA groups of at most 8 query heads: the transposed product.
+// grid (num_splits, kv_heads, num_seqs) (gs = group <= 8), block 128, dynamic smem
+// 8 * (D + 8) * sizeof(T) + NS * 64 * 2 * D (GqaKv8Cfg; NS = 3, or 4 for the `_s4` kernels).
+//
+// attn_decode puts the group's query heads in the 16 rows of the mma's A operand, so with a group
+// of 4 three quarters of every S = Q K^T and O += P V product is padding. Here the keys are the
+// rows instead: S^T = K Q^T (A = 16 keys x 16 head dims, B = Q^T with the heads as its 8
+// columns) and O^T += V^T P^T (A = 16 head dims x 16 keys, B = P^T), which halves the mma count
+// and the fragment work per key. Per warp and 16 keys (thread gid = lane / 4, tig = lane % 4):
+// - K: the reduction index of each k-step is permuted so that a thread's four d values are four
+//   consecutive codes: k-step ks, k-slots 2 tig + {0, 1} / 2 tig + 8 + {0, 1} stand for
+//   d = 32 tig + 4 ks + {0, 1} / {2, 3}; two 16-byte loads per key row (rows gid and gid + 8) bring
+//   all eight k-steps. Q^T's B fragments use the same order and stay in registers.
+// - S^T lands as keys gid, gid + 8 x heads 2 tig, 2 tig + 1: the softmax max over keys is a
+//   reduction over gid (shuffles 4, 8, 16); each thread keeps the running max and partial sum of
+//   its two heads, which are also the heads of its O^T accumulators.
+// - P^T as PV's B operand needs head gid and four keys per thread: the keys of the PV reduction
+//   are permuted (k-slot 2 t -> key t, 2 t + 1 -> t + 8, 2 t + 8 -> t + 4, 2 t + 9 -> t + 12), so
+//   each B register is one f16 pair (key a, key a + 8) of one head that a single lane holds: four
+//   shuffles per 16 keys.
+// - V^T's rows (the output's head dims) are permuted too: row r of m-tile mt is
+//   d = 16 (r % 8) + 2 mt + r / 8, so a thread's dims are 16 consecutive codes of each of its four
+//   key rows (one 16-byte load each), paired across rows with byte permutes.
+// K and V rows are 128 bytes with XOR-swizzled 16-byte chunks (gqa_k_chunk, gqa_v_chunk), which
+// keeps the fragment loads free of bank conflicts with no padding: a stage is 16 KB, so three
+// stages leave room for four CTAs per SM. Codes become f16 (for every T, as in flash_step_kv8).
+// ---------------------------------------------------------------------------------------------
+template <int NS_> struct GqaKv8Cfg {
+    static constexpr int D = 128;
+    static constexpr int BN = 64;     // keys per CTA tile (16 per warp)
+    static constexpr int LD = D + 8;  // Q row stride (elements of T)
+    static constexpr int NS = NS_;    // raw K/V stages
+    static constexpr int SB = BN * 2 * D;  // one stage: 64 K rows, then 64 V rows, 128 bytes each
+    static_assert(NS * SB >= 4 * 8 * D * 4, "the merge reuses the ring");
+};
+
+// Byte offset of 16-byte chunk `ch` (0..7) of K row `r` / V row `r` in a stage of the transposed
+// kernel: rows are 128 bytes, unpadded; the chunk index is XOR-swizzled so that the fragment
+// loads (K: chunks 2 tig, 2 tig + 1 of rows gid; V: chunk gid of rows = tig mod 4) and the
+// cp.async stores each touch 8 distinct 16-byte bank groups per quarter warp.
+__device__ __forceinline__ int gqa_k_chunk(int r, int ch) { return r * 128 + ((ch ^ (r & 7)) << 4); }
+__device__ __forceinline__ int gqa_v_chunk(int r, int ch) { return r * 128 + ((ch ^ ((r & 3) << 1)) << 4); }
+
+// Issues the cp.async copies of keys [k0, k0 + 64) of KV head `kvh` into a stage (K at `st`, V at
+// st + 64 * 128), swizzled as above; keys at or past `k_end` are zero-filled.
+__device__ __forceinline__ void gqa_load_tile(unsigned char* st, const kv8* k_cache, const kv8* v_cache,
+                                              const unsigned* block_tables, int bt_start, int block_size,
+                                              int kv_heads, int kvh, int k0, int k_end) {
+    for (int c = threadIdx.x; c < 64 * 8; c += 128) {
+        const int r = c >> 3, ch = c & 7;
+        const int key = k0 + r;
+        unsigned char* dk = st + gqa_k_chunk(r, ch);
+        unsigned char* dv = st + 64 * 128 + gqa_v_chunk(r, ch);
+        if (key < k_end) {
+            const long long off = kv_offset(block_tables, bt_start, key, block_size, kv_heads, kvh, 128) + ch * 16;
+            cp_async16(dk, k_cache + off, 16);
+            cp_async16(dv, v_cache + off, 16);
+        } else {
+            cp_async16(dk, k_cache, 0);
+            cp_async16(dv, v_cache, 0);
+        }
+    }
+}
+
+template <typename T, int NS_>
+__device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, const kv8* __restrict__ k_cache,
+                                                    const kv8* __restrict__ v_cache, T* __restrict__ out,
+                                                    float* __restrict__ part_o, float* __restrict__ part_ml,
+                                                    const int* q_start, const int* q_len, const int* ctx_len,
+                                                    const int* bt_start, const unsigned* __restrict__ block_tables,
+                                                    int heads, int kv_heads, int gs, int block_size, float scale_log2,
+                                                    int window, int num_splits, int partition) {
+#if TM_ATTN_TC
+    typedef GqaKv8Cfg<NS_> G;
+    constexpr int D = G::D, BN = G::BN, LD = G::LD, NS = G::NS, SB = G::SB;
+    constexpr int CH = D / 8;
+    extern __shared__ __align__(16) unsigned char attn_smem[];
+    __shared__ float s_m[4][8], s_l[4][8], s_f[4][8];
+    T* sQ = reinterpret_cast<T*>(attn_smem);
+    unsigned char* raw = attn_smem + 8 * LD * sizeof(T);
+
+    const int seq = blockIdx.z;
+    const int split = blockIdx.x;
+    if (q_len[seq] != 1) return;
+    const Seq sq = load_seq(q_start, q_len, ctx_len, bt_start, seq);
+    const DecodeRange rg = decode_range(sq.ctx_len, window, num_splits, partition);
+    if (split >= rg.used) return;
+    const int k_begin = rg.lo + split * partition;
+    const int k_end = split == rg.used - 1 ? rg.end : k_begin + partition;
+    const int group = heads / kv_heads;
+    const int kvh = blockIdx.y;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
+
+    // Q rows: row i = query head kvh * group + i (rows i >= gs are zeros).
+    for (int c = tid; c < 8 * CH; c += 128) {
+        const int i = c / CH, ch = c - i * CH;
+        const bool valid = i < gs && i < group;
+        const T* src = valid ? q + ((long long)sq.q_start * heads + kvh * group + i) * D + ch * 8 : q;
+        cp_async16(sQ + i * LD + ch * 8, src, valid ? 16 : 0);
+    }
+    const int ntiles = k_end > k_begin ? (k_end - k_begin + BN - 1) / BN : 0;
+    cp_async_commit();
+#pragma unroll
+    for (int p = 0; p < NS - 1; ++p) {
+        if (p < ntiles)
+            gqa_load_tile(raw + p * SB, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
+                          k_begin + p * BN, k_end);
+        cp_async_commit();
+    }
+
+    float o[D / 16][4];
+#pragma unroll
+    for (int mt = 0; mt < D / 16; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};  // heads 2 tig, 2 tig + 1
+
+    cp_async_wait<NS - 1>();  // Q landed
+    __syncthreads();
+    // Q^T's B fragments: head gid, d = 32 tig + 4 ks + {0, 1} (b0) and + {2, 3} (b1), as f16
+    unsigned qb[D / 16][2];
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+        const T* p = sQ + gid * LD + 32 * tig + 4 * ks;
+        qb[ks][0] = pair_to_f16<T>(*reinterpret_cast<const unsigned*>(p));
+        qb[ks][1] = pair_to_f16<T>(*reinterpret_cast<const unsigned*>(p + 2));
+    }
+    // The lanes holding the P pairs of this thread's B fragments (keys tig, tig + 8 and
+    // tig + 4, tig + 12 of head gid).
+    const int src_a = tig * 4 + (gid >> 1), src_b = src_a + 16;
+
+    // One barrier per tile, as attn_decode's fp8 ring.
+    for (int t = 0; t < ntiles; ++t) {
+        cp_async_wait<NS - 2>();
+        __syncthreads();
+        const int tn = t + NS - 1;
+        if (tn < ntiles)
+            gqa_load_tile(raw + (tn % NS) * SB, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads,
+                          kvh, k_begin + tn * BN, k_end);
+        cp_async_commit();
+        const int kw = k_begin + t * BN + warp * 16;  // the warp's first key
+        if (kw >= k_end) continue;
+        const int valid = k_end - kw;  // keys at index >= valid are masked
+        const unsigned char* sk = raw + (t % NS) * SB + warp * 16 * 128;  // the warp's 16 K rows
+        const unsigned char* sv = raw + (t % NS) * SB + BN * 128 + warp * 16 * 128;
+
+        // S^T = K Q^T: s[0], s[1] key gid (heads 2 tig, 2 tig + 1), s[2], s[3] key gid + 8
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        {
+            // (warp row offsets are multiples of 16 rows: the swizzle of row gid + 16 w is that of gid)
+            const uint4 k0 = *reinterpret_cast<const uint4*>(sk + gqa_k_chunk(gid, 2 * tig));
+            const uint4 k1 = *reinterpret_cast<const uint4*>(sk + gqa_k_chunk(gid, 2 * tig + 1));
+            const uint4 k2 = *reinterpret_cast<const uint4*>(sk + gqa_k_chunk(gid + 8, 2 * tig));
+            const uint4 k3 = *reinterpret_cast<const uint4*>(sk + gqa_k_chunk(gid + 8, 2 * tig + 1));
+            const unsigned r0[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+            const unsigned r1[8] = {k2.x, k2.y, k2.z, k2.w, k3.x, k3.y, k3.z, k3.w};
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                const unsigned a[4] = {fp8x2_to<__half>(r0[ks]), fp8x2_to<__half>(r1[ks]),
+                                       fp8x2_to<__half>(r0[ks] >> 16), fp8x2_to<__half>(r1[ks] >> 16)};
+                mma16816<__half>(s, a, qb[ks][0], qb[ks][1]);
+            }
+        }
+        // scale, mask, running max per head (over the 16 keys: this thread's two, then gid)
+        float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = gid + 8 * (e >> 1);
+            s[e] = key < valid ? s[e] * scale_log2 : neg_inf();
+            mx[e & 1] = fmaxf(mx[e & 1], s[e]);
+        }
+        float alpha[2], m_use[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(TM_FULL_MASK, mx[h], 4));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(TM_FULL_MASK, mx[h], 8));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(TM_FULL_MASK, mx[h], 16));
+            const float m_new = fmaxf(m[h], mx[h]);
+            m_use[h] = m_new == neg_inf() ? 0.f : m_new;
+            alpha[h] = exp2f(m[h] - m_use[h]);
+            m[h] = m_new;
+        }
+        float rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[e] = exp2f(s[e] - m_use[e & 1]);
+            rs[e & 1] += s[e];
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rs[h];
+#pragma unroll
+        for (int mt = 0; mt < D / 16; ++mt) {
+            o[mt][0] *= alpha[0];
+            o[mt][1] *= alpha[1];
+            o[mt][2] *= alpha[0];
+            o[mt][3] *= alpha[1];
+        }
+        // P^T's B fragments: (key a, key a + 8) pairs of head gid from lanes src_a / src_b
+        const unsigned pe = pack2<__half>(s[0], s[2]), po = pack2<__half>(s[1], s[3]);
+        const unsigned ea = __shfl_sync(TM_FULL_MASK, pe, src_a), oa = __shfl_sync(TM_FULL_MASK, po, src_a);
+        const unsigned eb = __shfl_sync(TM_FULL_MASK, pe, src_b), ob = __shfl_sync(TM_FULL_MASK, po, src_b);
+        const unsigned b0 = (gid & 1) ? oa : ea, b1 = (gid & 1) ? ob : eb;
+        // O^T += V^T P^T: this thread's 16 dims of keys tig, tig + 8, tig + 4, tig + 12
+        const uint4 va = *reinterpret_cast<const uint4*>(sv + gqa_v_chunk(tig, gid));
+        const uint4 vb = *reinterpret_cast<const uint4*>(sv + gqa_v_chunk(tig + 8, gid));
+        const uint4 vc = *reinterpret_cast<const uint4*>(sv + gqa_v_chunk(tig + 4, gid));
+        const uint4 vd = *reinterpret_cast<const uint4*>(sv + gqa_v_chunk(tig + 12, gid));
+        const unsigned wa[4] = {va.x, va.y, va.z, va.w}, wb[4] = {vb.x, vb.y, vb.z, vb.w};
+        const unsigned wc[4] = {vc.x, vc.y, vc.z, vc.w}, wd[4] = {vd.x, vd.y, vd.z, vd.w};
+#pragma unroll
+        for (int mt = 0; mt < D / 16; ++mt) {
+            const int w = mt >> 1, b = 2 * (mt & 1);
+            // bytes b, b + 1 (dims 16 gid + 2 mt + {0, 1}) of two key rows, interleaved
+            const unsigned sel = b | ((4 + b) << 4) | ((b + 1) << 8) | ((5 + b) << 12);
+            const unsigned lo = __byte_perm(wa[w], wb[w], sel), hi = __byte_perm(wc[w], wd[w], sel);
+            const unsigned a[4] = {fp8x2_to<__half>(lo), fp8x2_to<__half>(lo >> 16), fp8x2_to<__half>(hi),
+                                   fp8x2_to<__half>(hi >> 16)};
+            mma16816<__half>(o[mt], a, b0, b1);
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // Merge the four warps: partial sums over gid, then unnormalised rows, maxima and sums.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(TM_FULL_MASK, l[h], 4);
+        l[h] += __shfl_xor_sync(TM_FULL_MASK, l[h], 8);
+        l[h] += __shfl_xor_sync(TM_FULL_MASK, l[h], 16);
+    }
+    float* sO = reinterpret_cast<float*>(raw);  // [warp][head 0..7][D]
+#pragma unroll
+    for (int mt = 0; mt < D / 16; ++mt) {
+        const int d = 16 * gid + 2 * mt;
+        float* r0 = sO + (warp * 8 + 2 * tig) * D;
+        float* r1 = r0 + D;
+        r0[d] = o[mt][0];
+        r1[d] = o[mt][1];
+        r0[d + 1] = o[mt][2];
+        r1[d + 1] = o[mt][3];
+    }
+    if (gid == 0) {
+        s_m[warp][2 * tig] = m[0];
+        s_l[warp][2 * tig] = l[0];
+        s_m[warp][2 * tig + 1] = m[1];
+        s_l[warp][2 * tig + 1] = l[1];
+    }
+    __syncthreads();
+    if (tid < 8) {
+        float mm = neg_inf();
+        for (int w = 0; w < 4; ++w) mm = fmaxf(mm, s_m[w][tid]);
+        const float mu = mm == neg_inf() ? 0.f : mm;
+        float ll = 0.f;
+        for (int w = 0; w < 4; ++w) ll += s_l[w][tid] * exp2f(s_m[w][tid] - mu);
+        const float inv = ll > 0.f ? 1.f / ll : 0.f;
+        for (int w = 0; w < 4; ++w) s_f[w][tid] = exp2f(s_m[w][tid] - mu) * inv;
+        if (!rg.direct && tid < gs && tid < group) {
+            const long long idx = ((long long)seq * heads + kvh * group + tid) * num_splits + split;
+            part_ml[2 * idx] = mm;
+            part_ml[2 * idx + 1] = ll;
+        }
+    }
+    __syncthreads();
+    for (int c = tid; c < 8 * D; c += 128) {
+        const int i = c / D, d = c - i * D;
+        if (i >= gs || i >= group) continue;
+        const float v = sO[i * D + d] * s_f[0][i] + sO[(8 + i) * D + d] * s_f[1][i] +
+                        sO[(16 + i) * D + d] * s_f[2][i] + sO[(24 + i) * D + d] * s_f[3][i];
+        const int h = kvh * group + i;
+        if (rg.direct) {
+            out[((long long)sq.q_start * heads + h) * D + d] = from_float<T>(v);
+        } else {
+            part_o[(((long long)seq * heads + h) * num_splits + split) * D + d] = v;
+        }
+    }
+#endif
+}
+
 // Merges split-K partials. grid (heads, num_seqs), block 128.
 template <typename T>
 __device__ __forceinline__ void attn_combine(T* __restrict__ out, const float* __restrict__ part_o,
@@ -1136,6 +1416,8 @@ __device__ __forceinline__ void write_kv_fp8(unsigned char* __restrict__ k_cache
                                  float* part_ml, const int* q_start, const int* q_len, const int* ctx_len,            \
                                  const int* bt_start, const unsigned* block_tables, int heads, int kv_heads, int gs,  \
                                  int block_size, float scale_log2, int window, int num_splits, int partition) {       \
+        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_wait();                                                                                               \
         tm_attn::attn_decode<T, KV, D>(q, k_cache, v_cache, out, part_o, part_ml, q_start, q_len, ctx_len, bt_start,     \
                                    block_tables, heads, kv_heads, gs, block_size, scale_log2, window, num_splits,     \
                                    partition);                                                                         \
@@ -1145,6 +1427,8 @@ __device__ __forceinline__ void write_kv_fp8(unsigned char* __restrict__ k_cache
                                   const int* q_len, const int* ctx_len, const int* bt_start,                          \
                                   const unsigned* block_tables, int num_seqs, int heads, int kv_heads, int gs,        \
                                   int block_size, float scale_log2, int window) {                                     \
+        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_wait();                                                                                               \
         tm_attn::attn_prefill<T, KV, D>(q, k_cache, v_cache, out, q_start, q_len, ctx_len, bt_start, block_tables,       \
                                     num_seqs, heads, kv_heads, gs, block_size, scale_log2, window);                   \
     }
@@ -1165,12 +1449,34 @@ TM_ATTN_TC_ALL_D(bf16, __nv_bfloat16, __nv_bfloat16, )
 TM_ATTN_TC_ALL_D(f16, __half, tm_attn::kv8, _kv8)
 TM_ATTN_TC_ALL_D(bf16, __nv_bfloat16, tm_attn::kv8, _kv8)
 
+#define TM_ATTN_GQA_KV8_KERNEL(SUF, T, NS, NSUF)                                                                       \
+    extern "C" __global__ void __launch_bounds__(128)                                                                  \
+        attn_decode_gqa_d128_##SUF##_kv8##NSUF(const T* q, const tm_attn::kv8* k_cache, const tm_attn::kv8* v_cache,   \
+                                               T* out, float* part_o, float* part_ml, const int* q_start,              \
+                                               const int* q_len, const int* ctx_len, const int* bt_start,              \
+                                               const unsigned* block_tables, int heads, int kv_heads, int gs,          \
+                                               int block_size, float scale_log2, int window, int num_splits,           \
+                                               int partition) {                                                        \
+        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_wait();                                                                                               \
+        tm_attn::attn_decode_gqa_kv8<T, NS>(q, k_cache, v_cache, out, part_o, part_ml, q_start, q_len, ctx_len,        \
+                                            bt_start, block_tables, heads, kv_heads, gs, block_size, scale_log2,       \
+                                            window, num_splits, partition);                                            \
+    }
+
+TM_ATTN_GQA_KV8_KERNEL(f16, __half, 3, )
+TM_ATTN_GQA_KV8_KERNEL(bf16, __nv_bfloat16, 3, )
+TM_ATTN_GQA_KV8_KERNEL(f16, __half, 4, _s4)
+TM_ATTN_GQA_KV8_KERNEL(bf16, __nv_bfloat16, 4, _s4)
+
 #define TM_ATTN_SIMPLE_KERNEL(SUF, T, KV, KSUF)                                                                        \
     extern "C" __global__ void __launch_bounds__(128)                                                                  \
         attn_simple_##SUF##KSUF(const T* q, const KV* k_cache, const KV* v_cache, T* out, const int* q_start,         \
                                 const int* q_len, const int* ctx_len, const int* bt_start,                            \
                                 const unsigned* block_tables, int num_seqs, int heads, int kv_heads, int head_dim,    \
                                 int block_size, float scale, int window) {                                            \
+        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_wait();                                                                                               \
         tm_attn::attn_simple<T, KV>(q, k_cache, v_cache, out, q_start, q_len, ctx_len, bt_start, block_tables,        \
                                     num_seqs, heads, kv_heads, head_dim, block_size, scale, window);                  \
     }
@@ -1179,6 +1485,8 @@ TM_ATTN_TC_ALL_D(bf16, __nv_bfloat16, tm_attn::kv8, _kv8)
     extern "C" __global__ void __launch_bounds__(128)                                                                  \
         attn_combine_##SUF(T* out, const float* part_o, const float* part_ml, const int* q_start, const int* q_len,    \
                            const int* ctx_len, int heads, int head_dim, int window, int num_splits, int partition) {  \
+        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_wait();                                                                                               \
         tm_attn::attn_combine<T>(out, part_o, part_ml, q_start, q_len, ctx_len, heads, head_dim, window, num_splits,  \
                                  partition);                                                                           \
     }                                                                                                                  \
@@ -1187,6 +1495,8 @@ TM_ATTN_TC_ALL_D(bf16, __nv_bfloat16, tm_attn::kv8, _kv8)
     extern "C" __global__ void __launch_bounds__(128)                                                                  \
         write_kv_e4m3_##SUF(unsigned char* k_cache, unsigned char* v_cache, const T* k, const T* v,                   \
                             const unsigned* slots, int tokens, int kv_dim) {                                          \
+        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_wait();                                                                                               \
         tm_attn::write_kv_fp8<T>(k_cache, v_cache, k, v, slots, tokens, kv_dim);                                      \
     }
 

@@ -8,6 +8,11 @@
 // - `TM_KERNEL(name, (params), (args))`: defines `extern "C" __global__` kernels `name_f32`,
 //   `name_f16` and `name_bf16`, each calling the device template `name_impl<T>(args)`; `params` may
 //   name the dtype as `T`. `TM_KERNEL_BOUNDS(name, threads, ...)` adds `__launch_bounds__(threads)`.
+//   The wrapper calls `pdl_launch_dependents()` and `pdl_wait()` before `name_impl`;
+// - programmatic dependent launch: `tmk::pdl_launch_dependents()`, `tmk::pdl_wait()`. Every kernel
+//   not defined through `TM_KERNEL` must call `pdl_wait()` before it reads what an earlier kernel
+//   wrote, before any global write and before any `return` (the tm-kernels test
+//   `every_kernel_waits_for_its_predecessors` checks the sources; see ABI.md).
 //
 // Only the CUDA fp16/bf16 headers are included, so the sources also compile with NVRTC.
 #pragma once
@@ -126,7 +131,11 @@ __device__ __forceinline__ float block_max(float v) {
 #define TM_KERNEL_ONE_(name, sfx, TYPE, bounds, PARAMS, ARGS)        \
     namespace tm_kernel_##name##_##sfx {                             \
     typedef TYPE T;                                                  \
-    extern "C" __global__ void bounds name##_##sfx PARAMS { name##_impl<T> ARGS; } \
+    extern "C" __global__ void bounds name##_##sfx PARAMS {           \
+        tmk::pdl_launch_dependents();                                \
+        tmk::pdl_wait();                                             \
+        name##_impl<T> ARGS;                                         \
+    }                                                                \
     }
 
 #define TM_KERNEL_ALL_(name, bounds, PARAMS, ARGS)                   \

@@ -3,7 +3,7 @@
 // crates/tm-cuda/src/kernels/elementwise.rs.
 //
 // Launch shapes (every kernel also loops, so smaller grids stay correct):
-// - row kernels (embedding*, write_kv, gather_rows): grid.x = rows, 1-D blocks;
+// - row kernels (embedding*, write_kv, gather_rows, zero_rows): grid.x = rows, 1-D blocks;
 // - rms_norm, add_rms_norm: block (bx, by) with bx a multiple of 32; each row is handled by the
 //   bx threads of one `threadIdx.y`; by > 1 only with bx == 32 (one warp per row);
 // - rope: grid.x = tokens (or fewer), dynamic shared memory `head_dim * sizeof(float)`;
@@ -12,6 +12,7 @@
 // row length is a multiple of the vector width; otherwise the scalar path runs.
 
 #include "common.cuh"
+#include "norm.cuh"
 
 using tmk::from_float;
 using tmk::i64;
@@ -49,6 +50,18 @@ __device__ __forceinline__ void gather_rows_impl(T* out, const T* x, const unsig
     }
 }
 TM_KERNEL(gather_rows, (T * out, const T* x, const unsigned* rows, int n, int cols), (out, x, rows, n, cols))
+
+/// `x[r] = 0` for every row `r < n` with `keep[r] == 0` (a vocab-parallel embedding's rows of
+/// tokens another rank holds); other rows are left alone.
+template <typename T>
+__device__ __forceinline__ void zero_rows_impl(T* x, const unsigned* keep, int n, int cols) {
+    for (int r = blockIdx.x; r < n; r += gridDim.x) {
+        if (keep[r] != 0u) continue;
+        T* row = x + (i64)r * cols;
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) row[i] = from_float<T>(0.0f);
+    }
+}
+TM_KERNEL(zero_rows, (T * x, const unsigned* keep, int n, int cols), (x, keep, n, cols))
 
 /// Slot `0xffffffff` marks a padding token that is not written.
 template <typename T>
@@ -153,97 +166,8 @@ TM_KERNEL(embedding_q4,
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: `out = x * (1 / sqrt(mean(x^2) + eps)) * w`, one row per `threadIdx.y`.
 
-/// Sum over the threads sharing a row: a warp when `blockDim.x == 32`, else the whole block
-/// (then `blockDim.y == 1`). Uniform per block, so every thread reaches the same barriers.
-__device__ __forceinline__ float row_sum(float v) { return blockDim.x == 32 ? tmk::warp_sum(v) : tmk::block_sum(v); }
-
-/// Vectors per thread kept in registers between the two passes; longer rows are re-read.
-constexpr int NORM_CACHED = 4;
-/// The largest block the launcher uses for the norms (`bx * by`).
-#define NORM_MAX_THREADS 512
-
-/// `add`: `residual += x` first (rounded to `T`, written back), then the norm of `residual`.
-template <typename T, bool ADD>
-__device__ __forceinline__ void norm_row(T* o, T* resid, const T* x, const T* w, float eps, int cols) {
-    constexpr int N = Vec16<T>::N;
-    const int tid = threadIdx.x, nt = blockDim.x;
-    // For rms_norm the input row is `x`; for add_rms_norm it is `resid` (after the addition).
-    const T* in = ADD ? resid : x;
-    float ss = 0.0f;
-    const bool vec = tmk::aligned16(o) && tmk::aligned16(in) && tmk::aligned16(x) && tmk::aligned16(w) && cols % N == 0;
-    if (vec) {
-        const int nvec = cols / N;
-        Vec16<T> cached[NORM_CACHED];
-#pragma unroll
-        for (int k = 0; k < NORM_CACHED; ++k) {
-            const int i = tid + k * nt;
-            if (i < nvec) {
-                Vec16<T> v = tmk::load16(in + (i64)i * N);
-                if (ADD) {
-                    const Vec16<T> a = tmk::load16(x + (i64)i * N);
-#pragma unroll
-                    for (int j = 0; j < N; ++j) v.v[j] = from_float<T>(to_float(v.v[j]) + to_float(a.v[j]));
-                    tmk::store16(resid + (i64)i * N, v);
-                }
-#pragma unroll
-                for (int j = 0; j < N; ++j) {
-                    const float f = to_float(v.v[j]);
-                    ss += f * f;
-                }
-                cached[k] = v;
-            }
-        }
-        for (int i = tid + NORM_CACHED * nt; i < nvec; i += nt) {
-            Vec16<T> v = tmk::load16(in + (i64)i * N);
-            if (ADD) {
-                const Vec16<T> a = tmk::load16(x + (i64)i * N);
-#pragma unroll
-                for (int j = 0; j < N; ++j) v.v[j] = from_float<T>(to_float(v.v[j]) + to_float(a.v[j]));
-                tmk::store16(resid + (i64)i * N, v);
-            }
-#pragma unroll
-            for (int j = 0; j < N; ++j) {
-                const float f = to_float(v.v[j]);
-                ss += f * f;
-            }
-        }
-        ss = row_sum(ss);
-        const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
-#pragma unroll
-        for (int k = 0; k < NORM_CACHED; ++k) {
-            const int i = tid + k * nt;
-            if (i < nvec) {
-                const Vec16<T> wv = tmk::load16(w + (i64)i * N);
-                Vec16<T> r;
-#pragma unroll
-                for (int j = 0; j < N; ++j) r.v[j] = from_float<T>(to_float(cached[k].v[j]) * inv * to_float(wv.v[j]));
-                tmk::store16(o + (i64)i * N, r);
-            }
-        }
-        // Rows longer than the cache: re-read (this thread wrote `resid` there itself).
-        for (int i = tid + NORM_CACHED * nt; i < nvec; i += nt) {
-            const Vec16<T> v = tmk::load16(in + (i64)i * N);
-            const Vec16<T> wv = tmk::load16(w + (i64)i * N);
-            Vec16<T> r;
-#pragma unroll
-            for (int j = 0; j < N; ++j) r.v[j] = from_float<T>(to_float(v.v[j]) * inv * to_float(wv.v[j]));
-            tmk::store16(o + (i64)i * N, r);
-        }
-    } else {
-        for (int i = tid; i < cols; i += nt) {
-            float f = to_float(in[i]);
-            if (ADD) {
-                const T s = from_float<T>(f + to_float(x[i]));
-                resid[i] = s;
-                f = to_float(s);
-            }
-            ss += f * f;
-        }
-        ss = row_sum(ss);
-        const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
-        for (int i = tid; i < cols; i += nt) o[i] = from_float<T>(to_float(in[i]) * inv * to_float(w[i]));
-    }
-}
+// The row arithmetic (`norm_row`) lives in norm.cuh, shared with the fused all-reduce + norm of
+// collectives.cu so that both round identically.
 
 template <typename T>
 __device__ __forceinline__ void rms_norm_impl(T* out, const T* x, const T* w, float eps, int rows, int cols) {

@@ -35,6 +35,8 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+#include "common.cuh"  // tmk::pdl_launch_dependents, tmk::pdl_wait
+
 namespace tmg {
 
 constexpr int THREADS = 256;
@@ -330,6 +332,8 @@ __device__ __forceinline__ void q4_gemm(T* __restrict__ out, const T* __restrict
         matmul_q4_gemm_##NAME##_##SUF(T* __restrict__ out, const T* __restrict__ x,                              \
                                       const unsigned char* __restrict__ packed, const __half* __restrict__ scales, \
                                       const __half* __restrict__ mins, int n, int rows, int cols, int group) {   \
+        tmk::pdl_launch_dependents();                                                                            \
+        tmk::pdl_wait();                                                                                         \
         tmg::q4_gemm<T, BM, BN, WM, WN, ST>(out, x, packed, scales, mins, n, rows, cols, group);                \
     }
 

@@ -15,12 +15,17 @@
 //   (mma.sync m16n8k16, f32 accumulators; block tile 64 x 128 x 64, 8 warps of 32 x 32);
 //   T = f32 uses CUDA cores (block tile 64 x 64 x 32, 4 x 4 per thread), so f32 stays f32-exact.
 //
+// A third entry, `dequant_q4_rows_T` (f16/bf16), writes a slab of int4 rows dequantized into a
+// scratch buffer for the large-batch path that multiplies it with cuBLASLt.
+//
 // Requirements checked by the launcher: cols % 32 == 0, group % 32 == 0, cols % group == 0,
 // `packed` / `q` 16-byte aligned. `x` and `out` need only element alignment (16-byte vector loads
 // of x are used when x is 16-byte aligned). Offsets into W and x are 64-bit.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+
+#include "common.cuh"  // tmk::pdl_launch_dependents, tmk::pdl_wait
 
 namespace tmq {
 
@@ -604,6 +609,49 @@ __device__ __forceinline__ void tiled<float, false>(float* __restrict__ out, con
     tiled_simt<false>(out, x, wq, scales, mins, n, rows, cols, group);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Dequantization of a slab of int4 rows into T (T = __half or __nv_bfloat16), for the
+// large-batch slab path (tm-cuda/src/ops/q4_slab.rs): out[(r - r0) * cols + c] = T(q * scale + min)
+// for rows r in [r0, r0 + nrows), rounded exactly like the tiled kernel's shared-memory tiles
+// (fmaf in f32, then round to nearest T). One thread per 32-column block: a 16-byte load of the
+// packed row, four 16-byte stores (cols % 32 == 0 keeps every store 16-byte aligned when `out`
+// is).
+
+constexpr int DEQ_THREADS = 256;
+
+template <class T>
+__device__ __forceinline__ void dequant_q4_rows(T* __restrict__ out, const unsigned char* __restrict__ packed,
+                                                const __half* __restrict__ scales, const __half* __restrict__ mins,
+                                                int r0, int nrows, int cols, int group) {
+    const long long nblk = cols >> 5;
+    const long long i = (long long)blockIdx.x * DEQ_THREADS + threadIdx.x;
+    if (i >= (long long)nrows * nblk) return;
+    const long long r = i / nblk, b = i - r * nblk;
+    const long long row = (long long)r0 + r;
+    const int groups = cols / group;
+    const long long gi = row * groups + (int)((b << 5) / group);
+    const float s = __half2float(scales[gi]);
+    const float m = __half2float(mins[gi]);
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(packed + row * (cols >> 1) + (b << 4)));
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
+    T* dst = out + r * cols + (b << 5);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // low nibbles -> columns 0..15 of the block, high -> 16..31
+        unsigned p[8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const unsigned nib = (h ? (words[k] >> 4) : words[k]) & 0x0F0F0F0Fu;
+            float f[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) f[e] = fmaf(byte_biased(nib, e) - 8388608.f, s, m);
+            p[2 * k] = pack2<T>(f[0], f[1]);
+            p[2 * k + 1] = pack2<T>(f[2], f[3]);
+        }
+        reinterpret_cast<uint4*>(dst + 16 * h)[0] = make_uint4(p[0], p[1], p[2], p[3]);
+        reinterpret_cast<uint4*>(dst + 16 * h + 8)[0] = make_uint4(p[4], p[5], p[6], p[7]);
+    }
+}
+
 }  // namespace tmq
 
 // ---------------------------------------------------------------------------------------------
@@ -614,11 +662,15 @@ __device__ __forceinline__ void tiled<float, false>(float* __restrict__ out, con
         matmul_q4_gemv##NB##_##SUF(T* __restrict__ out, const T* __restrict__ x,                                 \
                                    const unsigned char* __restrict__ packed, const __half* __restrict__ scales, \
                                    const __half* __restrict__ mins, int n, int rows, int cols, int group) {     \
+        tmk::pdl_launch_dependents();                                                                           \
+        tmk::pdl_wait();                                                                                        \
         tmq::gemv_q4<T, NB>(out, x, packed, scales, mins, n, rows, cols, group);                               \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(tmq::GEMV_THREADS)                                             \
         matmul_q8_gemv##NB##_##SUF(T* __restrict__ out, const T* __restrict__ x, const signed char* __restrict__ q, \
                                    const __half* __restrict__ scales, int n, int rows, int cols, int group) {   \
+        tmk::pdl_launch_dependents();                                                                           \
+        tmk::pdl_wait();                                                                                        \
         tmq::gemv_q8<T, NB>(out, x, q, scales, n, rows, cols, group);                                           \
     }
 
@@ -631,11 +683,15 @@ __device__ __forceinline__ void tiled<float, false>(float* __restrict__ out, con
         matmul_q4_tiled_##SUF(T* __restrict__ out, const T* __restrict__ x, const unsigned char* __restrict__ packed, \
                               const __half* __restrict__ scales, const __half* __restrict__ mins, int n, int rows, \
                               int cols, int group) {                                                             \
+        tmk::pdl_launch_dependents();                                                                            \
+        tmk::pdl_wait();                                                                                         \
         tmq::tiled<T, true>(out, x, packed, scales, mins, n, rows, cols, group);                                 \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(tmq::TILED_THREADS)                                            \
         matmul_q8_tiled_##SUF(T* __restrict__ out, const T* __restrict__ x, const signed char* __restrict__ q,   \
                               const __half* __restrict__ scales, int n, int rows, int cols, int group) {        \
+        tmk::pdl_launch_dependents();                                                                           \
+        tmk::pdl_wait();                                                                                        \
         tmq::tiled<T, false>(out, x, reinterpret_cast<const unsigned char*>(q), scales, nullptr, n, rows, cols, \
                              group);                                                                             \
     }
@@ -643,3 +699,16 @@ __device__ __forceinline__ void tiled<float, false>(float* __restrict__ out, con
 TMQ_KERNELS(f32, float)
 TMQ_KERNELS(f16, __half)
 TMQ_KERNELS(bf16, __nv_bfloat16)
+
+#define TMQ_DEQUANT(SUF, T)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(tmq::DEQ_THREADS)                                              \
+        dequant_q4_rows_##SUF(T* __restrict__ out, const unsigned char* __restrict__ packed,                    \
+                              const __half* __restrict__ scales, const __half* __restrict__ mins, int r0,       \
+                              int nrows, int cols, int group) {                                                 \
+        tmk::pdl_launch_dependents();                                                                           \
+        tmk::pdl_wait(); /* the previous slab's GEMM may still read the scratch this overwrites */             \
+        tmq::dequant_q4_rows<T>(out, packed, scales, mins, r0, nrows, cols, group);                             \
+    }
+
+TMQ_DEQUANT(f16, __half)
+TMQ_DEQUANT(bf16, __nv_bfloat16)

@@ -31,6 +31,8 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+#include "common.cuh"  // tmk::pdl_launch_dependents, tmk::pdl_wait
+
 namespace tms {
 
 typedef unsigned long long u64;
@@ -677,10 +679,14 @@ template <class T> __device__ void argmax_row(const T* __restrict__ logits, int 
         sample_##SUF(const T* __restrict__ logits, int vocab, const tms::Params* __restrict__ params,            \
                      const unsigned* __restrict__ penalty_tokens, const unsigned* __restrict__ penalty_counts,   \
                      unsigned* __restrict__ out, float* scratch) {                                               \
+        tmk::pdl_launch_dependents();                                                                            \
+        tmk::pdl_wait();                                                                                         \
         tms::sample_row<T>(logits, vocab, params, penalty_tokens, penalty_counts, out, scratch);                 \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(tms::NT, 1)                                                     \
         argmax_##SUF(const T* __restrict__ logits, int vocab, unsigned* __restrict__ out) {                      \
+        tmk::pdl_launch_dependents();                                                                            \
+        tmk::pdl_wait();                                                                                         \
         tms::argmax_row<T>(logits, vocab, out);                                                                  \
     }
 

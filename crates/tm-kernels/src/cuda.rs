@@ -117,7 +117,7 @@ mod tests {
     #[test]
     fn elementwise_defines_every_abi_kernel() {
         let kernels = abi_kernels("elementwise.cu");
-        assert_eq!(kernels.len(), 11, "{kernels:?}");
+        assert_eq!(kernels.len(), 12, "{kernels:?}");
         let src = modules().iter().find(|s| s.name == "elementwise.cu").expect("elementwise.cu").text;
         for k in &kernels {
             assert!(
@@ -153,7 +153,7 @@ mod tests {
     #[test]
     fn collectives_define_every_abi_kernel() {
         let kernels = abi_kernels("collectives.cu");
-        assert_eq!(kernels, ["peer_all_reduce", "peer_all_gather"]);
+        assert_eq!(kernels, ["peer_all_reduce", "peer_all_gather", "peer_all_reduce_add_rms_norm"]);
         let src = modules().iter().find(|s| s.name == "collectives.cu").expect("collectives.cu").text;
         for k in &kernels {
             assert!(src.contains(&format!("TM_KERNEL_BOUNDS({k},")), "collectives.cu does not define `{k}`");

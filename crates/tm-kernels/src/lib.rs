@@ -7,4 +7,5 @@
 //! with NVRTC at run time.
 
 pub mod cuda;
+pub mod pdl;
 pub mod wgsl;

@@ -197,6 +197,19 @@ impl Comm for Watched {
     fn all_reduce_sum(&self, tensor: &mut Tensor, step: &str, deadline: Duration) -> tm_core::Result<()> {
         self.tick(|| self.inner.all_reduce_sum(tensor, step, deadline))
     }
+    fn all_reduce_add_rms_norm(
+        &self,
+        ops: &dyn Ops,
+        x: &mut Tensor,
+        residual: &mut Tensor,
+        weight: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+        step: &str,
+        deadline: Duration,
+    ) -> tm_core::Result<()> {
+        self.tick(|| self.inner.all_reduce_add_rms_norm(ops, x, residual, weight, eps, out, step, deadline))
+    }
     fn all_gather(&self, input: &Tensor, output: &mut Tensor, step: &str, deadline: Duration) -> tm_core::Result<()> {
         self.tick(|| self.inner.all_gather(input, output, step, deadline))
     }

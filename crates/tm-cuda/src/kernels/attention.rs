@@ -14,7 +14,9 @@
 //! **FP8 KV cache** (`kv` = [`DType::F8E4M3`]): the same kernels with the `_kv8` suffix read E4M3
 //! codes and convert them in registers (decode: straight from a ring of raw shared-memory stages
 //! of codes into the mma fragments; prefill: through one raw stage and one stage of converted
-//! tiles); [`write_kv_e4m3`] converts K and V as it writes them.
+//! tiles); [`write_kv_e4m3`] converts K and V as it writes them. Decode with `head_dim` 128 and
+//! groups of at most 8 heads takes `attn_decode_gqa_d128`, which puts the keys rather than the
+//! query heads in the mma's 16 rows (half the tensor-core and fragment work for a group of 4).
 //!
 //! The split-K plan depends only on `num_seqs`, `kv_heads`, `heads / kv_heads`, `max_ctx_len` and
 //! `window`, so [`scratch_bytes`] and [`attention`] agree without the device.
@@ -138,6 +140,35 @@ fn decode_kv8_row(head_dim: usize) -> usize {
     }
 }
 
+/// Largest KV group with the transposed fp8 decode kernel (`attn_decode_gqa_d128_*_kv8`: the
+/// group's heads are the 8 columns of the mma's B operand).
+const GQA_MAX_GROUP: usize = 8;
+
+/// Whether the decode of this shape takes the transposed fp8 kernel: an fp8 cache, `head_dim`
+/// 128, a group of at most [`GQA_MAX_GROUP`] heads, and `TM_ATTN_DECODE_GQA` not `0` (read once;
+/// `0` gives the 16-row kernel, to compare).
+fn gqa_decode(head_dim: usize, group: usize, kv8: bool) -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("TM_ATTN_DECODE_GQA").map_or(true, |v| v.trim() != "0"));
+    on && kv8 && head_dim == 128 && group <= GQA_MAX_GROUP
+}
+
+/// Raw K/V stages of the transposed fp8 decode kernel: 3 (the `attn_decode_gqa_d128_*_kv8`
+/// kernels), or 4 (`..._kv8_s4`) with `TM_ATTN_GQA_STAGES=4` (read once).
+fn gqa_decode_stages() -> usize {
+    static STAGES: OnceLock<usize> = OnceLock::new();
+    *STAGES.get_or_init(|| match std::env::var("TM_ATTN_GQA_STAGES").ok().as_deref().map(str::trim) {
+        Some("4") => 4,
+        _ => 3,
+    })
+}
+
+/// Dynamic shared memory of the transposed fp8 decode kernel (`GqaKv8Cfg`): 8 query rows and a
+/// ring of `stages` raw stages of 64 K rows and 64 V rows of `head_dim` bytes (swizzled, unpadded).
+fn gqa_decode_smem(head_dim: usize, esize: usize, stages: usize) -> usize {
+    8 * (head_dim + 8) * esize + stages * DECODE_TILE * 2 * head_dim
+}
+
 /// Query rows (tokens x group heads) per prefill CTA (`PrefillCfg::BM`).
 fn prefill_rows(head_dim: usize) -> usize {
     if head_dim <= 128 {
@@ -212,8 +243,16 @@ fn decode_plan(shape: &AttentionShape, batch: &AttentionBatch) -> DecodePlan {
     let cap = keys.div_ceil(min_partition).clamp(1, MAX_SPLITS);
     let want = target_ctas.div_ceil(ctas).clamp(1, cap);
     let partition = keys.div_ceil(want).next_multiple_of(DECODE_TILE);
-    DecodePlan { splits: keys.div_ceil(partition), partition }
+    let splits = keys.div_ceil(partition);
+    // One split covers any context: pass a partition that does not grow with the longest
+    // context, so that the kernel's arguments (a CUDA graph's signature) stay the same while
+    // the sequences grow (large batches take one split for contexts up to thousands of keys).
+    let partition = if splits == 1 { ONE_SPLIT_PARTITION } else { partition };
+    DecodePlan { splits, partition }
 }
+
+/// The partition passed when one split covers the context (any context fits in it).
+const ONE_SPLIT_PARTITION: usize = (i32::MAX as usize / DECODE_TILE) * DECODE_TILE;
 
 /// Bytes of scratch [`attention`] needs for this call: the split-K partial outputs and their
 /// (max, sum) pairs, `num_seqs * heads * splits * (head_dim + 2)` f32 (0 when one split
@@ -320,7 +359,11 @@ pub fn attention(
     let seqs_u = to_u32("num_seqs", batch.num_seqs)?;
 
     let esize = dt.bits() / 8;
-    let (decode_smem, prefill_smem) = tc_smem(head_dim, esize, kv == DType::F8E4M3);
+    let kv8 = kv == DType::F8E4M3;
+    let gqa = gqa_decode(head_dim, group, kv8);
+    let (decode_smem, prefill_smem) = tc_smem(head_dim, esize, kv8);
+    let gqa_stages = gqa_decode_stages();
+    let decode_smem = if gqa { gqa_decode_smem(head_dim, esize, gqa_stages) } else { decode_smem };
     // A single sequence is a decode exactly when it has one query row.
     let decode = batch.all_decode || batch.num_seqs > 1 || batch.total_q == 1;
     let prefill = !batch.all_decode && batch.max_q_len > 1;
@@ -356,6 +399,8 @@ pub fn attention(
 
     if decode {
         let plan = decode_plan(shape, batch);
+        // The transposed kernel takes the whole group (<= 8 heads) in one CTA, as the 16-row
+        // kernel does for groups up to 16: the same grid and split plan.
         let (gs, n_sub) = sub_groups(group, DECODE_ROWS);
         let part_o = scratch;
         let part_ml = scratch + (batch.num_seqs * heads * plan.splits * head_dim * 4) as u64;
@@ -379,7 +424,13 @@ pub fn attention(
             KernelArg::I32(to_i32("partition", plan.partition)?),
         ]);
         let grid = (to_u32("splits", plan.splits)?, to_u32("kv_heads * sub-groups", kv_heads * n_sub)?, seqs_u);
-        gpu.launch(&format!("attn_decode_d{head_dim}_{sfx}{ksfx}"), grid, (THREADS, 1, 1), decode_smem as u32, &args)?;
+        let name = if gqa {
+            let ns = if gqa_stages == 4 { "_s4" } else { "" };
+            format!("attn_decode_gqa_d{head_dim}_{sfx}{ksfx}{ns}")
+        } else {
+            format!("attn_decode_d{head_dim}_{sfx}{ksfx}")
+        };
+        gpu.launch(&name, grid, (THREADS, 1, 1), decode_smem as u32, &args)?;
         if plan.splits > 1 {
             let args = [
                 KernelArg::Ptr(out),
@@ -504,6 +555,7 @@ mod tests {
                         assert_eq!(p.partition % DECODE_TILE, 0);
                         assert!(p.splits * p.partition >= keys, "{seqs} {ctx} {h}/{kv} {window}: {p:?}");
                         assert!((p.splits - 1) * p.partition < keys.max(1));
+                        assert!(p.splits > 1 || p.partition == ONE_SPLIT_PARTITION);
                         assert_eq!(scratch_bytes(&s, &b) == 0, p.splits == 1);
                     }
                 }
@@ -535,6 +587,20 @@ mod tests {
             // and 99 KB per block (sm_86/sm_89) still holds every fp8 decode kernel
             assert!(tc_smem(d, 2, true).0 + 1024 <= 99 * 1024, "head_dim {d}");
         }
+        // the transposed fp8 decode kernel (GqaKv8Cfg): 8 Q rows and stages of 64 K + 64 V rows
+        // of 128 bytes; four CTAs fit on an sm_90 SM with 3 stages; the merge ([4][8][128]
+        // floats) fits in the ring
+        assert_eq!(gqa_decode_smem(128, 2, 3), 8 * 136 * 2 + 3 * 64 * 256);
+        assert!(4 * (gqa_decode_smem(128, 2, 3) + 1024 + 384) <= 228 * 1024);
+        assert!(gqa_decode_smem(128, 2, 4) + 1024 <= 99 * 1024);
+        let ring = gqa_decode_smem(128, 2, 3) - 8 * 136 * 2;
+        assert!(ring >= 4 * 8 * 128 * 4);
+    }
+
+    #[test]
+    fn transposed_fp8_decode_takes_groups_up_to_8_at_head_dim_128() {
+        assert!(gqa_decode(128, 4, true) && gqa_decode(128, 8, true) && gqa_decode(128, 1, true));
+        assert!(!gqa_decode(128, 16, true) && !gqa_decode(64, 4, true) && !gqa_decode(128, 4, false));
     }
 
     #[test]

@@ -165,16 +165,29 @@ pub fn embedding_q4(
     )
 }
 
+/// The threads that share one norm row of `cols` elements of `dt`: one warp for rows of at most
+/// 64 16-byte vectors, else a multiple of 32 up to `NORM_THREADS`. The row's sum of squares is
+/// reduced in an order that depends on it, so a kernel that must round exactly as `rms_norm` and
+/// `add_rms_norm` do (the fused collective of [`crate::peer`]) uses the same width.
+pub(crate) fn norm_row_threads(dt: DType, cols: usize) -> u32 {
+    let vectors = cols.div_ceil(vec_width(dt));
+    if vectors <= 64 {
+        32
+    } else {
+        threads_for(vectors, NORM_THREADS)
+    }
+}
+
 /// Block and grid for a norm over `rows` rows of `cols`: one warp per row (several rows per
 /// block) for short rows, else one block of up to `NORM_THREADS` threads per row.
 fn norm_shape(dt: DType, rows: usize, cols: usize) -> (Dim3, Dim3) {
-    let vectors = cols.div_ceil(vec_width(dt));
-    if vectors <= 64 {
+    let threads = norm_row_threads(dt, cols);
+    if threads == 32 {
         let by = NORM_ROWS_PER_WARP_BLOCK;
         let blocks = (rows as u64).div_ceil(by as u64) as u32;
         ((blocks, 1, 1), (32, by, 1))
     } else {
-        ((rows as u32, 1, 1), (threads_for(vectors, NORM_THREADS), 1, 1))
+        ((rows as u32, 1, 1), (threads, 1, 1))
     }
 }
 
@@ -395,6 +408,23 @@ pub fn gather_rows(gpu: &Gpu, dt: DType, out: u64, x: u64, rows: u64, n: usize, 
         (threads, 1, 1),
         0,
         &[KernelArg::Ptr(out), KernelArg::Ptr(x), KernelArg::Ptr(rows), KernelArg::I32(n32), KernelArg::I32(c32)],
+    )
+}
+
+/// Zeroes every row `r < n` of `x` (`[n, cols]`) whose `keep[r]` (device u32s) is 0.
+pub fn zero_rows(gpu: &Gpu, dt: DType, x: u64, keep: u64, n: usize, cols: usize) -> Result<()> {
+    let op = "zero_rows";
+    let (n32, c32) = (int(op, "n", n)?, int(op, "cols", cols)?);
+    if n == 0 || cols == 0 {
+        return Ok(());
+    }
+    let threads = threads_for(cols, THREADS);
+    gpu.launch(
+        &name(op, dt)?,
+        row_grid(n32),
+        (threads, 1, 1),
+        0,
+        &[KernelArg::Ptr(x), KernelArg::Ptr(keep), KernelArg::I32(n32), KernelArg::I32(c32)],
     )
 }
 

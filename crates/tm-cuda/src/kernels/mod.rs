@@ -6,6 +6,7 @@ pub mod elementwise;
 pub mod gemv;
 pub mod q4_gemm;
 pub mod q4_gemv;
+pub mod q4_slab;
 pub mod quant;
 pub mod sampling;
 

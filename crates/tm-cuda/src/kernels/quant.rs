@@ -216,6 +216,76 @@ pub fn matmul_q8(
     )
 }
 
+/// Threads per block of `dequant_q4_rows`; each takes one 32-column block of a row.
+const DEQUANT_THREADS: u32 = 256;
+
+/// Kernel name and grid of `dequant_q4_rows` for `nrows` rows of `cols` columns.
+fn dequant_plan(dt: DType, nrows: usize, cols: usize) -> Result<(String, Dim3)> {
+    if !matches!(dt, DType::F16 | DType::BF16) {
+        return Err(Error::invalid(format!("dequant_q4_rows: dtype {dt} (f16 or bf16 only)")));
+    }
+    let threads = nrows
+        .checked_mul(cols / 32)
+        .ok_or_else(|| Error::invalid(format!("dequant_q4_rows: {nrows} rows × {cols} columns overflow")))?;
+    let blocks = u32::try_from(threads.div_ceil(DEQUANT_THREADS as usize))
+        .map_err(|_| Error::invalid(format!("dequant_q4_rows: {nrows} rows × {cols} columns need too many blocks")))?;
+    Ok((format!("dequant_q4_rows_{}", suffix(dt)?), (blocks, 1, 1)))
+}
+
+/// Dequantizes rows `[r0, r0 + nrows)` of an int4 `W` (`packed` u8 `[rows, cols/2]`, `scales` and
+/// `mins` f16 `[rows, cols/group]`, all of the whole matrix) into `out`, row-major
+/// `[nrows, cols]` of `dt` (f16 or bf16): `out[r - r0][c] = dt(q * scale + min)`, rounded like
+/// the tiled kernel's tiles. `out` must hold `nrows * cols` elements and be 16-byte aligned. All
+/// pointers are device addresses; the kernel is queued on the GPU's stream.
+#[allow(clippy::too_many_arguments)]
+pub fn dequant_q4_rows(
+    gpu: &Gpu,
+    dt: DType,
+    out: u64,
+    packed: u64,
+    scales: u64,
+    mins: u64,
+    r0: usize,
+    nrows: usize,
+    rows: usize,
+    cols: usize,
+    group: usize,
+) -> Result<()> {
+    let op = "dequant_q4_rows";
+    check_shape(op, cols, group)?;
+    let end = r0
+        .checked_add(nrows)
+        .filter(|&e| e <= rows)
+        .ok_or_else(|| Error::invalid(format!("{op}: rows {r0}..{r0}+{nrows} are outside the matrix's {rows} rows")))?;
+    let (r32, n32, c32, g32) =
+        (int(op, "r0", r0)?, int(op, "nrows", nrows)?, int(op, "cols", cols)?, int(op, "group", group)?);
+    int(op, "last row", end)?;
+    check_align(op, "packed weight", packed, 16)?;
+    check_align(op, "output", out, 16)?;
+    check_align(op, "scales", scales, 2)?;
+    check_align(op, "mins", mins, 2)?;
+    if nrows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let (name, grid) = dequant_plan(dt, nrows, cols)?;
+    gpu.launch(
+        &name,
+        grid,
+        (DEQUANT_THREADS, 1, 1),
+        0,
+        &[
+            KernelArg::Ptr(out),
+            KernelArg::Ptr(packed),
+            KernelArg::Ptr(scales),
+            KernelArg::Ptr(mins),
+            KernelArg::I32(r32),
+            KernelArg::I32(n32),
+            KernelArg::I32(c32),
+            KernelArg::I32(g32),
+        ],
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,6 +303,14 @@ mod tests {
         assert_eq!((name.as_str(), grid), ("matmul_q8_tiled_f32", (65, 3, 1)));
         assert!(plan(Kind::Int4, DType::I8, 1, 1).is_err());
         assert!(plan(Kind::Int4, DType::F16, MAX_GRID_Y * TILE_N + 1, 1).is_err());
+    }
+
+    #[test]
+    fn dequant_grid_covers_every_block() {
+        let (name, grid) = dequant_plan(DType::BF16, 2048, 14336).unwrap();
+        assert_eq!((name.as_str(), grid), ("dequant_q4_rows_bf16", (2048 * 448 / 256, 1, 1)));
+        assert_eq!(dequant_plan(DType::F16, 3, 96).unwrap(), ("dequant_q4_rows_f16".to_string(), (1, 1, 1)));
+        assert!(dequant_plan(DType::F32, 8, 64).is_err());
     }
 
     #[test]

@@ -27,6 +27,8 @@ pub(crate) enum Slot {
     Attention,
     /// Row indices for gather_rows.
     Rows,
+    /// Which rows of a vocab-parallel embedding this rank holds (`embedding_slice`).
+    Keep,
     /// Sampling parameters.
     SampleParams,
     /// Penalty token ids.
@@ -35,7 +37,7 @@ pub(crate) enum Slot {
     PenaltyCounts,
 }
 
-const SLOTS: usize = 9;
+const SLOTS: usize = 10;
 
 #[derive(Debug, Default)]
 struct Entry {

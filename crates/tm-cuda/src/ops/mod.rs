@@ -3,13 +3,17 @@
 //! Every kernel runs on the GPU's one stream, in call order; only `download`, `sample` and
 //! `download_f32` wait for it. Activations, dense weights and the KV cache are in the backend's
 //! dtype (bf16, f16 or f32); int4/int8 weights stay packed and are dequantized inside the matrix
-//! kernels. Dense products go through cuBLASLt.
+//! kernels, or, for large batches, a slab of rows at a time into a fixed scratch buffer that
+//! cuBLASLt then multiplies ([`q4_slab`]). Dense products go through cuBLASLt.
 
 mod fused;
 mod graphs;
 mod meta;
+mod q4_slab;
 
-use std::sync::{Arc, Mutex, MutexGuard};
+pub use q4_slab::{set_slab_policy, slab_products};
+
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use tm_core::checks::{self, rows_of, same_numel};
 use tm_core::ops::{AttentionMeta, SampleRequest};
@@ -67,6 +71,8 @@ pub struct CudaBackend {
     dtype: DType,
     state: Mutex<StepState>,
     graphs: Option<Mutex<graphs::GraphCache>>,
+    /// The int4 slab buffer of large-batch int4 products, once reserved ([`q4_slab`]).
+    slab: OnceLock<Buffer>,
 }
 
 fn ptr(t: &Tensor) -> u64 {
@@ -119,6 +125,7 @@ impl CudaBackend {
             dtype: opts.dtype,
             state: Mutex::new(StepState::default()),
             graphs: opts.cuda_graphs.then(|| Mutex::new(graphs::GraphCache::default())),
+            slab: OnceLock::new(),
         })
     }
 
@@ -185,7 +192,7 @@ impl CudaBackend {
 
     fn quant_matmul(&self, x: &Tensor, q: &QuantWeight, int4: bool, n: usize, out: &mut Tensor) -> Result<()> {
         if int4 {
-            if self.try_q4_gemv(x, q, n, out)? {
+            if self.try_q4_gemv(x, q, n, out)? || self.try_q4_slab(x, q, n, out)? {
                 return Ok(());
             }
             let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
@@ -238,6 +245,11 @@ impl Ops for CudaBackend {
     }
     fn supports_kv_cache_dtype(&self, dtype: DType) -> bool {
         dtype == self.dtype || dtype == DType::F8E4M3
+    }
+
+    fn reserve_matmul_scratch(&self, max_tokens: usize) -> Result<()> {
+        self.gpu.bind()?;
+        self.reserve_slab(max_tokens)
     }
 
     fn run_step(&self, step: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
@@ -340,6 +352,22 @@ impl Ops for CudaBackend {
                 )
             }
         }
+    }
+
+    /// On the device: the embedding of the local ids (0 for tokens another rank holds), then
+    /// `zero_rows` with a per-row mask, both always launched. The default's host round trip (a
+    /// synchronous download, zeroing, an upload) would stall the stream, and it is not a kernel,
+    /// so a CUDA graph recorded on a step whose tokens were all local would replay without it.
+    fn embedding_slice(&self, table: &Weight, ids: &[u32], first_id: u32, out: &mut Tensor) -> Result<()> {
+        let (rows, _) = table.dims();
+        let inside = |id: u32| id.checked_sub(first_id).filter(|&l| (l as usize) < rows);
+        let local: Vec<u32> = ids.iter().map(|&id| inside(id).unwrap_or(0)).collect();
+        let keep: Vec<u32> = ids.iter().map(|&id| u32::from(inside(id).is_some())).collect();
+        self.embedding(table, &local, out)?;
+        let hidden = out.numel() / ids.len().max(1);
+        let mut st = self.state()?;
+        let keep_dev = self.put(&mut st, Slot::Keep, as_bytes(&keep))?;
+        ew::zero_rows(&self.gpu, self.dtype, ptr(out), keep_dev, ids.len(), hidden)
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &Tensor, eps: f32, out: &mut Tensor) -> Result<()> {

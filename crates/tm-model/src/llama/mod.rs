@@ -242,7 +242,8 @@ impl LlamaModel {
             if i == 0 {
                 ops.rms_norm(&ws.residual, &layer.attn_norm, eps, &mut ws.normed)?;
             } else {
-                ops.add_rms_norm(&ws.delta, &mut ws.residual, &layer.attn_norm, eps, &mut ws.normed)?;
+                // The previous layer's down_proj output joins the residual stream.
+                self.join_residual(cx, ws, &layer.attn_norm, &self.step_names[i - 1][1])?;
             }
             let (bq, bk, bv) = &layer.qkv_bias;
             ops.matmul_many(
@@ -263,23 +264,40 @@ impl LlamaModel {
             ops.write_kv(&ws.k, &ws.v, k_cache, v_cache, step.slot_mapping)?;
             ops.attention(&ws.q, k_cache, v_cache, meta, &mut ws.attn)?;
             ops.matmul(&ws.attn, &layer.o, None, &mut ws.delta)?;
-            if sharded {
-                cx.comm.all_reduce_sum(&mut ws.delta, &self.step_names[i][0], cx.timeout)?;
-            }
-            ops.add_rms_norm(&ws.delta, &mut ws.residual, &layer.mlp_norm, eps, &mut ws.normed)?;
+            self.join_residual(cx, ws, &layer.mlp_norm, &self.step_names[i][0])?;
             ops.gate_up_silu(&ws.normed, &layer.gate, &layer.up, &mut ws.gate, &mut ws.up, &mut ws.act)?;
             ops.matmul(&ws.act, &layer.down, None, &mut ws.delta)?;
-            if sharded {
-                cx.comm.all_reduce_sum(&mut ws.delta, &self.step_names[i][1], cx.timeout)?;
-            }
         }
-        ops.add_rms_norm(&ws.delta, &mut ws.residual, &self.final_norm, eps, &mut ws.normed)?;
+        match self.step_names.last() {
+            Some(names) => self.join_residual(cx, ws, &self.final_norm, &names[1])?,
+            None => ops.rms_norm(&ws.residual, &self.final_norm, eps, &mut ws.normed)?,
+        }
         ops.gather_rows(&ws.normed, step.logit_rows, &mut ws.last)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         if !self.layout.gathers_logits() {
             return ops.matmul(&ws.last, head, None, &mut ws.logits);
         }
         self.gather_logits(cx, head, ws)
+    }
+
+    /// A row-parallel projection's output (`ws.delta`, this rank's partial sum when sharded)
+    /// joins the residual stream: `residual += delta` (summed over the ranks first when sharded),
+    /// then `normed = rms_norm(residual) * norm`. Sharded, it is one [`Comm::all_reduce_add_rms_norm`]
+    /// (a single fused kernel on GPUs with the one-shot peer path); `step` names the collective.
+    fn join_residual(
+        &self,
+        cx: &StepCtx<'_>,
+        ws: &mut Workspace,
+        norm: &Tensor,
+        step: &str,
+    ) -> Result<(), tm_core::Error> {
+        let eps = self.config.rms_norm_eps;
+        if self.layout.is_sharded() {
+            let Workspace { delta, residual, normed, .. } = ws;
+            cx.comm.all_reduce_add_rms_norm(cx.ops, delta, residual, norm, eps, normed, step, cx.timeout)
+        } else {
+            cx.ops.add_rms_norm(&ws.delta, &mut ws.residual, norm, eps, &mut ws.normed)
+        }
     }
 
     /// The vocab-parallel LM head: this rank's slice of the logits, then an all-gather. The

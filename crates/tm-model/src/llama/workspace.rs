@@ -42,10 +42,13 @@ impl Workspace {
     }
 
     /// Buffers of the rank `layout` describes, for steps of up to `tokens` tokens and
-    /// `logit_rows` logit rows.
+    /// `logit_rows` logit rows; also reserves the backend's matmul scratch for such steps
+    /// ([`Ops::reserve_matmul_scratch`]).
     pub fn for_shard(ops: &dyn Ops, layout: &ShardLayout, tokens: usize, logit_rows: usize) -> Result<Workspace> {
         let tokens = tokens.max(1);
         let logit_rows = logit_rows.max(1);
+        // The backend's matmul scratch for steps this size (the CUDA int4 slab buffer).
+        ops.reserve_matmul_scratch(tokens)?;
         let dt = ops.activation_dtype();
         let t = |w: usize| ops.zeros(TensorDesc::new(dt, &[tokens, w]), "workspace");
         let l = layout;

@@ -30,8 +30,10 @@
 //!   hidden states and logits, in the backend's activation dtype.
 //! - **kernel scratch**: an allowance, not a measurement: the f32 copy of the logits the sampler
 //!   reads (`max_batch_size × vocab × 4`), on the CPU the int8 activation buffer of the quantized
-//!   matmuls and attention's token table, plus [`SCRATCH_ALLOWANCE`] ([`CPU_SCRATCH_ALLOWANCE`]
-//!   on the CPU) for matmul packing buffers, thread stacks and allocator slack.
+//!   matmuls and attention's token table, on CUDA with f16/bf16 activations the int4 slab
+//!   buffer ([`tm_core::q4_slab::SLAB_BYTES`], when `max_batched_tokens` reaches the slab path's
+//!   batch size), plus [`SCRATCH_ALLOWANCE`] ([`CPU_SCRATCH_ALLOWANCE`] on the CPU) for matmul
+//!   packing buffers, thread stacks and allocator slack.
 //! - **runtime reserve**: [`PlanTarget::reserve_bytes`] (a CUDA context on a device profile; zero
 //!   for a live device, whose usable memory is measured with the runtime already up).
 //! - **host buffers**: [`PlanTarget::host_buffers`], buffers a GPU backend keeps in host memory
@@ -268,6 +270,9 @@ pub struct ScratchPlan {
     pub activation_quant: u64,
     /// CPU attention: a (sequence, position) pair per token.
     pub attention: u64,
+    /// CUDA: the int4 slab buffer of large-batch int4 products ([`tm_core::q4_slab`]),
+    /// reserved with the workspace when its steps reach the slab path's batch size.
+    pub q4_slab: u64,
     /// [`SCRATCH_ALLOWANCE`].
     pub allowance: u64,
     /// The sum.
@@ -537,7 +542,8 @@ impl Sizer<'_> {
 
     fn fixed(&self, tokens: usize, rows: usize) -> Fixed {
         let workspace = workspace_bytes_shard(self.layout, self.target.activation_dtype, tokens, rows);
-        let scratch = scratch_bytes(self.cfg, self.target.kind, tokens, rows, self.any_quantized);
+        let scratch =
+            scratch_bytes(self.cfg, self.target.kind, self.target.activation_dtype, tokens, rows, self.any_quantized);
         let total = self.weights
             + self.target.reserve_bytes
             + self.host_buffers_counted()
@@ -712,7 +718,14 @@ fn workspace_parts(layout: &ShardLayout, dt: DType, tokens: usize, rows: usize) 
 }
 
 /// The kernel scratch allowance (see the module docs).
-fn scratch_bytes(cfg: &ModelConfig, kind: DeviceKind, tokens: usize, rows: usize, quantized: bool) -> ScratchPlan {
+fn scratch_bytes(
+    cfg: &ModelConfig,
+    kind: DeviceKind,
+    dt: DType,
+    tokens: usize,
+    rows: usize,
+    quantized: bool,
+) -> ScratchPlan {
     let sampler = (rows * cfg.vocab_size * 4) as u64;
     let (activation_quant, attention) = if kind == DeviceKind::Cpu {
         let cols = cfg.hidden_size.max(cfg.intermediate_size).max(cfg.q_dim());
@@ -722,13 +735,25 @@ fn scratch_bytes(cfg: &ModelConfig, kind: DeviceKind, tokens: usize, rows: usize
     } else {
         (0, 0)
     };
+    // The CUDA backend reserves it for f16/bf16 whatever the weights are (it cannot tell when the
+    // workspace is made), so it is charged the same way.
+    let slab_policy = tm_core::q4_slab::SlabPolicy::from_env();
+    let q4_slab = if kind == DeviceKind::Cuda
+        && matches!(dt, DType::F16 | DType::BF16)
+        && slab_policy.wants_scratch(tokens.max(1))
+    {
+        tm_core::q4_slab::SLAB_BYTES as u64
+    } else {
+        0
+    };
     let allowance = if kind == DeviceKind::Cpu { CPU_SCRATCH_ALLOWANCE } else { SCRATCH_ALLOWANCE };
     ScratchPlan {
         sampler,
         activation_quant,
         attention,
+        q4_slab,
         allowance,
-        total: sampler + activation_quant + attention + allowance,
+        total: sampler + activation_quant + attention + q4_slab + allowance,
     }
 }
 
@@ -864,6 +889,9 @@ impl MemoryPlan {
         }
         if k.attention > 0 {
             let _ = write!(detail, ", attention {}", human(k.attention));
+        }
+        if k.q4_slab > 0 {
+            let _ = write!(detail, ", int4 slab {}", human(k.q4_slab));
         }
         let _ = write!(detail, ", allowance {}", human(k.allowance));
         row("kernel scratch".into(), k.total, detail);
