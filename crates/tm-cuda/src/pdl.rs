@@ -8,28 +8,32 @@
 //! tm-kernels' ABI.md and [`tm_kernels::pdl`]); the kernels of a module that does not yet are
 //! launched without the attribute, and so are cuBLASLt's and NCCL's (ordinary stream order).
 //!
-//! PDL is used when the device's compute capability major is at least 9 and the environment
-//! variable `TM_PDL` is not `0` (also `off`, `false`), read once per process.
+//! PDL is opt-in: it is used when the device's compute capability major is at least 9 and the
+//! environment variable `TM_PDL` is `1` (also `on`, `true`), read once per process. Measured on an
+//! H200 with every kernel waiting at its top, it made decode slower, not faster: batch-1 bf16
+//! TPOT 5.00-5.03 ms against 4.82-4.89 ms without it, tp=2 3.93 against 3.78 ms; the int4 GEMV
+//! variants that load their weights before the wait (`TM_Q4_GEMV_UNROLL=pf|pf8|pfw`) were slower
+//! than the default ones too. Large batches did not move (c256 10.08k vs 10.07k tok/s).
 
 use std::sync::{Once, OnceLock};
 
 use cudarc::driver::{sys, DriverError};
 
-/// The environment variable that turns PDL off (`TM_PDL=0`).
+/// The environment variable that turns PDL on (`TM_PDL=1`).
 pub const ENV: &str = "TM_PDL";
 
 /// The first compute capability major with PDL.
 const MIN_MAJOR: u32 = 9;
 
-/// Whether `TM_PDL` allows PDL (unset, or any value but `0`, `off`, `false`); read once.
+/// Whether `TM_PDL` asks for PDL (`1`, `on`, `true`; unset or anything else: no); read once.
 fn env_allows() -> bool {
     static ALLOWED: OnceLock<bool> = OnceLock::new();
-    *ALLOWED.get_or_init(|| std::env::var(ENV).map_or(true, |v| allows(&v)))
+    *ALLOWED.get_or_init(|| std::env::var(ENV).is_ok_and(|v| allows(&v)))
 }
 
-/// Whether the value of `TM_PDL` allows PDL.
+/// Whether the value of `TM_PDL` asks for PDL.
 fn allows(value: &str) -> bool {
-    !matches!(value.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false")
+    matches!(value.trim().to_ascii_lowercase().as_str(), "1" | "on" | "true")
 }
 
 /// Whether tm launches kernels with PDL on a device of compute capability `cc` (major, minor).
@@ -54,7 +58,7 @@ pub fn describe(cc: (u32, u32)) -> String {
         return format!("off (needs sm_90 or newer; this is {sm})");
     }
     if !env_allows() {
-        return format!("off ({ENV}=0)");
+        return format!("off ({ENV}=1 turns it on)");
     }
     let without = modules_without();
     let except = if without.is_empty() {
@@ -62,7 +66,7 @@ pub fn describe(cc: (u32, u32)) -> String {
     } else {
         format!("; kernels of {} launched without it until they all wait", without.join(", "))
     };
-    format!("on ({sm}; {ENV}=0 turns it off){except}")
+    format!("on ({sm}; {ENV}=1){except}")
 }
 
 /// Logs the choice for a device, once per process (later devices log at debug level).
@@ -117,10 +121,10 @@ mod tests {
 
     #[test]
     fn env_values() {
-        for off in ["0", "off", "OFF", "false", " 0 "] {
+        for off in ["0", "off", "OFF", "false", " 0 ", "", "yes"] {
             assert!(!allows(off), "{off:?}");
         }
-        for on in ["1", "on", "", "yes"] {
+        for on in ["1", "on", " ON ", "true"] {
             assert!(allows(on), "{on:?}");
         }
     }

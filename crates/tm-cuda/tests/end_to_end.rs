@@ -788,6 +788,7 @@ fn int4_fixtures_awq_gptq() {
     if no_gpu(test) {
         return;
     }
+    let _serial = int4_lock();
     let mut report = Report::default();
     for name in ["llama-awq", "llama-gptq"] {
         let dir = fixtures_dir().join(name);
@@ -812,6 +813,7 @@ fn int4_fixtures_by_slabs() {
     if no_gpu(test) {
         return;
     }
+    let _serial = int4_lock();
     let on = tm_core::q4_slab::SlabPolicy { enabled: true, min_tokens: 1 };
     tm_cuda::set_slab_policy(Some((on, 1 << 20)));
     let before = tm_cuda::slab_products();
@@ -833,6 +835,15 @@ fn int4_fixtures_by_slabs() {
         report.ok(&format!("{ran} int4 products took the slab path"));
     }
     report.finish(test);
+}
+
+/// Serializes the int4 fixture tests: `int4_fixtures_by_slabs` forces the slab policy for the
+/// whole process. Run side by side on one H200 (two backends on GPU 0), both tests failed with
+/// logit errors of 3-4 where each passes alone and with `--test-threads=1`; that interaction is
+/// not understood yet (see the session notes), so they never overlap.
+fn int4_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The int4 fixture checks for one dtype; mismatches go to `report`, errors are returned.
