@@ -731,7 +731,8 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
 // ---------------------------------------------------------------------------------------------
 // Decode with an fp8 cache, D = 128, GQA groups of at most 8 query heads: the transposed product.
 // grid (num_splits, kv_heads, num_seqs) (gs = group <= 8), block 128, dynamic smem
-// 8 * (D + 8) * sizeof(T) + NS * 64 * 2 * D (GqaKv8Cfg; NS = 3, or 4 for the `_s4` kernels).
+// 8 * (D + 8) * sizeof(T) + NS * 64 * 2 * D (GqaKv8Cfg; NS = 3, or 2 / 4 for the `_s2` / `_s4`
+// kernels).
 //
 // attn_decode puts the group's query heads in the 16 rows of the mma's A operand, so with a group
 // of 4 three quarters of every S = Q K^T and O += P V product is padding. Here the keys are the
@@ -777,13 +778,25 @@ __device__ __forceinline__ int gqa_v_chunk(int r, int ch) { return r * 128 + ((c
 __device__ __forceinline__ void gqa_load_tile(unsigned char* st, const kv8* k_cache, const kv8* v_cache,
                                               const unsigned* block_tables, int bt_start, int block_size,
                                               int kv_heads, int kvh, int k0, int k_end) {
-    for (int c = threadIdx.x; c < 64 * 8; c += 128) {
-        const int r = c >> 3, ch = c & 7;
+    // Block sizes are powers of two in practice: shift and mask instead of dividing.
+    const bool pow2 = (block_size & (block_size - 1)) == 0;
+    const int shift = __ffs(block_size) - 1;
+    const int ch = threadIdx.x & 7;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int r = (threadIdx.x >> 3) + 16 * i;
         const int key = k0 + r;
         unsigned char* dk = st + gqa_k_chunk(r, ch);
         unsigned char* dv = st + 64 * 128 + gqa_v_chunk(r, ch);
         if (key < k_end) {
-            const long long off = kv_offset(block_tables, bt_start, key, block_size, kv_heads, kvh, 128) + ch * 16;
+            long long off;
+            if (pow2) {
+                const unsigned block = block_tables[bt_start + (key >> shift)];
+                const long long slot = ((long long)block << shift) + (key & (block_size - 1));
+                off = (slot * kv_heads + kvh) * 128LL + ch * 16;
+            } else {
+                off = kv_offset(block_tables, bt_start, key, block_size, kv_heads, kvh, 128) + ch * 16;
+            }
             cp_async16(dk, k_cache + off, 16);
             cp_async16(dv, v_cache + off, 16);
         } else {
@@ -1468,6 +1481,8 @@ TM_ATTN_GQA_KV8_KERNEL(f16, __half, 3, )
 TM_ATTN_GQA_KV8_KERNEL(bf16, __nv_bfloat16, 3, )
 TM_ATTN_GQA_KV8_KERNEL(f16, __half, 4, _s4)
 TM_ATTN_GQA_KV8_KERNEL(bf16, __nv_bfloat16, 4, _s4)
+TM_ATTN_GQA_KV8_KERNEL(f16, __half, 2, _s2)
+TM_ATTN_GQA_KV8_KERNEL(bf16, __nv_bfloat16, 2, _s2)
 
 #define TM_ATTN_SIMPLE_KERNEL(SUF, T, KV, KSUF)                                                                        \
     extern "C" __global__ void __launch_bounds__(128)                                                                  \

@@ -154,10 +154,11 @@ fn gqa_decode(head_dim: usize, group: usize, kv8: bool) -> bool {
 }
 
 /// Raw K/V stages of the transposed fp8 decode kernel: 3 (the `attn_decode_gqa_d128_*_kv8`
-/// kernels), or 4 (`..._kv8_s4`) with `TM_ATTN_GQA_STAGES=4` (read once).
+/// kernels), or 2 / 4 (`..._kv8_s2`, `..._kv8_s4`) with `TM_ATTN_GQA_STAGES=2|4` (read once).
 fn gqa_decode_stages() -> usize {
     static STAGES: OnceLock<usize> = OnceLock::new();
     *STAGES.get_or_init(|| match std::env::var("TM_ATTN_GQA_STAGES").ok().as_deref().map(str::trim) {
+        Some("2") => 2,
         Some("4") => 4,
         _ => 3,
     })
@@ -425,7 +426,11 @@ pub fn attention(
         ]);
         let grid = (to_u32("splits", plan.splits)?, to_u32("kv_heads * sub-groups", kv_heads * n_sub)?, seqs_u);
         let name = if gqa {
-            let ns = if gqa_stages == 4 { "_s4" } else { "" };
+            let ns = match gqa_stages {
+                2 => "_s2",
+                4 => "_s4",
+                _ => "",
+            };
             format!("attn_decode_gqa_d{head_dim}_{sfx}{ksfx}{ns}")
         } else {
             format!("attn_decode_d{head_dim}_{sfx}{ksfx}")
