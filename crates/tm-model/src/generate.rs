@@ -143,7 +143,7 @@ impl<'m> Session<'m> {
                 block_size,
                 kv_dtype,
             )?,
-            ws: Box::new(Workspace::new(ops, &model.config, 1, 1)?),
+            ws: Box::new(Workspace::new(ops, &model.config, 1, 1)?.with_int4_scratch(ops, model.has_int4())?),
         };
         Ok(Self::with_exec(exec, model.config.vocab_size, context_length, max_len, block_size, num_blocks))
     }

@@ -803,7 +803,8 @@ fn load_rank(ctx: &RankCtx) -> Result<RankState> {
     let model = LlamaModel::load_shard(ops.as_ref(), ctx.source.as_ref(), ctx.config.clone(), spec, &mut |_| {})?;
     let o = &ctx.opts;
     let kv = KvCache::for_shard(ops.as_ref(), &ctx.config, &ctx.layout, o.num_blocks, o.block_size, o.kv_cache_dtype)?;
-    let ws = Workspace::for_shard(ops.as_ref(), &ctx.layout, o.max_tokens, o.max_logit_rows)?;
+    let ws = Workspace::for_shard(ops.as_ref(), &ctx.layout, o.max_tokens, o.max_logit_rows)?
+        .with_int4_scratch(ops.as_ref(), model.has_int4())?;
     Ok(RankState { ops, model, kv, ws })
 }
 

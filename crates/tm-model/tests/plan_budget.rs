@@ -272,3 +272,20 @@ fn an_fp8_kv_cache_halves_the_block_and_doubles_the_blocks() {
     let cpu = plan(&ckpt, &cpu_target(), &PlanRequest { kv_cache_dtype: KvCacheDtype::Fp8, ..request() }).unwrap();
     assert_eq!(4 * cpu.kv_bytes_per_block, KvCache::bytes_per_block(&ckpt.config, DType::F32, 16));
 }
+
+/// The CUDA int4 slab buffer (`tm_core::q4_slab`) is charged for a quantized model whose steps
+/// reach the slab path, and not for a dense one (the backend reserves it only for int4 weights).
+#[test]
+fn the_int4_slab_buffer_is_planned_only_for_quantized_models() {
+    let target = DeviceProfile::find("h200-141gb").unwrap().target(DEFAULT_HOST_RESERVE);
+    assert!(matches!(target.activation_dtype, DType::F16 | DType::BF16), "{:?}", target.activation_dtype);
+    let req = request();
+    let dense = estimate(&Checkpoint::open(&fixture("llama")).unwrap(), &target, &req).unwrap();
+    assert_eq!(dense.kernel_scratch.q4_slab, 0, "{}", dense.table());
+    let awq = estimate(&Checkpoint::open(&fixture("llama-awq")).unwrap(), &target, &req).unwrap();
+    assert_eq!(awq.kernel_scratch.q4_slab, tm_core::q4_slab::SLAB_BYTES as u64, "{}", awq.table());
+    // below the slab path's batch size nothing is reserved either
+    let small = PlanRequest { max_batched_tokens: 256, max_batch_size: 8, ..req };
+    let awq_small = estimate(&Checkpoint::open(&fixture("llama-awq")).unwrap(), &target, &small).unwrap();
+    assert_eq!(awq_small.kernel_scratch.q4_slab, 0);
+}

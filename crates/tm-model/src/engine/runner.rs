@@ -74,6 +74,15 @@ impl ModelRunner {
         Ok(runner)
     }
 
+    /// For a model with int4 weights (`int4`): reserves the backend's int4 matmul scratch for the
+    /// workspace's step size ([`Workspace::with_int4_scratch`]); dense models reserve nothing.
+    pub fn with_int4_scratch(mut self, ops: &dyn Ops, int4: bool) -> Result<Self> {
+        if let Some((kv, ws)) = self.local.take() {
+            self.local = Some((kv, ws.with_int4_scratch(ops, int4)?));
+        }
+        Ok(self)
+    }
+
     /// Step buffers only, for a model on tensor-parallel ranks (which hold the KV cache and the
     /// workspaces; [`Target::Tp`]).
     pub fn for_tp(cfg: &ModelConfig, block_size: usize, max_tokens: usize, max_seqs: usize) -> Self {

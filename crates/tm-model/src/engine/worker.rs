@@ -118,7 +118,7 @@ impl Worker {
         let cfg = model.config();
         let max_seqs = c.max_batch_size.min(c.max_batched_tokens);
         let runner = match &exec {
-            Exec::Local { ops, .. } => ModelRunner::new(
+            Exec::Local { ops, model } => ModelRunner::new(
                 ops.as_ref(),
                 cfg,
                 c.num_blocks,
@@ -126,7 +126,8 @@ impl Worker {
                 c.max_batched_tokens,
                 max_seqs,
                 c.kv_cache_dtype,
-            )?,
+            )?
+            .with_int4_scratch(ops.as_ref(), model.model.has_int4())?,
             Exec::Tp(group) => {
                 if group.block_size() != c.block_size || group.num_blocks() < c.num_blocks {
                     return Err(ModelError::InvalidInput(format!(

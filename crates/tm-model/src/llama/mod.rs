@@ -99,6 +99,14 @@ struct StepCtx<'a> {
 }
 
 impl LlamaModel {
+    /// Whether any weight is stored as int4 (the backend then reserves its large-batch int4
+    /// scratch, [`Ops::reserve_matmul_scratch`]).
+    pub fn has_int4(&self) -> bool {
+        let int4 = |w: &Weight| matches!(w, Weight::Int4(_));
+        int4(&self.embed)
+            || self.lm_head.as_ref().is_some_and(int4)
+            || self.layers.iter().any(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].into_iter().any(int4))
+    }
     /// Loads every weight from `src` onto the backend. `on_tensor` is called with the stored
     /// bytes of each tensor as it is loaded.
     pub fn load(

@@ -33,6 +33,9 @@ pub struct Workspace {
     pub(super) gathered: Option<Tensor>,
     /// The row order that puts `gathered` back into `[rows, vocab]`.
     pub(super) perm: Vec<u32>,
+    /// Whether the model has int4 weights: the backend's matmul scratch is reserved for the
+    /// workspace's step size, and again when it grows ([`Ops::reserve_matmul_scratch`]).
+    int4_scratch: bool,
 }
 
 impl Workspace {
@@ -42,13 +45,11 @@ impl Workspace {
     }
 
     /// Buffers of the rank `layout` describes, for steps of up to `tokens` tokens and
-    /// `logit_rows` logit rows; also reserves the backend's matmul scratch for such steps
-    /// ([`Ops::reserve_matmul_scratch`]).
+    /// `logit_rows` logit rows. A model with int4 weights also asks for the backend's matmul
+    /// scratch ([`Workspace::with_int4_scratch`]).
     pub fn for_shard(ops: &dyn Ops, layout: &ShardLayout, tokens: usize, logit_rows: usize) -> Result<Workspace> {
         let tokens = tokens.max(1);
         let logit_rows = logit_rows.max(1);
-        // The backend's matmul scratch for steps this size (the CUDA int4 slab buffer).
-        ops.reserve_matmul_scratch(tokens)?;
         let dt = ops.activation_dtype();
         let t = |w: usize| ops.zeros(TensorDesc::new(dt, &[tokens, w]), "workspace");
         let l = layout;
@@ -83,6 +84,7 @@ impl Workspace {
             logits_local,
             gathered,
             perm: Vec::with_capacity(l.spec.world * logit_rows),
+            int4_scratch: false,
         })
     }
 
@@ -91,12 +93,25 @@ impl Workspace {
         &self.layout
     }
 
+    /// For a model with int4 weights (`int4`): reserves the backend's matmul scratch for steps of
+    /// the workspace's size (the CUDA int4 slab buffer; [`Ops::reserve_matmul_scratch`]) now and
+    /// whenever the workspace grows. Dense models reserve nothing.
+    pub fn with_int4_scratch(mut self, ops: &dyn Ops, int4: bool) -> Result<Workspace> {
+        self.int4_scratch = int4;
+        if int4 {
+            ops.reserve_matmul_scratch(self.capacity)?;
+        }
+        Ok(self)
+    }
+
     /// Shapes every buffer for a step of `tokens` tokens and `logit_rows` logit rows, growing
     /// (reallocating) only when the step is larger than any before.
     pub fn prepare(&mut self, ops: &dyn Ops, tokens: usize, logit_rows: usize) -> Result<()> {
         if tokens > self.capacity || logit_rows > self.logit_capacity {
             let layout = self.layout.clone();
-            *self = Workspace::for_shard(ops, &layout, tokens.max(self.capacity), logit_rows.max(self.logit_capacity))?;
+            let int4 = self.int4_scratch;
+            *self = Workspace::for_shard(ops, &layout, tokens.max(self.capacity), logit_rows.max(self.logit_capacity))?
+                .with_int4_scratch(ops, int4)?;
         }
         let l = &self.layout;
         let (n, hidden, q, kv, inter) = (tokens, l.hidden, l.q_dim(), l.kv_dim(), l.intermediate_size());

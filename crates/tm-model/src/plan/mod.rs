@@ -30,9 +30,9 @@
 //!   hidden states and logits, in the backend's activation dtype.
 //! - **kernel scratch**: an allowance, not a measurement: the f32 copy of the logits the sampler
 //!   reads (`max_batch_size × vocab × 4`), on the CPU the int8 activation buffer of the quantized
-//!   matmuls and attention's token table, on CUDA with f16/bf16 activations the int4 slab
-//!   buffer ([`tm_core::q4_slab::SLAB_BYTES`], when `max_batched_tokens` reaches the slab path's
-//!   batch size), plus [`SCRATCH_ALLOWANCE`] ([`CPU_SCRATCH_ALLOWANCE`] on the CPU) for matmul
+//!   matmuls and attention's token table, on CUDA with f16/bf16 activations and quantized weights
+//!   the int4 slab buffer ([`tm_core::q4_slab::SLAB_BYTES`], when `max_batched_tokens` reaches
+//!   the slab path's batch size), plus [`SCRATCH_ALLOWANCE`] ([`CPU_SCRATCH_ALLOWANCE`] on the CPU) for matmul
 //!   packing buffers, thread stacks and allocator slack.
 //! - **runtime reserve**: [`PlanTarget::reserve_bytes`] (a CUDA context on a device profile; zero
 //!   for a live device, whose usable memory is measured with the runtime already up).
@@ -270,8 +270,9 @@ pub struct ScratchPlan {
     pub activation_quant: u64,
     /// CPU attention: a (sequence, position) pair per token.
     pub attention: u64,
-    /// CUDA: the int4 slab buffer of large-batch int4 products ([`tm_core::q4_slab`]),
-    /// reserved with the workspace when its steps reach the slab path's batch size.
+    /// CUDA: the int4 slab buffer of large-batch int4 products ([`tm_core::q4_slab`]), reserved
+    /// with the workspace of a model with int4 weights when its steps reach the slab path's
+    /// batch size.
     pub q4_slab: u64,
     /// [`SCRATCH_ALLOWANCE`].
     pub allowance: u64,
@@ -735,10 +736,11 @@ fn scratch_bytes(
     } else {
         (0, 0)
     };
-    // The CUDA backend reserves it for f16/bf16 whatever the weights are (it cannot tell when the
-    // workspace is made), so it is charged the same way.
+    // The CUDA backend reserves it for f16/bf16 models with int4 weights (charged here for any
+    // quantized model: the manifest does not tell int4 from int8; int8 models are rare).
     let slab_policy = tm_core::q4_slab::SlabPolicy::from_env();
     let q4_slab = if kind == DeviceKind::Cuda
+        && quantized
         && matches!(dt, DType::F16 | DType::BF16)
         && slab_policy.wants_scratch(tokens.max(1))
     {
