@@ -538,6 +538,52 @@ __device__ __forceinline__ DecodeRange decode_range(int ctx_len, int window, int
     return r;
 }
 
+// The keys [k_begin, k_end) of split `split` of a decode sequence (split < r.used).
+__device__ __forceinline__ void split_keys(const DecodeRange& r, int split, int partition, int& k_begin, int& k_end) {
+    k_begin = r.lo + split * partition;
+    k_end = split == r.used - 1 ? r.end : k_begin + partition;
+}
+
+// The end of a split-K decode CTA of 4 warps with R query rows each: merges the warps' unnormalised
+// rows (sO [4][R][D] floats), maxima s_m and partial sums s_l into rows i < rows (query head
+// h0 + i): the output row itself when one partition holds every key (rg.direct), else the split's
+// normalised partial and its (max, sum) for attn_combine. Every thread of the CTA calls it after
+// the barrier that follows the writes of sO, s_m and s_l.
+template <typename T, int D, int R>
+__device__ __forceinline__ void decode_merge(const float* sO, const float (*s_m)[R], const float (*s_l)[R],
+                                             float (*s_f)[R], int rows, int h0, const DecodeRange& rg, int q_row,
+                                             int seq, int heads, int num_splits, int split, T* out, float* part_o,
+                                             float* part_ml) {
+    const int tid = threadIdx.x;
+    if (tid < R) {
+        float mm = neg_inf();
+        for (int w = 0; w < 4; ++w) mm = fmaxf(mm, s_m[w][tid]);
+        const float mu = mm == neg_inf() ? 0.f : mm;
+        float ll = 0.f;
+        for (int w = 0; w < 4; ++w) ll += s_l[w][tid] * exp2f(s_m[w][tid] - mu);
+        const float inv = ll > 0.f ? 1.f / ll : 0.f;
+        for (int w = 0; w < 4; ++w) s_f[w][tid] = exp2f(s_m[w][tid] - mu) * inv;
+        if (!rg.direct && tid < rows) {
+            const long long idx = ((long long)seq * heads + h0 + tid) * num_splits + split;
+            part_ml[2 * idx] = mm;
+            part_ml[2 * idx + 1] = ll;
+        }
+    }
+    __syncthreads();
+    for (int c = tid; c < R * D; c += 128) {
+        const int i = c / D, d = c - i * D;
+        if (i >= rows) continue;
+        const float v = sO[i * D + d] * s_f[0][i] + sO[(R + i) * D + d] * s_f[1][i] +
+                        sO[(2 * R + i) * D + d] * s_f[2][i] + sO[(3 * R + i) * D + d] * s_f[3][i];
+        const int h = h0 + i;
+        if (rg.direct) {
+            out[((long long)q_row * heads + h) * D + d] = from_float<T>(v);
+        } else {
+            part_o[(((long long)seq * heads + h) * num_splits + split) * D + d] = v;
+        }
+    }
+}
+
 template <typename T, typename C, int D>
 __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __restrict__ k_cache,
                                             const C* __restrict__ v_cache, T* __restrict__ out,
@@ -570,8 +616,8 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
     const Seq sq = load_seq(q_start, q_len, ctx_len, bt_start, seq);
     const DecodeRange rg = decode_range(sq.ctx_len, window, num_splits, partition);
     if (split >= rg.used) return;
-    const int k_begin = rg.lo + split * partition;
-    const int k_end = split == rg.used - 1 ? rg.end : k_begin + partition;
+    int k_begin, k_end;
+    split_keys(rg, split, partition, k_begin, k_end);
 
     const int group = heads / kv_heads;
     const int n_sub = (group + gs - 1) / gs;
@@ -703,35 +749,8 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
         s_l[warp][gid + 8] = l[0][1];
     }
     __syncthreads();
-    if (tid < 16) {
-        float mm = neg_inf();
-        for (int w = 0; w < 4; ++w) mm = fmaxf(mm, s_m[w][tid]);
-        const float mu = mm == neg_inf() ? 0.f : mm;
-        float ll = 0.f;
-        for (int w = 0; w < 4; ++w) ll += s_l[w][tid] * exp2f(s_m[w][tid] - mu);
-        const float inv = ll > 0.f ? 1.f / ll : 0.f;
-        for (int w = 0; w < 4; ++w) s_f[w][tid] = exp2f(s_m[w][tid] - mu) * inv;
-        const int g = g0 + tid;
-        if (!rg.direct && tid < gs && g < group) {
-            const long long idx = ((long long)seq * heads + kvh * group + g) * num_splits + split;
-            part_ml[2 * idx] = mm;
-            part_ml[2 * idx + 1] = ll;
-        }
-    }
-    __syncthreads();
-    for (int c = tid; c < 16 * D; c += 128) {
-        const int i = c / D, d = c - i * D;
-        const int g = g0 + i;
-        if (i >= gs || g >= group) continue;
-        const float v = sO[i * D + d] * s_f[0][i] + sO[(16 + i) * D + d] * s_f[1][i] +
-                        sO[(32 + i) * D + d] * s_f[2][i] + sO[(48 + i) * D + d] * s_f[3][i];
-        const int h = kvh * group + g;
-        if (rg.direct) {
-            out[((long long)sq.q_start * heads + h) * D + d] = from_float<T>(v);
-        } else {
-            part_o[(((long long)seq * heads + h) * num_splits + split) * D + d] = v;
-        }
-    }
+    decode_merge<T, D, 16>(sO, s_m, s_l, s_f, min(gs, group - g0), kvh * group + g0, rg, sq.q_start, seq, heads,
+                           num_splits, split, out, part_o, part_ml);
 #endif
 }
 
@@ -826,8 +845,8 @@ __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, con
     const Seq sq = load_seq(q_start, q_len, ctx_len, bt_start, seq);
     const DecodeRange rg = decode_range(sq.ctx_len, window, num_splits, partition);
     if (split >= rg.used) return;
-    const int k_begin = rg.lo + split * partition;
-    const int k_end = split == rg.used - 1 ? rg.end : k_begin + partition;
+    int k_begin, k_end;
+    split_keys(rg, split, partition, k_begin, k_end);
     const int group = heads / kv_heads;
     const int kvh = blockIdx.y;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
@@ -985,33 +1004,8 @@ __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, con
         s_l[warp][2 * tig + 1] = l[1];
     }
     __syncthreads();
-    if (tid < 8) {
-        float mm = neg_inf();
-        for (int w = 0; w < 4; ++w) mm = fmaxf(mm, s_m[w][tid]);
-        const float mu = mm == neg_inf() ? 0.f : mm;
-        float ll = 0.f;
-        for (int w = 0; w < 4; ++w) ll += s_l[w][tid] * exp2f(s_m[w][tid] - mu);
-        const float inv = ll > 0.f ? 1.f / ll : 0.f;
-        for (int w = 0; w < 4; ++w) s_f[w][tid] = exp2f(s_m[w][tid] - mu) * inv;
-        if (!rg.direct && tid < gs && tid < group) {
-            const long long idx = ((long long)seq * heads + kvh * group + tid) * num_splits + split;
-            part_ml[2 * idx] = mm;
-            part_ml[2 * idx + 1] = ll;
-        }
-    }
-    __syncthreads();
-    for (int c = tid; c < 8 * D; c += 128) {
-        const int i = c / D, d = c - i * D;
-        if (i >= gs || i >= group) continue;
-        const float v = sO[i * D + d] * s_f[0][i] + sO[(8 + i) * D + d] * s_f[1][i] +
-                        sO[(16 + i) * D + d] * s_f[2][i] + sO[(24 + i) * D + d] * s_f[3][i];
-        const int h = kvh * group + i;
-        if (rg.direct) {
-            out[((long long)sq.q_start * heads + h) * D + d] = from_float<T>(v);
-        } else {
-            part_o[(((long long)seq * heads + h) * num_splits + split) * D + d] = v;
-        }
-    }
+    decode_merge<T, D, 8>(sO, s_m, s_l, s_f, min(gs, group), kvh * group, rg, sq.q_start, seq, heads, num_splits,
+                          split, out, part_o, part_ml);
 #endif
 }
 
