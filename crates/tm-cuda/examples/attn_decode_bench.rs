@@ -22,7 +22,6 @@ use common::{Rng, COPY_BW};
 
 use tm_core::{DType, Ops, Tensor, TensorDesc};
 use tm_cuda::kernels::attention::{self, AttentionBatch, AttentionShape};
-use tm_cuda::{CudaBackend, CudaOptions};
 
 /// The H200's measured device-to-device copy bandwidth, bytes/s.
 /// Query heads, KV heads, head size and tokens per block of the benchmarked layer.
@@ -99,14 +98,7 @@ fn i32_bytes(v: impl IntoIterator<Item = usize>) -> Vec<u8> {
 }
 
 fn bench(o: &Opts) -> Result<(), String> {
-    let opts = CudaOptions {
-        ordinal: 0,
-        dtype: o.dtype,
-        memory_cap: None,
-        cuda_graphs: false,
-        memory_model: Default::default(),
-    };
-    let b = CudaBackend::open(opts).map_err(|e| format!("opening the CUDA backend: {e}"))?;
+    let b = common::open_backend(o.dtype)?;
     let ops: &dyn Ops = &b;
     let mut rng = Rng::new(0xA77E_D0C0);
 

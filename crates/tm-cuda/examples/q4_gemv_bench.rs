@@ -46,7 +46,7 @@ use tm_core::{DType, Ops, Tensor, TensorDesc};
 use tm_cuda::kernels::q4_gemv::{self, Q4Slot, Unroll};
 use tm_cuda::kernels::{elementwise, quant};
 use tm_cuda::runtime::LaunchMode;
-use tm_cuda::{CudaBackend, CudaOptions};
+use tm_cuda::CudaBackend;
 use tm_quant::HostQuant;
 
 /// Bytes of weights cycled through per measurement (well past the 50 MB L2).
@@ -229,14 +229,7 @@ impl Shape {
 }
 
 fn bench(o: &Opts) -> Result<(), String> {
-    let opts = CudaOptions {
-        ordinal: 0,
-        dtype: o.dtype,
-        memory_cap: None,
-        cuda_graphs: false,
-        memory_model: Default::default(),
-    };
-    let b = CudaBackend::open(opts).map_err(|e| format!("opening the CUDA backend: {e}"))?;
+    let b = common::open_backend(o.dtype)?;
     let ops: &dyn Ops = &b;
     let mut rng = Rng::new(0x51_0E_6E_4D);
     println!(

@@ -7,11 +7,20 @@ use std::fmt::Display;
 use std::process::ExitCode;
 
 pub use tm_core::sampling::Rng;
-use tm_cuda::CudaBackend;
+use tm_core::DType;
+use tm_cuda::{CudaBackend, CudaOptions};
 
 /// Device-to-device copy bandwidth measured on the H200, bytes/s: the roofline the examples
 /// report against.
 pub const COPY_BW: f64 = 4.275e12;
+
+/// GPU 0 with activations `dtype`, no memory cap and no CUDA graphs (the examples time single
+/// calls).
+pub fn open_backend(dtype: DType) -> Result<CudaBackend, String> {
+    let opts =
+        CudaOptions { ordinal: 0, dtype, memory_cap: None, cuda_graphs: false, memory_model: Default::default() };
+    CudaBackend::open(opts).map_err(|e| format!("opening the CUDA backend: {e}"))
+}
 
 /// Uniform in [-1, 1) from `rng`.
 pub fn unit(rng: &mut Rng) -> f32 {
