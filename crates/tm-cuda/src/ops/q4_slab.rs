@@ -9,6 +9,7 @@
 //! graphs like the rest of a step, and under tensor parallelism each rank slabs its own shard.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::RwLock;
 
 use tm_core::q4_slab::{SlabPolicy, SLAB_BYTES};
 use tm_core::quant::QuantWeight;
@@ -18,10 +19,9 @@ use super::{ptr, CudaBackend};
 use crate::kernels::q4_gemm;
 use crate::kernels::q4_slab::{self, Int4Matrix};
 
-/// Test and benchmark override of the policy and the slab budget: 0 = none (the environment's
-/// policy and [`SLAB_BYTES`]); otherwise bit 63 set, bit 62 = enabled, bits 32..62 =
-/// budget in KiB, bits 0..32 = min tokens.
-static OVERRIDE: AtomicU64 = AtomicU64::new(0);
+/// Test and benchmark override of the policy and the slab budget (`None`: the environment's
+/// policy and [`SLAB_BYTES`]).
+static OVERRIDE: RwLock<Option<(SlabPolicy, usize)>> = RwLock::new(None);
 
 /// Int4 products that took the slab path in this process (all backends).
 static PRODUCTS: AtomicU64 = AtomicU64::new(0);
@@ -36,37 +36,22 @@ pub fn slab_products() -> u64 {
 /// (clamped to the reserved buffer; a smaller budget makes more, shorter slabs so tests can
 /// exercise several on small matrices). `None` returns to the environment's policy.
 pub fn set_slab_policy(over: Option<(SlabPolicy, usize)>) {
-    let code = match over {
-        None => 0,
-        Some((p, budget)) => {
-            let kib = (budget >> 10).clamp(1, (1 << 30) - 1) as u64;
-            let min = p.min_tokens.min(u32::MAX as usize) as u64;
-            (1 << 63) | (u64::from(p.enabled) << 62) | (kib << 32) | min
-        }
-    };
-    OVERRIDE.store(code, Ordering::Relaxed);
+    *OVERRIDE.write().unwrap_or_else(|p| p.into_inner()) = over;
+}
+
+/// The forced policy and budget, if any.
+fn forced() -> Option<(SlabPolicy, usize)> {
+    *OVERRIDE.read().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The policy and slab budget in force.
 fn slab_policy() -> (SlabPolicy, usize) {
-    let code = OVERRIDE.load(Ordering::Relaxed);
-    if code == 0 {
-        return (SlabPolicy::from_env(), SLAB_BYTES);
-    }
-    decode(code)
+    forced().unwrap_or((SlabPolicy::from_env(), SLAB_BYTES))
 }
 
 /// Whether [`set_slab_policy`] has forced a policy.
 fn overridden() -> bool {
-    OVERRIDE.load(Ordering::Relaxed) != 0
-}
-
-/// The policy and budget of an override code.
-fn decode(code: u64) -> (SlabPolicy, usize) {
-    let enabled = code & (1 << 62) != 0;
-    let budget = (((code >> 32) & ((1 << 30) - 1)) as usize) << 10;
-    let min_tokens = (code & 0xFFFF_FFFF) as usize;
-    (SlabPolicy { enabled, min_tokens }, budget)
+    forced().is_some()
 }
 
 impl CudaBackend {
