@@ -161,6 +161,39 @@ __device__ __forceinline__ void mma(float c[4], const unsigned a[4], unsigned b0
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The math of one step of NT tiles: the lane's 16-byte chunks `w[i][h]` of rows g and g + 8 of
+// tile i, their groups' prepared scales `sc[i][h]` and x[g] of the chunk's 32 columns (`xv`), into
+// acc[i] (the m16n8 C fragment).
+template <class T, int NT>
+__device__ __forceinline__ void step_math(const uint4 (&w)[NT][2], const typename Q4<T>::Scale (&sc)[NT][2],
+                                          const uint4 (&xv)[4], float (*acc)[4]) {
+    const unsigned xw[16] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w,
+                             xv[2].x, xv[2].y, xv[2].z, xv[2].w, xv[3].x, xv[3].y, xv[3].z, xv[3].w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        // x pairs of columns (4k, 4k+2), (4k+1, 4k+3) and the same + 16.
+        const unsigned xl02 = __byte_perm(xw[2 * k], xw[2 * k + 1], 0x5410);
+        const unsigned xl13 = __byte_perm(xw[2 * k], xw[2 * k + 1], 0x7632);
+        const unsigned xh02 = __byte_perm(xw[8 + 2 * k], xw[9 + 2 * k], 0x5410);
+        const unsigned xh13 = __byte_perm(xw[8 + 2 * k], xw[9 + 2 * k], 0x7632);
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+            const uint4& lo = w[i][0];
+            const uint4& hi = w[i][1];
+            const unsigned wl = k == 0 ? lo.x : k == 1 ? lo.y : k == 2 ? lo.z : lo.w;
+            const unsigned wh = k == 0 ? hi.x : k == 1 ? hi.y : k == 2 ? hi.z : hi.w;
+            unsigned pl[4], ph[4];  // rows g and g + 8
+            Q4<T>::dequant(wl, sc[i][0], pl);
+            Q4<T>::dequant(wh, sc[i][1], ph);
+            // a0: row g, slots 2t..2t+1; a1: row g+8, same; a2: row g, slots 2t+8..2t+9; a3: row g+8.
+            const unsigned alo[4] = {pl[0], ph[0], pl[1], ph[1]};
+            const unsigned ahi[4] = {pl[2], ph[2], pl[3], ph[3]};
+            mma(acc[i], alo, xl02, xl13, T());
+            mma(acc[i], ahi, xh02, xh13, T());
+        }
+    }
+}
+
 // One weight as the kernels see it.
 template <class T> struct Slot {
     T* out;
@@ -291,36 +324,12 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
 
     // The math of one loaded step.
     auto compute = [&](const StepBuf<NT>& B) {
-        const unsigned xw[16] = {B.x[0].x, B.x[0].y, B.x[0].z, B.x[0].w, B.x[1].x, B.x[1].y, B.x[1].z, B.x[1].w,
-                                 B.x[2].x, B.x[2].y, B.x[2].z, B.x[2].w, B.x[3].x, B.x[3].y, B.x[3].z, B.x[3].w};
         typename Q4<T>::Scale sc[NT][2];
 #pragma unroll
         for (int i = 0; i < NT; ++i)
 #pragma unroll
             for (int h = 0; h < 2; ++h) sc[i][h] = Q4<T>::prep(B.s[i][h], B.m[i][h]);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            // x pairs of columns (4k, 4k+2), (4k+1, 4k+3) and the same + 16.
-            const unsigned xl02 = __byte_perm(xw[2 * k], xw[2 * k + 1], 0x5410);
-            const unsigned xl13 = __byte_perm(xw[2 * k], xw[2 * k + 1], 0x7632);
-            const unsigned xh02 = __byte_perm(xw[8 + 2 * k], xw[9 + 2 * k], 0x5410);
-            const unsigned xh13 = __byte_perm(xw[8 + 2 * k], xw[9 + 2 * k], 0x7632);
-#pragma unroll
-            for (int i = 0; i < NT; ++i) {
-                const uint4& lo = B.w[i][0];
-                const uint4& hi = B.w[i][1];
-                const unsigned wl = k == 0 ? lo.x : k == 1 ? lo.y : k == 2 ? lo.z : lo.w;
-                const unsigned wh = k == 0 ? hi.x : k == 1 ? hi.y : k == 2 ? hi.z : hi.w;
-                unsigned pl[4], ph[4];  // rows g and g + 8
-                Q4<T>::dequant(wl, sc[i][0], pl);
-                Q4<T>::dequant(wh, sc[i][1], ph);
-                // a0: row g, slots 2t..2t+1; a1: row g+8, same; a2: row g, slots 2t+8..2t+9; a3: row g+8.
-                const unsigned alo[4] = {pl[0], ph[0], pl[1], ph[1]};
-                const unsigned ahi[4] = {pl[2], ph[2], pl[3], ph[3]};
-                mma(acc[i], alo, xl02, xl13, T());
-                mma(acc[i], ahi, xh02, xh13, T());
-            }
-        }
+        step_math<T, NT>(B.w, sc, B.x, acc);
     };
 
 #pragma unroll
@@ -432,6 +441,262 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
     }
 }
 
+
+// ---- Persistent streaming variant (`ps`) ----
+//
+// The kernels above give each CTA one tile (16 or 32 rows) and the whole of K: a CTA lives for
+// about one DRAM latency, so a product of several waves (an 8B model's gate/up: 896 CTAs, 3.4
+// waves of two per SM) pays a latency and a reduction per wave, and a long-K product (down:
+// 14336 columns) is bound by the few steps a warp keeps in registers. The `ps` kernels instead
+// run a fixed grid of G CTAs (as many as fit on the GPU, cut so that every CTA gets the same
+// number of tiles): CTA c takes tiles c, c + G, c + 2G, ..., its warps split each tile's K as
+// above (warp w: steps w, w + 8, ...), and each warp streams its steps of all its tiles through
+// a ring of U slots in shared memory filled by `cp.async` (16-byte copies, no registers held
+// while in flight): U steps of weights stay in flight across tile boundaries. A step's scales
+// and mins are prefetched into L2 when its weights are issued and read into registers one step
+// ahead. At the end of a tile the warps' sums meet in shared memory (double-buffered by tile
+// parity, so one barrier per tile suffices: the buffer of tile j is written again at tile j + 2,
+// after every thread passed tile j + 1's barrier, which the threads summing tile j reach only
+// after summing).
+
+// 16-byte asynchronous copy global -> shared; zeros when !ok (`src` must still be a valid
+// address). The host emulation copies at once.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+#ifdef __CUDA_ARCH__
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+#else
+    if (ok) {
+        std::memcpy(dst, src, 16);
+    } else {
+        std::memset(dst, 0, 16);
+    }
+#endif
+}
+
+// Closes the group of copies issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N committed groups of this thread are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#ifdef __CUDA_ARCH__
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Dynamic shared memory of the `ps` kernels: the warps' rings, then the reduction buffers.
+template <int U, int NT> struct StreamSmem {
+    static constexpr int RING_U4 = U * NT * 2 * 32;                 // uint4 per warp: [U][NT][2][32]
+    static constexpr int RED_F = NT * 4 * 32;                       // floats per warp and parity
+    static constexpr int BYTES = WARPS * RING_U4 * 16 + 2 * WARPS * RED_F * 4;
+};
+
+// This CTA's tiles of a `ps` launch through the ring (see above). `tile_of(tile, tiles)` fills
+// the NT Tile descriptors of tile number `tile`; `epilogue(tile, red)` is called by every thread
+// after the tile's barrier with the warps' sums `red[WARPS][NT * 4][32]`.
+template <class T, int U, int NT, class TileOf, class Epilogue, class Wait>
+__device__ __forceinline__ void q4_stream(int ntiles, const T* __restrict__ x, int n, int cols, int group,
+                                          TileOf tile_of, Epilogue epilogue, Wait wait) {
+    extern __shared__ __align__(16) unsigned char q4_stream_smem[];
+    typedef StreamSmem<U, NT> SM;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int nblk = cols >> 5;  // 32-column blocks of a row (16 bytes each)
+    const int steps = (nblk + BLOCKS_PER_STEP - 1) / BLOCKS_PER_STEP;
+    const int groups = cols / group;
+    const int group_blocks = group >> 5;
+    const int gshift = (group_blocks & (group_blocks - 1)) == 0 ? __ffs(group_blocks) - 1 : -1;
+    const int G = gridDim.x, c = blockIdx.x;
+    const int my_tiles = c < ntiles ? (ntiles - c + G - 1) / G : 0;
+    const int sw = warp < steps ? (steps - warp + WARPS - 1) / WARPS : 0;  // this warp's steps per tile
+    const int items = my_tiles * sw;
+    uint4* ring = reinterpret_cast<uint4*>(q4_stream_smem) + warp * SM::RING_U4;
+    float* red = reinterpret_cast<float*>(q4_stream_smem + WARPS * SM::RING_U4 * 16);
+
+    // Item `it` of this warp: tile c + (it / sw) G, step warp + (it % sw) WARPS; the lane's block
+    // of the step, its group, and per tile i and half h whether row g + 8h exists.
+    struct Where {
+        Tile tl[NT];
+        int b, gi;
+        bool bok;
+    };
+    auto where = [&](int it) {
+        Where r;
+        const int j = it / sw;
+        const int s = warp + (it - j * sw) * WARPS;
+        tile_of(c + j * G, r.tl);
+        r.b = s * BLOCKS_PER_STEP + t;
+        r.bok = r.b < nblk;
+        r.gi = gshift >= 0 ? r.b >> gshift : r.b / group_blocks;
+        return r;
+    };
+    // Issues item `it`'s weight copies into its ring slot (none past the last item) and commits
+    // one group either way, so that group k always holds item k.
+    auto issue = [&](int it) {
+        if (it < items) {
+            const Where w = where(it);
+            uint4* slot = ring + (it % U) * (NT * 2 * 32);
+#pragma unroll
+            for (int i = 0; i < NT; ++i) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = w.tl[i].row0 + g + 8 * h;
+                    const bool ok = w.bok && r < w.tl[i].rows;
+                    const unsigned char* src = w.tl[i].packed + (ok ? (i64)r * (cols >> 1) + (i64)w.b * 16 : 0);
+                    cp_async16(slot + (i * 2 + h) * 32 + lane, src, ok);
+                    if (ok) {
+                        prefetch_l2(w.tl[i].scales + (i64)r * groups + w.gi);
+                        prefetch_l2(w.tl[i].mins + (i64)r * groups + w.gi);
+                    }
+                }
+            }
+        }
+        cp_async_commit();
+    };
+    // Item `it`'s scales and mins (zeros for missing rows, blocks past K, or past the last item).
+    auto scales = [&](int it, typename Q4<T>::Scale (&sc)[NT][2]) {
+        __half sv[NT][2], mv[NT][2];
+        const bool any = it < items;
+        const Where w = where(any ? it : 0);
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = w.tl[i].row0 + g + 8 * h;
+                const bool ok = any && w.bok && r < w.tl[i].rows;
+                sv[i][h] = ok ? w.tl[i].scales[(i64)r * groups + w.gi] : __ushort_as_half(0);
+                mv[i][h] = ok ? w.tl[i].mins[(i64)r * groups + w.gi] : __ushort_as_half(0);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) sc[i][h] = Q4<T>::prep(sv[i][h], mv[i][h]);
+    };
+
+    // The ring's first U items: weights do not depend on earlier kernels, so they are issued
+    // before `wait` (x is read only after it).
+#pragma unroll
+    for (int u = 0; u < U; ++u) issue(u);
+    typename Q4<T>::Scale cur[NT][2], next[NT][2];
+    if (sw > 0) scales(0, cur);
+    wait();
+
+    const bool xok = g < n;
+    const uint4* xp = reinterpret_cast<const uint4*>(x + (xok ? (i64)g * cols : 0)) + 4 * t;
+    int it = 0;
+    for (int j = 0; j < my_tiles; ++j) {
+        float acc[NT][4];
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+        for (int k = 0; k < sw; ++k, ++it) {
+            scales(it + 1, next);
+            cp_async_wait<U - 1>();  // group `it` (this lane's copies of item it) has landed
+            const uint4* slot = ring + (it % U) * (NT * 2 * 32);
+            uint4 w[NT][2];
+#pragma unroll
+            for (int i = 0; i < NT; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) w[i][h] = slot[(i * 2 + h) * 32 + lane];
+            const int s = warp + k * WARPS;
+            const bool xl = s * BLOCKS_PER_STEP + t < nblk && xok;
+            uint4 xv[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) xv[q] = xl ? __ldg(xp + 4 * s * BLOCKS_PER_STEP + q) : make_uint4(0, 0, 0, 0);
+            step_math<T, NT>(w, cur, xv, acc);
+            issue(it + U);  // into the slot just read (this lane's reads of it are done)
+#pragma unroll
+            for (int i = 0; i < NT; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) cur[i][h] = next[i][h];
+        }
+        float* r = red + ((j & 1) * WARPS + warp) * SM::RED_F;
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) r[(i * 4 + e) * 32 + lane] = acc[i][e];
+        __syncthreads();
+        epilogue(c + j * G, red + (j & 1) * WARPS * SM::RED_F);
+    }
+    cp_async_wait<0>();  // nothing in flight at exit (the trailing groups are empty)
+}
+
+// Sum over the warps of fragment element (tile i, element e) of `lane` in `red[WARPS][NT*4][32]`.
+template <int NT> __device__ __forceinline__ float sum_warps(const float* red, int i, int e, int lane) {
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) v += red[(w * NT * 4 + i * 4 + e) * 32 + lane];
+    return v;
+}
+
+
+// The plain products (up to three weights sharing x) as a `ps` launch: 16-row tiles, weight i's
+// tiles numbered after weight i - 1's.
+template <class T, int U, class Wait>
+__device__ __forceinline__ void q4_gemv_stream(const T* __restrict__ x, int n, int cols, int group,
+                                               const Slot<T>* slots, Wait wait) {
+    const int own0 = (slots[0].rows + 15) / 16, own1 = (slots[1].rows + 15) / 16, own2 = (slots[2].rows + 15) / 16;
+    // The weight of tile `tile` and the tile's number within it (constant slot indices: no local memory).
+    auto locate = [&](int tile, int& lt) {
+        lt = tile;
+        if (lt < own0) return slots[0];
+        lt -= own0;
+        if (lt < own1) return slots[1];
+        lt -= own1;
+        return slots[2];
+    };
+    auto tile_of = [&](int tile, Tile (&tl)[1]) {
+        int lt;
+        const Slot<T> s = locate(tile, lt);
+        tl[0] = Tile{s.packed, s.scales, s.mins, lt * 16, s.rows};
+    };
+    auto epilogue = [&](int tile, const float* red) {
+        if (threadIdx.x < 128) {
+            int lt;
+            const Slot<T> s = locate(tile, lt);
+            const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
+            const float v = sum_warps<1>(red, 0, e, lane);
+            const int row = lt * 16 + (lane >> 2) + 8 * (e >> 1);
+            const int j = 2 * (lane & 3) + (e & 1);
+            if (j < n && row < s.rows) {
+                const float b = s.bias ? tmk::to_float(s.bias[row]) : 0.f;
+                s.out[(i64)j * s.rows + row] = tmk::from_float<T>(v + b);
+            }
+        }
+    };
+    q4_stream<T, U, 1>(own0 + own1 + own2, x, n, cols, group, tile_of, epilogue, wait);
+}
+
+// out = silu(x·G^T) * (x·U^T) as a `ps` launch: tile k is rows 16k..16k+15 of the gate and of up.
+template <class T, int U, class Wait>
+__device__ __forceinline__ void q4_gemv_silu_stream(T* out, const T* __restrict__ x, int n, int cols, int group,
+                                                    const Slot<T>& gate, const Slot<T>& up, Wait wait) {
+    const int rows = gate.rows;
+    auto tile_of = [&](int tile, Tile (&tl)[2]) {
+        tl[0] = Tile{gate.packed, gate.scales, gate.mins, tile * 16, rows};
+        tl[1] = Tile{up.packed, up.scales, up.mins, tile * 16, rows};
+    };
+    auto epilogue = [&](int tile, const float* red) {
+        if (threadIdx.x < 128) {
+            const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
+            const int row = tile * 16 + (lane >> 2) + 8 * (e >> 1);
+            const int j = 2 * (lane & 3) + (e & 1);
+            if (j < n && row < rows) {
+                const float gv = tmk::round_to<T>(sum_warps<2>(red, 0, e, lane));
+                const float uv = tmk::round_to<T>(sum_warps<2>(red, 1, e, lane));
+                out[(i64)j * rows + row] = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
+            }
+        }
+    };
+    q4_stream<T, U, 2>((rows + 15) / 16, x, n, cols, group, tile_of, epilogue, wait);
+}
+
 }  // namespace tmq4
 
 // Variants (see the launcher): U = steps in flight per warp, MIN_CTAS = CTAs per SM the register
@@ -475,3 +740,32 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
 
 TM_Q4_GEMV(f16, __half)
 TM_Q4_GEMV(bf16, __nv_bfloat16)
+
+// The `ps` kernels (persistent, cp.async ring; the launcher sizes the grid and passes
+// `StreamSmem<U, NT>::BYTES` of dynamic shared memory): plain U = 8 (72 KiB, three CTAs per SM on
+// sm_90), SiLU U = 4 (80 KiB, two per SM). Same arguments as the kernels above.
+#define TM_Q4_GEMV_PS_PLAIN(NAME, T, U, MIN_CTAS)                                                                       \
+    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
+        NAME(const T* __restrict__ x, int n, int cols, int group, T* o0, T* o1, T* o2, const unsigned char* w0,         \
+             const unsigned char* w1, const unsigned char* w2, const __half* s0, const __half* s1,                      \
+             const __half* s2, const __half* m0, const __half* m1, const __half* m2, const T* b0, const T* b1,          \
+             const T* b2, int r0, int r1, int r2) {                                                                     \
+        tmk::pdl_launch_dependents();                                                                                   \
+        const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}};  \
+        tmq4::q4_gemv_stream<T, U>(x, n, cols, group, slots, [] { tmk::pdl_wait(); });                                  \
+    }
+#define TM_Q4_GEMV_PS_SILU(NAME, T, U, MIN_CTAS)                                                                        \
+    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
+        NAME(T* out, const T* __restrict__ x, int n, int cols, int group, const unsigned char* wg, const __half* sg,    \
+             const __half* mg, const unsigned char* wu, const __half* su, const __half* mu, int rows) {                 \
+        tmk::pdl_launch_dependents();                                                                                   \
+        const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                    \
+        const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                      \
+        tmq4::q4_gemv_silu_stream<T, U>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });                     \
+    }
+#define TM_Q4_GEMV_PS(SUF, T)                                                                                           \
+    TM_Q4_GEMV_PS_PLAIN(q4_gemv_ps_##SUF, T, 8, 3)                                                                      \
+    TM_Q4_GEMV_PS_SILU(q4_gemv_silu_ps_##SUF, T, 4, 2)
+
+TM_Q4_GEMV_PS(f16, __half)
+TM_Q4_GEMV_PS(bf16, __nv_bfloat16)
