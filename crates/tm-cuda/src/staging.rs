@@ -6,6 +6,7 @@
 //! drains) the other. Copies run on [`Gpu::stream`], ordered with every other piece of tm's work.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result, sys};
@@ -65,6 +66,8 @@ impl Inner {
 pub struct Staging {
     gpu: Arc<Gpu>,
     inner: Mutex<Inner>,
+    /// Uploads so far and the host time they took, in ns (for the graph cache's step report).
+    uploads: (AtomicU64, AtomicU64),
 }
 
 impl Staging {
@@ -109,7 +112,11 @@ impl Staging {
                 });
             }
         };
-        Ok(Staging { gpu, inner: Mutex::new(Inner { host, half, events: [e0, e1], next: 0 }) })
+        Ok(Staging {
+            gpu,
+            inner: Mutex::new(Inner { host, half, events: [e0, e1], next: 0 }),
+            uploads: (AtomicU64::new(0), AtomicU64::new(0)),
+        })
     }
 
     /// Size of the pinned buffer in bytes (both halves).
@@ -130,6 +137,20 @@ impl Staging {
         if src.is_empty() {
             return Ok(());
         }
+        let start = std::time::Instant::now();
+        let done = self.upload_chunks(dst, src);
+        self.uploads.0.fetch_add(1, Ordering::Relaxed);
+        self.uploads.1.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        done
+    }
+
+    /// Uploads so far and the host time they took (ns).
+    pub(crate) fn upload_stats(&self) -> (u64, u64) {
+        (self.uploads.0.load(Ordering::Relaxed), self.uploads.1.load(Ordering::Relaxed))
+    }
+
+    /// [`Staging::upload`]'s copies, through the pinned halves.
+    fn upload_chunks(&self, dst: u64, src: &[u8]) -> Result<()> {
         let mut inner = self.lock()?;
         self.gpu.bind()?;
         let stream = self.gpu.stream().cu_stream();

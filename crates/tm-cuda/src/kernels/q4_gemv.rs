@@ -402,6 +402,9 @@ pub fn q4_gemv(
         KernelArg::I32(int("rows", s(1).rows)?),
         KernelArg::I32(int("rows", s(2).rows)?),
     ];
+    if smem > 0 {
+        gpu.prefer_max_shared(&name)?;
+    }
     gpu.launch(&name, (grid, 1, 1), (THREADS, 1, 1), smem, &args)
 }
 
@@ -457,6 +460,9 @@ pub fn q4_gemv_silu(
         KernelArg::Ptr(up.mins),
         KernelArg::I32(int("rows", rows)?),
     ];
+    if smem > 0 {
+        gpu.prefer_max_shared(&name)?;
+    }
     gpu.launch(&name, (grid, 1, 1), (THREADS, 1, 1), smem, &args)
 }
 

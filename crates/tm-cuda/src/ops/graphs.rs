@@ -29,6 +29,7 @@ use cudarc::driver::{sys, CudaEvent, CudaGraph};
 use tm_core::{Error, Result};
 
 use crate::runtime::{driver_err, Gpu, LaunchMode};
+use crate::staging::Staging;
 
 /// Graphs kept at most (one per decode batch shape and attention plan in use).
 const MAX_GRAPHS: usize = 64;
@@ -52,6 +53,8 @@ pub(crate) struct GraphCache {
     pub(crate) counts: [u64; 3],
     /// Host time spent recording steps (validating, uploading inputs, signing launches).
     record_time: std::time::Duration,
+    /// Of which: uploads of step inputs (count, ns).
+    record_uploads: (u64, u64),
     /// Events around the last graph replay, read at the next step (when they have completed).
     replay_events: Option<(CudaEvent, CudaEvent)>,
     /// GPU time of the replays measured so far, and how many.
@@ -67,8 +70,10 @@ impl Drop for GraphCache {
             let (gpu_ms, timed) = self.replay_gpu;
             tracing::info!(
                 "cuda graphs: {replayed} steps replayed, {eager} run eagerly, {captured} captured; recording took {:.1} us \
-                 per step on the host; a replay took {:.1} us on the GPU ({timed} timed)",
+                 per step on the host ({:.1} uploads taking {:.1} us); a replay took {:.1} us on the GPU ({timed} timed)",
                 self.record_time.as_secs_f64() * 1e6 / steps as f64,
+                self.record_uploads.0 as f64 / steps as f64,
+                self.record_uploads.1 as f64 / 1e3 / steps as f64,
                 if timed > 0 { gpu_ms * 1e3 / timed as f64 } else { 0.0 }
             );
         }
@@ -106,14 +111,23 @@ impl GraphCache {
 }
 
 /// Runs one forward step through the graph cache.
-pub(crate) fn run_step(gpu: &Gpu, cache: &mut GraphCache, step: &mut (dyn FnMut() -> Result<()> + Send)) -> Result<()> {
+pub(crate) fn run_step(
+    gpu: &Gpu,
+    staging: &Staging,
+    cache: &mut GraphCache,
+    step: &mut (dyn FnMut() -> Result<()> + Send),
+) -> Result<()> {
     let start = std::time::Instant::now();
+    let uploads = staging.upload_stats();
     gpu.set_mode(LaunchMode::Record);
     let recorded = step();
     let signature = gpu.signature();
     let uncapturable = gpu.uncapturable();
     gpu.set_mode(LaunchMode::Eager);
     cache.record_time += start.elapsed();
+    let after = staging.upload_stats();
+    cache.record_uploads.0 += after.0 - uploads.0;
+    cache.record_uploads.1 += after.1 - uploads.1;
     recorded?;
     if uncapturable {
         step()?;

@@ -258,7 +258,7 @@ impl Ops for CudaBackend {
             None => step(),
             Some(cache) => {
                 let mut cache = cache.lock().map_err(|_| Error::invalid("cuda graph cache poisoned"))?;
-                graphs::run_step(&self.gpu, &mut cache, step)
+                graphs::run_step(&self.gpu, &self.staging, &mut cache, step)
             }
         }
     }
