@@ -255,20 +255,6 @@ impl Gpu {
         })
     }
 
-    /// Asks the driver to give kernel `name` the largest shared-memory carveout (the rest of the
-    /// unified L1/shared storage stays L1). Without it the driver may keep a larger L1 and fit fewer
-    /// CTAs of a kernel with much dynamic shared memory per SM than the shared memory allows.
-    /// Nothing to do while recording a step.
-    pub fn prefer_max_shared(&self, name: &str) -> Result<()> {
-        if self.mode() == LaunchMode::Record {
-            return Ok(());
-        }
-        let (f, _) = self.lookup(name)?;
-        // CU_SHAREDMEM_CARVEOUT_MAX_SHARED: 100 (percent of the unified storage).
-        f.set_attribute(sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-            .map_err(driver_err("cuFuncSetAttribute(carveout)"))
-    }
-
     /// Launches kernel `name` on the stream. Dynamic shared memory above 48 KiB is opted into.
     /// With [`Gpu::pdl`] (and a kernel whose module waits for its predecessors) the launch carries
     /// the programmatic-stream-serialization attribute; eager and captured launches alike.

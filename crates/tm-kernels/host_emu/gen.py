@@ -13,7 +13,4 @@ for ty, flag in [("__half)", "false"), ("__nv_bfloat16)", "true")]:
     j = s.index("}\n", i) + 2
     s = s[:i] + sig + " emu_mma(c, a, b0, b1, " + flag + "); }\n" + s[j:]
 s = s.replace('#include "common.cuh"', '#include "common.cuh"\nvoid emu_mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1, bool bf16);')
-# dynamic shared memory of the `ps` kernels: one host buffer (the CTAs run one after another)
-s = s.replace("extern __shared__ __align__(16) unsigned char q4_stream_smem[];", "unsigned char* q4_stream_smem = emu_dyn_smem;")
-s = s.replace('#include "common.cuh"', '#include "common.cuh"\nextern unsigned char emu_dyn_smem[];', 1)
 open(sys.argv[2], "w").write(s)

@@ -13,8 +13,6 @@
 
 thread_local dim3 threadIdx;
 thread_local dim3 blockIdx;
-thread_local dim3 gridDim;
-alignas(16) unsigned char emu_dyn_smem[256 << 10];
 static std::unique_ptr<std::barrier<>> cta_bar;
 struct WarpX { std::unique_ptr<std::barrier<>> bar; unsigned a[32][4]; unsigned b[32][2]; };
 static WarpX warps[8];
@@ -48,18 +46,16 @@ void emu_mma(float c[4], const unsigned a[4], unsigned b0, unsigned b1, bool bf1
 
 static void run_grid(int ctas, const std::function<void()>& body) {
     for (int b = 0; b < ctas; ++b) {
-        std::memset(emu_dyn_smem, 0xA5, sizeof emu_dyn_smem);  // no CTA sees another's leftovers as zeros
         cta_bar = std::make_unique<std::barrier<>>(256);
         for (auto& w : warps) w.bar = std::make_unique<std::barrier<>>(32);
         std::vector<std::thread> th;
         for (int t = 0; t < 256; ++t)
-            th.emplace_back([=, &body] { threadIdx = dim3{(unsigned)t, 0, 0}; blockIdx = dim3{(unsigned)b, 0, 0}; gridDim = dim3{(unsigned)ctas, 1, 1}; body(); });
+            th.emplace_back([=, &body] { threadIdx = dim3{(unsigned)t, 0, 0}; blockIdx = dim3{(unsigned)b, 0, 0}; body(); });
         for (auto& t : th) t.join();
     }
 }
 
 static std::mt19937_64 rng(7);
-static int ps_grid = 3;  // CTAs of a `ps` launch (persistent: each takes tiles c, c + grid, ...)
 struct Q { int rows, cols, group; std::vector<uint8_t> packed; std::vector<__half> s, m; std::vector<double> w; };
 static float amp = 0;  // when set: weights like tm_quant's of uniform(-amp, amp)
 static Q make_q(int rows, int cols, int group) {
@@ -133,14 +129,13 @@ static void case_plain(const char* dt, int U, int n, std::vector<int> rowsv, int
     auto M = [&](int i) { return i < k ? qs[i].m.data() : nullptr; };
     auto B = [&](int i) { return i < k && bias && i % 2 == 0 ? biases[i].data() : nullptr; };
     auto R = [&](int i) { return i < k ? rowsv[i] : 0; };
-    const int per = U >= 16 ? 16 : 32;  // U = 16: the n16 variant, 64: n16u4, 65: pf, 66: pf8, 80: ps
+    const int per = U >= 16 ? 16 : 32;  // U = 16: the n16 variant, 64: n16u4, 65: pf, 66: pf8
     int ctas = 0; for (int r : rowsv) ctas += (r + per - 1) / per;
-    if (U == 80) ctas = std::max(1, std::min(ctas, ps_grid));  // persistent: fewer CTAs than tiles
     run_grid(ctas, [&] {
         if constexpr (std::is_same_v<T, __half>) {
-            (U == 2 ? q4_gemv_u2_f16 : U == 4 ? q4_gemv_u4_f16 : U == 16 ? q4_gemv_n16_f16 : U == 64 ? q4_gemv_n16u4_f16 : U == 65 ? q4_gemv_pf_f16 : U == 80 ? q4_gemv_ps_f16 : q4_gemv_pf8_f16)(x.data(), n, cols, group, O(0), O(1), O(2), W(0), W(1), W(2), S(0), S(1), S(2), M(0), M(1), M(2), B(0), B(1), B(2), R(0), R(1), R(2));
+            (U == 2 ? q4_gemv_u2_f16 : U == 4 ? q4_gemv_u4_f16 : U == 16 ? q4_gemv_n16_f16 : U == 64 ? q4_gemv_n16u4_f16 : U == 65 ? q4_gemv_pf_f16 : q4_gemv_pf8_f16)(x.data(), n, cols, group, O(0), O(1), O(2), W(0), W(1), W(2), S(0), S(1), S(2), M(0), M(1), M(2), B(0), B(1), B(2), R(0), R(1), R(2));
         } else {
-            (U == 2 ? q4_gemv_u2_bf16 : U == 4 ? q4_gemv_u4_bf16 : U == 16 ? q4_gemv_n16_bf16 : U == 64 ? q4_gemv_n16u4_bf16 : U == 65 ? q4_gemv_pf_bf16 : U == 80 ? q4_gemv_ps_bf16 : q4_gemv_pf8_bf16)(x.data(), n, cols, group, O(0), O(1), O(2), W(0), W(1), W(2), S(0), S(1), S(2), M(0), M(1), M(2), B(0), B(1), B(2), R(0), R(1), R(2));
+            (U == 2 ? q4_gemv_u2_bf16 : U == 4 ? q4_gemv_u4_bf16 : U == 16 ? q4_gemv_n16_bf16 : U == 64 ? q4_gemv_n16u4_bf16 : U == 65 ? q4_gemv_pf_bf16 : q4_gemv_pf8_bf16)(x.data(), n, cols, group, O(0), O(1), O(2), W(0), W(1), W(2), S(0), S(1), S(2), M(0), M(1), M(2), B(0), B(1), B(2), R(0), R(1), R(2));
         }
     });
     for (int i = 0; i < k; ++i) {
@@ -153,7 +148,7 @@ static void case_plain(const char* dt, int U, int n, std::vector<int> rowsv, int
                 want[(size_t)j * rows + r] = acc;
             }
         char what[200];
-        snprintf(what, sizeof what, "%s %s plain n=%d rows=%d (slot %d of %d) cols=%d g=%d%s", dt, U == 16 ? "n16" : U == 64 ? "n16u4" : U == 65 ? "pf" : U == 66 ? "pf8" : U == 80 ? "ps" : U == 2 ? "u2" : "u4", n, rows, i, k, cols, group, B(i) ? " +bias" : "");
+        snprintf(what, sizeof what, "%s %s plain n=%d rows=%d (slot %d of %d) cols=%d g=%d%s", dt, U == 16 ? "n16" : U == 64 ? "n16u4" : U == 65 ? "pf" : U == 66 ? "pf8" : U == 2 ? "u2" : "u4", n, rows, i, k, cols, group, B(i) ? " +bias" : "");
         check(what, outs[i], want, n, rows, std::is_same_v<T, __half> ? 2e-3 : 2e-2);
     }
 }
@@ -165,11 +160,11 @@ static void case_silu(const char* dt, int U, int n, int rows, int cols, int grou
     std::vector<T> x((size_t)n * cols); std::vector<double> xd(x.size());
     for (size_t i = 0; i < x.size(); ++i) { x[i] = to_t<T>(nd(rng)); xd[i] = from_t(x[i]); }
     std::vector<T> out((size_t)n * rows, to_t<T>(NAN));
-    run_grid(U == 6 ? std::max(1, std::min((rows + 15) / 16, ps_grid)) : (rows + 15) / 16, [&] {
+    run_grid((rows + 15) / 16, [&] {
         if constexpr (std::is_same_v<T, __half>) {
-            (U == 2 ? q4_gemv_silu_u2_f16 : U == 4 ? q4_gemv_silu_u4_f16 : U == 6 ? q4_gemv_silu_ps_f16 : q4_gemv_silu_pf_f16)(out.data(), x.data(), n, cols, group, g.packed.data(), g.s.data(), g.m.data(), u.packed.data(), u.s.data(), u.m.data(), rows);
+            (U == 2 ? q4_gemv_silu_u2_f16 : U == 4 ? q4_gemv_silu_u4_f16 : q4_gemv_silu_pf_f16)(out.data(), x.data(), n, cols, group, g.packed.data(), g.s.data(), g.m.data(), u.packed.data(), u.s.data(), u.m.data(), rows);
         } else {
-            (U == 2 ? q4_gemv_silu_u2_bf16 : U == 4 ? q4_gemv_silu_u4_bf16 : U == 6 ? q4_gemv_silu_ps_bf16 : q4_gemv_silu_pf_bf16)(out.data(), x.data(), n, cols, group, g.packed.data(), g.s.data(), g.m.data(), u.packed.data(), u.s.data(), u.m.data(), rows);
+            (U == 2 ? q4_gemv_silu_u2_bf16 : U == 4 ? q4_gemv_silu_u4_bf16 : q4_gemv_silu_pf_bf16)(out.data(), x.data(), n, cols, group, g.packed.data(), g.s.data(), g.m.data(), u.packed.data(), u.s.data(), u.m.data(), rows);
         }
     });
     std::vector<double> want((size_t)n * rows);
@@ -180,7 +175,7 @@ static void case_silu(const char* dt, int U, int n, int rows, int cols, int grou
             want[(size_t)j * rows + r] = a / (1 + std::exp(-a)) * b;
         }
     char what[200];
-    snprintf(what, sizeof what, "%s %s silu n=%d rows=%d cols=%d g=%d", dt, U == 2 ? "u2" : U == 4 ? "u4" : U == 6 ? "ps" : "pf", n, rows, cols, group);
+    snprintf(what, sizeof what, "%s %s silu n=%d rows=%d cols=%d g=%d", dt, U == 2 ? "u2" : U == 4 ? "u4" : "pf", n, rows, cols, group);
     check(what, out, want, n, rows, std::is_same_v<T, __half> ? 4e-3 : 4e-2);
 }
 
@@ -229,25 +224,6 @@ int main() {
     for (int U : {65, 66}) case_plain<__nv_bfloat16>("bf16", U, 3, {40, 8}, 14336 + 224, 64, true);
     amp = 3 * std::sqrt(3.f / 4096);
     case_silu<__nv_bfloat16>("bf16 centred", 5, 8, 48, 4096, 128);
-    // The persistent `ps` kernels: several tiles per CTA (grids of 1, 2, 3 and 5 CTAs), uneven
-    // tile counts per CTA, a ring that wraps across tiles, K shorter than 8 steps (idle warps).
-    amp = 0;
-    for (int grid : {1, 2, 3, 5}) {
-        ps_grid = grid;
-        case_plain<__half>("f16", 80, 1, {40}, 96, 32, false);
-        case_plain<__half>("f16", 80, 3, {33, 17, 8}, 160, 32, true);
-        case_plain<__nv_bfloat16>("bf16", 80, 7, {70, 9}, 640, 128, false);
-        case_plain<__half>("f16", 80, 2, {20, 36}, 4096 + 96, 32, false);
-        case_silu<__half>("f16", 6, 1, 40, 256, 64);
-        case_silu<__nv_bfloat16>("bf16", 6, 4, 33, 640, 128);
-        case_silu<__half>("f16", 6, 2, 50, 4480, 128);
-    }
-    ps_grid = 4;
-    amp = 3 * std::sqrt(3.f / 4096);
-    case_plain<__nv_bfloat16>("bf16 centred", 80, 1, {64, 16, 16}, 4096, 128, false);
-    case_plain<__half>("f16 centred", 80, 8, {48}, 14336 + 224, 64, true);
-    case_silu<__nv_bfloat16>("bf16 centred", 6, 8, 48, 4096, 128);
-    case_silu<__half>("f16 centred", 6, 1, 64, 4096, 128);
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }

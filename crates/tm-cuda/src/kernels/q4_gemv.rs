@@ -37,13 +37,8 @@
 //! When the launch carries the programmatic-serialization attribute, the weight stream thus
 //! overlaps the previous kernel's tail; without it the waits return at once.
 //!
-//! - `ps`: persistent CTAs (a fixed grid of as many CTAs as fit, each taking every G-th 16-row
-//!   tile) whose warps stream their steps through a `cp.async` ring in shared memory: 8 steps in
-//!   flight per warp (SiLU: 4 of gate and up) that never wait for a CTA to end, for products of
-//!   several waves (gate/up) or long K (down).
-//!
 //! `Auto` takes `n16` for a plain product whose 32-row grid is under two CTAs per SM, else `u2`
-//! (the SiLU variant always `u2`). `TM_Q4_GEMV_UNROLL=2|4|n16|n16u4|pf|pf8|ps|pfw` overrides it
+//! (the SiLU variant always `u2`). `TM_Q4_GEMV_UNROLL=2|4|n16|n16u4|pf|pf8|pfw` overrides it
 //! (`n16` and `n16u4` mean `u2` for the SiLU variant, `pf8` means `pf`; `pfw` is `pf8` for a
 //! plain product whose 16-row grid is one wave of two CTAs per SM, else `pf`), and [`set_unroll`]
 //! overrides both (tests, benchmarks). `q4_gemv_bench` times every variant on the 8B shapes.
@@ -82,10 +77,6 @@ pub enum Unroll {
     Prefetch,
     /// `q4_gemv_pf8_*`: `pf` with U = 8, two per SM (plain products; SiLU takes `pf`'s form).
     Prefetch8,
-    /// `q4_gemv_ps_*` / `q4_gemv_silu_ps_*`: persistent CTAs (a fixed grid, each CTA several
-    /// tiles) streaming their steps through a `cp.async` ring in shared memory, 8 steps in flight
-    /// per warp (SiLU: 4 steps of gate and up).
-    Stream,
     /// A choice, not a kernel (`pfw`): `pf8` for a plain product whose 16-row grid fits in one
     /// wave of two CTAs per SM (the 8B model's o and down), else `pf` (q/k/v: one wave of three);
     /// SiLU `pf`'s form.
@@ -94,15 +85,8 @@ pub enum Unroll {
 
 impl Unroll {
     /// Every variant but `Auto`, in the order the benchmark prints them.
-    pub const ALL: [Unroll; 7] = [
-        Unroll::Two,
-        Unroll::Four,
-        Unroll::Narrow,
-        Unroll::NarrowFour,
-        Unroll::Prefetch,
-        Unroll::Prefetch8,
-        Unroll::Stream,
-    ];
+    pub const ALL: [Unroll; 6] =
+        [Unroll::Two, Unroll::Four, Unroll::Narrow, Unroll::NarrowFour, Unroll::Prefetch, Unroll::Prefetch8];
 
     /// The variant's name in `TM_Q4_GEMV_UNROLL` and the benchmark's tables.
     pub fn name(self) -> &'static str {
@@ -114,13 +98,12 @@ impl Unroll {
             Unroll::NarrowFour => "n16u4",
             Unroll::Prefetch => "pf",
             Unroll::Prefetch8 => "pf8",
-            Unroll::Stream => "ps",
             Unroll::OneWave => "pfw",
         }
     }
 
-    /// Parses a `TM_Q4_GEMV_UNROLL` value: 2 (or u2), 4 (or u4), n16, n16u4, pf, pf8, ps, pfw
-    /// or auto.
+    /// Parses a `TM_Q4_GEMV_UNROLL` value: 2 (or u2), 4 (or u4), n16, n16u4, pf, pf8, pfw or
+    /// auto.
     pub fn parse(v: &str) -> Option<Unroll> {
         match v.trim() {
             "auto" => Some(Unroll::Auto),
@@ -130,7 +113,6 @@ impl Unroll {
             "n16u4" => Some(Unroll::NarrowFour),
             "pf" => Some(Unroll::Prefetch),
             "pf8" => Some(Unroll::Prefetch8),
-            "ps" => Some(Unroll::Stream),
             "pfw" => Some(Unroll::OneWave),
             _ => None,
         }
@@ -139,19 +121,18 @@ impl Unroll {
     /// Whether the variant has a SiLU kernel of its own (`n16` and `n16u4` take `u2` there,
     /// `pf8` takes `pf`'s).
     pub fn has_silu_form(self) -> bool {
-        matches!(self, Unroll::Two | Unroll::Four | Unroll::Prefetch | Unroll::Stream)
+        matches!(self, Unroll::Two | Unroll::Four | Unroll::Prefetch)
     }
 }
 
 /// What [`set_unroll`] can force: the kernels and the `pfw` choice.
-const FORCIBLE: [Unroll; 8] = [
+const FORCIBLE: [Unroll; 7] = [
     Unroll::Two,
     Unroll::Four,
     Unroll::Narrow,
     Unroll::NarrowFour,
     Unroll::Prefetch,
     Unroll::Prefetch8,
-    Unroll::Stream,
     Unroll::OneWave,
 ];
 
@@ -199,12 +180,7 @@ impl Unroll {
     /// Rows per CTA of the plain product.
     fn rows_per_cta(self) -> usize {
         match self {
-            Unroll::Narrow
-            | Unroll::NarrowFour
-            | Unroll::Prefetch
-            | Unroll::Prefetch8
-            | Unroll::OneWave
-            | Unroll::Stream => 16,
+            Unroll::Narrow | Unroll::NarrowFour | Unroll::Prefetch | Unroll::Prefetch8 | Unroll::OneWave => 16,
             _ => 32,
         }
     }
@@ -216,7 +192,6 @@ impl Unroll {
             Unroll::NarrowFour => "q4_gemv_n16u4",
             Unroll::Prefetch | Unroll::OneWave => "q4_gemv_pf",
             Unroll::Prefetch8 => "q4_gemv_pf8",
-            Unroll::Stream => "q4_gemv_ps",
             Unroll::Four => "q4_gemv_u4",
             _ => "q4_gemv_u2",
         }
@@ -227,7 +202,6 @@ impl Unroll {
     fn silu_stem(self) -> &'static str {
         match self {
             Unroll::Four => "q4_gemv_silu_u4",
-            Unroll::Stream => "q4_gemv_silu_ps",
             Unroll::Prefetch | Unroll::Prefetch8 | Unroll::OneWave => "q4_gemv_silu_pf",
             _ => "q4_gemv_silu_u2",
         }
@@ -244,7 +218,7 @@ fn forced_unroll() -> Option<Unroll> {
             Some(Unroll::Auto) => None,
             Some(u) => Some(u),
             None => {
-                tracing::warn!("TM_Q4_GEMV_UNROLL={v} ignored: expected 2, 4, n16, n16u4, pf, pf8, ps, pfw or auto");
+                tracing::warn!("TM_Q4_GEMV_UNROLL={v} ignored: expected 2, 4, n16, n16u4, pf, pf8, pfw or auto");
                 None
             }
         }
@@ -306,34 +280,6 @@ fn int(what: &str, v: usize) -> Result<i32> {
         .map_err(|_| Error::invalid(format!("q4_gemv: {what} = {v} exceeds the kernel limit of {}", i32::MAX)))
 }
 
-/// Dynamic shared memory of `q4_gemv_ps_*` (`StreamSmem<8, 1>::BYTES` in q4_gemv.cu: the warps'
-/// rings of 8 steps, then two reduction buffers).
-const PS_PLAIN_SMEM: u32 = 8 * (8 * 2 * 32 * 16) + 2 * 8 * (4 * 32) * 4;
-/// Dynamic shared memory of `q4_gemv_silu_ps_*` (`StreamSmem<4, 2>::BYTES`).
-const PS_SILU_SMEM: u32 = 8 * (4 * 2 * 2 * 32 * 16) + 2 * 8 * (2 * 4 * 32) * 4;
-
-/// Shared memory per SM by compute capability (what the occupancy of the `ps` kernels is cut
-/// by): 228 KiB on sm_90/sm_100, 164 KiB on sm_80/sm_87, else 100 KiB.
-fn smem_per_sm(cc: (u32, u32)) -> u32 {
-    match cc {
-        (9, 0) | (10, _) => 228 << 10,
-        (8, 0) | (8, 7) => 164 << 10,
-        _ => 100 << 10,
-    }
-}
-
-/// The grid of a `ps` launch of `tiles` 16-row tiles: as many CTAs as fit (`min_ctas` per SM by
-/// the kernel's launch bounds, fewer if `smem` per CTA does not fit), cut so that every CTA
-/// takes the same number of tiles (give or take one at the end).
-fn stream_grid(tiles: usize, sms: usize, cc: (u32, u32), smem: u32, min_ctas: usize) -> Result<u32> {
-    // The driver reserves 1 KiB of shared memory per CTA.
-    let fit = (smem_per_sm(cc) / (smem + 1024)) as usize;
-    let slots = (sms.max(1) * min_ctas.min(fit)).max(1);
-    let per_cta = tiles.div_ceil(slots).max(1);
-    let grid = tiles.div_ceil(per_cta).max(1);
-    u32::try_from(grid).map_err(|_| Error::invalid(format!("q4_gemv: {grid} CTAs exceed the grid limit")))
-}
-
 /// CTAs for `rows` at `per` rows each.
 fn ctas(rows: usize, per: usize) -> usize {
     rows.div_ceil(per)
@@ -370,13 +316,7 @@ pub fn q4_gemv(
     let grid16 = plain_grid(&used, 16)?;
     let s = |i: usize| used.get(i).copied().unwrap_or_default();
     let u = unroll.resolve(grid16 as usize, grid32 as usize, gpu.info().multiprocessors as usize);
-    let info = gpu.info();
-    let (grid, smem) = if u == Unroll::Stream {
-        let tiles = plain_grid(&used, 16)? as usize;
-        (stream_grid(tiles, info.multiprocessors as usize, info.compute_capability, PS_PLAIN_SMEM, 3)?, PS_PLAIN_SMEM)
-    } else {
-        (plain_grid(&used, u.rows_per_cta())?, 0)
-    };
+    let grid = plain_grid(&used, u.rows_per_cta())?;
     let name = format!("{}_{}", u.plain_stem(), suffix(dt)?);
     let args = [
         KernelArg::Ptr(x),
@@ -402,10 +342,7 @@ pub fn q4_gemv(
         KernelArg::I32(int("rows", s(1).rows)?),
         KernelArg::I32(int("rows", s(2).rows)?),
     ];
-    if smem > 0 {
-        gpu.prefer_max_shared(&name)?;
-    }
-    gpu.launch(&name, (grid, 1, 1), (THREADS, 1, 1), smem, &args)
+    gpu.launch(&name, (grid, 1, 1), (THREADS, 1, 1), 0, &args)
 }
 
 /// `out [n, rows] = silu(x · Gᵀ) * (x · Uᵀ)` for int4 `gate` and `up` `[rows, cols]` of group size
@@ -439,13 +376,6 @@ pub fn q4_gemv_silu(
         u => u,
     };
     let name = format!("{}_{}", u.silu_stem(), suffix(dt)?);
-    let (grid, smem) = if u == Unroll::Stream {
-        let info = gpu.info();
-        let tiles = ctas(rows, SILU_ROWS_PER_CTA);
-        (stream_grid(tiles, info.multiprocessors as usize, info.compute_capability, PS_SILU_SMEM, 2)?, PS_SILU_SMEM)
-    } else {
-        (grid, 0)
-    };
     let args = [
         KernelArg::Ptr(out),
         KernelArg::Ptr(x),
@@ -460,10 +390,7 @@ pub fn q4_gemv_silu(
         KernelArg::Ptr(up.mins),
         KernelArg::I32(int("rows", rows)?),
     ];
-    if smem > 0 {
-        gpu.prefer_max_shared(&name)?;
-    }
-    gpu.launch(&name, (grid, 1, 1), (THREADS, 1, 1), smem, &args)
+    gpu.launch(&name, (grid, 1, 1), (THREADS, 1, 1), 0, &args)
 }
 
 #[cfg(test)]
@@ -536,20 +463,6 @@ mod tests {
         assert_eq!(Unroll::Prefetch8.rows_per_cta(), 16);
         assert!(Unroll::Prefetch.has_silu_form() && Unroll::Four.has_silu_form());
         assert!(!Unroll::Prefetch8.has_silu_form() && !Unroll::NarrowFour.has_silu_form());
-        // `ps` grids on an H200 (132 SMs, sm_90): the 8B model's gate/up pairs (896 tiles, two
-        // CTAs per SM by shared memory: 4 tiles each), q/k/v (384: one each, three per SM), down.
-        assert_eq!(PS_PLAIN_SMEM, 73728);
-        assert_eq!(PS_SILU_SMEM, 81920);
-        assert_eq!(stream_grid(896, 132, (9, 0), PS_SILU_SMEM, 2).unwrap(), 224);
-        assert_eq!(stream_grid(384, 132, (9, 0), PS_PLAIN_SMEM, 3).unwrap(), 384);
-        assert_eq!(stream_grid(1000, 132, (9, 0), PS_PLAIN_SMEM, 3).unwrap(), 334);
-        assert_eq!(stream_grid(256, 132, (9, 0), PS_PLAIN_SMEM, 3).unwrap(), 256);
-        // One CTA per SM where shared memory is 100 KiB (sm_86/sm_89); at least one CTA always.
-        assert_eq!(stream_grid(896, 84, (8, 6), PS_SILU_SMEM, 2).unwrap(), 82);
-        assert_eq!(stream_grid(1, 132, (9, 0), PS_PLAIN_SMEM, 3).unwrap(), 1);
-        assert_eq!(Unroll::Stream.plain_stem(), "q4_gemv_ps");
-        assert_eq!(Unroll::Stream.silu_stem(), "q4_gemv_silu_ps");
-        assert!(Unroll::Stream.has_silu_form());
     }
 
     #[test]

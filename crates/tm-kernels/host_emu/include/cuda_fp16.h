@@ -8,7 +8,6 @@
 struct dim3 { unsigned x, y, z; };
 extern thread_local dim3 threadIdx;
 extern thread_local dim3 blockIdx;
-extern thread_local dim3 gridDim;
 constexpr dim3 blockDim{256, 1, 1};
 #define __device__
 #define __host__
