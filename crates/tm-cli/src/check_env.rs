@@ -499,10 +499,10 @@ mod tests {
         assert_eq!(j["cuda"]["peer_access"][0][1], false);
         assert_eq!(j["backend_auto"]["backend"], "cuda");
         assert!(t.contains("--backend auto: cuda (GPU 0: NVIDIA H200)"), "{t}");
-        // sm_90: off unless TM_PDL=1 in this test's environment; one line for identical GPUs.
+        // sm_90: on unless TM_PDL=0 in this test's environment; one line for identical GPUs.
         let pdl = t.lines().filter(|l| l.starts_with("programmatic dependent launch: ")).collect::<Vec<_>>();
         assert_eq!(pdl.len(), 1, "{t}");
-        assert!(pdl[0].contains(": on (sm_90") || pdl[0].contains(": off (TM_PDL=1 turns it on)"), "{t}");
+        assert!(pdl[0].contains(": on (sm_90") || pdl[0].contains(": off (TM_PDL=0)"), "{t}");
         assert_eq!(j["cuda"]["programmatic_dependent_launch"].as_str(), pdl[0].split_once(": ").map(|(_, v)| v));
     }
 

@@ -25,9 +25,9 @@
 //!   step replayed from a graph sees);
 //! - `<variant> chain`: a graph of `--iters` pairs "RMSNorm writes x, then the product reads x"
 //!   (a decode step's dependency pattern), its time per pair minus that of a graph of the
-//!   RMSNorms alone (`norm only`). With programmatic dependent launch (sm_90, `TM_PDL=1`
-//!   or not `0`) each product's weight loads overlap the RMSNorm before it, so this share can
-//!   drop below the product's own `graph` time; `TM_PDL` unset gives the serialized figure;
+//!   RMSNorms alone (`norm only`). With programmatic dependent launch (sm_90, unless
+//!   `TM_PDL=0`) each product is scheduled while the RMSNorm before it ends, so this share can
+//!   drop below the product's own `graph` time; `TM_PDL=0` gives the serialized figure;
 //! - `cuda-core`: the previous path, one `matmul_q4` CUDA-core GEMV launch per weight (plus
 //!   `silu_mul` for the MLP), from the host.
 //!

@@ -7,7 +7,7 @@
 //! - [`driver_version`] and [`peer_access_matrix`] (`cuDeviceCanAccessPeer`).
 //! - [`CudaDevice`]: tm-core's `Device` for one GPU.
 //! - [`runtime::Gpu`]: context, stream and kernel modules of one GPU; kernel launches.
-//! - [`pdl`]: programmatic dependent launch on sm_90+ (opt-in: `TM_PDL=1`).
+//! - [`pdl`]: programmatic dependent launch on sm_90+ (on unless `TM_PDL=0`).
 //! - [`allocator`]: the capped caching pool over `cuMemAlloc`.
 //! - [`staging`]: bounded pinned host buffers for host↔device copies.
 //! - [`memory_model`]: the discrete and unified (integrated GPU, Jetson) memory variants, and the

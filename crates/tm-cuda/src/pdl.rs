@@ -8,32 +8,36 @@
 //! tm-kernels' ABI.md and [`tm_kernels::pdl`]); the kernels of a module that does not yet are
 //! launched without the attribute, and so are cuBLASLt's and NCCL's (ordinary stream order).
 //!
-//! PDL is opt-in: it is used when the device's compute capability major is at least 9 and the
-//! environment variable `TM_PDL` is `1` (also `on`, `true`), read once per process. Measured on an
-//! H200 with every kernel waiting at its top, it made decode slower, not faster: batch-1 bf16
-//! TPOT 5.00-5.03 ms against 4.82-4.89 ms without it, tp=2 3.93 against 3.78 ms; the int4 GEMV
-//! variants that load their weights before the wait (`TM_Q4_GEMV_UNROLL=pf|pf8|pfw`) were slower
-//! than the default ones too. Large batches did not move (c256 10.08k vs 10.07k tok/s).
+//! PDL is used when the device's compute capability major is at least 9, unless the environment
+//! variable `TM_PDL` is `0` (also `off`, `false`), read once per process.
+//!
+//! The kernels do not trigger their dependents early (`TM_PDL_EARLY_TRIGGER`, common.cuh, is 0):
+//! a grid's successor is scheduled as its blocks exit, which hides the launch of each kernel
+//! behind the end of the one before. Triggering at the top of every kernel was slower: the
+//! successors' blocks, and theirs in turn, became resident early and sat in `griddepcontrol.wait`
+//! on SM slots the running kernels needed. Measured on an H200 (same machine, batch-1 decode,
+//! replay of a step on the GPU): bf16 4.61 ms without PDL, 4.75 ms with the early trigger,
+//! 4.55 ms with the late one; AWQ 2.75 / 2.76 / 2.69 ms; tp=2 3.36 / 3.46 / 3.28 ms.
 
 use std::sync::{Once, OnceLock};
 
 use cudarc::driver::{sys, DriverError};
 
-/// The environment variable that turns PDL on (`TM_PDL=1`).
+/// The environment variable that turns PDL off (`TM_PDL=0`).
 pub const ENV: &str = "TM_PDL";
 
 /// The first compute capability major with PDL.
 const MIN_MAJOR: u32 = 9;
 
-/// Whether `TM_PDL` asks for PDL (`1`, `on`, `true`; unset or anything else: no); read once.
+/// Whether `TM_PDL` allows PDL (unset or anything but `0`, `off`, `false`: yes); read once.
 fn env_allows() -> bool {
     static ALLOWED: OnceLock<bool> = OnceLock::new();
-    *ALLOWED.get_or_init(|| std::env::var(ENV).is_ok_and(|v| allows(&v)))
+    *ALLOWED.get_or_init(|| std::env::var(ENV).map_or(true, |v| allows(&v)))
 }
 
-/// Whether the value of `TM_PDL` asks for PDL.
+/// Whether the value of `TM_PDL` allows PDL (everything but `0`, `off`, `false`).
 fn allows(value: &str) -> bool {
-    matches!(value.trim().to_ascii_lowercase().as_str(), "1" | "on" | "true")
+    !matches!(value.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false")
 }
 
 /// Whether tm launches kernels with PDL on a device of compute capability `cc` (major, minor).
@@ -58,7 +62,7 @@ pub fn describe(cc: (u32, u32)) -> String {
         return format!("off (needs sm_90 or newer; this is {sm})");
     }
     if !env_allows() {
-        return format!("off ({ENV}=1 turns it on)");
+        return format!("off ({ENV}=0)");
     }
     let without = modules_without();
     let except = if without.is_empty() {
@@ -66,7 +70,7 @@ pub fn describe(cc: (u32, u32)) -> String {
     } else {
         format!("; kernels of {} launched without it until they all wait", without.join(", "))
     };
-    format!("on ({sm}; {ENV}=1){except}")
+    format!("on ({sm}; {ENV}=0 turns it off){except}")
 }
 
 /// Logs the choice for a device, once per process (later devices log at debug level).
@@ -121,10 +125,10 @@ mod tests {
 
     #[test]
     fn env_values() {
-        for off in ["0", "off", "OFF", "false", " 0 ", "", "yes"] {
+        for off in ["0", "off", "OFF", "false", " 0 "] {
             assert!(!allows(off), "{off:?}");
         }
-        for on in ["1", "on", " ON ", "true"] {
+        for on in ["1", "on", " ON ", "true", "", "yes"] {
             assert!(allows(on), "{on:?}");
         }
     }

@@ -166,7 +166,7 @@ impl Gpu {
     }
 
     /// Whether kernels are launched with programmatic dependent launch on this device (sm_90+,
-    /// `TM_PDL=1`); the kernels of modules that do not wait for their predecessors never are
+    /// unless `TM_PDL=0`); the kernels of modules that do not wait for their predecessors never are
     /// (see [`crate::pdl`]).
     pub fn pdl(&self) -> bool {
         self.pdl

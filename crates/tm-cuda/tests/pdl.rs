@@ -17,7 +17,7 @@
 //! and later steps are replays of a captured graph (programmatic edges between the nodes).
 //!
 //! Skips (printing why) without a CUDA device or below sm_90 (where PDL is never used). Run it
-//! with `TM_PDL=1` (PDL is opt-in) and without: the same chain either way. `TM_CUDA_DEVICE` picks the device.
+//! with PDL (the default on sm_90) and with `TM_PDL=0`: the same chain either way. `TM_CUDA_DEVICE` picks the device.
 
 use half::{bf16, f16};
 use tm_core::sampling::Rng;

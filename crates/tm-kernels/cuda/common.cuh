@@ -48,8 +48,16 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
 /// launched with the programmatic-serialization attribute, start its blocks before this grid ends.
 /// Safe anywhere: it only allows the next grid to be scheduled; that grid still calls `pdl_wait`
 /// before it reads anything this grid writes. A no-op before sm_90.
+///
+/// It does nothing unless built with `-DTM_PDL_EARLY_TRIGGER=1`: the next grid is then scheduled
+/// as this grid's blocks exit (the implicit trigger), which still hides its launch behind this
+/// grid's end. Triggering at the top let successors' blocks (and theirs, in a cascade) sit in
+/// `pdl_wait` on SM slots the running grids needed: slower on the H200 (tm-cuda's pdl.rs).
+#ifndef TM_PDL_EARLY_TRIGGER
+#define TM_PDL_EARLY_TRIGGER 0
+#endif
 __device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && TM_PDL_EARLY_TRIGGER
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }

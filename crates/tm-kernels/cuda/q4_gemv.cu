@@ -28,7 +28,8 @@
 //   A CTA covers NT tiles of 16 rows: 16 NT consecutive rows of one weight, or 16 rows of the
 //   gate and the same 16 rows of the up weight (the SiLU variant, NT = 2).
 // - Programmatic dependent launch (sm_90+; no-ops before): every kernel first lets the next
-//   kernel of the stream launch (`tmk::pdl_launch_dependents`), then issues the weight loads of
+//   kernel of the stream launch (`tmk::pdl_launch_dependents`, a no-op unless built with
+//   TM_PDL_EARLY_TRIGGER=1: see common.cuh), then issues the weight loads of
 //   its ring's first U steps (they do not depend on any earlier kernel) and only then waits for
 //   the previous kernel (`tmk::pdl_wait`) before it reads x or writes anything. Launched with the
 //   programmatic-serialization attribute, a CTA's weight stream thus overlaps the previous
