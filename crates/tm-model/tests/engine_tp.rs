@@ -1,9 +1,12 @@
 //! The serving engine over tensor-parallel CPU ranks: concurrent requests give what the
 //! single-rank engine gives (greedy, and seeded sampling with penalties, whose random streams
 //! come back from rank 0), log-probabilities included; a stalled rank fails the requests in
-//! flight with the deadline error, and the engine stops and says why.
+//! flight with the deadline error, and the engine stops and says why. The llama fixture runs on
+//! 2 and 4 ranks, an eight-head Llama written by the test on 8.
 
 mod engine_common;
+mod plan_common;
+mod tp_common;
 
 use engine_common::*;
 use std::path::Path;
@@ -14,9 +17,19 @@ use tm_core::{Comm, LocalComm};
 use tm_model::engine::{Engine, EngineConfig, FinishReason, TpModelInfo};
 use tm_model::loader::{load_tp, LoadedTp};
 use tm_model::tp::{cpu_backend_factory, TpOptions};
+use tp_common::{write_eight_heads, EightHeads};
 
-fn tp_engine(world: usize, config: &EngineConfig, stall: Option<(usize, u64)>, timeout: Duration) -> Engine {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/llama");
+fn llama_fixture() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/llama")
+}
+
+fn tp_engine(
+    dir: &Path,
+    world: usize,
+    config: &EngineConfig,
+    stall: Option<(usize, u64)>,
+    timeout: Duration,
+) -> Engine {
     let comms = LocalComm::group(world)
         .into_iter()
         .map(|c| match stall {
@@ -33,7 +46,7 @@ fn tp_engine(world: usize, config: &EngineConfig, stall: Option<(usize, u64)>, t
         kv_cache_dtype: Default::default(),
     };
     let LoadedTp { path, name, group, tokenizer, template } =
-        load_tp(&dir, comms, cpu_backend_factory(), opts).expect("tp fixture loads");
+        load_tp(dir, comms, cpu_backend_factory(), opts).expect("tp checkpoint loads");
     let config_model = group.config().clone();
     let info = Arc::new(TpModelInfo { path, name, tokenizer, template, config: config_model });
     Engine::start_tp(info, group, config.clone()).expect("tp engine starts")
@@ -51,9 +64,12 @@ fn sampled(seed: u64) -> SamplingParams {
     }
 }
 
-#[test]
-fn tp_engine_matches_the_single_rank_engine() {
-    let (m, ops) = fixture("llama");
+/// Six concurrent requests (greedy and seeded sampling with penalties, 3 log-probabilities a
+/// token) on the checkpoint in `dir`: every world in `worlds` gives the single-rank engine's
+/// tokens and log-probabilities.
+fn check_engine(dir: &Path, worlds: &[usize]) {
+    let ops: Arc<dyn tm_core::Ops> = Arc::new(tm_cpu::CpuBackend::new());
+    let m = Arc::new(tm_model::loader::load(dir, ops.as_ref(), &mut |_, _| {}).expect("checkpoint loads"));
     let vocab = m.model.config.vocab_size;
     let prompts: Vec<Vec<u32>> =
         [5usize, 37, 12, 64, 3, 21].iter().enumerate().map(|(i, &len)| prompt(i as u64, len, vocab)).collect();
@@ -70,8 +86,8 @@ fn tp_engine_matches_the_single_rank_engine() {
     let one = Engine::start(Arc::clone(&m), Arc::clone(&ops), cfg.clone()).unwrap();
     let want: Vec<_> = prompts.iter().enumerate().map(|(i, p)| one.submit(requests(p, i)).unwrap()).collect();
     let want: Vec<_> = want.into_iter().map(|s| s.wait()).collect();
-    for world in [2, 4] {
-        let engine = tp_engine(world, &cfg, None, Duration::from_secs(30));
+    for &world in worlds {
+        let engine = tp_engine(dir, world, &cfg, None, Duration::from_secs(30));
         let got: Vec<_> = prompts.iter().enumerate().map(|(i, p)| engine.submit(requests(p, i)).unwrap()).collect();
         for (i, (g, w)) in got.into_iter().zip(&want).enumerate() {
             let g = g.wait();
@@ -91,12 +107,26 @@ fn tp_engine_matches_the_single_rank_engine() {
 }
 
 #[test]
+fn tp_engine_matches_the_single_rank_engine() {
+    check_engine(&llama_fixture(), &[2, 4]);
+}
+
+/// Eight ranks: 8 query heads one per rank, the 2 KV heads each replicated on 4 ranks, and the
+/// vocabulary of 384 split 48 rows a rank.
+#[test]
+fn tp8_engine_matches_the_single_rank_engine() {
+    let dir = write_eight_heads("engine", EightHeads { kv_heads: 2, vocab: 384, tied: false });
+    check_engine(&dir, &[8]);
+    tp_common::remove(&dir);
+}
+
+#[test]
 fn a_stalled_rank_fails_the_requests_and_stops_the_engine() {
     let (m, _) = fixture("llama");
     let vocab = m.model.config.vocab_size;
     let timeout = Duration::from_millis(500);
     // Collective #0 is the start-up self-test; the stall hits the third step.
-    let engine = tp_engine(2, &config(64, false), Some((1, 1 + 2 * 5)), timeout);
+    let engine = tp_engine(&llama_fixture(), 2, &config(64, false), Some((1, 1 + 2 * 5)), timeout);
     let t0 = Instant::now();
     let streams: Vec<_> =
         (0..3).map(|i| engine.submit(forced(&prompt(i, 6, vocab), 8, SamplingParams::greedy())).unwrap()).collect();

@@ -1,6 +1,11 @@
 //! Tensor parallelism on CPU ranks: tp=2 and tp=4 give tp=1's logits and greedy text on every
-//! fixture architecture (tp=4 replicates the fixtures' 2 KV heads), quantized weights keep their
-//! groups whole, and a stalled rank makes the others fail within the deadline instead of hanging.
+//! fixture architecture (tp=4 replicates the fixtures' 2 KV heads), and tp=2, 4 and 8 do on an
+//! eight-head Llama written by the test (2 KV heads replicated on 4 ranks each, or 8 split one
+//! per rank); quantized weights keep their groups whole, and a stalled rank makes the others fail
+//! within the deadline instead of hanging (at tp=2, 4 and 8).
+
+mod plan_common;
+mod tp_common;
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -18,6 +23,7 @@ use tm_model::loader::{Checkpoint, GgufSource};
 use tm_model::tp::{cpu_backend_factory, TpGroup, TpOptions};
 use tm_model::weights::{SafetensorsCheckpoint, TensorSource};
 use tm_model::ModelError;
+use tp_common::{write_eight_heads, EightHeads};
 
 const FIXTURES: [&str; 9] = [
     "llama",
@@ -100,6 +106,44 @@ fn every_fixture_tp2_and_tp4_match_tp1() {
         let config = ModelConfig::from_dir(&dir).unwrap();
         // 4 heads and 2 KV heads: tp=2 splits the KV heads, tp=4 replicates each on two ranks.
         compare(name, source, config, &prompts(name), &[2, 4]);
+    }
+}
+
+/// Prompts of 5, 11 and 17 pseudo-random ids below `vocab`.
+fn random_prompts(vocab: usize) -> Vec<Vec<u32>> {
+    [5usize, 11, 17]
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            let mut rng = tm_core::sampling::Rng::new(100 + i as u64);
+            (0..len).map(|_| (rng.next_u64() % vocab as u64) as u32).collect()
+        })
+        .collect()
+}
+
+#[test]
+fn eight_heads_tp2_tp4_and_tp8_match_tp1() {
+    use tm_model::llama::ShardLayout;
+    // 2 KV heads: split at tp=2, each replicated on 2 ranks at tp=4 and on 4 at tp=8; a
+    // vocabulary of 384 is vocab-parallel at every tp.
+    let gqa = EightHeads { kv_heads: 2, vocab: 384, tied: false };
+    // 8 KV heads: split at every tp (one per rank at tp=8); a tied vocabulary of 380 is split at
+    // tp=2 and 4 and replicated at tp=8.
+    let mha = EightHeads { kv_heads: 8, vocab: 380, tied: true };
+    for (tag, m) in [("gqa", gqa), ("mha", mha)] {
+        let dir = write_eight_heads(&format!("logits-{tag}"), m);
+        let source: Arc<dyn TensorSource> = Arc::new(SafetensorsCheckpoint::open(&dir).unwrap());
+        let config = ModelConfig::from_dir(&dir).unwrap();
+        assert_eq!((config.num_heads, config.num_kv_heads, config.vocab_size), (8, m.kv_heads, m.vocab));
+        // The split the test means to exercise: each rank's KV heads and vocabulary rows at tp=8.
+        let layouts = ShardLayout::all(&config, 8).unwrap();
+        for (r, l) in layouts.iter().enumerate() {
+            let kv = if m.kv_heads == 2 { r / 4..r / 4 + 1 } else { r..r + 1 };
+            assert_eq!((l.heads.clone(), l.kv_heads.clone()), (r..r + 1, kv), "{tag} rank {r}");
+            assert_eq!(l.vocab_parallel, m.vocab % 8 == 0, "{tag} rank {r}");
+        }
+        compare(&format!("eight heads {tag}"), source, config, &random_prompts(m.vocab), &[2, 4, 8]);
+        tp_common::remove(&dir);
     }
 }
 
@@ -270,15 +314,24 @@ fn default_model_q4_1_on_three_ranks() {
 
 // --- faults ----------------------------------------------------------------------------------
 
-fn llama() -> (Arc<dyn TensorSource>, ModelConfig) {
-    let ckpt = Checkpoint::open(&fixture("llama")).unwrap();
+fn open(dir: &Path) -> (Arc<dyn TensorSource>, ModelConfig) {
+    let ckpt = Checkpoint::open(dir).unwrap();
     (Arc::from(ckpt.source), ckpt.config)
 }
 
-/// A group whose rank `stalled` stops answering at its collective `at` (#0 is the start-up
-/// self-test, #1 the embedding, #2 layer 0's o_proj, ...).
-fn stalling_group(world: usize, stalled: usize, at: u64, timeout: Duration) -> Result<TpGroup, ModelError> {
-    let (source, config) = llama();
+fn llama() -> (Arc<dyn TensorSource>, ModelConfig) {
+    open(&fixture("llama"))
+}
+
+/// A group over `model` whose rank `stalled` stops answering at its collective `at` (#0 is the
+/// start-up self-test, #1 the embedding, #2 layer 0's o_proj, ...).
+fn stalling_group(
+    (source, config): (Arc<dyn TensorSource>, ModelConfig),
+    world: usize,
+    stalled: usize,
+    at: u64,
+    timeout: Duration,
+) -> Result<TpGroup, ModelError> {
     let comms = LocalComm::group(world)
         .into_iter()
         .map(|c| if c.rank() == stalled { c.stall_after(at) } else { c })
@@ -288,17 +341,17 @@ fn stalling_group(world: usize, stalled: usize, at: u64, timeout: Duration) -> R
     TpGroup::start(source, config, comms, cpu_backend_factory(), options)
 }
 
-fn check_stall(world: usize, stalled: usize) {
+fn check_stall(model: (Arc<dyn TensorSource>, ModelConfig), world: usize, stalled: usize) {
     // The measured time also holds the step's compute before the stalled collective, so the
     // deadline is long enough that 10% of it covers that on a loaded 2-core CI machine.
     let timeout = Duration::from_secs(2);
-    let mut group = stalling_group(world, stalled, 4, timeout).unwrap();
+    let mut group = stalling_group(model, world, stalled, 4, timeout).unwrap();
     let mut session = Session::tensor_parallel(&mut group, 64).unwrap();
     let t0 = Instant::now();
     let err = session.append(&[1, 2, 3]).unwrap_err();
     let took = t0.elapsed();
     let msg = err.to_string();
-    eprintln!("tp={world}, rank {stalled} stalled: {msg}");
+    eprintln!("tp={world}, rank {stalled} stalled; the step failed after {took:?}: {msg}");
     assert!(
         matches!(&err, ModelError::Core(tm_core::Error::Timeout { rank, .. }) if *rank != stalled),
         "a waiting rank reports the timeout: {msg}"
@@ -317,15 +370,26 @@ fn check_stall(world: usize, stalled: usize) {
 
 #[test]
 fn a_stalled_rank_fails_the_others_within_the_deadline() {
-    check_stall(2, 1);
-    check_stall(4, 2);
+    check_stall(llama(), 2, 1);
+    check_stall(llama(), 4, 2);
+}
+
+/// Eight ranks on threads (more than a CI machine's cores): one stalls, the seven others fail
+/// within the deadline + 10%, naming it, and every thread stops.
+#[test]
+fn a_stalled_rank_of_eight_fails_the_others_within_the_deadline() {
+    // A vocabulary of 384 is vocab-parallel at tp=8, so collective #1 is the embedding's
+    // all-reduce and #4 layer 1's o_proj, as for the fixtures.
+    let dir = write_eight_heads("stall", EightHeads { kv_heads: 2, vocab: 384, tied: false });
+    check_stall(open(&dir), 8, 5);
+    tp_common::remove(&dir);
 }
 
 #[test]
 fn a_stall_at_start_up_fails_the_start() {
     let timeout = Duration::from_millis(300);
     let t0 = Instant::now();
-    let err = stalling_group(2, 0, 0, timeout).unwrap_err().to_string();
+    let err = stalling_group(llama(), 2, 0, 0, timeout).unwrap_err().to_string();
     eprintln!("{err}");
     assert!(err.contains("start-up self-test") && err.contains("rank 0 did not arrive"), "{err}");
     assert!(t0.elapsed() < Duration::from_secs(5), "took {:?}", t0.elapsed());
@@ -421,6 +485,13 @@ fn the_plan_is_per_rank() {
         if fixture(name).exists() {
             check_plan_per_rank(&fixture(name), 2);
         }
+    }
+    for (tag, kv_heads, vocab) in [("gqa", 2, 384), ("mha", 8, 380)] {
+        let dir = write_eight_heads(&format!("plan-{tag}"), EightHeads { kv_heads, vocab, tied: false });
+        for tp in [2, 4, 8] {
+            check_plan_per_rank(&dir, tp);
+        }
+        tp_common::remove(&dir);
     }
     let gguf = std::env::temp_dir().join(format!("tm-tp-plan-quant-{}.gguf", std::process::id()));
     write_quantized_llama(&gguf);

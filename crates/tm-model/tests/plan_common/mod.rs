@@ -1,5 +1,6 @@
-//! Writing safetensors checkpoints of any shape for the plan tests: sparse (headers only, the
-//! data a hole that reads as zeros and takes no disk) or filled with pseudo-random bytes.
+//! Writing safetensors checkpoints of any shape for the plan and tensor-parallel tests: sparse
+//! (headers only, the data a hole that reads as zeros and takes no disk) or filled with
+//! pseudo-random bytes.
 
 #![allow(dead_code)]
 
