@@ -132,8 +132,8 @@ fn eight_heads_tp2_tp4_and_tp8_match_tp1() {
     let mha = EightHeads { kv_heads: 8, vocab: 380, tied: true };
     for (tag, m) in [("gqa", gqa), ("mha", mha)] {
         let dir = write_eight_heads(&format!("logits-{tag}"), m);
-        let source: Arc<dyn TensorSource> = Arc::new(SafetensorsCheckpoint::open(&dir).unwrap());
-        let config = ModelConfig::from_dir(&dir).unwrap();
+        let source: Arc<dyn TensorSource> = Arc::new(SafetensorsCheckpoint::open(dir.path()).unwrap());
+        let config = ModelConfig::from_dir(dir.path()).unwrap();
         assert_eq!((config.num_heads, config.num_kv_heads, config.vocab_size), (8, m.kv_heads, m.vocab));
         // The split the test means to exercise: each rank's KV heads and vocabulary rows at tp=8.
         let layouts = ShardLayout::all(&config, 8).unwrap();
@@ -143,7 +143,6 @@ fn eight_heads_tp2_tp4_and_tp8_match_tp1() {
             assert_eq!(l.vocab_parallel, m.vocab % 8 == 0, "{tag} rank {r}");
         }
         compare(&format!("eight heads {tag}"), source, config, &random_prompts(m.vocab), &[2, 4, 8]);
-        tp_common::remove(&dir);
     }
 }
 
@@ -381,8 +380,7 @@ fn a_stalled_rank_of_eight_fails_the_others_within_the_deadline() {
     // A vocabulary of 384 is vocab-parallel at tp=8, so collective #1 is the embedding's
     // all-reduce and #4 layer 1's o_proj, as for the fixtures.
     let dir = write_eight_heads("stall", EightHeads { kv_heads: 2, vocab: 384, tied: false });
-    check_stall(open(&dir), 8, 5);
-    tp_common::remove(&dir);
+    check_stall(open(dir.path()), 8, 5);
 }
 
 #[test]
@@ -489,9 +487,8 @@ fn the_plan_is_per_rank() {
     for (tag, kv_heads, vocab) in [("gqa", 2, 384), ("mha", 8, 380)] {
         let dir = write_eight_heads(&format!("plan-{tag}"), EightHeads { kv_heads, vocab, tied: false });
         for tp in [2, 4, 8] {
-            check_plan_per_rank(&dir, tp);
+            check_plan_per_rank(dir.path(), tp);
         }
-        tp_common::remove(&dir);
     }
     let gguf = std::env::temp_dir().join(format!("tm-tp-plan-quant-{}.gguf", std::process::id()));
     write_quantized_llama(&gguf);

@@ -82,20 +82,32 @@ fn tensors(m: EightHeads) -> Vec<Spec> {
     t
 }
 
-/// Writes the checkpoint (config.json, model.safetensors, and the llama fixture's tokenizer,
-/// whose 384 ids fit a vocabulary of 384) into a fresh temp directory named after `tag`, which
-/// must be unique among the tests running at once. Remove it with [`remove`].
-pub fn write_eight_heads(tag: &str, m: EightHeads) -> PathBuf {
-    let dir = temp_dir(&format!("tp8-{tag}"));
-    write_checkpoint(&dir, &config(m), &tensors(m), true);
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/llama");
-    for file in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(fixture.join(file), dir.join(file)).unwrap();
+/// A checkpoint directory made by [`write_eight_heads`], removed when dropped (a failing test
+/// included).
+pub struct TempCheckpoint(PathBuf);
+
+impl TempCheckpoint {
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.0
     }
-    dir
 }
 
-/// Removes a directory made by [`write_eight_heads`].
-pub fn remove(dir: &Path) {
-    std::fs::remove_dir_all(dir).ok();
+impl Drop for TempCheckpoint {
+    fn drop(&mut self) {
+        std::fs::remove_dir_all(&self.0).ok();
+    }
+}
+
+/// Writes the checkpoint (config.json, model.safetensors, and the llama fixture's tokenizer,
+/// whose 384 ids fit a vocabulary of 384) into a fresh temp directory named after `tag`, which
+/// must be unique among the tests running at once.
+pub fn write_eight_heads(tag: &str, m: EightHeads) -> TempCheckpoint {
+    let dir = TempCheckpoint(temp_dir(&format!("tp8-{tag}")));
+    write_checkpoint(dir.path(), &config(m), &tensors(m), true);
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/llama");
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture.join(file), dir.path().join(file)).unwrap();
+    }
+    dir
 }
