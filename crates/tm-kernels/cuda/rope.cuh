@@ -26,14 +26,15 @@ __device__ __forceinline__ float* rope_shared() {
 }
 
 /// Fills the block's table `cs` (`[half]` cos, then `[half]` sin, both times `attention_factor`)
-/// for `position`: angle `(float)position * inv_freq[i]` through `sincosf`. The caller
-/// synchronizes the block before reading it and before refilling it.
+/// for `position`: angle `(float)position * inv_freq[i]` (rounded, never contracted into the
+/// reduction inside `sincosf`) through `sincosf`. The caller synchronizes the block before
+/// reading it and before refilling it.
 __device__ __forceinline__ void rope_table(float* cs, unsigned position, const float* inv_freq, float attention_factor,
                                            int half) {
     const float pos = (float)position;
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
-        sincosf(pos * inv_freq[i], &s, &c);
+        sincosf(__fmul_rn(pos, inv_freq[i]), &s, &c);
         cs[i] = c * attention_factor;
         cs[half + i] = s * attention_factor;
     }
