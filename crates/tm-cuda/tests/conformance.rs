@@ -640,10 +640,10 @@ impl Case<'_> {
         Ok(())
     }
 
-    /// Requires the GPU tensor to hold exactly `want` (read back as f32).
+    /// Requires the GPU tensor to hold exactly `want` (read back as f32; NaN equals NaN).
     fn check_values(&mut self, what: &str, got: &Tensor, want: &[f32]) -> Result<(), String> {
         let g = self.gpu.download_f32(got).ctx(format!("cuda download of {what}"))?;
-        match (0..g.len().min(want.len())).find(|&i| g[i].to_bits() != want[i].to_bits()) {
+        match (0..g.len().min(want.len())).find(|&i| g[i] != want[i] && !(g[i].is_nan() && want[i].is_nan())) {
             _ if g.len() != want.len() => {
                 self.problems.push(format!("{what}: {} elements from the GPU, {} expected", g.len(), want.len()))
             }

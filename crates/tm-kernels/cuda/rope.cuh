@@ -60,8 +60,8 @@ __device__ __forceinline__ void rope_rotate(T* xh, RopePair p, float c, float s,
 }
 
 /// RoPE of `q` and `k` in place plus the KV-cache write of the rotated `k` and of `v`, for
-/// `q: [tokens, heads * head_dim]`, `k, v: [tokens, kv_heads * head_dim]`. Grid `(x, y)`: tokens
-/// `blockIdx.x, + gridDim.x, ...`; `blockIdx.y` takes a contiguous range of the `heads + kv_heads`
+/// `q: [tokens, heads * head_dim]`, `k, v: [tokens, kv_heads * head_dim]`. Grid `(x, y)`: block `x` takes
+/// tokens `blockIdx.x`, `blockIdx.x + gridDim.x`, ...; `blockIdx.y` takes a contiguous range of the `heads + kv_heads`
 /// "units" (query heads, then key heads; key head `h` brings value head `h` with it). Dynamic
 /// shared memory `head_dim * sizeof(float)`. Slot `0xffffffff` (a padding token) is rotated but
 /// not written to the caches.
