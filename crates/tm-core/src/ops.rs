@@ -190,6 +190,26 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
         v_cache: &mut Tensor,
         slot_mapping: &[u32],
     ) -> Result<()>;
+    /// RoPE on `q` and `k` and the KV-cache write of one layer, as one op: rotates `q` and `k`
+    /// (`[tokens, heads * head_dim]` and `[tokens, kv_heads * head_dim]`) in place at
+    /// `positions`, then writes the rotated `k` and `v` into the caches at `slot_mapping[t]` (the
+    /// rotated `k` is what the cache holds). The same as [`Ops::rope`] on `q`, [`Ops::rope`] on
+    /// `k`, then [`Ops::write_kv`], bit for bit: the default does exactly that
+    /// ([`rope_write_kv_unfused`]); backends may run it as one launch.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_write_kv(
+        &self,
+        q: &mut Tensor,
+        k: &mut Tensor,
+        v: &Tensor,
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+        positions: &[u32],
+        freqs: &RopeFreqs,
+        slot_mapping: &[u32],
+    ) -> Result<()> {
+        rope_write_kv_unfused(self, q, k, v, k_cache, v_cache, positions, freqs, slot_mapping)
+    }
     /// Causal paged attention: `q: [tokens, heads * head_dim]` → `out` of the same shape. Query
     /// heads are grouped onto KV heads (GQA).
     fn attention(
@@ -302,6 +322,25 @@ pub fn matmul_each<O: Ops + ?Sized>(
         ops.matmul(x, w, *b, out)?;
     }
     Ok(())
+}
+
+/// [`Ops::rope_write_kv`] as [`Ops::rope`] on `q`, [`Ops::rope`] on `k` and [`Ops::write_kv`] of
+/// the rotated `k` and `v` (the default, and a backend's fallback when it cannot fuse).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_write_kv_unfused<O: Ops + ?Sized>(
+    ops: &O,
+    q: &mut Tensor,
+    k: &mut Tensor,
+    v: &Tensor,
+    k_cache: &mut Tensor,
+    v_cache: &mut Tensor,
+    positions: &[u32],
+    freqs: &RopeFreqs,
+    slot_mapping: &[u32],
+) -> Result<()> {
+    ops.rope(q, positions, freqs)?;
+    ops.rope(k, positions, freqs)?;
+    ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
 }
 
 /// [`Ops::gate_up_silu`] as two [`Ops::matmul`] calls and [`Ops::silu_mul`] (the default, and a

@@ -615,6 +615,50 @@ impl Case<'_> {
         self.check(what, &p.gpu, &want, row, 1.0)
     }
 
+    /// Requires two GPU tensors to hold the same bytes (the fused and the unfused path of an op).
+    fn check_same_bytes(&mut self, what: &str, got: &Tensor, want: &Tensor) -> Result<(), String> {
+        let bytes = |t: &Tensor| -> Result<Vec<u8>, String> {
+            let mut b = vec![0u8; t.desc().bytes()];
+            self.gpu.download(t, &mut b).ctx(format!("cuda download of {what}"))?;
+            Ok(b)
+        };
+        let (g, w) = (bytes(got)?, bytes(want)?);
+        let size = got.dtype().storage_bytes(1).max(1);
+        match g.chunks(size).zip(w.chunks(size)).position(|(a, b)| a != b) {
+            _ if g.len() != w.len() => {
+                self.problems.push(format!("{what}: {} bytes, the unfused path {} bytes", g.len(), w.len()))
+            }
+            Some(i) => self.problems.push(format!(
+                "{what} {:?}: element {:?} differs from the unfused path (must be bit-identical): {:02x?} vs {:02x?}",
+                got.shape(),
+                unravel(i, got.shape()),
+                &g[i * size..][..size],
+                &w[i * size..][..size]
+            )),
+            None => self.notes.push(format!("{what} = unfused")),
+        }
+        Ok(())
+    }
+
+    /// Requires the GPU tensor to hold exactly `want` (read back as f32; NaN equals NaN).
+    fn check_values(&mut self, what: &str, got: &Tensor, want: &[f32]) -> Result<(), String> {
+        let g = self.gpu.download_f32(got).ctx(format!("cuda download of {what}"))?;
+        match (0..g.len().min(want.len())).find(|&i| g[i] != want[i] && !(g[i].is_nan() && want[i].is_nan())) {
+            _ if g.len() != want.len() => {
+                self.problems.push(format!("{what}: {} elements from the GPU, {} expected", g.len(), want.len()))
+            }
+            Some(i) => self.problems.push(format!(
+                "{what} {:?}: element {:?} is {:e}, want {:e} (must be exact)",
+                got.shape(),
+                unravel(i, got.shape()),
+                g[i],
+                want[i]
+            )),
+            None => self.notes.push(format!("{what} exact")),
+        }
+        Ok(())
+    }
+
     /// Requires the GPU tensor to equal the CPU's exactly (copies).
     fn check_exact(&mut self, what: &str, p: &Pair) -> Result<(), String> {
         let g = self.gpu.download_f32(&p.gpu).ctx(format!("cuda download of {what}"))?;
@@ -909,6 +953,102 @@ fn rope(s: &mut Suite, r: &Rope, tokens: usize, heads: usize, head_dim: usize, m
         c.cpu.rope(&mut x.cpu, &positions, &freqs).ctx("cpu rope")?;
         c.notes.push(format!("attention factor {}", freqs.attention_factor));
         c.check_pair("x", &x, head_dim)
+    });
+}
+
+/// The shapes of a fused RoPE + KV-cache write case.
+struct RopeKv {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    tokens: usize,
+    /// The first token's position (the others follow it).
+    first: u32,
+    /// The caches hold FP8 E4M3 codes.
+    fp8: bool,
+}
+
+/// `rope_write_kv` of `tokens` consecutive positions from `first` into caches whose blocks are a
+/// random permutation (junk in every other slot), three ways: the CUDA op (one fused launch),
+/// the CPU backend's default composition (`rope`, `rope`, `write_kv`), and
+/// `tm_core::ops::rope_write_kv_unfused` on the CUDA backend (its separate `rope` and `write_kv`
+/// kernels). The fused result must equal the unfused one bit for bit (q, k, both caches), q and k
+/// must match the CPU within the RoPE tolerance, the k cache must hold exactly the rotated k (its
+/// E4M3 codes for an fp8 cache) in the token slots and junk elsewhere, and the v cache must equal
+/// the CPU's exactly.
+fn rope_write_kv(s: &mut Suite, r: &Rope, a: RopeKv) {
+    let RopeKv { heads, kv_heads, head_dim: hd, block_size: bs, tokens, first, fp8 } = a;
+    let cfg = r.cfg.clone();
+    let label = format!(
+        "rope_write_kv {}{}: {heads}/{kv_heads} heads × {hd}, {tokens} tokens from position {first}, block {bs}",
+        r.name,
+        if fp8 { " fp8 cache" } else { "" },
+    );
+    s.case(label, |c| {
+        let freqs = cfg.freqs(first as usize + tokens);
+        let positions: Vec<u32> = (first..).take(tokens).collect();
+        // Position p sits at offset p % bs of logical block p / bs, as in the engine.
+        let start = first as usize % bs;
+        let blocks = (start + tokens).div_ceil(bs) + 2;
+        let perm = c.gen.permutation(blocks);
+        let slots: Vec<u32> = (start..start + tokens).map(|o| perm[o / bs] * bs as u32 + (o % bs) as u32).collect();
+        let kv_dim = kv_heads * hd;
+        let shape = [blocks, bs, kv_heads, hd];
+        let (k_img, v_img) = (vec![JUNK_K; blocks * bs * kv_dim], vec![JUNK_V; blocks * bs * kv_dim]);
+        let cache = |c: &Case<'_>, img: &[f32]| if fp8 { c.fp8_cache(&shape, img) } else { c.act(&shape, img) };
+        let (mut kc, mut vc) = (cache(c, &k_img)?, cache(c, &v_img)?);
+        let (mut kc2, mut vc2) = (cache(c, &k_img)?, cache(c, &v_img)?);
+        let (qd, kd, vd) =
+            (c.normal(tokens * heads * hd, 1.0), c.normal(tokens * kv_dim, 1.0), c.normal(tokens * kv_dim, 1.0));
+        let (mut q, mut k, v) =
+            (c.act(&[tokens, heads * hd], &qd)?, c.act(&[tokens, kv_dim], &kd)?, c.act(&[tokens, kv_dim], &vd)?);
+        let (mut q2, mut k2) = (c.act(&[tokens, heads * hd], &qd)?, c.act(&[tokens, kv_dim], &kd)?);
+
+        c.gpu
+            .rope_write_kv(&mut q.gpu, &mut k.gpu, &v.gpu, &mut kc.gpu, &mut vc.gpu, &positions, &freqs, &slots)
+            .ctx("cuda rope_write_kv")?;
+        c.cpu
+            .rope_write_kv(&mut q.cpu, &mut k.cpu, &v.cpu, &mut kc.cpu, &mut vc.cpu, &positions, &freqs, &slots)
+            .ctx("cpu rope_write_kv")?;
+        let (gq, gk) = (&mut q2.gpu, &mut k2.gpu);
+        tm_core::ops::rope_write_kv_unfused(
+            c.gpu,
+            gq,
+            gk,
+            &v.gpu,
+            &mut kc2.gpu,
+            &mut vc2.gpu,
+            &positions,
+            &freqs,
+            &slots,
+        )
+        .ctx("cuda rope, rope, write_kv")?;
+
+        c.check_pair("q", &q, hd)?;
+        c.check_pair("k", &k, hd)?;
+        for (what, fused, unfused) in [
+            ("q", &q.gpu, &q2.gpu),
+            ("k", &k.gpu, &k2.gpu),
+            ("k cache", &kc.gpu, &kc2.gpu),
+            ("v cache", &vc.gpu, &vc2.gpu),
+        ] {
+            c.check_same_bytes(what, fused, unfused)?;
+        }
+        // The k cache: the GPU's rotated k in the token slots (as E4M3 codes for fp8), junk elsewhere.
+        let rotated = c.gpu.download_f32(&k.gpu).ctx("cuda download of k")?;
+        let mut want = k_img;
+        for (t, &slot) in slots.iter().enumerate() {
+            let row = &mut want[slot as usize * kv_dim..][..kv_dim];
+            row.copy_from_slice(&rotated[t * kv_dim..][..kv_dim]);
+        }
+        if fp8 {
+            want.iter_mut().for_each(|x| *x = tm_core::fp8::decode(tm_core::fp8::encode(*x)));
+        }
+        c.check_values("k cache", &kc.gpu, &want)?;
+        c.check_exact("v cache", &vc)?;
+        c.notes.push(format!("attention factor {}", freqs.attention_factor));
+        Ok(())
     });
 }
 
@@ -1989,6 +2129,46 @@ fn rope_rotations() {
     });
 }
 
+/// The fused RoPE + KV-cache write (`rope_write_kv`) against the CPU's `rope`, `rope`,
+/// `write_kv` and, bit for bit, against the CUDA backend's own separate kernels: decode (1 token)
+/// and short chunks (7 tokens), GQA 1/4/7, block sizes 16 and 64, positions away from 0 and
+/// across block edges, both pair layouts, a scaled attention factor, caches in the activation
+/// dtype and in FP8 E4M3; 130 tokens for the prefill grid (one block per token).
+#[test]
+fn rope_write_kv_fused() {
+    run("rope_write_kv_fused", &ALL_DTYPES, |s| {
+        let a = |heads, kv_heads, head_dim, block_size, tokens, first, fp8| RopeKv {
+            heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            tokens,
+            first,
+            fp8,
+        };
+        let r128 = rope_configs(128);
+        let r64 = rope_configs(64);
+        for fp8 in [false, true] {
+            // Llama 3 8B: GQA 4, interleaved llama3 scaling / rotate-half plain.
+            rope_write_kv(s, &r128[2], a(32, 8, 128, 16, 1, 1000, fp8));
+            rope_write_kv(s, &r128[2], a(32, 8, 128, 64, 7, 61, fp8));
+            rope_write_kv(s, &r128[0], a(32, 8, 128, 16, 7, 13, fp8));
+            // Qwen2 0.5B (GQA 7), yarn with an attention factor.
+            rope_write_kv(s, &r64[3], a(14, 2, 64, 64, 1, 4095, fp8));
+            rope_write_kv(s, &r64[4], a(14, 2, 64, 16, 7, 30000, fp8));
+            // No GQA; a long position.
+            rope_write_kv(s, &r128[1], a(8, 8, 128, 16, 7, 131_000, fp8));
+            // The fixtures' head sizes (16 and 32); head_dim 40 (rows that are not a multiple of
+            // 16 elements, a block holding both query and key heads).
+            rope_write_kv(s, &rope_configs(16)[0], a(4, 2, 16, 16, 7, 5, fp8));
+            rope_write_kv(s, &rope_configs(32)[1], a(4, 1, 32, 64, 1, 100, fp8));
+            rope_write_kv(s, &rope_configs(40)[5], a(5, 5, 40, 16, 7, 33, fp8));
+            // A prefill chunk: one block per token.
+            rope_write_kv(s, &r64[0], a(9, 3, 64, 64, 130, 200, fp8));
+        }
+    });
+}
+
 #[test]
 fn sample_distributions() {
     run("sample_distributions", &ALL_DTYPES, |s| {
@@ -2053,6 +2233,9 @@ fn sanitizer_subset() {
         let r = rope_configs(64);
         rope(s, &r[0], 3, 4, 64, 1000);
         rope(s, &r[4], 3, 4, 64, 1000);
+        let rkv = |fp8| RopeKv { heads: 8, kv_heads: 2, head_dim: 64, block_size: 16, tokens: 3, first: 14, fp8 };
+        rope_write_kv(s, &r[1], rkv(false));
+        rope_write_kv(s, &r[1], rkv(true));
         silu_mul(s, 3, 1536);
         add_in_place(s, 3, 576);
         gather_rows(s, 5, 576, 3);
@@ -2113,6 +2296,16 @@ fn zz_invalid_inputs_are_errors() {
             let mut vc = c.output(&[2, 16, 1, 64])?;
             let r = c.gpu.write_kv(&k.gpu, &k.gpu, &mut kc.gpu, &mut vc.gpu, &[32]);
             expect_err(c, "write_kv", r);
+            Ok(())
+        });
+        s.case("rope_write_kv to a slot past the cache", |c| {
+            let freqs = RopeConfig { dim: 64, base: 1e4, scaling: RopeScaling::None, style: RopeStyle::Half }.freqs(8);
+            let mut q = c.act(&[1, 64], &[1.0; 64])?;
+            let (mut k, v) = (c.act(&[1, 64], &[1.0; 64])?, c.act(&[1, 64], &[1.0; 64])?);
+            let mut kc = c.output(&[2, 16, 1, 64])?;
+            let mut vc = c.output(&[2, 16, 1, 64])?;
+            let r = c.gpu.rope_write_kv(&mut q.gpu, &mut k.gpu, &v.gpu, &mut kc.gpu, &mut vc.gpu, &[3], &freqs, &[32]);
+            expect_err(c, "rope_write_kv", r);
             Ok(())
         });
         s.case("attention through a block past the cache", |c| {

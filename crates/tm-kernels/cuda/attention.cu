@@ -1,9 +1,10 @@
 // Causal paged attention (prefill chunks, prefix-cache hits and decode alike).
 //
-// It must also compile under NVRTC, so it includes only the CUDA half/bfloat16/fp8 headers and
-// common.cuh (for the programmatic-dependent-launch hooks; the rest of the helpers here are its
-// own). The parameter lists are documented in ABI.md; the launch
-// configuration lives in crates/tm-cuda/src/kernels/attention.rs.
+// It must also compile under NVRTC, so it includes only the CUDA half/bfloat16/fp8 headers,
+// common.cuh (for the programmatic-dependent-launch hooks) and rope.cuh (for
+// rope_write_kv_e4m3); the rest of the helpers here are its own. The parameter lists are
+// documented in ABI.md; the launch configuration lives in crates/tm-cuda/src/kernels/attention.rs
+// (rope_write_kv_e4m3: crates/tm-cuda/src/kernels/elementwise.rs, shared with rope_write_kv).
 //
 // Kernels (T = f32/f16/bf16 suffix, D = head_dim):
 // - attn_decode_d<D>_<T> (f16, bf16): split-K flash decoding for sequences with q_len == 1.
@@ -39,12 +40,14 @@
 // tile's copies before computing on it, so the loads of tile t + 1 overlap the math of tile t.
 // write_kv_e4m3_<T> converts K and V to E4M3 (round to nearest even, saturating at +-448,
 // NaN -> 0x7f) as it writes them; see crates/tm-core/src/fp8.rs for the format.
+// rope_write_kv_e4m3_<T> is elementwise.cu's rope_write_kv with that conversion into the caches.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include "common.cuh"  // tmk::pdl_launch_dependents, tmk::pdl_wait (every entry point starts with them)
+#include "rope.cuh"    // tmk::rope_write_kv_tokens (rope_write_kv_e4m3 rotates exactly as elementwise.cu's rope)
 
 namespace tm_attn {
 
@@ -1373,6 +1376,11 @@ __device__ __forceinline__ unsigned short to_fp8x2(T lo, T hi) {
 }
 
 template <typename T>
+__device__ __forceinline__ unsigned char to_fp8(T x) {
+    return (unsigned char)__nv_cvt_float_to_fp8(to_float(x), __NV_SATFINITE, __NV_E4M3);
+}
+
+template <typename T>
 __device__ __forceinline__ void write_row_fp8(unsigned char* __restrict__ dst, const T* __restrict__ src, int cols,
                                               bool vec) {
     if (vec) {
@@ -1385,8 +1393,7 @@ __device__ __forceinline__ void write_row_fp8(unsigned char* __restrict__ dst, c
             *reinterpret_cast<uint4*>(dst + (long long)i * 16) = make_uint4(w[0], w[1], w[2], w[3]);
         }
     } else {
-        for (int i = threadIdx.x; i < cols; i += blockDim.x)
-            dst[i] = (unsigned char)__nv_cvt_float_to_fp8(to_float(src[i]), __NV_SATFINITE, __NV_E4M3);
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = to_fp8(src[i]);
     }
 }
 
@@ -1407,6 +1414,18 @@ __device__ __forceinline__ void write_kv_fp8(unsigned char* __restrict__ k_cache
         write_row_fp8(v_cache + dst, v + src, kv_dim, vec);
     }
 }
+
+/// The fp8 cache of `rope_write_kv_e4m3` (`tmk::rope_write_kv_tokens`, rope.cuh): elements are
+/// converted as `write_kv_fp8` converts them.
+template <typename T>
+struct CacheE4m3 {
+    static __device__ __forceinline__ void put(unsigned char* dst, T x) { *dst = to_fp8(x); }
+    static __device__ __forceinline__ void row(unsigned char* dst, const T* src, int n) {
+        const bool vec =
+            n % 16 == 0 && ((reinterpret_cast<unsigned long long>(dst) | reinterpret_cast<unsigned long long>(src)) & 15) == 0;
+        write_row_fp8(dst, src, n, vec);
+    }
+};
 
 }  // namespace tm_attn
 
@@ -1504,6 +1523,16 @@ TM_ATTN_GQA_KV8_KERNEL(bf16, __nv_bfloat16, 2, _s2)
         tmk::pdl_launch_dependents();                                                                                  \
         tmk::pdl_wait();                                                                                               \
         tm_attn::write_kv_fp8<T>(k_cache, v_cache, k, v, slots, tokens, kv_dim);                                      \
+    }                                                                                                                  \
+    extern "C" __global__ void rope_write_kv_e4m3_##SUF(                                                               \
+        T* q, T* k, const T* v, unsigned char* k_cache, unsigned char* v_cache, const unsigned* positions,             \
+        const unsigned* slots, const float* inv_freq, float attention_factor, int tokens, int heads, int kv_heads,     \
+        int head_dim, int interleaved) {                                                                               \
+        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_wait();                                                                                               \
+        tmk::rope_write_kv_tokens<T, unsigned char, tm_attn::CacheE4m3<T>>(q, k, v, k_cache, v_cache, positions,       \
+                                                                           slots, inv_freq, attention_factor, tokens,  \
+                                                                           heads, kv_heads, head_dim, interleaved);    \
     }
 
 TM_ATTN_GENERIC_KERNELS(f32, float)

@@ -1,18 +1,20 @@
 // Elementwise and row-wise kernels: embeddings, RMSNorm, RoPE, SiLU·up, additions, KV-cache
-// writes and row gathers. Parameter lists: ABI.md; launch configurations: the launchers in
-// crates/tm-cuda/src/kernels/elementwise.rs.
+// writes (alone or fused with RoPE) and row gathers. Parameter lists: ABI.md; launch
+// configurations: the launchers in crates/tm-cuda/src/kernels/elementwise.rs.
 //
 // Launch shapes (every kernel also loops, so smaller grids stay correct):
 // - row kernels (embedding*, write_kv, gather_rows, zero_rows): grid.x = rows, 1-D blocks;
 // - rms_norm, add_rms_norm: block (bx, by) with bx a multiple of 32; each row is handled by the
 //   bx threads of one `threadIdx.y`; by > 1 only with bx == 32 (one warp per row);
 // - rope: grid.x = tokens (or fewer), dynamic shared memory `head_dim * sizeof(float)`;
+// - rope_write_kv: as rope, grid.y over the query heads followed by the key heads (rope.cuh);
 // - silu_mul, add: 1-D grid-stride; add_bias: grid.x over columns, grid.y over rows (strided).
 // 16-byte vector paths are taken only when every pointer involved is 16-byte aligned and the
 // row length is a multiple of the vector width; otherwise the scalar path runs.
 
 #include "common.cuh"
 #include "norm.cuh"
+#include "rope.cuh"
 
 using tmk::from_float;
 using tmk::i64;
@@ -200,40 +202,51 @@ template <typename T>
 __device__ __forceinline__ void rope_impl(T* x, const unsigned* positions, const float* inv_freq,
                                           float attention_factor, int tokens, int heads, int head_dim,
                                           int interleaved) {
-    extern __shared__ float rope_cs[];  // [half] cos, then [half] sin
+    float* cs = tmk::rope_shared();
     const int half = head_dim / 2;
     // blockIdx.y takes a contiguous range of heads (several blocks per token when decoding).
-    const int per_block = (heads + (int)gridDim.y - 1) / (int)gridDim.y;
-    const int h0 = (int)blockIdx.y * per_block;
-    const int h1 = min(heads, h0 + per_block);
-    const int pairs = max(0, h1 - h0) * half;
+    const tmk::YRange hs = tmk::y_range(heads);
+    const int pairs = max(0, hs.hi - hs.lo) * half;
     for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
-        const float pos = (float)positions[t];
-        for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            float s, c;
-            sincosf(pos * inv_freq[i], &s, &c);
-            rope_cs[i] = c * attention_factor;
-            rope_cs[half + i] = s * attention_factor;
-        }
+        tmk::rope_table(cs, positions[t], inv_freq, attention_factor, half);
         __syncthreads();
         T* xt = x + (i64)t * heads * head_dim;
         for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-            const int hr = p / half, i = p - hr * half, h = h0 + hr;
-            const int a = interleaved ? 2 * i : i;
-            const int b = interleaved ? 2 * i + 1 : i + half;
-            T* xh = xt + h * head_dim;
-            const float x1 = to_float(xh[a]), x2 = to_float(xh[b]);
-            const float c = rope_cs[i], s = rope_cs[half + i];
-            xh[a] = from_float<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
-            xh[b] = from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+            const int hr = p / half, i = p - hr * half, h = hs.lo + hr;
+            T ya, yb;
+            tmk::rope_rotate(xt + h * head_dim, tmk::rope_pair(i, half, interleaved), cs[i], cs[half + i], ya, yb);
         }
-        __syncthreads();  // rope_cs is rewritten for the next token
+        __syncthreads();  // the table is rewritten for the next token
     }
 }
 TM_KERNEL(rope,
           (T * x, const unsigned* positions, const float* inv_freq, float attention_factor, int tokens, int heads,
            int head_dim, int interleaved),
           (x, positions, inv_freq, attention_factor, tokens, heads, head_dim, interleaved))
+
+/// A KV cache in `T`: elements are stored as they are (what `write_kv` does).
+template <typename T>
+struct CacheSame {
+    static __device__ __forceinline__ void put(T* dst, T x) { *dst = x; }
+    static __device__ __forceinline__ void row(T* dst, const T* src, int n) { copy_row(dst, src, n); }
+};
+
+/// `rope` of `q`, `rope` of `k`, then `write_kv` of the rotated `k` and `v`, in one launch
+/// (`tmk::rope_write_kv_tokens`, rope.cuh): the same values, bit for bit.
+template <typename T>
+__device__ __forceinline__ void rope_write_kv_impl(T* q, T* k, const T* v, T* k_cache, T* v_cache,
+                                                   const unsigned* positions, const unsigned* slots,
+                                                   const float* inv_freq, float attention_factor, int tokens,
+                                                   int heads, int kv_heads, int head_dim, int interleaved) {
+    tmk::rope_write_kv_tokens<T, T, CacheSame<T>>(q, k, v, k_cache, v_cache, positions, slots, inv_freq,
+                                                  attention_factor, tokens, heads, kv_heads, head_dim, interleaved);
+}
+TM_KERNEL(rope_write_kv,
+          (T * q, T* k, const T* v, T* k_cache, T* v_cache, const unsigned* positions, const unsigned* slots,
+           const float* inv_freq, float attention_factor, int tokens, int heads, int kv_heads, int head_dim,
+           int interleaved),
+          (q, k, v, k_cache, v_cache, positions, slots, inv_freq, attention_factor, tokens, heads, kv_heads, head_dim,
+           interleaved))
 
 // ---------------------------------------------------------------------------------------------
 // Flat elementwise ops over `n` elements (64-bit), grid-stride.

@@ -117,7 +117,7 @@ mod tests {
     #[test]
     fn elementwise_defines_every_abi_kernel() {
         let kernels = abi_kernels("elementwise.cu");
-        assert_eq!(kernels.len(), 12, "{kernels:?}");
+        assert_eq!(kernels.len(), 13, "{kernels:?}");
         let src = modules().iter().find(|s| s.name == "elementwise.cu").expect("elementwise.cu").text;
         for k in &kernels {
             assert!(

@@ -224,6 +224,19 @@ impl Ops for Recorder<'_> {
     ) -> tm_core::Result<()> {
         self.inner.write_kv(k, v, k_cache, v_cache, slot_mapping)
     }
+    fn rope_write_kv(
+        &self,
+        q: &mut Tensor,
+        k: &mut Tensor,
+        v: &Tensor,
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+        positions: &[u32],
+        freqs: &RopeFreqs,
+        slot_mapping: &[u32],
+    ) -> tm_core::Result<()> {
+        self.inner.rope_write_kv(q, k, v, k_cache, v_cache, positions, freqs, slot_mapping)
+    }
     fn attention(
         &self,
         q: &Tensor,

@@ -306,6 +306,105 @@ pub fn rope(
     )
 }
 
+/// The shapes of a fused RoPE + KV-cache write ([`rope_write_kv`]).
+#[derive(Clone, Copy, Debug)]
+pub struct RopeKvShape {
+    /// Tokens (rows of `q`, `k` and `v`).
+    pub tokens: usize,
+    /// Query heads per row of `q`.
+    pub heads: usize,
+    /// Key (and value) heads per row of `k` and `v`.
+    pub kv_heads: usize,
+    /// Elements per head (even).
+    pub head_dim: usize,
+    /// Pairs `(2i, 2i+1)` instead of `(i, i + head_dim/2)`.
+    pub interleaved: bool,
+}
+
+/// The device buffers of a fused RoPE + KV-cache write ([`rope_write_kv`]).
+#[derive(Clone, Copy, Debug)]
+pub struct RopeKvBuffers {
+    /// `[tokens, heads * head_dim]` in `dt`, rotated in place.
+    pub q: u64,
+    /// `[tokens, kv_heads * head_dim]` in `dt`, rotated in place.
+    pub k: u64,
+    /// `[tokens, kv_heads * head_dim]` in `dt`.
+    pub v: u64,
+    /// The key cache: rows of `kv_heads * head_dim` in `dt`, or E4M3 codes when `fp8`.
+    pub k_cache: u64,
+    /// The value cache, as `k_cache`.
+    pub v_cache: u64,
+    /// u32 `[tokens]`.
+    pub positions: u64,
+    /// u32 `[tokens]` cache slots (`u32::MAX`: a padding token, not written).
+    pub slots: u64,
+    /// f32 `[head_dim / 2]`.
+    pub inv_freq: u64,
+}
+
+/// [`rope`] of `q`, [`rope`] of `k`, then [`write_kv`] of the rotated `k` and `v` (or
+/// `write_kv_e4m3` into FP8 caches when `fp8`), in one launch with the same results bit for bit:
+/// `rope_write_kv_T` (elementwise.cu) or `rope_write_kv_e4m3_T` (attention.cu). The grid is
+/// rope's, over the `heads + kv_heads` rotated heads.
+pub fn rope_write_kv(
+    gpu: &Gpu,
+    dt: DType,
+    b: &RopeKvBuffers,
+    shape: RopeKvShape,
+    attention_factor: f32,
+    fp8: bool,
+) -> Result<()> {
+    let op = "rope_write_kv";
+    let RopeKvShape { tokens, heads, kv_heads, head_dim, interleaved } = shape;
+    let (t32, h32, kh32, d32) = (
+        int(op, "tokens", tokens)?,
+        int(op, "heads", heads)?,
+        int(op, "kv_heads", kv_heads)?,
+        int(op, "head_dim", head_dim)?,
+    );
+    let units = heads.saturating_add(kv_heads);
+    int(op, "(heads + kv_heads) * head_dim", units.saturating_mul(head_dim))?;
+    if tokens == 0 || units == 0 || head_dim == 0 {
+        return Ok(());
+    }
+    if !head_dim.is_multiple_of(2) {
+        return Err(Error::invalid(format!("{op}: head_dim {head_dim} must be even")));
+    }
+    let shared = head_dim * std::mem::size_of::<f32>();
+    if shared > MAX_ROPE_SHARED {
+        return Err(Error::invalid(format!(
+            "{op}: head_dim {head_dim} is too large (at most {})",
+            MAX_ROPE_SHARED / 4
+        )));
+    }
+    // As rope: few tokens (decoding) spread each token's heads over several blocks, 4 per block.
+    let head_blocks = if tokens < 128 { units.div_ceil(4) } else { 1 };
+    let threads = threads_for(units.div_ceil(head_blocks) * head_dim / 2, THREADS);
+    let kernel = if fp8 { format!("rope_write_kv_e4m3_{}", suffix(dt)?) } else { name(op, dt)? };
+    gpu.launch(
+        &kernel,
+        (t32 as u32, head_blocks as u32, 1),
+        (threads, 1, 1),
+        shared as u32,
+        &[
+            KernelArg::Ptr(b.q),
+            KernelArg::Ptr(b.k),
+            KernelArg::Ptr(b.v),
+            KernelArg::Ptr(b.k_cache),
+            KernelArg::Ptr(b.v_cache),
+            KernelArg::Ptr(b.positions),
+            KernelArg::Ptr(b.slots),
+            KernelArg::Ptr(b.inv_freq),
+            KernelArg::F32(attention_factor),
+            KernelArg::I32(t32),
+            KernelArg::I32(h32),
+            KernelArg::I32(kh32),
+            KernelArg::I32(d32),
+            KernelArg::I32(i32::from(interleaved)),
+        ],
+    )
+}
+
 /// `out = silu(gate) * up` over `n` elements (`silu(g) = g / (1 + exp(-g))`).
 pub fn silu_mul(gpu: &Gpu, dt: DType, out: u64, gate: u64, up: u64, n: usize) -> Result<()> {
     let op = "silu_mul";

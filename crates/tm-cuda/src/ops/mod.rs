@@ -10,6 +10,7 @@ mod fused;
 mod graphs;
 mod meta;
 mod q4_slab;
+mod rope_kv;
 
 pub use q4_slab::{set_slab_policy, slab_products};
 
@@ -505,6 +506,23 @@ impl Ops for CudaBackend {
             return attn::write_kv_e4m3(&self.gpu, self.dtype, kc, vc, ptr(k), ptr(v), s, n, width);
         }
         ew::write_kv(&self.gpu, self.dtype, kc, vc, ptr(k), ptr(v), s, n, width)
+    }
+
+    fn rope_write_kv(
+        &self,
+        q: &mut Tensor,
+        k: &mut Tensor,
+        v: &Tensor,
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+        positions: &[u32],
+        freqs: &RopeFreqs,
+        slot_mapping: &[u32],
+    ) -> Result<()> {
+        if self.fused_rope_write_kv(q, k, v, k_cache, v_cache, positions, freqs, slot_mapping)? {
+            return Ok(());
+        }
+        tm_core::ops::rope_write_kv_unfused(self, q, k, v, k_cache, v_cache, positions, freqs, slot_mapping)
     }
 
     fn attention(

@@ -266,10 +266,9 @@ impl LlamaModel {
                 std::mem::swap(&mut ws.q, &mut ws.scratch_q);
                 std::mem::swap(&mut ws.k, &mut ws.scratch_k);
             }
-            ops.rope(&mut ws.q, step.positions, freqs)?;
-            ops.rope(&mut ws.k, step.positions, freqs)?;
+            // RoPE on q and k and the rotated k and v into the cache (one launch on CUDA).
             let (k_cache, v_cache) = kv.layer_mut(i);
-            ops.write_kv(&ws.k, &ws.v, k_cache, v_cache, step.slot_mapping)?;
+            ops.rope_write_kv(&mut ws.q, &mut ws.k, &ws.v, k_cache, v_cache, step.positions, freqs, step.slot_mapping)?;
             ops.attention(&ws.q, k_cache, v_cache, meta, &mut ws.attn)?;
             ops.matmul(&ws.attn, &layer.o, None, &mut ws.delta)?;
             self.join_residual(cx, ws, &layer.mlp_norm, &self.step_names[i][0])?;
