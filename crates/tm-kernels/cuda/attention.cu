@@ -548,8 +548,8 @@ __device__ __forceinline__ void split_keys(const DecodeRange& r, int split, int 
     k_end = split == r.used - 1 ? r.end : k_begin + partition;
 }
 
-// Most splits of one decode sequence (the launcher mirrors it as MAX_SPLITS): the merge keeps one
-// weight per (head, split) in shared memory.
+// Most splits of one decode sequence (the launcher mirrors it as MAX_SPLITS): the merge keeps a
+// (max, sum) pair per (head, split) in shared memory.
 #define TM_ATTN_MAX_SPLITS 64
 
 // Merges the split-K partials of query heads h0 .. h0 + rows - 1 of decode sequence `seq` (their
@@ -680,10 +680,11 @@ template <typename T, typename C, int D>
 __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __restrict__ k_cache,
                                             const C* __restrict__ v_cache, T* __restrict__ out,
                                             float* __restrict__ part_o, float* __restrict__ part_ml,
-                                            unsigned* __restrict__ counters, const int* q_start, const int* q_len, const int* ctx_len,
-                                            const int* bt_start, const unsigned* __restrict__ block_tables, int heads,
-                                            int kv_heads, int gs, int block_size, float scale_log2, int window,
-                                            int num_splits, int partition) {
+                                            unsigned* __restrict__ counters, const int* q_start, const int* q_len,
+                                            const int* ctx_len, const int* bt_start,
+                                            const unsigned* __restrict__ block_tables, int heads, int kv_heads, int gs,
+                                            int block_size, float scale_log2, int window, int num_splits,
+                                            int partition) {
 #if TM_ATTN_TC
     constexpr int BN = DecodeCfg<D>::BN;
     constexpr int LD = DecodeCfg<D>::LD;
@@ -918,8 +919,9 @@ template <typename T, int NS_>
 __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, const kv8* __restrict__ k_cache,
                                                     const kv8* __restrict__ v_cache, T* __restrict__ out,
                                                     float* __restrict__ part_o, float* __restrict__ part_ml,
-                                                    unsigned* __restrict__ counters, const int* q_start, const int* q_len, const int* ctx_len,
-                                                    const int* bt_start, const unsigned* __restrict__ block_tables,
+                                                    unsigned* __restrict__ counters, const int* q_start,
+                                                    const int* q_len, const int* ctx_len, const int* bt_start,
+                                                    const unsigned* __restrict__ block_tables,
                                                     int heads, int kv_heads, int gs, int block_size, float scale_log2,
                                                     int window, int num_splits, int partition) {
 #if TM_ATTN_TC
@@ -1493,9 +1495,9 @@ __device__ __forceinline__ void write_kv_fp8(unsigned char* __restrict__ k_cache
                                  int partition) {                                                                      \
         tmk::pdl_launch_dependents();                                                                                  \
         tmk::pdl_wait();                                                                                               \
-        tm_attn::attn_decode<T, KV, D>(q, k_cache, v_cache, out, part_o, part_ml, counters, q_start, q_len, ctx_len,     \
-                                   bt_start, block_tables, heads, kv_heads, gs, block_size, scale_log2, window,       \
-                                   num_splits, partition);                                                             \
+        tm_attn::attn_decode<T, KV, D>(q, k_cache, v_cache, out, part_o, part_ml, counters, q_start, q_len,            \
+                                   ctx_len, bt_start, block_tables, heads, kv_heads, gs, block_size, scale_log2,      \
+                                   window, num_splits, partition);                                                     \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128)                                                                  \
         attn_prefill_d##D##_##SUF##KSUF(const T* q, const KV* k_cache, const KV* v_cache, T* out, const int* q_start,  \

@@ -404,7 +404,7 @@ pub fn attention(
         return Err(Error::invalid(format!("attention: scratch holds {} bytes, {need} needed", work.scratch_len)));
     }
     let need = counter_bytes(shape, batch);
-    if work.counters_len < need || (need > 0 && work.counters % 4 != 0) {
+    if work.counters_len < need || (need > 0 && !work.counters.is_multiple_of(4)) {
         return Err(Error::invalid(format!(
             "attention: the split counters hold {} bytes at {:#x}, {need} needed (4-byte aligned)",
             work.counters_len, work.counters
