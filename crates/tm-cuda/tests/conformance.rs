@@ -1101,6 +1101,9 @@ struct Attn {
     seqs: Vec<(usize, usize)>,
     /// The caches hold FP8 E4M3 codes (`--kv-cache-dtype fp8`) instead of the activation dtype.
     fp8: bool,
+    /// Run the GPU attention twice (into two outputs, both checked): a second call must not be
+    /// disturbed by state the first left behind (the fused combine's split counters).
+    twice: bool,
 }
 
 /// Key and value filling every cache slot no sequence owns: a kernel that reads one (through a
@@ -1126,7 +1129,7 @@ fn attention(s: &mut Suite, what: &str, a: Attn) {
         a.seqs.len()
     );
     s.case(label, |c| {
-        let Attn { heads, kv_heads, head_dim: hd, block_size: bs, window, ref seqs, fp8 } = a;
+        let Attn { heads, kv_heads, head_dim: hd, block_size: bs, window, ref seqs, fp8, twice } = a;
         let kv_dim = kv_heads * hd;
         let needed: usize = seqs.iter().map(|q| q.1.div_ceil(bs)).sum();
         let num_blocks = needed + needed / 4 + 2;
@@ -1191,7 +1194,14 @@ fn attention(s: &mut Suite, what: &str, a: Attn) {
         let mut out = c.output(&[tokens, heads * hd])?;
         c.gpu.attention(&q.gpu, &kc.gpu, &vc.gpu, &meta, &mut out.gpu).ctx("cuda attention")?;
         c.cpu.attention(&q.cpu, &kc.cpu, &vc.cpu, &meta, &mut out.cpu).ctx("cpu attention")?;
-        c.check_pair("out", &out, hd)
+        c.check_pair("out", &out, hd)?;
+        if twice {
+            let mut again = c.output(&[tokens, heads * hd])?;
+            c.gpu.attention(&q.gpu, &kc.gpu, &vc.gpu, &meta, &mut again.gpu).ctx("cuda attention, second call")?;
+            again.cpu = out.cpu;
+            c.check_pair("out of the second call", &again, hd)?;
+        }
+        Ok(())
     });
 }
 
@@ -1623,6 +1633,7 @@ fn attention_decode() {
             window,
             seqs,
             fp8: false,
+            twice: false,
         };
         // Qwen2-0.5B (GQA 7): 256 sequences decoding at once.
         attention(s, "decode", a(14, 2, 64, 16, None, decode_seqs(1, 256, 4000)));
@@ -1649,6 +1660,7 @@ fn attention_prefill_and_mixed() {
             window,
             seqs,
             fp8: false,
+            twice: false,
         };
         attention(s, "prefill", a(9, 3, 64, 16, None, vec![(256, 256)]));
         attention(s, "prefill", a(28, 4, 128, 32, None, vec![(100, 100), (37, 37), (1, 1)]));
@@ -1708,6 +1720,7 @@ fn attention_fp8_cache() {
             window,
             seqs,
             fp8: true,
+            twice: false,
         };
         write_kv_fp8(s, 37, 1024);
         // 72 is not a multiple of 16: the scalar path
@@ -1736,6 +1749,96 @@ fn attention_fp8_cache() {
         attention(s, "mixed head_dim 256", a(8, 1, 256, 16, None, vec![(1, 300), (40, 90)]));
         attention(s, "mixed head_dim 80", a(8, 8, 80, 16, None, vec![(1, 300), (40, 90)]));
         attention(s, "mixed fixture-sized", a(4, 2, 16, 16, None, vec![(1, 40), (22, 22), (5, 37)]));
+    });
+}
+
+/// The decode kernels' split count for a batch of `(query_len, context_len)` sequences (the
+/// launcher's plan; the device pointers do not matter for it).
+fn decode_splits(
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    window: Option<usize>,
+    seqs: &[(usize, usize)],
+) -> usize {
+    use tm_cuda::kernels::attention::{AttentionBatch, AttentionShape};
+    let shape = AttentionShape { heads, kv_heads, head_dim, block_size: 16, scale: 1.0, window: window.unwrap_or(0) };
+    let batch = AttentionBatch {
+        num_seqs: seqs.len(),
+        total_q: seqs.iter().map(|s| s.0).sum(),
+        max_q_len: seqs.iter().map(|s| s.0).max().unwrap_or(0),
+        max_ctx_len: seqs.iter().map(|s| s.1).max().unwrap_or(0),
+        all_decode: seqs.iter().all(|s| s.0 == 1),
+        q_start: 0,
+        q_len: 0,
+        ctx_len: 0,
+        bt_start: 0,
+        block_tables: 0,
+    };
+    tm_cuda::kernels::attention::decode_splits(&shape, &batch)
+}
+
+/// Split-K decode merged both ways, forced in turn with `set_fused_combine` (labels start with
+/// `[fused]` or `[launch]`): the fused combine, where the last split CTA of each (sequence, head
+/// group) merges the partials and zeroes its counter, and the two-launch path (`attn_combine`).
+/// Batch-1 Llama 3 8B (GQA 4) at 2, 9 and 64 splits, GQA 8 (plain and windowed), GQA 16 (the
+/// 16-row kernel with an fp8 cache too), 32 heads on one KV head (two head sub-groups per KV
+/// head: two counters per sequence and KV head), head_dim 64 with GQA 7, a batch whose sequences
+/// take different split counts (one direct), and a decode + prefill batch; each with the
+/// activation-dtype cache and the fp8 cache (the transposed kernel for head_dim 128 and groups
+/// up to 8). Each case calls attention twice, and the cases share the backend's counters, so a
+/// counter left non-zero breaks the next call. The override is process-wide: other tests
+/// running meanwhile may take either path (both are correct).
+#[test]
+fn attention_decode_split_merge() {
+    use tm_cuda::kernels::attention::set_fused_combine;
+    // (what, heads, kv_heads, head_dim, window, seqs, splits the default plan makes)
+    type SplitCase = (&'static str, usize, usize, usize, Option<usize>, Vec<(usize, usize)>, Option<usize>);
+    let batch1 = |ctx| vec![(1, ctx)];
+    let cases: Vec<SplitCase> = vec![
+        ("GQA 4", 32, 8, 128, None, batch1(100), Some(2)),
+        ("GQA 4", 32, 8, 128, None, batch1(550), Some(9)),
+        ("GQA 4", 32, 8, 128, None, batch1(4096), Some(64)),
+        ("GQA 8", 32, 4, 128, None, batch1(550), Some(9)),
+        ("GQA 8", 32, 4, 128, None, batch1(4096), Some(64)),
+        ("GQA 8 windowed", 32, 4, 128, Some(1000), batch1(3000), Some(16)),
+        ("GQA 16", 32, 2, 128, None, batch1(2000), None),
+        ("GQA 32 (two sub-groups)", 32, 1, 64, None, vec![(1, 1500), (1, 700)], None),
+        ("GQA 7 head_dim 64", 14, 2, 64, None, batch1(3000), None),
+        ("GQA 4 uneven splits", 32, 8, 128, None, vec![(1, 3000), (1, 1), (1, 200), (1, 1300)], None),
+        ("GQA 4 decode + prefill", 32, 8, 128, None, vec![(1, 37), (1, 4000), (40, 90), (1, 650)], None),
+    ];
+    // the expected counts hold for the default plan (TM_ATTN_MIN_PARTITION / _TARGET_CTAS unset)
+    let tuned = ["TM_ATTN_MIN_PARTITION", "TM_ATTN_TARGET_CTAS"].iter().any(|v| std::env::var(v).is_ok());
+    run("attention_decode_split_merge", &[DType::F16, DType::BF16], |s| {
+        for fused in [true, false] {
+            set_fused_combine(Some(fused));
+            s.tag = if fused { "[fused] ".into() } else { "[launch] ".into() };
+            for (what, heads, kv_heads, hd, window, seqs, want) in &cases {
+                let splits = decode_splits(*heads, *kv_heads, *hd, *window, seqs);
+                if want.is_some_and(|w| w != splits) && !tuned {
+                    s.failures.push(format!("[{}] {what}: {splits} splits planned, {want:?} expected", s.dtype));
+                }
+                if splits < 2 {
+                    s.failures.push(format!("[{}] {what}: {splits} split(s): the case tests no merge", s.dtype));
+                }
+                for fp8 in [false, true] {
+                    let a = Attn {
+                        heads: *heads,
+                        kv_heads: *kv_heads,
+                        head_dim: *hd,
+                        block_size: 16,
+                        window: *window,
+                        seqs: seqs.clone(),
+                        fp8,
+                        twice: true,
+                    };
+                    attention(s, &format!("decode {what}, {splits} splits"), a);
+                }
+            }
+        }
+        set_fused_combine(None);
+        s.tag.clear();
     });
 }
 
@@ -2247,9 +2350,12 @@ fn sanitizer_subset() {
             window,
             seqs,
             fp8: false,
+            twice: false,
         };
         attention(s, "mixed small", a(8, 2, 64, 16, None, vec![(1, 40), (9, 9), (5, 70)]));
         attention(s, "mixed small", a(8, 8, 128, 32, Some(16), vec![(1, 100), (20, 50)]));
+        // split decode (5 and 3 splits) merged by the last split CTA (the fused combine, default)
+        attention(s, "split decode", Attn { twice: true, ..a(8, 2, 64, 16, None, vec![(1, 300), (1, 130)]) });
         // the fp8-cache kernels (raw stage + conversion: racecheck covers their barriers)
         write_kv_fp8(s, 5, 64);
         let fp8 = |heads, kv_heads, head_dim, block_size, window, seqs| Attn {

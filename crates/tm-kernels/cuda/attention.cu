@@ -15,7 +15,10 @@
 //   tokens 16w..16w+15 of each tile with tensor-core mma (m16n8k16), keeps its own online
 //   softmax, and the four warps are merged at the end. A sequence whose keys fit in one
 //   partition is written straight to `out`; otherwise each split writes a normalised partial
-//   output and its (max, sum) to scratch and attn_combine_<T> merges them.
+//   output and its (max, sum) to scratch, and either the last split CTA of each (sequence, head
+//   group) to finish merges them (fused combine: a per-group counter in `counters`, threadfence +
+//   atomicAdd, the last CTA merges and zeroes the counter again) or, with `counters` null,
+//   attn_combine_<T> does in a second launch.
 // - attn_prefill_d<D>_<T> (f16, bf16): flash-attention-2 for sequences with q_len > 1. One CTA
 //   (4 warps x 32 rows for D <= 128, 4 x 16 above: BM = 128 or 64 rows) per (query tile, kv head
 //   x head sub-group); rows are token-major over the group's query heads (row r = token r / GS,
@@ -23,7 +26,8 @@
 //   K/V tiles through shared memory (cp.async, double buffered), online softmax, causal and
 //   sliding-window masks, tensor-core mma. The tiles of all sequences are numbered flat (a warp
 //   scan over q_len finds a CTA's sequence), the longest (last) tiles of a sequence first.
-// - attn_combine_<T> (f16, bf16, f32): merges the split-K partials of attn_decode.
+// - attn_combine_<T> (f16, bf16, f32): merges the split-K partials of attn_decode when it ran
+//   without counters (the same merge, combine_splits, as the fused path).
 // - attn_simple_<T> (f32, f16, bf16): CUDA-core reference path for any head_dim <= 256, one warp
 //   per (query token, head), 8 keys per step. Used for f32 and as the fallback.
 //
@@ -547,16 +551,85 @@ __device__ __forceinline__ void split_keys(const DecodeRange& r, int split, int 
     k_end = split == r.used - 1 ? r.end : k_begin + partition;
 }
 
+// Most splits of one decode sequence (the launcher mirrors it as MAX_SPLITS): the merge keeps a
+// (max, sum) pair per (head, split) in shared memory.
+#define TM_ATTN_MAX_SPLITS 64
+
+// Merges the split-K partials of query heads h0 .. h0 + rows - 1 of decode sequence `seq` (their
+// first `used` splits) into row `q_row` of `out`: the partials' average weighted by
+// sum_k * exp2(max_k - max). Shared memory: `s_ml` 2 * rows * used floats, `s_inv` rows floats.
+// Every thread of the CTA calls it (it has barriers); head_dim is a multiple of 4 (the partials
+// are read as float4). The partials are read through L2 (__ldcg): in the fused path other CTAs of
+// the same grid wrote them. Shared by attn_combine (one head per CTA) and the last split CTA of a
+// fused decode (every head of its group). Not inlined: inlined into the decode kernels it raised
+// their register counts (e.g. 96 -> 123 for attn_decode_gqa) for code that runs once at the end.
+template <typename T>
+__device__ __noinline__ void combine_splits(T* out, const float* part_o, const float* part_ml, int seq, int h0,
+                                            int rows, int heads, int head_dim, int num_splits, int used, int q_row,
+                                            float* s_ml, float* s_inv) {
+    const int n = rows * used;
+    float* s_max = s_ml;   // [rows][used]: each split's max (log2 domain)
+    float* s_w = s_ml + n;  // [rows][used]: each split's sum, then its weight
+    // every (head, split) pair at once: one 8-byte load each
+    for (int t = threadIdx.x; t < n; t += blockDim.x) {
+        const int i = t / used, k = t - i * used;
+        const long long pair = ((long long)seq * heads + h0 + i) * num_splits + k;
+        const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml) + pair);
+        s_max[t] = ml.x;
+        s_w[t] = ml.y;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+        float mm = neg_inf();
+        for (int k = 0; k < used; ++k) mm = fmaxf(mm, s_max[i * used + k]);
+        const float mu = mm == neg_inf() ? 0.f : mm;
+        float ll = 0.f;
+        for (int k = 0; k < used; ++k) {
+            const float w = s_w[i * used + k] * exp2f(s_max[i * used + k] - mu);
+            s_w[i * used + k] = w;
+            ll += w;
+        }
+        s_inv[i] = ll > 0.f ? 1.f / ll : 0.f;
+    }
+    __syncthreads();
+    const int q4 = head_dim / 4;
+    for (int c = threadIdx.x; c < rows * q4; c += blockDim.x) {
+        const int i = c / q4, d = 4 * (c - i * q4);
+        const float* src = part_o + ((long long)seq * heads + h0 + i) * num_splits * head_dim + d;
+        const float* w = s_w + i * used;
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int k = 0; k < used; ++k) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(src + (long long)k * head_dim));
+            acc.x += w[k] * v.x;
+            acc.y += w[k] * v.y;
+            acc.z += w[k] * v.z;
+            acc.w += w[k] * v.w;
+        }
+        const float inv = s_inv[i];
+        T* dst = out + ((long long)q_row * heads + h0 + i) * head_dim + d;
+        dst[0] = from_float<T>(acc.x * inv);
+        dst[1] = from_float<T>(acc.y * inv);
+        dst[2] = from_float<T>(acc.z * inv);
+        dst[3] = from_float<T>(acc.w * inv);
+    }
+}
+
 // The end of a split-K decode CTA of 4 warps with R query rows each: merges the warps' unnormalised
 // rows (sO [4][R][D] floats), maxima s_m and partial sums s_l into rows i < rows (query head
 // h0 + i): the output row itself when one partition holds every key (rg.direct), else the split's
-// normalised partial and its (max, sum) for attn_combine. Every thread of the CTA calls it after
-// the barrier that follows the writes of sO, s_m and s_l.
+// normalised partial and its (max, sum) in part_o / part_ml. Then, with `counters` (the fused
+// combine), the split counts itself in counters[seq * gridDim.y + blockIdx.y] and the last split
+// of the (sequence, head group) to finish merges all of them into `out` (with sO and s_f as its
+// shared memory) and sets the counter back to 0 for the next launch; without (null),
+// attn_combine merges them in a second launch. Every thread of the CTA calls it after the barrier
+// that follows the writes of sO, s_m and s_l.
 template <typename T, int D, int R>
-__device__ __forceinline__ void decode_merge(const float* sO, const float (*s_m)[R], const float (*s_l)[R],
+__device__ __forceinline__ void decode_merge(float* sO, const float (*s_m)[R], const float (*s_l)[R],
                                              float (*s_f)[R], int rows, int h0, const DecodeRange& rg, int q_row,
                                              int seq, int heads, int num_splits, int split, T* out, float* part_o,
-                                             float* part_ml) {
+                                             float* part_ml, unsigned* counters) {
+    static_assert(2 * R * TM_ATTN_MAX_SPLITS <= 4 * R * D, "the fused combine's (max, sum) pairs fit in sO");
+    __shared__ int s_last;
     const int tid = threadIdx.x;
     if (tid < R) {
         float mm = neg_inf();
@@ -585,16 +658,36 @@ __device__ __forceinline__ void decode_merge(const float* sO, const float (*s_m)
             part_o[(((long long)seq * heads + h) * num_splits + split) * D + d] = v;
         }
     }
+    if (rg.direct || counters == nullptr) return;
+    // Release: each thread's partials reach device scope before the barrier, the barrier before
+    // the count (it also ends every read of sO, which the merge below overwrites).
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        unsigned* counter = counters + ((unsigned)seq * gridDim.y + blockIdx.y);
+        const bool last = atomicAdd(counter, 1u) == (unsigned)(rg.used - 1);
+        if (last) {
+            // every split has counted: leave the counter zero for the next launch (or graph replay)
+            atomicExch(counter, 0u);
+            // acquire: the other splits' partials, which they fenced before counting
+            __threadfence();
+        }
+        s_last = last;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    combine_splits<T>(out, part_o, part_ml, seq, h0, rows, heads, D, num_splits, rg.used, q_row, sO, s_f[0]);
 }
 
 template <typename T, typename C, int D>
 __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __restrict__ k_cache,
                                             const C* __restrict__ v_cache, T* __restrict__ out,
                                             float* __restrict__ part_o, float* __restrict__ part_ml,
-                                            const int* q_start, const int* q_len, const int* ctx_len,
-                                            const int* bt_start, const unsigned* __restrict__ block_tables, int heads,
-                                            int kv_heads, int gs, int block_size, float scale_log2, int window,
-                                            int num_splits, int partition) {
+                                            unsigned* __restrict__ counters, const int* q_start, const int* q_len,
+                                            const int* ctx_len, const int* bt_start,
+                                            const unsigned* __restrict__ block_tables, int heads, int kv_heads, int gs,
+                                            int block_size, float scale_log2, int window, int num_splits,
+                                            int partition) {
 #if TM_ATTN_TC
     constexpr int BN = DecodeCfg<D>::BN;
     constexpr int LD = DecodeCfg<D>::LD;
@@ -753,7 +846,7 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
     }
     __syncthreads();
     decode_merge<T, D, 16>(sO, s_m, s_l, s_f, min(gs, group - g0), kvh * group + g0, rg, sq.q_start, seq, heads,
-                           num_splits, split, out, part_o, part_ml);
+                           num_splits, split, out, part_o, part_ml, counters);
 #endif
 }
 
@@ -829,8 +922,9 @@ template <typename T, int NS_>
 __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, const kv8* __restrict__ k_cache,
                                                     const kv8* __restrict__ v_cache, T* __restrict__ out,
                                                     float* __restrict__ part_o, float* __restrict__ part_ml,
-                                                    const int* q_start, const int* q_len, const int* ctx_len,
-                                                    const int* bt_start, const unsigned* __restrict__ block_tables,
+                                                    unsigned* __restrict__ counters, const int* q_start,
+                                                    const int* q_len, const int* ctx_len, const int* bt_start,
+                                                    const unsigned* __restrict__ block_tables,
                                                     int heads, int kv_heads, int gs, int block_size, float scale_log2,
                                                     int window, int num_splits, int partition) {
 #if TM_ATTN_TC
@@ -1008,46 +1102,24 @@ __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, con
     }
     __syncthreads();
     decode_merge<T, D, 8>(sO, s_m, s_l, s_f, min(gs, group), kvh * group, rg, sq.q_start, seq, heads, num_splits,
-                          split, out, part_o, part_ml);
+                          split, out, part_o, part_ml, counters);
 #endif
 }
 
-// Merges split-K partials. grid (heads, num_seqs), block 128.
+// Merges split-K partials (the two-launch path: attn_decode without counters). grid (heads,
+// num_seqs), block 128.
 template <typename T>
 __device__ __forceinline__ void attn_combine(T* __restrict__ out, const float* __restrict__ part_o,
                                              const float* __restrict__ part_ml, const int* q_start, const int* q_len,
                                              const int* ctx_len, int heads, int head_dim, int window,
                                              int num_splits, int partition) {
-    __shared__ float s_w[128];  // one weight per split (the launcher caps splits at 128)
-    __shared__ float s_inv;
+    __shared__ float s_ml[2 * TM_ATTN_MAX_SPLITS], s_inv[1];
     const int h = blockIdx.x, seq = blockIdx.y;
     if (q_len[seq] != 1) return;
     const DecodeRange rg = decode_range(ctx_len[seq], window, num_splits, partition);
     if (rg.direct) return;
-    const long long base = ((long long)seq * heads + h) * num_splits;
-    if (threadIdx.x == 0) {
-        float mm = neg_inf();
-        for (int k = 0; k < rg.used; ++k) mm = fmaxf(mm, part_ml[2 * (base + k)]);
-        const float mu = mm == neg_inf() ? 0.f : mm;
-        float ll = 0.f;
-        for (int k = 0; k < rg.used; ++k) {
-            const float w = part_ml[2 * (base + k) + 1] * exp2f(part_ml[2 * (base + k)] - mu);
-            s_w[k] = w;
-            ll += w;
-        }
-        s_inv = ll > 0.f ? 1.f / ll : 0.f;
-    }
-    __syncthreads();
-    const float inv = s_inv;
-    const long long o_row = (long long)q_start[seq] * heads + h;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float acc = 0.f;
-        for (int k = 0; k < rg.used; ++k) {
-            const float w = s_w[k];
-            if (w != 0.f) acc += w * part_o[(base + k) * head_dim + d];
-        }
-        out[o_row * head_dim + d] = from_float<T>(acc * inv);
-    }
+    combine_splits<T>(out, part_o, part_ml, seq, h, 1, heads, head_dim, num_splits, min(rg.used, TM_ATTN_MAX_SPLITS),
+                      q_start[seq], s_ml, s_inv);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1436,14 +1508,15 @@ struct CacheE4m3 {
 #define TM_ATTN_TC_KERNELS(D, SUF, T, KV, KSUF)                                                                         \
     extern "C" __global__ void __launch_bounds__(128)                                                                  \
         attn_decode_d##D##_##SUF##KSUF(const T* q, const KV* k_cache, const KV* v_cache, T* out, float* part_o,       \
-                                 float* part_ml, const int* q_start, const int* q_len, const int* ctx_len,            \
-                                 const int* bt_start, const unsigned* block_tables, int heads, int kv_heads, int gs,  \
-                                 int block_size, float scale_log2, int window, int num_splits, int partition) {       \
+                                 float* part_ml, unsigned* counters, const int* q_start, const int* q_len,            \
+                                 const int* ctx_len, const int* bt_start, const unsigned* block_tables, int heads,    \
+                                 int kv_heads, int gs, int block_size, float scale_log2, int window, int num_splits,  \
+                                 int partition) {                                                                      \
         tmk::pdl_launch_dependents();                                                                                  \
         tmk::pdl_wait();                                                                                               \
-        tm_attn::attn_decode<T, KV, D>(q, k_cache, v_cache, out, part_o, part_ml, q_start, q_len, ctx_len, bt_start,     \
-                                   block_tables, heads, kv_heads, gs, block_size, scale_log2, window, num_splits,     \
-                                   partition);                                                                         \
+        tm_attn::attn_decode<T, KV, D>(q, k_cache, v_cache, out, part_o, part_ml, counters, q_start, q_len,            \
+                                   ctx_len, bt_start, block_tables, heads, kv_heads, gs, block_size, scale_log2,      \
+                                   window, num_splits, partition);                                                     \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128)                                                                  \
         attn_prefill_d##D##_##SUF##KSUF(const T* q, const KV* k_cache, const KV* v_cache, T* out, const int* q_start,  \
@@ -1475,16 +1548,16 @@ TM_ATTN_TC_ALL_D(bf16, __nv_bfloat16, tm_attn::kv8, _kv8)
 #define TM_ATTN_GQA_KV8_KERNEL(SUF, T, NS, NSUF)                                                                       \
     extern "C" __global__ void __launch_bounds__(128)                                                                  \
         attn_decode_gqa_d128_##SUF##_kv8##NSUF(const T* q, const tm_attn::kv8* k_cache, const tm_attn::kv8* v_cache,   \
-                                               T* out, float* part_o, float* part_ml, const int* q_start,              \
-                                               const int* q_len, const int* ctx_len, const int* bt_start,              \
-                                               const unsigned* block_tables, int heads, int kv_heads, int gs,          \
-                                               int block_size, float scale_log2, int window, int num_splits,           \
-                                               int partition) {                                                        \
+                                               T* out, float* part_o, float* part_ml, unsigned* counters,              \
+                                               const int* q_start, const int* q_len, const int* ctx_len,               \
+                                               const int* bt_start, const unsigned* block_tables, int heads,           \
+                                               int kv_heads, int gs, int block_size, float scale_log2, int window,     \
+                                               int num_splits, int partition) {                                        \
         tmk::pdl_launch_dependents();                                                                                  \
         tmk::pdl_wait();                                                                                               \
-        tm_attn::attn_decode_gqa_kv8<T, NS>(q, k_cache, v_cache, out, part_o, part_ml, q_start, q_len, ctx_len,        \
-                                            bt_start, block_tables, heads, kv_heads, gs, block_size, scale_log2,       \
-                                            window, num_splits, partition);                                            \
+        tm_attn::attn_decode_gqa_kv8<T, NS>(q, k_cache, v_cache, out, part_o, part_ml, counters, q_start, q_len,       \
+                                            ctx_len, bt_start, block_tables, heads, kv_heads, gs, block_size,          \
+                                            scale_log2, window, num_splits, partition);                                \
     }
 
 TM_ATTN_GQA_KV8_KERNEL(f16, __half, 3, )

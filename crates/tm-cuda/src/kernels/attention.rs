@@ -7,7 +7,11 @@
 //!   `q`, the caches and `out` 16-byte aligned): `attn_decode_d<D>` handles the sequences with
 //!   `q_len == 1`, `attn_prefill_d<D>` those with `q_len > 1`; in a mixed batch both run, each
 //!   skipping the other's sequences. When a decode sequence needs several partitions of its
-//!   context, `attn_combine` merges them from the scratch buffer.
+//!   context, each split CTA writes its partial output to the scratch buffer and the last one of
+//!   each (sequence, head group) to finish merges them (the *fused combine*: a per-group counter
+//!   in [`AttentionScratch::counters`], `__threadfence` + `atomicAdd`, and the last CTA resets it
+//!   to zero); with `TM_ATTN_FUSED_COMBINE=0` (or [`set_fused_combine`]) a second kernel,
+//!   `attn_combine`, merges them instead, as before.
 //! - **CUDA cores** (`attn_simple`): f32, any other `head_dim` up to 256, misaligned pointers, or
 //!   `TM_ATTENTION=simple` in the environment (a debugging switch).
 //!
@@ -19,8 +23,9 @@
 //! query heads in the mma's 16 rows (half the tensor-core and fragment work for a group of 4).
 //!
 //! The split-K plan depends only on `num_seqs`, `kv_heads`, `heads / kv_heads`, `max_ctx_len` and
-//! `window`, so [`scratch_bytes`] and [`attention`] agree without the device.
+//! `window`, so [`scratch_bytes`], [`counter_bytes`] and [`attention`] agree without the device.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::CUdevice_attribute;
@@ -42,7 +47,8 @@ const DECODE_ROWS: usize = 16;
 /// Fewest keys a decode split covers: one tile (batch-1 decode on an H200 measured 2% faster
 /// than with 128).
 const MIN_PARTITION: usize = 64;
-/// Most decode splits (`attn_combine` keeps one weight per split in shared memory, up to 128).
+/// Most decode splits (`TM_ATTN_MAX_SPLITS` in attention.cu: the merge keeps a (max, sum) pair per
+/// head and split in shared memory).
 const MAX_SPLITS: usize = 64;
 /// Decode CTAs to aim for before splitting the context further (several waves on an H200).
 const TARGET_CTAS: usize = 1536;
@@ -90,6 +96,22 @@ pub struct AttentionBatch {
     pub bt_start: u64,
     /// Device `u32`: the flat block tables.
     pub block_tables: u64,
+}
+
+/// Device memory of one [`attention`] call besides its inputs and output.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AttentionScratch {
+    /// Device address of the split-K partial outputs and their (max, sum) pairs: any contents,
+    /// free for other kernels between calls.
+    pub scratch: u64,
+    /// Bytes at `scratch`: at least [`scratch_bytes`].
+    pub scratch_len: usize,
+    /// Device address of the fused combine's split counters (u32, 4-byte aligned): zero-filled
+    /// when allocated and used by nothing else, since every call leaves them zero and the next
+    /// one relies on that (a CUDA graph replays the same addresses).
+    pub counters: u64,
+    /// Bytes at `counters`: at least [`counter_bytes`].
+    pub counters_len: usize,
 }
 
 /// The split-K plan of the decode kernel.
@@ -268,6 +290,45 @@ pub fn scratch_bytes(shape: &AttentionShape, batch: &AttentionBatch) -> usize {
         .fold(1, usize::saturating_mul)
 }
 
+/// Bytes of split counters [`attention`] needs for this call ([`AttentionScratch::counters`]): one
+/// u32 per (sequence, KV head, head sub-group) when the decode context is split, else 0. Needed
+/// whether or not the combine is fused (so that [`set_fused_combine`] may switch between calls).
+pub fn counter_bytes(shape: &AttentionShape, batch: &AttentionBatch) -> usize {
+    if decode_plan(shape, batch).splits <= 1 {
+        return 0;
+    }
+    let (_, n_sub) = sub_groups(group_of(shape), DECODE_ROWS);
+    [batch.num_seqs, shape.kv_heads, n_sub, 4].into_iter().fold(1, usize::saturating_mul)
+}
+
+/// The number of partitions the decode kernel splits the context into for this call (1: each
+/// sequence's CTAs write the output directly, no merge). For tests and benchmarks.
+pub fn decode_splits(shape: &AttentionShape, batch: &AttentionBatch) -> usize {
+    decode_plan(shape, batch).splits
+}
+
+/// [`set_fused_combine`]'s override: 0 = none (the environment decides), 1 = off, 2 = on.
+static FUSED_OVERRIDE: AtomicU8 = AtomicU8::new(0);
+
+/// Forces the fused split-K combine on or off for the whole process, over
+/// `TM_ATTN_FUSED_COMBINE` (`None`: back to the environment). For tests and benchmarks that run
+/// both paths in one process.
+pub fn set_fused_combine(on: Option<bool>) {
+    FUSED_OVERRIDE.store(on.map_or(0, |on| 1 + u8::from(on)), Ordering::Relaxed);
+}
+
+/// Whether split decode merges its partials in the last split CTA of each group (one launch)
+/// rather than in a second launch of `attn_combine`: [`set_fused_combine`]'s choice, else
+/// `TM_ATTN_FUSED_COMBINE` not `0` (read once).
+pub fn fused_combine() -> bool {
+    static ENV: OnceLock<bool> = OnceLock::new();
+    match FUSED_OVERRIDE.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => *ENV.get_or_init(|| std::env::var("TM_ATTN_FUSED_COMBINE").map_or(true, |v| v.trim() != "0")),
+    }
+}
+
 /// `TM_ATTENTION=simple` forces the CUDA-core kernel (read once).
 fn force_simple() -> bool {
     static FORCE: OnceLock<bool> = OnceLock::new();
@@ -320,8 +381,8 @@ fn validate(shape: &AttentionShape, batch: &AttentionBatch) -> Result<()> {
 /// rows `q_start[s] .. q_start[s] + q_len[s]`; its query `j` sits at position
 /// `ctx_len[s] - q_len[s] + j` and attends to the keys at positions `0..=pos` (only those
 /// `> pos - window` when `window > 0`), read through its block table.
-/// `scratch` must hold [`scratch_bytes`] bytes (`scratch_len`). Rows of `out` that belong to no
-/// sequence are not written.
+/// `work` must hold [`scratch_bytes`] bytes of scratch and [`counter_bytes`] bytes of counters
+/// (see [`AttentionScratch`]). Rows of `out` that belong to no sequence are not written.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     gpu: &Gpu,
@@ -333,15 +394,21 @@ pub fn attention(
     out: u64,
     shape: &AttentionShape,
     batch: &AttentionBatch,
-    scratch: u64,
-    scratch_len: usize,
+    work: &AttentionScratch,
 ) -> Result<()> {
     let sfx = suffix(dt)?;
     let ksfx = kv_suffix(dt, kv)?;
     validate(shape, batch)?;
     let need = scratch_bytes(shape, batch);
-    if scratch_len < need {
-        return Err(Error::invalid(format!("attention: scratch holds {scratch_len} bytes, {need} needed")));
+    if work.scratch_len < need {
+        return Err(Error::invalid(format!("attention: scratch holds {} bytes, {need} needed", work.scratch_len)));
+    }
+    let need = counter_bytes(shape, batch);
+    if work.counters_len < need || (need > 0 && !work.counters.is_multiple_of(4)) {
+        return Err(Error::invalid(format!(
+            "attention: the split counters hold {} bytes at {:#x}, {need} needed (4-byte aligned)",
+            work.counters_len, work.counters
+        )));
     }
     if batch.num_seqs == 0 || batch.total_q == 0 {
         return Ok(());
@@ -403,8 +470,11 @@ pub fn attention(
         // The transposed kernel takes the whole group (<= 8 heads) in one CTA, as the 16-row
         // kernel does for groups up to 16: the same grid and split plan.
         let (gs, n_sub) = sub_groups(group, DECODE_ROWS);
-        let part_o = scratch;
-        let part_ml = scratch + (batch.num_seqs * heads * plan.splits * head_dim * 4) as u64;
+        let part_o = work.scratch;
+        let part_ml = work.scratch + (batch.num_seqs * heads * plan.splits * head_dim * 4) as u64;
+        // Null counters: the kernel leaves the partials to attn_combine.
+        let fused = plan.splits > 1 && fused_combine();
+        let counters = if fused { work.counters } else { 0 };
         let mut args = vec![
             KernelArg::Ptr(q),
             KernelArg::Ptr(k_cache),
@@ -412,6 +482,7 @@ pub fn attention(
             KernelArg::Ptr(out),
             KernelArg::Ptr(part_o),
             KernelArg::Ptr(part_ml),
+            KernelArg::Ptr(counters),
         ];
         args.extend_from_slice(&meta);
         args.extend_from_slice(&[
@@ -436,7 +507,7 @@ pub fn attention(
             format!("attn_decode_d{head_dim}_{sfx}{ksfx}")
         };
         gpu.launch(&name, grid, (THREADS, 1, 1), decode_smem as u32, &args)?;
-        if plan.splits > 1 {
+        if plan.splits > 1 && !fused {
             let args = [
                 KernelArg::Ptr(out),
                 KernelArg::Ptr(part_o),
@@ -562,10 +633,38 @@ mod tests {
                         assert!((p.splits - 1) * p.partition < keys.max(1));
                         assert!(p.splits > 1 || p.partition == ONE_SPLIT_PARTITION);
                         assert_eq!(scratch_bytes(&s, &b) == 0, p.splits == 1);
+                        assert_eq!(counter_bytes(&s, &b) == 0, p.splits == 1);
                     }
                 }
             }
         }
+    }
+
+    #[test]
+    fn split_counters_cover_every_head_group() {
+        // Llama 3 8B at batch 1, 550 keys: 9 splits of 64 keys over 8 KV heads (the profiled case)
+        let (s, b) = (shape(32, 8, 0), batch(1, 550));
+        if split_tuning() == (MIN_PARTITION, TARGET_CTAS) {
+            assert_eq!(decode_splits(&s, &b), 9);
+        }
+        assert_eq!(scratch_bytes(&s, &b), 32 * decode_splits(&s, &b) * 130 * 4);
+        assert_eq!(counter_bytes(&s, &b), 8 * 4);
+        // 64 heads on one KV head: four sub-groups of 16; 3 sequences
+        assert_eq!(counter_bytes(&shape(64, 1, 0), &batch(3, 4000)), 3 * 4 * 4);
+        // one split: no counters
+        assert_eq!(counter_bytes(&s, &batch(1, 64)), 0);
+    }
+
+    #[test]
+    fn set_fused_combine_overrides_the_environment() {
+        // The only test that sets the override (tests of this module share the process).
+        set_fused_combine(Some(false));
+        assert!(!fused_combine());
+        set_fused_combine(Some(true));
+        assert!(fused_combine());
+        set_fused_combine(None);
+        let env = std::env::var("TM_ATTN_FUSED_COMBINE").map_or(true, |v| v.trim() != "0");
+        assert_eq!(fused_combine(), env);
     }
 
     #[test]
@@ -596,7 +695,8 @@ mod tests {
         // of 128 bytes; four CTAs fit on an sm_90 SM with 3 stages; the merge ([4][8][128]
         // floats) fits in the ring
         assert_eq!(gqa_decode_smem(128, 2, 3), 8 * 136 * 2 + 3 * 64 * 256);
-        assert!(4 * (gqa_decode_smem(128, 2, 3) + 1024 + 384) <= 228 * 1024);
+        // (400 bytes of static shared memory, 1 KiB per CTA reserved by the hardware)
+        assert!(4 * (gqa_decode_smem(128, 2, 3) + 1024 + 400) <= 228 * 1024);
         assert!(gqa_decode_smem(128, 2, 4) + 1024 <= 99 * 1024);
         let ring = gqa_decode_smem(128, 2, 3) - 8 * 136 * 2;
         assert!(ring >= 4 * 8 * 128 * 4);

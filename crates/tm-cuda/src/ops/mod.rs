@@ -56,6 +56,9 @@ struct StepState {
     attn_host: Vec<u32>,
     sample_inputs: sampling::SampleInputs,
     scratch: Option<Buffer>,
+    /// The split counters of the fused decode-attention combine: zero-filled when allocated (and
+    /// when grown); every attention call leaves them zero. Nothing else may use them.
+    attn_counters: Option<Buffer>,
     tokens: Option<Buffer>,
     tokens_host: Vec<u32>,
 }
@@ -178,17 +181,24 @@ impl CudaBackend {
 
     /// A device scratch buffer of at least `bytes` (grown, never shrunk).
     fn scratch(&self, st: &mut StepState, bytes: usize) -> Result<u64> {
-        if self.gpu.mode() == LaunchMode::Capture && st.scratch.as_ref().is_none_or(|b| b.len() < bytes.max(1)) {
+        self.grown(&mut st.scratch, bytes, "scratch buffer")
+    }
+
+    /// `buf` grown to at least `bytes` (never shrunk; new bytes are zero-filled, as the allocator
+    /// zero-fills and growth copies the old contents), and its address. Refused while a CUDA graph
+    /// is being captured.
+    fn grown(&self, buf: &mut Option<Buffer>, bytes: usize, what: &str) -> Result<u64> {
+        if self.gpu.mode() == LaunchMode::Capture && buf.as_ref().is_none_or(|b| b.len() < bytes.max(1)) {
             return Err(Error::Backend {
                 backend: "cuda".into(),
-                message: "the scratch buffer grew while a CUDA graph was being captured".into(),
+                message: format!("the {what} grew while a CUDA graph was being captured"),
             });
         }
-        match &mut st.scratch {
+        match buf.as_mut() {
             Some(b) => b.grow(bytes.max(1), "workspace")?,
-            none => *none = Some(Buffer::new(&self.allocator, bytes.max(1), "workspace")?),
+            None => *buf = Some(Buffer::new(&self.allocator, bytes.max(1), "workspace")?),
         }
-        Ok(st.scratch.as_ref().map_or(0, Buffer::addr))
+        Ok(buf.as_ref().map_or(0, Buffer::addr))
     }
 
     fn quant_matmul(&self, x: &Tensor, q: &QuantWeight, int4: bool, n: usize, out: &mut Tensor) -> Result<()> {
@@ -580,22 +590,15 @@ impl Ops for CudaBackend {
             scale: meta.scale,
             window: meta.sliding_window.unwrap_or(0),
         };
-        let need = attn::scratch_bytes(&shape, &batch);
-        let scratch = self.scratch(&mut st, need)?;
-        let scratch_len = st.scratch.as_ref().map_or(0, Buffer::len);
-        attn::attention(
-            &self.gpu,
-            self.dtype,
-            kv,
-            ptr(q),
-            ptr(k_cache),
-            ptr(v_cache),
-            ptr(out),
-            &shape,
-            &batch,
+        let scratch = self.scratch(&mut st, attn::scratch_bytes(&shape, &batch))?;
+        let counters = self.grown(&mut st.attn_counters, attn::counter_bytes(&shape, &batch), "attention counters")?;
+        let work = attn::AttentionScratch {
             scratch,
-            scratch_len,
-        )
+            scratch_len: st.scratch.as_ref().map_or(0, Buffer::len),
+            counters,
+            counters_len: st.attn_counters.as_ref().map_or(0, Buffer::len),
+        };
+        attn::attention(&self.gpu, self.dtype, kv, ptr(q), ptr(k_cache), ptr(v_cache), ptr(out), &shape, &batch, &work)
     }
 
     fn gather_rows(&self, x: &Tensor, rows: &[u32], out: &mut Tensor) -> Result<()> {
