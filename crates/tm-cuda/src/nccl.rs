@@ -37,7 +37,9 @@
 //! When every pair of GPUs has peer access ([`crate::peer::plan`]), all-reduces and all-gathers
 //! of up to [`PeerGroup::max_bytes`] per rank (every decode step's) do not go through NCCL but
 //! through tm's one-shot kernels ([`crate::peer`]): one launch on the rank's stream, about the
-//! latency of one peer round trip. They are launched through [`Gpu::launch`], so the backend's
+//! latency of one peer round trip (all-reduces of up to [`PeerGroup::ll_bytes`]: the
+//! low-latency protocol, whose flags travel with the data; see [`crate::peer`]). They are
+//! launched through [`Gpu::launch`], so the backend's
 //! CUDA graphs sign and capture them like any kernel. Their deadline is kept on the device: a
 //! kernel that waits longer for a peer gives up and leaves a report (the peer, the step), which
 //! the watchdog and [`Comm::synchronize`] turn into the same [`Error::Timeout`] as an NCCL
@@ -69,7 +71,7 @@ use cudarc::driver::sys;
 use tm_core::{Comm, DType, Error, Ops, Result, Tensor};
 
 use crate::libs;
-use crate::peer::{self, PeerGroup, PeerTimeout};
+use crate::peer::{self, PeerGroup, PeerTimeout, Protocol};
 use crate::runtime::{Gpu, LaunchMode};
 
 /// How often the watchdog looks at pending collectives and asynchronous errors.
@@ -821,8 +823,11 @@ impl NcclComm {
         };
         match &peer {
             Ok(p) => tracing::info!(
-                "one-shot collectives over peer access for messages up to {} KiB per rank (decode steps); NCCL above",
-                p.max_bytes() >> 10
+                "one-shot collectives over peer access for messages up to {} KiB per rank (decode steps; all-reduces \
+                 up to {} KiB with the low-latency protocol{}); NCCL above",
+                p.max_bytes() >> 10,
+                p.ll_bytes() >> 10,
+                if p.ll_bytes() == 0 { ", turned off by TM_PEER_LL=0" } else { "" }
             ),
             Err(why) => tracing::info!("every collective goes through NCCL (one-shot peer collectives: {why})"),
         }
@@ -857,6 +862,12 @@ impl NcclComm {
     /// bytes)`, or why not.
     pub fn peer_path(&self) -> std::result::Result<usize, String> {
         self.shared.peer.as_ref().map(PeerGroup::max_bytes).map_err(Clone::clone)
+    }
+
+    /// The largest all-reduce per rank (bytes) that takes the peer path's low-latency protocol;
+    /// 0 without the peer path or with `TM_PEER_LL=0`.
+    pub fn peer_ll_bytes(&self) -> usize {
+        self.shared.peer.as_ref().map_or(0, PeerGroup::ll_bytes)
     }
 
     /// The GPU this rank runs on.
@@ -1021,6 +1032,7 @@ impl NcclComm {
         dst: u64,
         count: usize,
         dtype: DType,
+        protocol: Protocol,
         step: &str,
         deadline: Duration,
     ) -> Result<()> {
@@ -1030,7 +1042,7 @@ impl NcclComm {
         };
         let bytes = count * dtype.bits() / 8;
         self.peer_numbered(what, bytes, step, deadline, |p, tag| {
-            p.launch(kind, self.rank, src, dst, count, dtype, tag, deadline)
+            p.launch(kind, self.rank, src, dst, count, dtype, protocol, tag, deadline)
         })
     }
 
@@ -1117,21 +1129,68 @@ impl NcclComm {
     /// the one-shot peer path when the message fits it, else NCCL.
     pub fn all_reduce_raw(&self, ptr: u64, count: usize, dtype: DType, step: &str, deadline: Duration) -> Result<()> {
         if self.takes_peer_path(count, dtype) {
-            return self.peer_collective(peer::Kind::AllReduce, ptr, ptr, count, dtype, step, deadline);
+            return self.peer_collective(peer::Kind::AllReduce, ptr, ptr, count, dtype, Protocol::Auto, step, deadline);
         }
         self.all_reduce_nccl(ptr, count, dtype, step, deadline)
     }
 
     /// [`NcclComm::all_reduce_raw`] through the one-shot peer path (an error when the group has
-    /// none or the message does not fit it).
+    /// none or the message does not fit it), with the low-latency protocol when it fits.
     pub fn all_reduce_peer(&self, ptr: u64, count: usize, dtype: DType, step: &str, deadline: Duration) -> Result<()> {
+        self.all_reduce_peer_with(ptr, count, dtype, Protocol::Auto, step, deadline)
+    }
+
+    /// [`NcclComm::all_reduce_peer`] through `protocol` (every rank must pass the same; tests and
+    /// benchmarks compare the two): an error when the message does not fit it.
+    pub fn all_reduce_peer_with(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        protocol: Protocol,
+        step: &str,
+        deadline: Duration,
+    ) -> Result<()> {
         if !self.takes_peer_path(count, dtype) {
             return Err(nccl_err(format!(
                 "{step}: an all-reduce of {count} {dtype} elements does not take the peer path ({})",
                 self.peer_path().map_or_else(|why| why, |max| format!("at most {max} bytes of f32, f16 or bf16"))
             )));
         }
-        self.peer_collective(peer::Kind::AllReduce, ptr, ptr, count, dtype, step, deadline)
+        self.peer_collective(peer::Kind::AllReduce, ptr, ptr, count, dtype, protocol, step, deadline)
+    }
+
+    /// [`Comm::all_reduce_add_rms_norm`] through the fused one-shot kernel with `protocol`
+    /// (every rank must pass the same): an error when [`NcclComm::fused_norm_shape`] does not
+    /// take the tensors or the message does not fit `protocol`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce_add_rms_norm_with(
+        &self,
+        protocol: Protocol,
+        x: &mut Tensor,
+        residual: &mut Tensor,
+        weight: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+        step: &str,
+        deadline: Duration,
+    ) -> Result<()> {
+        let Some((rows, cols)) = self.fused_norm_shape(x, residual, weight, out) else {
+            return Err(nccl_err(format!(
+                "{step}: the fused peer all-reduce + add_rms_norm does not take these tensors (no peer path, \
+                 TM_FUSED_ALLREDUCE_NORM=0, or inconsistent shapes)"
+            )));
+        };
+        let tensors = peer::NormTensors {
+            x: x.buffer().addr(),
+            residual: residual.buffer().addr(),
+            out: out.buffer().addr(),
+            weight: weight.buffer().addr(),
+        };
+        let (dtype, bytes) = (x.dtype(), x.desc().bytes());
+        self.peer_numbered("all_reduce_add_rms_norm", bytes, step, deadline, |p, tag| {
+            p.launch_add_rms_norm(self.rank, tensors, eps, rows, cols, dtype, protocol, tag, deadline)
+        })
     }
 
     /// [`NcclComm::all_reduce_raw`] through NCCL, whatever the size.
@@ -1184,20 +1243,11 @@ impl Comm for NcclComm {
         step: &str,
         deadline: Duration,
     ) -> Result<()> {
-        let Some((rows, cols)) = self.fused_norm_shape(x, residual, weight, out) else {
+        if self.fused_norm_shape(x, residual, weight, out).is_none() {
             self.all_reduce_sum(x, step, deadline)?;
             return ops.add_rms_norm(x, residual, weight, eps, out);
-        };
-        let tensors = peer::NormTensors {
-            x: x.buffer().addr(),
-            residual: residual.buffer().addr(),
-            out: out.buffer().addr(),
-            weight: weight.buffer().addr(),
-        };
-        let (dtype, bytes) = (x.dtype(), x.desc().bytes());
-        self.peer_numbered("all_reduce_add_rms_norm", bytes, step, deadline, |p, tag| {
-            p.launch_add_rms_norm(self.rank, tensors, eps, rows, cols, dtype, tag, deadline)
-        })
+        }
+        self.all_reduce_add_rms_norm_with(Protocol::Auto, x, residual, weight, eps, out, step, deadline)
     }
 
     fn all_gather(&self, input: &Tensor, output: &mut Tensor, step: &str, deadline: Duration) -> Result<()> {
@@ -1211,7 +1261,16 @@ impl Comm for NcclComm {
         }
         let (src, dst) = (device_ptr(input, "all_gather")?, device_ptr(output, "all_gather")?);
         if self.takes_peer_path(n, input.dtype()) {
-            return self.peer_collective(peer::Kind::AllGather, src, dst, n, input.dtype(), step, deadline);
+            return self.peer_collective(
+                peer::Kind::AllGather,
+                src,
+                dst,
+                n,
+                input.dtype(),
+                Protocol::Flags,
+                step,
+                deadline,
+            );
         }
         let dt = nccl_dtype(input.dtype())?;
         self.enqueue("all_gather", step, deadline, |api, comm, stream| {
@@ -1560,15 +1619,21 @@ fn rank_self_test(comm: &NcclComm, deadline: Duration, big_bytes: usize) -> Resu
     verify("NCCL")?;
     let mut peer = None;
     if comm.takes_peer_path(world, DType::F32) {
-        for _ in 0..3 {
+        // Both exchanges of the peer path (every rank takes the same turns).
+        let ll = comm.peer_ll_bytes() > 0;
+        for protocol in [Protocol::Flags, Protocol::LowLatency, Protocol::Flags, Protocol::LowLatency] {
+            if protocol == Protocol::LowLatency && !ll {
+                continue;
+            }
             // SAFETY: as above.
             unsafe { cudarc::driver::result::memcpy_htod_async(buf.ptr, &mine, gpu.stream().cu_stream()) }
                 .map_err(crate::runtime::driver_err("cuMemcpyHtoDAsync (NCCL self-test)"))?;
             let t = Instant::now();
-            comm.all_reduce_peer(buf.ptr, world, DType::F32, "start-up self-test (peer path)", deadline)?;
-            comm.synchronize("start-up self-test (peer path)", deadline)?;
+            let step = "start-up self-test (peer path)";
+            comm.all_reduce_peer_with(buf.ptr, world, DType::F32, protocol, step, deadline)?;
+            comm.synchronize(step, deadline)?;
             let took = t.elapsed();
-            verify("one-shot peer")?;
+            verify(if protocol == Protocol::Flags { "one-shot peer" } else { "one-shot peer (low-latency)" })?;
             peer = Some(peer.map_or(took, |p: Duration| p.min(took)));
         }
     }

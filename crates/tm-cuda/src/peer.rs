@@ -16,6 +16,17 @@
 //! `tm_core::Comm::all_reduce_add_rms_norm`): one launch instead of two per collective, with the
 //! separate kernels' bits (it runs their row code, `norm.cuh`, at their block width).
 //!
+//! # The low-latency protocol
+//! Messages of at most [`PeerGroup::ll_bytes`] per rank (default [`LL_MAX_BYTES`], every decode
+//! step's hidden-state all-reduce at small batches) take the kernels' "LL" variant unless the
+//! caller asks otherwise ([`Protocol`]): the flag travels with the data — every 8 bytes of payload
+//! go out as two 8-byte words `{4 bytes of payload, epoch}`, each stored atomically — so the
+//! system fence and the separate flag round trip disappear; the receiver polls its own words
+//! until they carry the call's epoch. Same results (bits), epochs, deadline, reports and poison
+//! as the flag protocol, which every larger message takes; the two may alternate freely. It needs
+//! an LL region of `2 · world · 2 · ll_bytes` more per rank. `TM_PEER_LL=0` turns it off (read
+//! once per process).
+//!
 //! # CUDA graphs
 //! The kernels are launched through [`Gpu::launch`] on the rank's stream, so a step recorded for
 //! a graph signs them like any kernel and a captured graph contains them. Their arguments are
@@ -67,6 +78,17 @@ const ST_TAG: usize = 3;
 const ST_BLOCK: usize = 4;
 const ST_WAITED_US: usize = 5;
 const ST_ABORT: usize = 8;
+
+/// Default and largest message per rank of the low-latency protocol: 64 KiB (the hidden state of
+/// a batch of 4 rows at hidden 8192 in bf16). Its buffers take twice the payload, and above a few
+/// tens of KiB the doubled traffic costs more than the flag round trip it saves.
+pub const LL_MAX_BYTES: usize = 64 << 10;
+
+/// Whether the low-latency protocol is on: `TM_PEER_LL` is not `0` (read once per process).
+pub fn ll_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TM_PEER_LL").map_or(true, |v| v.trim() != "0"))
+}
 
 /// Default largest message per rank: 1 MiB. It covers every decode step's collectives of the
 /// models tm targets at small batches — the hidden state after o_proj/down_proj (batch 64 at
@@ -139,6 +161,17 @@ struct Rank {
     status_dev: u64,
 }
 
+/// Which exchange a one-shot all-reduce uses (every rank must pass the same for a call).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// The low-latency protocol when the message fits it ([`PeerGroup::fits_ll`]), else flags.
+    Auto,
+    /// Data, then a system fence and a flag per block (every size).
+    Flags,
+    /// The flag inside every 8-byte word (an error when the message does not fit it).
+    LowLatency,
+}
+
 /// Which collective a launch is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
@@ -166,6 +199,9 @@ pub struct NormTensors {
 pub struct PeerGroup {
     ranks: Vec<Rank>,
     slot_bytes: usize,
+    /// The largest payload of the low-latency protocol (0: off); its region is twice that per
+    /// slot.
+    ll_bytes: usize,
 }
 
 /// Makes `gpu`'s context current without touching cudarc's per-thread error state.
@@ -174,6 +210,12 @@ fn set_current(gpu: &Gpu) {
     unsafe {
         let _ = sys::cuCtxSetCurrent(gpu.context().cu_ctx());
     }
+}
+
+/// The low-latency protocol's payload of `rows` rows of `cols` elements of `dtype`: each row in
+/// whole 8-byte packs (`None` on overflow).
+fn ll_payload(rows: usize, cols: usize, dtype: DType) -> Option<usize> {
+    cols.checked_mul(dtype.bits() / 8)?.div_ceil(8).checked_mul(8)?.checked_mul(rows)
 }
 
 fn cu(call: &str, rc: sys::CUresult) -> std::result::Result<(), String> {
@@ -186,8 +228,10 @@ fn cu(call: &str, rc: sys::CUresult) -> std::result::Result<(), String> {
 
 impl PeerGroup {
     /// Enables peer access between every pair of `gpus` (rank `r` on `gpus[r]`) and allocates
-    /// every rank's buffer (`4 KiB + 2 · world · max_bytes`, zeroed) and status words. `Err`
-    /// says what failed (the caller then uses NCCL for everything).
+    /// every rank's buffer (`4 KiB + 2 · world · max_bytes`, plus `2 · world · 2 · ll` for the
+    /// low-latency protocol's messages of up to `ll = min(max_bytes, LL_MAX_BYTES)` unless
+    /// `TM_PEER_LL=0`; zeroed) and status words. `Err` says what failed (the caller then uses
+    /// NCCL for everything).
     pub fn new(gpus: &[Arc<Gpu>], max_bytes: usize) -> std::result::Result<PeerGroup, String> {
         let world = gpus.len();
         if !(2..=MAX_RANKS).contains(&world) {
@@ -209,8 +253,9 @@ impl PeerGroup {
                 }
             }
         }
-        let mut group = PeerGroup { ranks: Vec::with_capacity(world), slot_bytes };
-        let bytes = HEADER_BYTES + 2 * world * slot_bytes;
+        let ll_bytes = if ll_enabled() { slot_bytes.min(LL_MAX_BYTES) } else { 0 };
+        let mut group = PeerGroup { ranks: Vec::with_capacity(world), slot_bytes, ll_bytes };
+        let bytes = HEADER_BYTES + 2 * world * slot_bytes + 2 * world * 2 * ll_bytes;
         for g in gpus {
             set_current(g);
             let mut buf: sys::CUdeviceptr = 0;
@@ -255,6 +300,11 @@ impl PeerGroup {
         self.slot_bytes
     }
 
+    /// The largest message per rank of the low-latency protocol (0: turned off by `TM_PEER_LL=0`).
+    pub fn ll_bytes(&self) -> usize {
+        self.ll_bytes
+    }
+
     /// Whether a collective of `count` elements of `dtype` per rank takes this path.
     pub fn fits(&self, count: usize, dtype: DType) -> bool {
         matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
@@ -262,9 +312,42 @@ impl PeerGroup {
             && count.checked_mul(dtype.bits() / 8).is_some_and(|b| b <= self.slot_bytes)
     }
 
+    /// Whether an all-reduce of `count` elements of `dtype` per rank fits the low-latency
+    /// protocol: its payload, in whole 8-byte packs, at most [`PeerGroup::ll_bytes`].
+    pub fn fits_ll(&self, count: usize, dtype: DType) -> bool {
+        self.fits(count, dtype) && ll_payload(1, count, dtype).is_some_and(|b| b <= self.ll_bytes)
+    }
+
+    /// Whether the fused all-reduce + add + norm of `rows x cols` fits the low-latency protocol
+    /// (each row in whole 8-byte packs).
+    pub fn fits_ll_rows(&self, rows: usize, cols: usize, dtype: DType) -> bool {
+        rows.checked_mul(cols).is_some_and(|n| self.fits(n, dtype))
+            && ll_payload(rows, cols, dtype).is_some_and(|b| b <= self.ll_bytes)
+    }
+
+    /// Whether a call with `protocol` takes the low-latency kernels, given whether the message
+    /// `fits` them; `what` names the call in the error of a [`Protocol::LowLatency`] that does
+    /// not fit.
+    fn low_latency(&self, protocol: Protocol, fits: bool, what: impl FnOnce() -> String) -> Result<bool> {
+        match protocol {
+            Protocol::Flags => Ok(false),
+            Protocol::Auto => Ok(fits),
+            Protocol::LowLatency if fits => Ok(true),
+            Protocol::LowLatency if self.ll_bytes == 0 => {
+                Err(Error::invalid(format!("{}: the low-latency peer protocol is turned off (TM_PEER_LL=0)", what())))
+            }
+            Protocol::LowLatency => Err(Error::invalid(format!(
+                "{}: more than the low-latency peer protocol's {} bytes per rank",
+                what(),
+                self.ll_bytes
+            ))),
+        }
+    }
+
     /// Launches `kind` on rank `rank`'s stream (through [`Gpu::launch`], so it is signed and
     /// captured like any kernel): `count` elements of `dtype` from `src` (all-reduce: into `dst`,
-    /// which may be `src`; all-gather: `world · count` into `dst`). Waits for the peers at most
+    /// which may be `src`; all-gather: `world · count` into `dst`). An all-reduce exchanges
+    /// through `protocol` (an all-gather always through flags). Waits for the peers at most
     /// `deadline` on the device. `tag` is written into the report if it gives up.
     #[allow(clippy::too_many_arguments)]
     pub fn launch(
@@ -275,6 +358,7 @@ impl PeerGroup {
         dst: u64,
         count: usize,
         dtype: DType,
+        protocol: Protocol,
         tag: u32,
         deadline: Duration,
     ) -> Result<()> {
@@ -286,23 +370,26 @@ impl PeerGroup {
         }
         let me = self.ranks.get(rank).ok_or_else(|| Error::invalid(format!("peer collective on rank {rank}")))?;
         let name = match kind {
-            Kind::AllReduce => "peer_all_reduce",
+            Kind::AllReduce => {
+                let ll = self.low_latency(protocol, self.fits_ll(count, dtype), || {
+                    format!("peer all-reduce of {count} {dtype} elements")
+                })?;
+                if ll {
+                    "peer_all_reduce_ll"
+                } else {
+                    "peer_all_reduce"
+                }
+            }
+            Kind::AllGather if protocol == Protocol::LowLatency => {
+                return Err(Error::invalid("the peer all-gather has no low-latency protocol"));
+            }
             Kind::AllGather => "peer_all_gather",
         };
-        let deadline_ns = i64::try_from(deadline.as_nanos()).unwrap_or(i64::MAX).max(1);
-        let mut args = [KernelArg::Ptr(0); 17];
+        let mut args = [KernelArg::Ptr(0); 18];
         args[0] = KernelArg::Ptr(src);
         args[1] = KernelArg::Ptr(dst);
         args[2] = KernelArg::I64(count as i64);
-        args[3] = KernelArg::I32(rank as i32);
-        args[4] = KernelArg::I32(self.world() as i32);
-        args[5] = KernelArg::I64(self.slot_bytes as i64);
-        args[6] = KernelArg::I64(deadline_ns);
-        args[7] = KernelArg::Ptr(me.status_dev);
-        args[8] = KernelArg::U32(tag);
-        for (a, r) in args[9..].iter_mut().zip(&self.ranks) {
-            *a = KernelArg::Ptr(r.buf);
-        }
+        self.group_args(rank, me, tag, deadline, &mut args[3..]);
         me.gpu.launch(&format!("{name}_{}", suffix(dtype)?), (BLOCKS, 1, 1), (THREADS, 1, 1), 0, &args)
     }
 
@@ -310,8 +397,8 @@ impl PeerGroup {
     /// (`peer_all_reduce_add_rms_norm`) on rank `rank`'s stream, like [`PeerGroup::launch`]: `x`
     /// (`rows · cols` elements of `dtype`, this rank's partial sums) becomes the sum over ranks,
     /// then `residual += x` and `out = rms_norm(residual) * weight` (`weight`: `cols` elements),
-    /// rounded as the separate all-reduce and `add_rms_norm` kernels round. `x`, `residual`, `out`
-    /// and `weight` must not overlap.
+    /// rounded as the separate all-reduce and `add_rms_norm` kernels round, through `protocol`.
+    /// `x`, `residual`, `out` and `weight` must not overlap.
     #[allow(clippy::too_many_arguments)]
     pub fn launch_add_rms_norm(
         &self,
@@ -321,6 +408,7 @@ impl PeerGroup {
         rows: usize,
         cols: usize,
         dtype: DType,
+        protocol: Protocol,
         tag: u32,
         deadline: Duration,
     ) -> Result<()> {
@@ -336,8 +424,10 @@ impl PeerGroup {
             return Err(Error::invalid(format!("peer all-reduce + add_rms_norm of {rows} x {cols} elements")));
         };
         let me = self.ranks.get(rank).ok_or_else(|| Error::invalid(format!("peer collective on rank {rank}")))?;
-        let deadline_ns = i64::try_from(deadline.as_nanos()).unwrap_or(i64::MAX).max(1);
-        let mut args = [KernelArg::Ptr(0); 21];
+        let ll = self.low_latency(protocol, self.fits_ll_rows(rows, cols, dtype), || {
+            format!("peer all-reduce + add_rms_norm of {rows} x {cols} {dtype} elements")
+        })?;
+        let mut args = [KernelArg::Ptr(0); 22];
         args[0] = KernelArg::Ptr(tensors.x);
         args[1] = KernelArg::Ptr(tensors.residual);
         args[2] = KernelArg::Ptr(tensors.out);
@@ -345,18 +435,26 @@ impl PeerGroup {
         args[4] = KernelArg::F32(eps);
         args[5] = KernelArg::I32(r32);
         args[6] = KernelArg::I32(c32);
-        args[7] = KernelArg::I32(rank as i32);
-        args[8] = KernelArg::I32(self.world() as i32);
-        args[9] = KernelArg::I64(self.slot_bytes as i64);
-        args[10] = KernelArg::I64(deadline_ns);
-        args[11] = KernelArg::Ptr(me.status_dev);
-        args[12] = KernelArg::U32(tag);
-        for (a, r) in args[13..].iter_mut().zip(&self.ranks) {
+        self.group_args(rank, me, tag, deadline, &mut args[7..]);
+        let threads = crate::kernels::elementwise::norm_row_threads(dtype, cols);
+        let name = format!("peer_all_reduce_add_rms_norm{}_{}", if ll { "_ll" } else { "" }, suffix(dtype)?);
+        me.gpu.launch(&name, (BLOCKS, 1, 1), (threads, 1, 1), 0, &args)
+    }
+
+    /// The arguments every kernel ends with: `rank, world, slot_bytes, ll_bytes, deadline_ns,
+    /// status, tag, b0..b7` (15) into `args`.
+    fn group_args(&self, rank: usize, me: &Rank, tag: u32, deadline: Duration, args: &mut [KernelArg]) {
+        let deadline_ns = i64::try_from(deadline.as_nanos()).unwrap_or(i64::MAX).max(1);
+        args[0] = KernelArg::I32(rank as i32);
+        args[1] = KernelArg::I32(self.world() as i32);
+        args[2] = KernelArg::I64(self.slot_bytes as i64);
+        args[3] = KernelArg::I64(self.ll_bytes as i64);
+        args[4] = KernelArg::I64(deadline_ns);
+        args[5] = KernelArg::Ptr(me.status_dev);
+        args[6] = KernelArg::U32(tag);
+        for (a, r) in args[7..].iter_mut().zip(&self.ranks) {
             *a = KernelArg::Ptr(r.buf);
         }
-        let threads = crate::kernels::elementwise::norm_row_threads(dtype, cols);
-        let name = format!("peer_all_reduce_add_rms_norm_{}", suffix(dtype)?);
-        me.gpu.launch(&name, (BLOCKS, 1, 1), (threads, 1, 1), 0, &args)
     }
 
     fn status(&self, rank: usize) -> *mut u32 {
@@ -465,6 +563,13 @@ mod tests {
         assert!(src.contains(&format!("TM_KERNEL_BOUNDS(peer_all_gather, {THREADS},")));
         // The fused kernel runs the norms' block widths (up to 512 threads).
         assert!(src.contains("TM_KERNEL_BOUNDS(peer_all_reduce_add_rms_norm, NORM_MAX_THREADS,"));
+        // The low-latency variants: the same widths and the same parameters (`group_args`).
+        assert!(src.contains(&format!("TM_KERNEL_BOUNDS(peer_all_reduce_ll, {THREADS}, TMC_PARAMS, TMC_ARGS)")));
+        assert!(src.contains(
+            "TM_KERNEL_BOUNDS(peer_all_reduce_add_rms_norm_ll, NORM_MAX_THREADS, TMC_NORM_PARAMS, TMC_NORM_ARGS)"
+        ));
+        assert!(src.contains("int rank, int world, long long slot_bytes, long long ll_bytes,"));
+        assert!(src.contains("long long deadline_ns, unsigned* status, unsigned tag, u64 b0,"));
         let norm = tm_kernels::cuda::headers().iter().find(|s| s.name == "norm.cuh").expect("norm.cuh").text;
         assert!(norm.contains("#define NORM_MAX_THREADS 512"));
         assert!(crate::kernels::elementwise::norm_row_threads(DType::BF16, 8192) <= 512);
@@ -474,6 +579,18 @@ mod tests {
         {
             assert!(src.contains(&format!("constexpr int {name} = {word};")), "{name}");
         }
+    }
+
+    #[test]
+    fn low_latency_payload_keeps_every_row_in_whole_packs() {
+        assert_eq!(ll_payload(1, 4096, DType::BF16), Some(8192));
+        assert_eq!(ll_payload(1, 1, DType::F32), Some(8));
+        assert_eq!(ll_payload(1, 7, DType::BF16), Some(16));
+        assert_eq!(ll_payload(1, 4099, DType::F16), Some(8200));
+        // 5 f32 are 20 bytes: 24 per row.
+        assert_eq!(ll_payload(3, 5, DType::F32), Some(72));
+        assert_eq!(ll_payload(usize::MAX, 8, DType::F32), None);
+        assert!(LL_MAX_BYTES <= DEFAULT_MAX_BYTES && LL_MAX_BYTES.is_multiple_of(256));
     }
 
     #[test]

@@ -153,7 +153,16 @@ mod tests {
     #[test]
     fn collectives_define_every_abi_kernel() {
         let kernels = abi_kernels("collectives.cu");
-        assert_eq!(kernels, ["peer_all_reduce", "peer_all_gather", "peer_all_reduce_add_rms_norm"]);
+        assert_eq!(
+            kernels,
+            [
+                "peer_all_reduce",
+                "peer_all_gather",
+                "peer_all_reduce_add_rms_norm",
+                "peer_all_reduce_ll",
+                "peer_all_reduce_add_rms_norm_ll"
+            ]
+        );
         let src = modules().iter().find(|s| s.name == "collectives.cu").expect("collectives.cu").text;
         for k in &kernels {
             assert!(src.contains(&format!("TM_KERNEL_BOUNDS({k},")), "collectives.cu does not define `{k}`");
