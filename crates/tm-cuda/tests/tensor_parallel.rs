@@ -35,6 +35,7 @@ use serde_json::Value;
 use tm_core::sampling::{argmax, SamplingParams};
 use tm_core::{Comm, DType, Ops, Tensor, TensorDesc};
 use tm_cuda::nccl::{self, NcclComm};
+use tm_cuda::peer::Protocol;
 use tm_cuda::runtime::{Gpu, LaunchMode};
 use tm_cuda::{CudaBackend, CudaOptions};
 use tm_model::engine::{Engine, EngineConfig, FinishReason, Request, TpModelInfo};
@@ -202,8 +203,10 @@ fn nccl_self_test_reports_the_transport() {
 
 /// The cost of one decode-sized all-reduce (4096 bf16, as after an 8B model's o_proj at batch 1)
 /// queued back to back on each rank's stream, 64 per synchronize (one decode step's worth),
-/// through NCCL and through the one-shot peer path; and the peer all-reduce followed by the
-/// residual add + RMSNorm that consumes it, as two kernels and as the fused one.
+/// through NCCL and through the one-shot peer path with each protocol (flags; low-latency, when
+/// `TM_PEER_LL` is not 0); and the peer all-reduce followed by the residual add + RMSNorm that
+/// consumes it, as two kernels and as the fused one (each protocol). Eager launches: the figures
+/// include launch overhead; in CUDA graphs the kernels cost less.
 #[test]
 fn small_all_reduce_latency() {
     let test = "small_all_reduce_latency";
@@ -212,7 +215,10 @@ fn small_all_reduce_latency() {
     }
     let (comms, factory) = nccl_ranks(2, DType::BF16);
     let peer = comms[0].peer_path().is_ok();
-    let results: Vec<Vec<(&str, Duration, Duration)>> = std::thread::scope(|s| {
+    let ll = comms[0].peer_ll_bytes() > 0;
+    let fused_on = std::env::var("TM_FUSED_ALLREDUCE_NORM").map_or(true, |v| v.trim() != "0");
+    #[allow(clippy::type_complexity)]
+    let results: Vec<Vec<(&str, Duration, Duration, Option<Duration>)>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .iter()
             .map(|c| {
@@ -225,27 +231,34 @@ fn small_all_reduce_latency() {
                     let ptr = t.buffer().addr();
                     let deadline = Duration::from_secs(20);
                     let mut out = Vec::new();
-                    for path in ["NCCL", "peer", "peer + add_rms_norm", "fused peer all-reduce + add_rms_norm"] {
-                        if path != "NCCL" && !peer {
+                    let paths = [
+                        ("NCCL", Protocol::Auto),
+                        ("peer, flags", Protocol::Flags),
+                        ("peer, low-latency", Protocol::LowLatency),
+                        ("peer + add_rms_norm, flags", Protocol::Flags),
+                        ("peer + add_rms_norm, low-latency", Protocol::LowLatency),
+                        ("fused peer all-reduce + add_rms_norm, flags", Protocol::Flags),
+                        ("fused peer all-reduce + add_rms_norm, low-latency", Protocol::LowLatency),
+                    ];
+                    for (path, protocol) in paths {
+                        if path != "NCCL" && (!peer || (protocol == Protocol::LowLatency && !ll)) {
                             continue;
                         }
-                        let mut one = |step: &str| match path {
-                            "NCCL" => c.all_reduce_nccl(ptr, 4096, DType::BF16, step, deadline),
-                            "peer" => c.all_reduce_peer(ptr, 4096, DType::BF16, step, deadline),
-                            "peer + add_rms_norm" => {
-                                c.all_reduce_peer(ptr, 4096, DType::BF16, step, deadline)?;
+                        if path.starts_with("fused") && !fused_on {
+                            continue;
+                        }
+                        let mut one = |step: &str| {
+                            if path == "NCCL" {
+                                c.all_reduce_nccl(ptr, 4096, DType::BF16, step, deadline)
+                            } else if path.starts_with("peer,") {
+                                c.all_reduce_peer_with(ptr, 4096, DType::BF16, protocol, step, deadline)
+                            } else if path.starts_with("peer +") {
+                                c.all_reduce_peer_with(ptr, 4096, DType::BF16, protocol, step, deadline)?;
                                 ops.add_rms_norm(&t, &mut residual, &w, 1e-5, &mut normed)
+                            } else {
+                                let (x, r, n) = (&mut t, &mut residual, &mut normed);
+                                c.all_reduce_add_rms_norm_with(protocol, x, r, &w, 1e-5, n, step, deadline)
                             }
-                            _ => c.all_reduce_add_rms_norm(
-                                ops,
-                                &mut t,
-                                &mut residual,
-                                &w,
-                                1e-5,
-                                &mut normed,
-                                step,
-                                deadline,
-                            ),
                         };
                         for _ in 0..64 {
                             one("warm-up").expect("all-reduce");
@@ -260,7 +273,36 @@ fn small_all_reduce_latency() {
                             enqueue += e.elapsed();
                             c.synchronize("timed", deadline).expect("synchronize");
                         }
-                        out.push((path, t0.elapsed() / 640, enqueue / 640));
+                        let eager = t0.elapsed() / 640;
+                        // In a CUDA graph, as decode steps run: 64 calls captured once, replayed
+                        // 10 times after a warm-up replay (NCCL stays out of graphs).
+                        let mut graphed = None;
+                        if path != "NCCL" {
+                            let gpu = c.gpu();
+                            let stream = gpu.stream();
+                            stream
+                                .begin_capture(
+                                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                                )
+                                .expect("begin capture");
+                            gpu.set_mode(LaunchMode::Capture);
+                            let captured = (0..64).try_for_each(|_| one("graph"));
+                            gpu.set_mode(LaunchMode::Eager);
+                            let graph = stream
+                                .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+                                .expect("end capture");
+                            captured.expect("captured all-reduces");
+                            let graph = graph.expect("a graph");
+                            graph.launch().expect("graph launch");
+                            c.synchronize("warm-up", deadline).expect("synchronize");
+                            let t0 = Instant::now();
+                            for _ in 0..10 {
+                                graph.launch().expect("graph launch");
+                            }
+                            c.synchronize("timed", deadline).expect("synchronize");
+                            graphed = Some(t0.elapsed() / 640);
+                        }
+                        out.push((path, eager, enqueue / 640, graphed));
                     }
                     out
                 })
@@ -269,8 +311,12 @@ fn small_all_reduce_latency() {
         handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
     });
     for (r, paths) in results.iter().enumerate() {
-        for (path, each, host) in paths {
-            println!("{test}: rank {r}: {path}: {each:?} per all-reduce of 8 KiB (host time to queue one: {host:?})");
+        for (path, each, host, graphed) in paths {
+            let graphed = graphed.map_or_else(String::new, |g| format!("; in a CUDA graph {g:?}"));
+            println!(
+                "{test}: rank {r}: {path}: {each:?} per all-reduce of 8 KiB eagerly (host time to queue one: \
+                 {host:?}){graphed}"
+            );
         }
     }
 }
@@ -517,6 +563,12 @@ fn download(ops: &dyn Ops, t: &Tensor) -> Vec<f32> {
     tm_core::ops::to_f32(t.dtype(), &bytes).expect("float tensor")
 }
 
+/// Whether `rows x cols` elements of `dtype` fit the peer path's low-latency protocol of `ll`
+/// bytes per rank: every row in whole 8-byte packs (as `tm_cuda::peer` documents it).
+fn fits_ll(ll: usize, rows: usize, cols: usize, dtype: DType) -> bool {
+    rows * (cols * (dtype.bits() / 8)).div_ceil(8) * 8 <= ll
+}
+
 /// Two ranks with the peer path (`None`, printed, when the GPUs do not allow it).
 fn peer_ranks(test: &str, dtype: DType) -> Option<(Vec<NcclComm>, BackendFactory)> {
     let (comms, factory) = nccl_ranks(2, dtype);
@@ -557,46 +609,66 @@ fn peer_collectives_match_nccl_and_the_host() {
     }
     let Some((comms, factory)) = peer_ranks(test, DType::F32) else { return };
     let max = comms[0].peer_path().unwrap();
+    let ll = comms[0].peer_ll_bytes();
+    println!("{test}: low-latency protocol up to {ll} bytes per rank");
     let deadline = Duration::from_secs(20);
     let mut failures = Vec::new();
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         let size = dtype.bits() / 8;
-        for count in [1, 3, 8, 9, 4095, 4096, 4097, 65_537, max / size - 1, max / size] {
-            // Per rank: (its input, peer all-reduce, NCCL all-reduce, peer all-gather).
+        // Around the low-latency protocol's limit too (its last size, and the first that is not).
+        let mut counts = vec![1, 3, 7, 8, 9, 4095, 4096, 4097, 4099, 65_537, max / size - 1, max / size];
+        counts.extend([ll / size - 1, ll / size, ll / size + 1].into_iter().filter(|_| ll > 0));
+        counts.sort_unstable();
+        counts.dedup();
+        for count in counts {
+            // Every protocol that takes the message: automatic, flags, and low-latency when it fits.
+            let mut protocols = vec![Protocol::Auto, Protocol::Flags];
+            if fits_ll(ll, 1, count, dtype) {
+                protocols.push(Protocol::LowLatency);
+            }
+            // Per rank: (its input, peer all-reduce per protocol, NCCL all-reduce, peer all-gather).
             let got = on_ranks(&comms, &factory, |c, ops| {
                 let input = rank_input(c.rank(), count, dtype);
-                let a = upload(ops, dtype, &input);
+                let peer: Vec<Tensor> = protocols.iter().map(|_| upload(ops, dtype, &input)).collect();
                 let b = upload(ops, dtype, &input);
                 let g_in = upload(ops, dtype, &input);
                 let mut gathered = ops.zeros(TensorDesc::new(dtype, &[2 * count]), "test").expect("tensor");
-                c.all_reduce_peer(a.buffer().addr(), count, dtype, "peer", deadline).expect("peer all-reduce");
+                for (t, &p) in peer.iter().zip(&protocols) {
+                    c.all_reduce_peer_with(t.buffer().addr(), count, dtype, p, "peer", deadline)
+                        .expect("peer all-reduce");
+                }
                 c.all_reduce_nccl(b.buffer().addr(), count, dtype, "nccl", deadline).expect("NCCL all-reduce");
                 c.all_gather(&g_in, &mut gathered, "gather", deadline).expect("all-gather");
                 c.synchronize("check", deadline).expect("synchronize");
-                (input, download(ops, &a), download(ops, &b), download(ops, &gathered))
+                let peer: Vec<Vec<f32>> = peer.iter().map(|t| download(ops, t)).collect();
+                (input, peer, download(ops, &b), download(ops, &gathered))
             });
             let want: Vec<f32> = (0..count).map(|i| round(dtype, got[0].0[i] + got[1].0[i])).collect();
             let concat: Vec<f32> = got[0].0.iter().chain(&got[1].0).copied().collect();
             for (r, (_, peer, nccl, gathered)) in got.iter().enumerate() {
-                let exact = peer.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                for (p, got) in protocols.iter().zip(peer) {
+                    if !same_bits(got, &want) {
+                        failures.push(format!("{dtype} x {count} rank {r}: the peer all-reduce ({p:?}) is not exact"));
+                    }
+                }
                 let ulp = match dtype {
                     DType::F32 => 1e-6,
                     DType::F16 => 1e-3,
                     _ => 8e-3,
                 };
                 let close = nccl.iter().zip(&want).all(|(a, b)| (a - b).abs() <= ulp * b.abs().max(1.0));
-                if !exact || !close || gathered != &concat {
+                if !close || gathered != &concat {
                     failures.push(format!(
-                        "{dtype} x {count} rank {r}: peer exact {exact}, NCCL close {close}, gather {}",
+                        "{dtype} x {count} rank {r}: NCCL close {close}, gather {}",
                         gathered == &concat
                     ));
                 }
             }
-            if got[0].1.iter().zip(&got[1].1).any(|(a, b)| a.to_bits() != b.to_bits()) {
+            if got[0].1.iter().zip(&got[1].1).any(|(a, b)| !same_bits(a, b)) {
                 failures.push(format!("{dtype} x {count}: the ranks' peer all-reduces differ"));
             }
         }
-        println!("{test}: {dtype}: checked");
+        println!("{test}: {dtype}: checked (flags and low-latency protocols)");
     }
     assert!(failures.is_empty(), "{test}: {failures:?}");
 }
@@ -608,81 +680,105 @@ fn copy_on_stream(gpu: &Gpu, dst: u64, src: u64, bytes: usize) {
     assert_eq!(rc, cudarc::driver::sys::CUresult::CUDA_SUCCESS, "cuMemcpyDtoDAsync");
 }
 
+/// Thousands of peer all-reduces in one stream, eagerly and replayed from a CUDA graph (rank 1
+/// running every tenth round eagerly while rank 0 replays), for f32, f16 and bf16, alternating
+/// the low-latency protocol (1, 7, 17, 4096 and 4099 elements; 7 forced) with the flag protocol
+/// (100 000 elements; 4099 forced): an odd number of calls per round, so every size meets both
+/// parities of both protocols' slots. Every sum stays bit-exact on both ranks.
 #[test]
 fn peer_epochs_survive_thousands_of_calls_and_graph_replays() {
     let test = "peer_epochs_survive_thousands_of_calls_and_graph_replays";
     if skip(test) {
         return;
     }
-    let dtype = DType::BF16;
-    let Some((comms, factory)) = peer_ranks(test, dtype) else { return };
+    let Some((comms, factory)) = peer_ranks(test, DType::BF16) else { return };
     let deadline = Duration::from_secs(20);
-    let counts = [4096usize, 17, 100_000];
-    let errors = on_ranks(&comms, &factory, |c, ops| {
-        let gpu = c.gpu();
-        let mut errors = Vec::new();
-        let srcs: Vec<Tensor> = counts.iter().map(|&n| upload(ops, dtype, &rank_input(c.rank(), n, dtype))).collect();
-        let work: Vec<Tensor> = counts.iter().map(|&n| ops.zeros(TensorDesc::new(dtype, &[n]), "t").unwrap()).collect();
-        let want: Vec<Vec<f32>> = counts
-            .iter()
-            .map(|&n| {
-                let (a, b) = (rank_input(0, n, dtype), rank_input(1, n, dtype));
-                a.iter().zip(&b).map(|(x, y)| round(dtype, x + y)).collect()
-            })
-            .collect();
-        let bytes = |k: usize| counts[k] * 2;
-        let mut check = |k: usize, when: &str| {
-            c.synchronize(when, deadline).expect("synchronize");
-            if download(ops, &work[k]) != want[k] {
-                errors.push(format!("rank {}: {when}: wrong sum of {} elements", c.rank(), counts[k]));
-            }
-        };
-        // Eager: 3000 calls cycling through the sizes.
-        for i in 0..3000 {
-            let k = i % counts.len();
-            copy_on_stream(gpu, work[k].buffer().addr(), srcs[k].buffer().addr(), bytes(k));
-            c.all_reduce_peer(work[k].buffer().addr(), counts[k], dtype, "eager", deadline).expect("all-reduce");
-            if i % 500 == 499 || i == 2999 {
-                check(k, &format!("eager call {i}"));
-            }
-        }
-        // A graph of one copy + all-reduce per size, replayed 1000 times; rank 1 runs every
-        // tenth round eagerly instead, while rank 0 replays it (the epochs are on the device).
-        let stream = gpu.stream();
-        stream
-            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .expect("begin capture");
-        gpu.set_mode(LaunchMode::Capture);
-        let mut captured = Ok(());
-        for k in 0..counts.len() {
-            copy_on_stream(gpu, work[k].buffer().addr(), srcs[k].buffer().addr(), bytes(k));
-            captured = captured.and(c.all_reduce_peer(work[k].buffer().addr(), counts[k], dtype, "graph", deadline));
-        }
-        gpu.set_mode(LaunchMode::Eager);
-        let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)).expect("end capture");
-        captured.expect("captured all-reduces");
-        let graph = graph.expect("a graph");
-        for i in 0..1000 {
-            if c.rank() == 1 && i % 10 == 0 {
-                for k in 0..counts.len() {
-                    copy_on_stream(gpu, work[k].buffer().addr(), srcs[k].buffer().addr(), bytes(k));
-                    c.all_reduce_peer(work[k].buffer().addr(), counts[k], dtype, "eager", deadline)
-                        .expect("all-reduce");
+    let ll_on = comms[0].peer_ll_bytes() > 0;
+    let mut calls = vec![(4096usize, Protocol::Auto), (17, Protocol::Auto), (100_000, Protocol::Auto)];
+    calls.extend([(1, Protocol::Auto), (4099, Protocol::Auto), (4099, Protocol::Flags)]);
+    if ll_on {
+        calls.push((7, Protocol::LowLatency));
+    } else {
+        calls.push((7, Protocol::Auto));
+    }
+    let counts: Vec<usize> = calls.iter().map(|&(n, _)| n).collect();
+    let protocol = |k: usize| calls[k].1;
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let size = dtype.bits() / 8;
+        let bytes = |k: usize| counts[k] * size;
+        let errors = on_ranks(&comms, &factory, |c, ops| {
+            let gpu = c.gpu();
+            let mut errors = Vec::new();
+            let srcs: Vec<Tensor> =
+                counts.iter().map(|&n| upload(ops, dtype, &rank_input(c.rank(), n, dtype))).collect();
+            let work: Vec<Tensor> =
+                counts.iter().map(|&n| ops.zeros(TensorDesc::new(dtype, &[n]), "t").unwrap()).collect();
+            let want: Vec<Vec<f32>> = counts
+                .iter()
+                .map(|&n| {
+                    let (a, b) = (rank_input(0, n, dtype), rank_input(1, n, dtype));
+                    a.iter().zip(&b).map(|(x, y)| round(dtype, x + y)).collect()
+                })
+                .collect();
+            let mut check = |k: usize, when: &str| {
+                c.synchronize(when, deadline).expect("synchronize");
+                if !same_bits(&download(ops, &work[k]), &want[k]) {
+                    errors.push(format!(
+                        "rank {}: {dtype}: {when}: wrong sum of {} elements ({:?})",
+                        c.rank(),
+                        counts[k],
+                        protocol(k)
+                    ));
                 }
-            } else {
-                graph.launch().expect("graph launch");
-            }
-            if i % 250 == 249 {
-                for k in 0..counts.len() {
-                    check(k, &format!("graph round {i}"));
+            };
+            let one = |k: usize, step: &str| {
+                copy_on_stream(gpu, work[k].buffer().addr(), srcs[k].buffer().addr(), bytes(k));
+                c.all_reduce_peer_with(work[k].buffer().addr(), counts[k], dtype, protocol(k), step, deadline)
+            };
+            // Eager: 3000 calls cycling through the sizes.
+            for i in 0..3000 {
+                let k = i % counts.len();
+                one(k, "eager").expect("all-reduce");
+                if i % 500 == 499 || i == 2999 {
+                    check(k, &format!("eager call {i}"));
                 }
             }
-        }
-        errors
-    });
-    let errors: Vec<String> = errors.into_iter().flatten().collect();
-    assert!(errors.is_empty(), "{test}: {errors:?}");
-    println!("{test}: 3000 eager calls and 1000 graph rounds of 3 all-reduces give the right sums on both ranks");
+            // A graph of one copy + all-reduce per size, replayed 1000 times; rank 1 runs every
+            // tenth round eagerly instead, while rank 0 replays it (the epochs are on the device).
+            let stream = gpu.stream();
+            stream
+                .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .expect("begin capture");
+            gpu.set_mode(LaunchMode::Capture);
+            let captured: tm_core::Result<()> = (0..counts.len()).try_for_each(|k| one(k, "graph"));
+            gpu.set_mode(LaunchMode::Eager);
+            let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)).expect("end capture");
+            captured.expect("captured all-reduces");
+            let graph = graph.expect("a graph");
+            for i in 0..1000 {
+                if c.rank() == 1 && i % 10 == 0 {
+                    for k in 0..counts.len() {
+                        one(k, "eager").expect("all-reduce");
+                    }
+                } else {
+                    graph.launch().expect("graph launch");
+                }
+                if i % 250 == 249 {
+                    for k in 0..counts.len() {
+                        check(k, &format!("graph round {i}"));
+                    }
+                }
+            }
+            errors
+        });
+        let errors: Vec<String> = errors.into_iter().flatten().collect();
+        assert!(errors.is_empty(), "{test}: {errors:?}");
+        println!(
+            "{test}: {dtype}: 3000 eager calls and 1000 graph rounds of {} all-reduces ({calls:?}) give the right sums \
+             on both ranks",
+            calls.len()
+        );
+    }
 }
 
 #[test]
@@ -692,22 +788,29 @@ fn a_rank_that_never_arrives_fails_the_peer_collective_within_its_deadline() {
         return;
     }
     // The plain one-shot all-reduce, then the fused all-reduce + add + norm (its own kernel,
-    // the same wait), each on a fresh group.
+    // the same wait), each through both protocols (the low-latency one polls the data itself),
+    // each on a fresh group.
     for fused in [false, true] {
         if fused && fused_off(test) {
             return;
         }
-        if !never_arrives(test, fused) {
-            return;
+        for protocol in [Protocol::LowLatency, Protocol::Flags] {
+            if !never_arrives(test, fused, protocol) {
+                return;
+            }
         }
     }
 }
 
 /// Rank 1 never calls the collective; rank 0's kernel must give up within its deadline with an
 /// error naming rank 1 and the step, every later collective fails at once, and a new group works.
-/// `false` when the test is skipped (no peer path).
-fn never_arrives(test: &str, fused: bool) -> bool {
+/// `false` when the test is skipped (no peer path; or, for the low-latency protocol, `TM_PEER_LL=0`).
+fn never_arrives(test: &str, fused: bool, protocol: Protocol) -> bool {
     let Some((comms, factory)) = peer_ranks(test, DType::F32) else { return false };
+    if protocol == Protocol::LowLatency && comms[0].peer_ll_bytes() == 0 {
+        println!("{test}: low-latency protocol skipped: TM_PEER_LL=0");
+        return true;
+    }
     let deadline = Duration::from_millis(500);
     let results = on_ranks(&comms, &factory, |c, ops| {
         let mut t = upload(ops, DType::F32, &[1.0; 4096]);
@@ -718,11 +821,12 @@ fn never_arrives(test: &str, fused: bool) -> bool {
             return None; // never arrives
         }
         let t0 = Instant::now();
+        let step = "layer 7 o_proj";
         let queued = if fused {
             assert_eq!(c.fused_norm_shape(&t, &residual, &w, &out), Some((1, 4096)), "takes the fused kernel");
-            c.all_reduce_add_rms_norm(ops, &mut t, &mut residual, &w, 1e-5, &mut out, "layer 7 o_proj", deadline)
+            c.all_reduce_add_rms_norm_with(protocol, &mut t, &mut residual, &w, 1e-5, &mut out, step, deadline)
         } else {
-            c.all_reduce_peer(t.buffer().addr(), 4096, DType::F32, "layer 7 o_proj", deadline)
+            c.all_reduce_peer_with(t.buffer().addr(), 4096, DType::F32, protocol, step, deadline)
         };
         let synced = c.synchronize("end of step", Duration::from_secs(10));
         Some((queued, synced, t0.elapsed()))
@@ -730,7 +834,7 @@ fn never_arrives(test: &str, fused: bool) -> bool {
     let (queued, synced, took) = results[0].as_ref().expect("rank 0's result");
     queued.as_ref().expect("queueing succeeds");
     let msg = synced.as_ref().expect_err("rank 0 must fail").to_string();
-    println!("{test}: fused {fused}: failed after {took:?} (deadline {deadline:?}): {msg}");
+    println!("{test}: fused {fused}, {protocol:?}: failed after {took:?} (deadline {deadline:?}): {msg}");
     assert!(msg.contains("rank 1 did not arrive") && msg.contains("timed out"), "{msg}");
     assert!(msg.contains("layer 7 o_proj"), "the error names the step: {msg}");
     assert!(*took <= deadline + deadline / 10 + Duration::from_millis(100), "took {took:?}");
@@ -752,7 +856,7 @@ fn never_arrives(test: &str, fused: bool) -> bool {
     let comms = NcclComm::group(&gpus, Duration::from_secs(30)).expect("a new group");
     let t = nccl::self_test(&comms, Duration::from_secs(10), 0).expect("self-test after the fault");
     assert!(t.peer.is_ok(), "{}", t.summary());
-    println!("{test}: fused {fused}: after the fault: {}", t.summary());
+    println!("{test}: fused {fused}, {protocol:?}: after the fault: {}", t.summary());
     true
 }
 
@@ -841,12 +945,22 @@ fn fused_all_reduce_add_rms_norm_matches_the_separate_kernels() {
     }
     let Some((comms, _)) = peer_ranks(test, DType::F32) else { return };
     let max = comms[0].peer_path().unwrap();
+    let ll = comms[0].peer_ll_bytes();
     let deadline = Duration::from_secs(20);
     let eps = 1e-5;
     let mut failures = Vec::new();
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         let size = dtype.bits() / 8;
         let shapes: Vec<(usize, usize)> = [
+            // The low-latency protocol's sizes: its last rows of 4096, the first that is not, odd
+            // widths (rows padded to whole 8-byte packs) and single elements.
+            (ll / size / 4096, 4096),
+            (ll / size / 4096 + 1, 4096),
+            (1, 7),
+            (1, 4099),
+            (3, 4099),
+            (1, 1),
+            (5, 3),
             (1, 4096),
             (2, 4096),
             (1, 8192),
@@ -880,8 +994,31 @@ fn fused_all_reduce_add_rms_norm_matches_the_separate_kernels() {
                 ops.add_rms_norm(&a.x, &mut a.residual, &w, eps, &mut a.out).expect("add_rms_norm");
                 c.all_reduce_add_rms_norm(ops, &mut b.x, &mut b.residual, &w, eps, &mut b.out, "fused", deadline)
                     .expect("fused all-reduce + add_rms_norm");
+                // The same through each protocol explicitly.
+                let mut protocols = vec![Protocol::Flags];
+                if fits_ll(ll, rows, cols, dtype) {
+                    protocols.push(Protocol::LowLatency);
+                }
+                let mut forced = Vec::new();
+                for p in protocols {
+                    let mut f = NormCase::new(ops, dtype, &input, &resid0);
+                    c.all_reduce_add_rms_norm_with(
+                        p,
+                        &mut f.x,
+                        &mut f.residual,
+                        &w,
+                        eps,
+                        &mut f.out,
+                        "forced",
+                        deadline,
+                    )
+                    .expect("fused all-reduce + add_rms_norm through one protocol");
+                    forced.push((p, f));
+                }
                 c.synchronize("check", deadline).expect("synchronize");
-                results.push((fused, input, resid0, weight, a.download(ops), b.download(ops)));
+                let forced: Vec<(Protocol, [Vec<f32>; 3])> =
+                    forced.into_iter().map(|(p, f)| (p, f.download(ops))).collect();
+                results.push((fused, input, resid0, weight, a.download(ops), b.download(ops), forced));
             }
             results
         });
@@ -889,9 +1026,14 @@ fn fused_all_reduce_add_rms_norm_matches_the_separate_kernels() {
             let what = format!("{dtype} {rows} x {cols}");
             let (r0, r1) = (&got[0][k], &got[1][k]);
             let (sum, resid, out) = norm_reference(dtype, [&r0.1, &r1.1], &r0.2, &r0.3, eps);
-            for (r, (fused, _, _, _, separate, one)) in [r0, r1].into_iter().enumerate() {
+            for (r, (fused, _, _, _, separate, one, forced)) in [r0, r1].into_iter().enumerate() {
                 if *fused != Some((rows, cols)) {
                     failures.push(format!("{what} rank {r}: not taken by the fused kernel ({fused:?})"));
+                }
+                for (p, f) in forced {
+                    if (0..3).any(|i| !same_bits(&f[i], &separate[i])) {
+                        failures.push(format!("{what} rank {r}: the fused kernel ({p:?}) differs from the separate"));
+                    }
                 }
                 for (name, s, f) in [("sum", &separate[0], &one[0]), ("residual", &separate[1], &one[1])]
                     .into_iter()
@@ -912,13 +1054,15 @@ fn fused_all_reduce_add_rms_norm_matches_the_separate_kernels() {
                 failures.push(format!("{what}: the ranks' fused results differ"));
             }
         }
-        println!("{test}: {dtype}: {} shapes checked", shapes.len());
+        println!("{test}: {dtype}: {} shapes checked (flags and low-latency protocols)", shapes.len());
     }
     assert!(failures.is_empty(), "{test}: {failures:?}");
 }
 
-/// The fused kernel and the plain all-reduce share every rank's epochs: alternating them
-/// thousands of times, eagerly and replayed from a CUDA graph (rank 1 running every tenth round
+/// The fused kernel and the plain all-reduce share every rank's epochs, whatever their protocol:
+/// alternating them thousands of times (the fused one at 4 x 4096 through the low-latency
+/// protocol and again through flags, the plain one at 17 elements; three calls a round, so each
+/// meets both parities), eagerly and replayed from a CUDA graph (rank 1 running every tenth round
 /// eagerly while rank 0 replays), keeps every result equal to the first separate computation.
 #[test]
 fn fused_and_plain_collectives_interleave_eagerly_and_in_graphs() {
@@ -940,8 +1084,10 @@ fn fused_and_plain_collectives_interleave_eagerly_and_in_graphs() {
         let w = upload(ops, dtype, &rank_input(9, cols, dtype));
         let p_src = upload(ops, dtype, &rank_input(c.rank(), plain, dtype));
         let p = ops.zeros(TensorDesc::new(dtype, &[plain]), "t").unwrap();
-        let mut case = NormCase::new(ops, dtype, &rank_input(c.rank(), count, dtype), &rank_input(7, count, dtype));
+        let new_case = || NormCase::new(ops, dtype, &rank_input(c.rank(), count, dtype), &rank_input(7, count, dtype));
+        let mut cases = [new_case(), new_case()];
         // The reference: the separate kernels, once.
+        let case = &mut cases[0];
         c.all_reduce_peer(case.x.buffer().addr(), count, dtype, "reference", deadline).expect("all-reduce");
         ops.add_rms_norm(&case.x, &mut case.residual, &w, eps, &mut case.out).expect("add_rms_norm");
         copy_on_stream(gpu, p.buffer().addr(), p_src.buffer().addr(), plain * 2);
@@ -949,24 +1095,38 @@ fn fused_and_plain_collectives_interleave_eagerly_and_in_graphs() {
         c.synchronize("reference", deadline).expect("synchronize");
         let want = (case.download(ops), download(ops, &p));
         let mut errors = Vec::new();
-        let one_round = |c: &NcclComm, case: &mut NormCase, step: &str| -> tm_core::Result<()> {
-            copy_on_stream(gpu, case.x.buffer().addr(), input.buffer().addr(), bytes);
-            copy_on_stream(gpu, case.residual.buffer().addr(), resid0.buffer().addr(), bytes);
-            c.all_reduce_add_rms_norm(ops, &mut case.x, &mut case.residual, &w, eps, &mut case.out, step, deadline)?;
-            copy_on_stream(gpu, p.buffer().addr(), p_src.buffer().addr(), plain * 2);
-            c.all_reduce_peer(p.buffer().addr(), plain, dtype, step, deadline)
+        // cases[0] through the automatic choice (low-latency), cases[1] through flags.
+        let one_round = |c: &NcclComm, cases: &mut [NormCase; 2], step: &str| -> tm_core::Result<()> {
+            for (k, case) in cases.iter_mut().enumerate() {
+                copy_on_stream(gpu, case.x.buffer().addr(), input.buffer().addr(), bytes);
+                copy_on_stream(gpu, case.residual.buffer().addr(), resid0.buffer().addr(), bytes);
+                let (x, residual, out) = (&mut case.x, &mut case.residual, &mut case.out);
+                if k == 0 {
+                    c.all_reduce_add_rms_norm(ops, x, residual, &w, eps, out, step, deadline)?;
+                    copy_on_stream(gpu, p.buffer().addr(), p_src.buffer().addr(), plain * 2);
+                    c.all_reduce_peer(p.buffer().addr(), plain, dtype, step, deadline)?;
+                } else {
+                    c.all_reduce_add_rms_norm_with(Protocol::Flags, x, residual, &w, eps, out, step, deadline)?;
+                }
+            }
+            Ok(())
         };
-        let check = |case: &NormCase, when: &str, errors: &mut Vec<String>| {
+        let check = |cases: &[NormCase; 2], when: &str, errors: &mut Vec<String>| {
             c.synchronize(when, deadline).expect("synchronize");
-            let got = case.download(ops);
-            if (0..3).any(|i| !same_bits(&got[i], &want.0[i])) || download(ops, &p) != want.1 {
-                errors.push(format!("rank {}: {when}: wrong result", c.rank()));
+            for (k, case) in cases.iter().enumerate() {
+                let got = case.download(ops);
+                if (0..3).any(|i| !same_bits(&got[i], &want.0[i])) {
+                    errors.push(format!("rank {}: {when}: wrong fused result ({})", c.rank(), ["auto", "flags"][k]));
+                }
+            }
+            if download(ops, &p) != want.1 {
+                errors.push(format!("rank {}: {when}: wrong plain result", c.rank()));
             }
         };
         for i in 0..2000 {
-            one_round(c, &mut case, "eager").expect("eager round");
+            one_round(c, &mut cases, "eager").expect("eager round");
             if i % 500 == 499 {
-                check(&case, &format!("eager round {i}"), &mut errors);
+                check(&cases, &format!("eager round {i}"), &mut errors);
             }
         }
         let stream = gpu.stream();
@@ -974,19 +1134,19 @@ fn fused_and_plain_collectives_interleave_eagerly_and_in_graphs() {
             .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .expect("begin capture");
         gpu.set_mode(LaunchMode::Capture);
-        let captured = one_round(c, &mut case, "graph");
+        let captured = one_round(c, &mut cases, "graph");
         gpu.set_mode(LaunchMode::Eager);
         let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)).expect("end capture");
         captured.expect("captured round");
         let graph = graph.expect("a graph");
         for i in 0..1000 {
             if c.rank() == 1 && i % 10 == 0 {
-                one_round(c, &mut case, "eager").expect("eager round");
+                one_round(c, &mut cases, "eager").expect("eager round");
             } else {
                 graph.launch().expect("graph launch");
             }
             if i % 250 == 249 {
-                check(&case, &format!("graph round {i}"), &mut errors);
+                check(&cases, &format!("graph round {i}"), &mut errors);
             }
         }
         errors
