@@ -1141,7 +1141,8 @@ impl NcclComm {
     }
 
     /// [`NcclComm::all_reduce_peer`] through `protocol` (every rank must pass the same; tests and
-    /// benchmarks compare the two): an error when the message does not fit it.
+    /// benchmarks compare the two): an error when the message does not fit it (the group stays
+    /// usable).
     pub fn all_reduce_peer_with(
         &self,
         ptr: u64,
@@ -1157,12 +1158,19 @@ impl NcclComm {
                 self.peer_path().map_or_else(|why| why, |max| format!("at most {max} bytes of f32, f16 or bf16"))
             )));
         }
+        if protocol == Protocol::LowLatency && !self.shared.peer.as_ref().is_ok_and(|p| p.fits_ll(count, dtype)) {
+            return Err(nccl_err(format!(
+                "{step}: an all-reduce of {count} {dtype} elements does not fit the low-latency peer protocol (at \
+                 most {} bytes per rank)",
+                self.peer_ll_bytes()
+            )));
+        }
         self.peer_collective(peer::Kind::AllReduce, ptr, ptr, count, dtype, protocol, step, deadline)
     }
 
     /// [`Comm::all_reduce_add_rms_norm`] through the fused one-shot kernel with `protocol`
     /// (every rank must pass the same): an error when [`NcclComm::fused_norm_shape`] does not
-    /// take the tensors or the message does not fit `protocol`.
+    /// take the tensors or the message does not fit `protocol` (the group stays usable).
     #[allow(clippy::too_many_arguments)]
     pub fn all_reduce_add_rms_norm_with(
         &self,
@@ -1181,13 +1189,23 @@ impl NcclComm {
                  TM_FUSED_ALLREDUCE_NORM=0, or inconsistent shapes)"
             )));
         };
+        let dtype = x.dtype();
+        if protocol == Protocol::LowLatency
+            && !self.shared.peer.as_ref().is_ok_and(|p| p.fits_ll_rows(rows, cols, dtype))
+        {
+            return Err(nccl_err(format!(
+                "{step}: an all-reduce + add_rms_norm of {rows} x {cols} {dtype} elements does not fit the \
+                 low-latency peer protocol (at most {} bytes per rank, rows in whole 8-byte packs)",
+                self.peer_ll_bytes()
+            )));
+        }
         let tensors = peer::NormTensors {
             x: x.buffer().addr(),
             residual: residual.buffer().addr(),
             out: out.buffer().addr(),
             weight: weight.buffer().addr(),
         };
-        let (dtype, bytes) = (x.dtype(), x.desc().bytes());
+        let bytes = x.desc().bytes();
         self.peer_numbered("all_reduce_add_rms_norm", bytes, step, deadline, |p, tag| {
             p.launch_add_rms_norm(self.rank, tensors, eps, rows, cols, dtype, protocol, tag, deadline)
         })

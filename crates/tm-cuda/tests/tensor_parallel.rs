@@ -671,6 +671,22 @@ fn peer_collectives_match_nccl_and_the_host() {
         println!("{test}: {dtype}: checked (flags and low-latency protocols)");
     }
     assert!(failures.is_empty(), "{test}: {failures:?}");
+    // Asking for the low-latency protocol with a message it does not take is an error that
+    // leaves the group usable.
+    if ll > 0 {
+        let n = ll / 4 + 1;
+        let fine = on_ranks(&comms, &factory, |c, ops| {
+            let t = upload(ops, DType::F32, &vec![1.0; n]);
+            let refused = c
+                .all_reduce_peer_with(t.buffer().addr(), n, DType::F32, Protocol::LowLatency, "too big", deadline)
+                .is_err();
+            let after = c
+                .all_reduce_peer(t.buffer().addr(), n, DType::F32, "after", deadline)
+                .and_then(|()| c.synchronize("after", deadline));
+            refused && after.is_ok() && download(ops, &t) == vec![2.0; n]
+        });
+        assert!(fine.iter().all(|&f| f), "{test}: a refused low-latency call must leave the group usable");
+    }
 }
 
 /// Copies `bytes` from `src` to `dst` on the rank's stream (captured when the stream is).
