@@ -14,13 +14,20 @@
 //! - The one-shot peer collectives (`tm_cuda::peer`, when the GPUs have peer access): all-reduce
 //!   bit-identical to the f32 sum on the host in rank order (and within rounding of NCCL's) and
 //!   all-gather equal to the concatenation, for f32, f16 and bf16 and sizes from 1 element to
-//!   the largest message, odd counts included; thousands of calls in a row, eager and replayed
-//!   from a CUDA graph (one rank replaying while the other runs eagerly); a rank that never
-//!   arrives makes the other's kernel give up within its deadline with an error naming it.
+//!   the largest message, odd counts included, through both exchanges (flags, and the
+//!   low-latency protocol up to its limit, which sizes around it probe); thousands of calls in a
+//!   row alternating both protocols, eager and replayed from a CUDA graph (one rank replaying
+//!   while the other runs eagerly), for every dtype; a rank that never arrives makes the other's
+//!   kernel give up within its deadline with an error naming it, under either protocol. The
+//!   stall test above runs the model's decode collectives, which take the low-latency protocol
+//!   unless `TM_PEER_LL=0`.
 //! - The fused one-shot all-reduce + residual add + RMSNorm (`Comm::all_reduce_add_rms_norm`):
 //!   bit-identical to the peer all-reduce followed by `add_rms_norm`, on both ranks, for f32,
-//!   f16 and bf16 at decode shapes up to the largest message; interleaved with plain all-reduces
-//!   eagerly and in graphs; and the never-arriving-rank test above run on it too.
+//!   f16 and bf16 at decode shapes up to the largest message, through each protocol;
+//!   interleaved with plain all-reduces eagerly and in graphs; and the never-arriving-rank test
+//!   above run on it too.
+//! - `small_all_reduce_latency` prints the cost of a decode-sized all-reduce through NCCL and
+//!   each peer protocol, eagerly and in a CUDA graph (a measurement, not an assertion).
 //! - The tensor-parallel ranks run with CUDA graphs on (decode steps replayed, collectives in the
 //!   graphs when the peer path is active), against a single GPU running eagerly.
 //!
