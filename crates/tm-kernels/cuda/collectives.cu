@@ -21,8 +21,9 @@
 // that summed it; steps 0-3 are the same code, so the kernels share the epochs.
 //
 // The low-latency ("LL") protocol (`peer_all_reduce_ll`, `peer_all_reduce_add_rms_norm_ll`) is
-// for messages of at most `ll_bytes` (the host picks it per call; every rank makes the same
-// choice, as it depends only on the message's size). The flag travels with the data, so steps 2
+// for messages of at most `ll_bytes` (the host, peer.rs, picks it per call for every all-reduce
+// that fits, 64 KiB by default, unless TM_PEER_LL=0; every rank makes the same choice, as it
+// depends only on the message's size). The flag travels with the data, so steps 2
 // and 3 (a system fence, then a flag round trip after the data's) disappear: the payload is cut
 // into packs of 8 bytes, and pack j goes to packs j of ll_slot[e & 1][r] of every peer as ONE
 // 16-byte store of two 8-byte words {payload bytes 0-3, e} {payload bytes 4-7, e}
