@@ -253,6 +253,38 @@ pub fn add_rms_norm(
     )
 }
 
+/// The launch shape of the RoPE kernels (`rope`, `rope_write_kv`) over `heads` rotated heads per
+/// token: blocks per token, threads per block and the shared cos/sin table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RopeGrid {
+    head_blocks: u32,
+    threads: u32,
+    shared: u32,
+}
+
+/// [`RopeGrid`] for `tokens` rows of `heads` heads of `head_dim` (`None`: nothing to do); errors
+/// (naming `op`) for an odd or too large `head_dim` or sizes beyond the kernels' `int`. Few
+/// tokens (decoding) spread each token's heads over several blocks, 4 heads per block.
+fn rope_grid(op: &str, tokens: usize, heads: usize, head_dim: usize) -> Result<Option<RopeGrid>> {
+    int(op, "heads * head_dim", heads.saturating_mul(head_dim))?;
+    if tokens == 0 || heads == 0 || head_dim == 0 {
+        return Ok(None);
+    }
+    if !head_dim.is_multiple_of(2) {
+        return Err(Error::invalid(format!("{op}: head_dim {head_dim} must be even")));
+    }
+    let shared = head_dim * std::mem::size_of::<f32>();
+    if shared > MAX_ROPE_SHARED {
+        return Err(Error::invalid(format!(
+            "{op}: head_dim {head_dim} is too large (at most {})",
+            MAX_ROPE_SHARED / 4
+        )));
+    }
+    let head_blocks = if tokens < 128 { heads.div_ceil(4) } else { 1 };
+    let threads = threads_for(heads.div_ceil(head_blocks) * head_dim / 2, THREADS);
+    Ok(Some(RopeGrid { head_blocks: head_blocks as u32, threads, shared: shared as u32 }))
+}
+
 /// Rotary embedding in place on `x: [tokens, heads * head_dim]`: token `t` at `positions[t]`
 /// (u32), `inv_freq`: f32 `[head_dim / 2]`, cos and sin scaled by `attention_factor`; pairs
 /// `(i, i + head_dim/2)`, or `(2i, 2i+1)` when `interleaved`.
@@ -271,28 +303,12 @@ pub fn rope(
 ) -> Result<()> {
     let op = "rope";
     let (t32, h32, d32) = (int(op, "tokens", tokens)?, int(op, "heads", heads)?, int(op, "head_dim", head_dim)?);
-    int(op, "heads * head_dim", heads.saturating_mul(head_dim))?;
-    if tokens == 0 || heads == 0 || head_dim == 0 {
-        return Ok(());
-    }
-    if !head_dim.is_multiple_of(2) {
-        return Err(Error::invalid(format!("{op}: head_dim {head_dim} must be even")));
-    }
-    let shared = head_dim * std::mem::size_of::<f32>();
-    if shared > MAX_ROPE_SHARED {
-        return Err(Error::invalid(format!(
-            "{op}: head_dim {head_dim} is too large (at most {})",
-            MAX_ROPE_SHARED / 4
-        )));
-    }
-    // Few tokens (decoding): spread each token's heads over several blocks, 4 heads per block.
-    let head_blocks = if tokens < 128 { heads.div_ceil(4) } else { 1 };
-    let threads = threads_for(heads.div_ceil(head_blocks) * head_dim / 2, THREADS);
+    let Some(g) = rope_grid(op, tokens, heads, head_dim)? else { return Ok(()) };
     gpu.launch(
         &name(op, dt)?,
-        (t32 as u32, head_blocks as u32, 1),
-        (threads, 1, 1),
-        shared as u32,
+        (t32 as u32, g.head_blocks, 1),
+        (g.threads, 1, 1),
+        g.shared,
         &[
             KernelArg::Ptr(x),
             KernelArg::Ptr(positions),
@@ -362,30 +378,14 @@ pub fn rope_write_kv(
         int(op, "kv_heads", kv_heads)?,
         int(op, "head_dim", head_dim)?,
     );
-    let units = heads.saturating_add(kv_heads);
-    int(op, "(heads + kv_heads) * head_dim", units.saturating_mul(head_dim))?;
-    if tokens == 0 || units == 0 || head_dim == 0 {
-        return Ok(());
-    }
-    if !head_dim.is_multiple_of(2) {
-        return Err(Error::invalid(format!("{op}: head_dim {head_dim} must be even")));
-    }
-    let shared = head_dim * std::mem::size_of::<f32>();
-    if shared > MAX_ROPE_SHARED {
-        return Err(Error::invalid(format!(
-            "{op}: head_dim {head_dim} is too large (at most {})",
-            MAX_ROPE_SHARED / 4
-        )));
-    }
-    // As rope: few tokens (decoding) spread each token's heads over several blocks, 4 per block.
-    let head_blocks = if tokens < 128 { units.div_ceil(4) } else { 1 };
-    let threads = threads_for(units.div_ceil(head_blocks) * head_dim / 2, THREADS);
+    // rope's grid over the `heads + kv_heads` rotated heads.
+    let Some(g) = rope_grid(op, tokens, heads.saturating_add(kv_heads), head_dim)? else { return Ok(()) };
     let kernel = if fp8 { format!("rope_write_kv_e4m3_{}", suffix(dt)?) } else { name(op, dt)? };
     gpu.launch(
         &kernel,
-        (t32 as u32, head_blocks as u32, 1),
-        (threads, 1, 1),
-        shared as u32,
+        (t32 as u32, g.head_blocks, 1),
+        (g.threads, 1, 1),
+        g.shared,
         &[
             KernelArg::Ptr(b.q),
             KernelArg::Ptr(b.k),
@@ -530,6 +530,20 @@ pub fn zero_rows(gpu: &Gpu, dt: DType, x: u64, keep: u64, n: usize, cols: usize)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rope_grids() {
+        // Llama-3-8B decode: rope_write_kv over 32 + 8 heads of 128 (10 blocks of 4 heads per
+        // token); rope of q alone; a prefill of 200 tokens (one block per token).
+        assert_eq!(rope_grid("t", 1, 40, 128).unwrap(), Some(RopeGrid { head_blocks: 10, threads: 256, shared: 512 }));
+        assert_eq!(rope_grid("t", 1, 32, 128).unwrap(), Some(RopeGrid { head_blocks: 8, threads: 256, shared: 512 }));
+        assert_eq!(rope_grid("t", 200, 40, 128).unwrap(), Some(RopeGrid { head_blocks: 1, threads: 256, shared: 512 }));
+        assert_eq!(rope_grid("t", 3, 2, 16).unwrap(), Some(RopeGrid { head_blocks: 1, threads: 32, shared: 64 }));
+        assert_eq!(rope_grid("t", 0, 40, 128).unwrap(), None);
+        assert_eq!(rope_grid("t", 1, 0, 128).unwrap(), None);
+        assert!(rope_grid("t", 1, 4, 7).unwrap_err().to_string().contains("must be even"));
+        assert!(rope_grid("t", 1, 4, 1 << 14).unwrap_err().to_string().contains("too large"));
+    }
 
     #[test]
     fn launch_shapes() {
