@@ -94,7 +94,7 @@ fn parse() -> Result<Opts, String> {
                     .split(',')
                     .map(|name| {
                         Unroll::parse(name).filter(|&u| u != Unroll::Auto).ok_or_else(|| {
-                            format!("--variants: `{name}` is not a variant (u2, u4, n16, n16u4, pf, pf8, pfw)")
+                            format!("--variants: `{name}` is not a variant (u2, u4, n16, n16u4, pf, pf8, ln, ln4, pfw)")
                         })
                     })
                     .collect::<Result<_, String>>()?;

@@ -2005,8 +2005,8 @@ fn matmul_int4_decode() {
 }
 
 /// Every variant of the int4 decode kernels forced in turn (`q4_gemv::set_unroll`; the labels
-/// start with the variant's name): the 8B q/k/v, o, down and gate/up shapes at n = 1 and 8, and
-/// odd shapes (row tails, partial steps, group 32/64, three weights with biases, K long enough
+/// start with the variant's name): the 8B q/k/v, o, down and gate/up shapes at n = 1 and 8 and
+/// tp = 2 halves (which the lean kernels take; they fall back on the others), and odd shapes (row tails, partial steps, group 32/64, three weights with biases, K long enough
 /// for the step ring to wrap).
 #[test]
 fn matmul_int4_decode_variants() {
@@ -2019,6 +2019,7 @@ fn matmul_int4_decode_variants() {
                 (1, 4096, 4096, 128, false),
                 (8, 4096, 14336, 128, false),
                 (1, 4096, 14336, 64, true),
+                (2, 4096, 7168, 128, true),
                 (3, 47, 224, 32, false),
                 (5, 77, 4416, 64, true),
                 (7, 15, 1056, 32, true),
@@ -2032,9 +2033,11 @@ fn matmul_int4_decode_variants() {
             ] {
                 matmul_many(s, Kind::Int4(g), n, &rows, cols, bias);
             }
-            // SiLU kernels exist for u2, u4 and pf only (the others launch one of those).
+            // SiLU kernels exist for u2, u4, pf, ln and ln4 only (the others launch one of those).
             if u.has_silu_form() {
-                for (n, rows, cols, g) in [(1, 14336, 4096, 128), (8, 1000, 640, 128), (2, 33, 4480, 32)] {
+                for (n, rows, cols, g) in
+                    [(1, 14336, 4096, 128), (4, 7168, 4096, 128), (8, 1000, 640, 128), (2, 33, 4480, 32)]
+                {
                     gate_up_silu(s, Kind::Int4(g), n, rows, cols);
                 }
             }

@@ -189,9 +189,13 @@ mod tests {
                 "q4_gemv_n16u4",
                 "q4_gemv_pf",
                 "q4_gemv_pf8",
+                "q4_gemv_ln",
+                "q4_gemv_ln4",
                 "q4_gemv_silu_u2",
                 "q4_gemv_silu_u4",
-                "q4_gemv_silu_pf"
+                "q4_gemv_silu_pf",
+                "q4_gemv_silu_ln",
+                "q4_gemv_silu_ln4"
             ]
         );
         for a in artefacts().iter().filter(|a| a.module == "q4_gemv") {

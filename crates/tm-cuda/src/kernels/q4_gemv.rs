@@ -37,9 +37,21 @@
 //! When the launch carries the programmatic-serialization attribute, the weight stream thus
 //! overlaps the previous kernel's tail; without it the waits return at once.
 //!
-//! `Auto` takes `n16` for a plain product whose 32-row grid is under two CTAs per SM, else `u2`
-//! (the SiLU variant always `u2`). `TM_Q4_GEMV_UNROLL=2|4|n16|n16u4|pf|pf8|pfw` overrides it
-//! (`n16` and `n16u4` mean `u2` for the SiLU variant, `pf8` means `pf`; `pfw` is `pf8` for a
+//! - `ln` and `ln4` (the lean kernels; [`lean_fits`]: group 128, `cols % 1024 == 0`, whole
+//!   16-row tiles, so nothing is predicated and the lane's addresses are fixed offsets): `n16`'s
+//!   and `n16u4`'s configurations (SiLU: U = 2 at two CTAs per SM, U = 4 at one) with the
+//!   magic-sum step: the mma takes the nibbles as OFF + q straight from the LOP3, and scale and
+//!   min are applied per 128-column step and row in f32. About 40% fewer instructions per step
+//!   than `u2`'s (SASS: 246 against 413 per gate/up step). H200, f16, n = 1, in a graph:
+//!   gate/up 23.4 us (`u2` 26.7), down 13.7 (`ln4`; `n16` 15.2), o 5.6 (`ln4`; `n16` 5.9), q/k/v
+//!   7.3 (`ln`; `n16` 7.1).
+//!
+//! `Auto` takes the lean kernels where they fit (unless `TM_Q4_GEMV_LEAN=0`): `ln4` for a plain
+//! product whose 16-row grid is one wave at two CTAs per SM, else `ln`, and `ln` for SiLU.
+//! Elsewhere `n16` for a plain product whose 32-row grid is under two CTAs per SM, else `u2`
+//! (the SiLU variant `u2`). `TM_Q4_GEMV_UNROLL=2|4|n16|n16u4|pf|pf8|pfw` overrides it
+//! (also `ln`, `ln4`, which fall back on the automatic non-lean choice where they do not fit;
+//! `n16` and `n16u4` mean `u2` for the SiLU variant, `pf8` means `pf`; `pfw` is `pf8` for a
 //! plain product whose 16-row grid is one wave of two CTAs per SM, else `pf`), and [`set_unroll`]
 //! overrides both (tests, benchmarks). `q4_gemv_bench` times every variant on the 8B shapes.
 
@@ -77,6 +89,13 @@ pub enum Unroll {
     Prefetch,
     /// `q4_gemv_pf8_*`: `pf` with U = 8, two per SM (plain products; SiLU takes `pf`'s form).
     Prefetch8,
+    /// `q4_gemv_ln_*` (16-row CTAs, U = 2, three per SM) and `q4_gemv_silu_ln_*` (U = 2, two per
+    /// SM): the lean kernels, for group 128, `cols % 1024 == 0` and weights of whole 16-row tiles
+    /// ([`lean_fits`]); other shapes take `Auto`'s non-lean choice.
+    Lean,
+    /// `q4_gemv_ln4_*` (U = 4, two per SM) and `q4_gemv_silu_ln4_*` (U = 4, one per SM): `Lean`
+    /// with twice the steps in flight.
+    Lean4,
     /// A choice, not a kernel (`pfw`): `pf8` for a plain product whose 16-row grid fits in one
     /// wave of two CTAs per SM (the 8B model's o and down), else `pf` (q/k/v: one wave of three);
     /// SiLU `pf`'s form.
@@ -85,8 +104,16 @@ pub enum Unroll {
 
 impl Unroll {
     /// Every variant but `Auto`, in the order the benchmark prints them.
-    pub const ALL: [Unroll; 6] =
-        [Unroll::Two, Unroll::Four, Unroll::Narrow, Unroll::NarrowFour, Unroll::Prefetch, Unroll::Prefetch8];
+    pub const ALL: [Unroll; 8] = [
+        Unroll::Two,
+        Unroll::Four,
+        Unroll::Narrow,
+        Unroll::NarrowFour,
+        Unroll::Prefetch,
+        Unroll::Prefetch8,
+        Unroll::Lean,
+        Unroll::Lean4,
+    ];
 
     /// The variant's name in `TM_Q4_GEMV_UNROLL` and the benchmark's tables.
     pub fn name(self) -> &'static str {
@@ -98,12 +125,14 @@ impl Unroll {
             Unroll::NarrowFour => "n16u4",
             Unroll::Prefetch => "pf",
             Unroll::Prefetch8 => "pf8",
+            Unroll::Lean => "ln",
+            Unroll::Lean4 => "ln4",
             Unroll::OneWave => "pfw",
         }
     }
 
-    /// Parses a `TM_Q4_GEMV_UNROLL` value: 2 (or u2), 4 (or u4), n16, n16u4, pf, pf8, pfw or
-    /// auto.
+    /// Parses a `TM_Q4_GEMV_UNROLL` value: 2 (or u2), 4 (or u4), n16, n16u4, pf, pf8, ln, ln4,
+    /// pfw or auto.
     pub fn parse(v: &str) -> Option<Unroll> {
         match v.trim() {
             "auto" => Some(Unroll::Auto),
@@ -113,6 +142,8 @@ impl Unroll {
             "n16u4" => Some(Unroll::NarrowFour),
             "pf" => Some(Unroll::Prefetch),
             "pf8" => Some(Unroll::Prefetch8),
+            "ln" => Some(Unroll::Lean),
+            "ln4" => Some(Unroll::Lean4),
             "pfw" => Some(Unroll::OneWave),
             _ => None,
         }
@@ -121,18 +152,25 @@ impl Unroll {
     /// Whether the variant has a SiLU kernel of its own (`n16` and `n16u4` take `u2` there,
     /// `pf8` takes `pf`'s).
     pub fn has_silu_form(self) -> bool {
-        matches!(self, Unroll::Two | Unroll::Four | Unroll::Prefetch)
+        matches!(self, Unroll::Two | Unroll::Four | Unroll::Prefetch | Unroll::Lean | Unroll::Lean4)
+    }
+
+    /// Whether the variant is one of the lean kernels (which take only [`lean_fits`] shapes).
+    pub fn is_lean(self) -> bool {
+        matches!(self, Unroll::Lean | Unroll::Lean4)
     }
 }
 
 /// What [`set_unroll`] can force: the kernels and the `pfw` choice.
-const FORCIBLE: [Unroll; 7] = [
+const FORCIBLE: [Unroll; 9] = [
     Unroll::Two,
     Unroll::Four,
     Unroll::Narrow,
     Unroll::NarrowFour,
     Unroll::Prefetch,
     Unroll::Prefetch8,
+    Unroll::Lean,
+    Unroll::Lean4,
     Unroll::OneWave,
 ];
 
@@ -157,30 +195,64 @@ fn forced() -> Option<Unroll> {
 
 impl Unroll {
     /// The kernel for a plain product whose grid has `ctas16` 16-row and `ctas32` 32-row CTAs,
-    /// on `sms` multiprocessors; never `Auto` nor `OneWave`.
-    fn resolve(self, ctas16: usize, ctas32: usize, sms: usize) -> Unroll {
-        self.resolve_with(forced(), ctas16, ctas32, sms)
+    /// on `sms` multiprocessors, `lean` saying whether the shape fits the lean kernels
+    /// ([`lean_fits`]); never `Auto` nor `OneWave`.
+    fn resolve(self, ctas16: usize, ctas32: usize, sms: usize, lean: bool) -> Unroll {
+        self.resolve_with(forced(), ctas16, ctas32, sms, lean && lean_enabled())
     }
 
-    /// [`Unroll::resolve`] with `forced` as the override of `Auto`.
-    fn resolve_with(self, forced: Option<Unroll>, ctas16: usize, ctas32: usize, sms: usize) -> Unroll {
+    /// [`Unroll::resolve`] with `forced` as the override of `Auto` and `lean` as whether `Auto`
+    /// may take (and a forced variant may be) a lean kernel.
+    fn resolve_with(self, forced: Option<Unroll>, ctas16: usize, ctas32: usize, sms: usize, lean: bool) -> Unroll {
         let one_wave = if ctas16 <= 2 * sms { Unroll::Prefetch8 } else { Unroll::Prefetch };
-        match self {
+        let sized = if ctas32 < 2 * sms { Unroll::Narrow } else { Unroll::Two };
+        // Lean: U = 4 when the 16-row grid is one wave at two CTAs per SM (o, down), else U = 2.
+        let lean_sized = if ctas16 <= 2 * sms { Unroll::Lean4 } else { Unroll::Lean };
+        let u = match self {
             Unroll::Auto => match forced {
                 Some(Unroll::OneWave) => one_wave,
                 Some(u) if u != Unroll::Auto => u,
-                _ if ctas32 < 2 * sms => Unroll::Narrow,
-                _ => Unroll::Two,
+                _ if lean => lean_sized,
+                _ => sized,
             },
             Unroll::OneWave => one_wave,
             u => u,
+        };
+        if u.is_lean() && !lean {
+            sized
+        } else {
+            u
+        }
+    }
+
+    /// The SiLU kernel's variant (`lean` as in [`Unroll::resolve_with`]): `Auto` takes `Lean`
+    /// when it may, else the forced variant or `u2`.
+    fn resolve_silu_with(self, forced: Option<Unroll>, lean: bool) -> Unroll {
+        let u = match self {
+            Unroll::Auto => match forced {
+                Some(u) if u != Unroll::Auto => u,
+                _ if lean => Unroll::Lean,
+                _ => Unroll::Two,
+            },
+            u => u,
+        };
+        if u.is_lean() && !lean {
+            Unroll::Two
+        } else {
+            u
         }
     }
 
     /// Rows per CTA of the plain product.
     fn rows_per_cta(self) -> usize {
         match self {
-            Unroll::Narrow | Unroll::NarrowFour | Unroll::Prefetch | Unroll::Prefetch8 | Unroll::OneWave => 16,
+            Unroll::Narrow
+            | Unroll::NarrowFour
+            | Unroll::Prefetch
+            | Unroll::Prefetch8
+            | Unroll::OneWave
+            | Unroll::Lean
+            | Unroll::Lean4 => 16,
             _ => 32,
         }
     }
@@ -192,6 +264,8 @@ impl Unroll {
             Unroll::NarrowFour => "q4_gemv_n16u4",
             Unroll::Prefetch | Unroll::OneWave => "q4_gemv_pf",
             Unroll::Prefetch8 => "q4_gemv_pf8",
+            Unroll::Lean => "q4_gemv_ln",
+            Unroll::Lean4 => "q4_gemv_ln4",
             Unroll::Four => "q4_gemv_u4",
             _ => "q4_gemv_u2",
         }
@@ -203,6 +277,8 @@ impl Unroll {
         match self {
             Unroll::Four => "q4_gemv_silu_u4",
             Unroll::Prefetch | Unroll::Prefetch8 | Unroll::OneWave => "q4_gemv_silu_pf",
+            Unroll::Lean => "q4_gemv_silu_ln",
+            Unroll::Lean4 => "q4_gemv_silu_ln4",
             _ => "q4_gemv_silu_u2",
         }
     }
@@ -223,6 +299,20 @@ fn forced_unroll() -> Option<Unroll> {
             }
         }
     })
+}
+
+/// Whether `Auto` may take the lean kernels (`TM_Q4_GEMV_LEAN` is not `0`).
+pub fn lean_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TM_Q4_GEMV_LEAN").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Whether a product of `cols` columns with int4 groups of `group` over the weights `slots` (empty
+/// ones included) suits the lean kernels: group 128 (each 128-column step inside one group),
+/// `cols` a multiple of 1024 (whole steps for each of a CTA's 8 warps) and every weight of whole
+/// 16-row tiles. Llama-3-8B's products all do, and so do their halves under tp = 2.
+pub fn lean_fits(cols: usize, group: usize, slots: &[Q4Slot]) -> bool {
+    group == 128 && cols > 0 && cols.is_multiple_of(1024) && slots.iter().all(|s| s.rows.is_multiple_of(16))
 }
 
 /// Whether the path is on (`TM_Q4_GEMV` is not `0`).
@@ -315,7 +405,8 @@ pub fn q4_gemv(
     }
     let grid16 = plain_grid(&used, 16)?;
     let s = |i: usize| used.get(i).copied().unwrap_or_default();
-    let u = unroll.resolve(grid16 as usize, grid32 as usize, gpu.info().multiprocessors as usize);
+    let lean = lean_fits(cols, group, &used);
+    let u = unroll.resolve(grid16 as usize, grid32 as usize, gpu.info().multiprocessors as usize, lean);
     let grid = plain_grid(&used, u.rows_per_cta())?;
     let name = format!("{}_{}", u.plain_stem(), suffix(dt)?);
     let args = [
@@ -370,11 +461,9 @@ pub fn q4_gemv_silu(
     }
     let grid = u32::try_from(ctas(rows, SILU_ROWS_PER_CTA))
         .map_err(|_| Error::invalid(format!("q4_gemv_silu: {rows} rows need too many CTAs")))?;
-    // `Narrow`, `NarrowFour` and `Auto` (without an override) take `u2`, `Prefetch8` `pf`.
-    let u = match unroll {
-        Unroll::Auto => forced().unwrap_or(Unroll::Two),
-        u => u,
-    };
+    // `Narrow` and `NarrowFour` take `u2`'s kernel, `Prefetch8` `pf`'s.
+    let lean = lean_fits(cols, group, &[*gate, *up]) && lean_enabled();
+    let u = unroll.resolve_silu_with(forced(), lean);
     let name = format!("{}_{}", u.silu_stem(), suffix(dt)?);
     let args = [
         KernelArg::Ptr(out),
@@ -431,21 +520,21 @@ mod tests {
 
     #[test]
     fn unroll_variants() {
-        assert_eq!(Unroll::Two.resolve(20, 10, 132), Unroll::Two);
-        assert_eq!(Unroll::Four.resolve(2000, 1000, 132), Unroll::Four);
-        assert_eq!(Unroll::Narrow.resolve(2000, 1000, 132), Unroll::Narrow);
+        assert_eq!(Unroll::Two.resolve(20, 10, 132, false), Unroll::Two);
+        assert_eq!(Unroll::Four.resolve(2000, 1000, 132, false), Unroll::Four);
+        assert_eq!(Unroll::Narrow.resolve(2000, 1000, 132, false), Unroll::Narrow);
         // An 8B model on an H200: q/k/v 384 and 192, o and down 256 and 128 16- and 32-row CTAs;
         // 132 SMs.
-        assert_eq!(Unroll::Auto.resolve_with(None, 256, 128, 132), Unroll::Narrow);
-        assert_eq!(Unroll::Auto.resolve_with(None, 384, 192, 132), Unroll::Narrow);
-        assert_eq!(Unroll::Auto.resolve_with(None, 528, 264, 132), Unroll::Two);
-        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::Prefetch), 528, 264, 132), Unroll::Prefetch);
-        assert_eq!(Unroll::Four.resolve_with(Some(Unroll::Prefetch), 528, 264, 132), Unroll::Four);
+        assert_eq!(Unroll::Auto.resolve_with(None, 256, 128, 132, false), Unroll::Narrow);
+        assert_eq!(Unroll::Auto.resolve_with(None, 384, 192, 132, false), Unroll::Narrow);
+        assert_eq!(Unroll::Auto.resolve_with(None, 528, 264, 132, false), Unroll::Two);
+        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::Prefetch), 528, 264, 132, false), Unroll::Prefetch);
+        assert_eq!(Unroll::Four.resolve_with(Some(Unroll::Prefetch), 528, 264, 132, false), Unroll::Four);
         // `pfw`: pf8 for o and down (one wave of two per SM), pf for q/k/v.
-        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::OneWave), 256, 128, 132), Unroll::Prefetch8);
-        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::OneWave), 264, 132, 132), Unroll::Prefetch8);
-        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::OneWave), 384, 192, 132), Unroll::Prefetch);
-        assert_eq!(Unroll::OneWave.resolve_with(None, 384, 192, 132), Unroll::Prefetch);
+        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::OneWave), 256, 128, 132, false), Unroll::Prefetch8);
+        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::OneWave), 264, 132, 132, false), Unroll::Prefetch8);
+        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::OneWave), 384, 192, 132, false), Unroll::Prefetch);
+        assert_eq!(Unroll::OneWave.resolve_with(None, 384, 192, 132, false), Unroll::Prefetch);
         assert_eq!(Unroll::OneWave.silu_stem(), "q4_gemv_silu_pf");
         assert_eq!(Unroll::Narrow.rows_per_cta(), 16);
         assert_eq!(Unroll::NarrowFour.rows_per_cta(), 16);
@@ -466,6 +555,38 @@ mod tests {
     }
 
     #[test]
+    fn lean_kernels_take_only_their_shapes() {
+        // Llama-3-8B: q/k/v, o, gate/up and down, and their tp = 2 halves.
+        assert!(lean_fits(4096, 128, &[slot(4096), slot(1024), slot(1024)]));
+        assert!(lean_fits(14336, 128, &[slot(4096)]));
+        assert!(lean_fits(7168, 128, &[slot(4096)]));
+        assert!(lean_fits(2048, 128, &[slot(4096)]));
+        assert!(!lean_fits(4096, 64, &[slot(4096)]));
+        assert!(!lean_fits(4096, 256, &[slot(4096)]));
+        assert!(!lean_fits(4096 + 128, 128, &[slot(4096)]));
+        assert!(!lean_fits(4096, 128, &[slot(4096), slot(1000)]));
+        assert!(!lean_fits(0, 128, &[slot(16)]));
+        // Auto takes the lean kernel where it may; a forced lean variant falls back elsewhere.
+        assert_eq!(Unroll::Auto.resolve_with(None, 256, 128, 132, true), Unroll::Lean4);
+        assert_eq!(Unroll::Auto.resolve_with(None, 384, 192, 132, true), Unroll::Lean);
+        assert_eq!(Unroll::Auto.resolve_with(None, 256, 128, 132, false), Unroll::Narrow);
+        assert_eq!(Unroll::Auto.resolve_with(None, 1792, 896, 132, false), Unroll::Two);
+        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::Lean4), 256, 128, 132, true), Unroll::Lean4);
+        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::Lean4), 256, 128, 132, false), Unroll::Narrow);
+        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::Prefetch), 256, 128, 132, true), Unroll::Prefetch);
+        assert_eq!(Unroll::Lean.resolve_with(None, 1792, 896, 132, false), Unroll::Two);
+        assert_eq!(Unroll::Auto.resolve_silu_with(None, true), Unroll::Lean);
+        assert_eq!(Unroll::Auto.resolve_silu_with(None, false), Unroll::Two);
+        assert_eq!(Unroll::Auto.resolve_silu_with(Some(Unroll::Lean4), true), Unroll::Lean4);
+        assert_eq!(Unroll::Lean4.resolve_silu_with(None, false), Unroll::Two);
+        assert_eq!(Unroll::Auto.resolve_silu_with(Some(Unroll::Prefetch), true), Unroll::Prefetch);
+        assert_eq!(Unroll::Lean.plain_stem(), "q4_gemv_ln");
+        assert_eq!(Unroll::Lean4.silu_stem(), "q4_gemv_silu_ln4");
+        assert_eq!(Unroll::Lean.rows_per_cta(), 16);
+        assert!(Unroll::Lean.has_silu_form() && Unroll::Lean4.is_lean() && !Unroll::Two.is_lean());
+    }
+
+    #[test]
     fn unroll_names_round_trip() {
         for u in Unroll::ALL {
             assert_eq!(Unroll::parse(u.name()), Some(u));
@@ -482,10 +603,10 @@ mod tests {
         // The only test that sets the override (tests of this module share the process).
         set_unroll(Some(Unroll::Prefetch));
         assert_eq!(forced(), Some(Unroll::Prefetch));
-        assert_eq!(Unroll::Auto.resolve(2000, 1000, 132), Unroll::Prefetch);
+        assert_eq!(Unroll::Auto.resolve(2000, 1000, 132, false), Unroll::Prefetch);
         set_unroll(Some(Unroll::OneWave));
         assert_eq!(forced(), Some(Unroll::OneWave));
-        assert_eq!(Unroll::Auto.resolve(256, 128, 132), Unroll::Prefetch8);
+        assert_eq!(Unroll::Auto.resolve(256, 128, 132, false), Unroll::Prefetch8);
         set_unroll(Some(Unroll::Four));
         assert_eq!(forced(), Some(Unroll::Four));
         set_unroll(Some(Unroll::Auto));
