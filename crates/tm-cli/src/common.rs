@@ -635,6 +635,7 @@ pub fn load_runnable(args: &ModelArgs) -> Result<Runnable> {
         max_tokens: if ranks.gpu { args.max_len.min(8192) } else { 1 },
         max_logit_rows: 1,
         kv_cache_dtype: args.kv_dtype(),
+        spin: if ranks.gpu { tm_model::tp::GPU_SPIN } else { Duration::ZERO },
     };
     let loaded = load_tp(&path, ranks.comms, ranks.factory, opts)
         .with_context(|| format!("loading {} on {} tensor-parallel ranks", path.display(), args.tp))?;
@@ -703,6 +704,7 @@ pub fn start_engine(
         max_tokens: engine.max_batched_tokens,
         max_logit_rows: engine.max_batch_size.min(engine.max_batched_tokens),
         kv_cache_dtype: model.kv_dtype(),
+        spin: if ranks.gpu { tm_model::tp::GPU_SPIN } else { Duration::ZERO },
     };
     let loaded = load_tp(&path, ranks.comms, ranks.factory, opts)
         .with_context(|| format!("loading {} on {} tensor-parallel ranks", path.display(), model.tp))?;

@@ -42,6 +42,7 @@ mod ops;
 pub mod pdl;
 pub mod peer;
 mod probe;
+mod record_profile;
 pub mod runtime;
 pub mod staging;
 pub mod zero_copy;

@@ -15,6 +15,7 @@ use tm_core::{Error, Result};
 use tm_kernels::cuda::{self as kernels, Target};
 
 use crate::probe::{device_info, init_driver, CudaDeviceInfo};
+use crate::record_profile::{self, RecordProfile};
 
 /// One argument of a kernel launch, passed by value.
 #[derive(Clone, Copy, Debug)]
@@ -94,6 +95,19 @@ pub struct Gpu {
     /// The launch mode, the signature being recorded, and whether the recorded step did work
     /// that cannot be captured into a graph ([`Gpu::mark_uncapturable`]).
     recorder: Mutex<(LaunchMode, u64, bool)>,
+    /// Host time per kernel name while steps are recorded (`TM_RECORD_PROFILE=1`).
+    profile: Option<Mutex<RecordProfile>>,
+}
+
+impl Drop for Gpu {
+    /// Logs the record profile, if one was asked for.
+    fn drop(&mut self) {
+        if let Some(p) = self.profile.as_ref().and_then(|p| p.lock().ok()) {
+            for line in p.report() {
+                tracing::info!("{line}");
+            }
+        }
+    }
 }
 
 impl Gpu {
@@ -137,6 +151,7 @@ impl Gpu {
             kernel_source,
             pdl,
             recorder: Mutex::new((LaunchMode::Eager, FNV_OFFSET, false)),
+            profile: record_profile::enabled().then(|| Mutex::new(RecordProfile::default())),
         }))
     }
 
@@ -194,6 +209,14 @@ impl Gpu {
                 r.1 = FNV_OFFSET;
                 r.2 = false;
             }
+            if let Some(mut p) = self.profile.as_ref().and_then(|p| p.lock().ok()) {
+                match (r.0, mode) {
+                    (LaunchMode::Record, LaunchMode::Record) => {}
+                    (_, LaunchMode::Record) => p.start(),
+                    (LaunchMode::Record, _) => p.end(),
+                    _ => {}
+                }
+            }
             r.0 = mode;
         }
     }
@@ -222,6 +245,17 @@ impl Gpu {
     pub fn record(&self, words: &[u64]) {
         if let Ok(mut r) = self.recorder.lock() {
             r.1 = words.iter().fold(r.1, |h, &w| fnv(h, w));
+            if r.0 == LaunchMode::Record {
+                self.profile_mark("(signed product: Gpu::record)");
+            }
+        }
+    }
+
+    /// Charges the host time since the previous launch of the step being recorded to `name`
+    /// (with `TM_RECORD_PROFILE=1`).
+    fn profile_mark(&self, name: &str) {
+        if let Some(mut p) = self.profile.as_ref().and_then(|p| p.lock().ok()) {
+            p.mark(name);
         }
     }
 
@@ -278,6 +312,7 @@ impl Gpu {
                 );
             }
             r.1 = h;
+            self.profile_mark(name);
             return Ok(());
         }
         let (f, pdl) = self.lookup(name)?;

@@ -115,6 +115,7 @@ fn tp_options(timeout: Duration) -> TpOptions {
         max_tokens: MAX_LEN,
         max_logit_rows: MAX_LEN,
         kv_cache_dtype: Default::default(),
+        spin: tm_model::tp::GPU_SPIN,
     }
 }
 
@@ -453,6 +454,7 @@ fn engine_over_two_gpus_matches_one() {
         max_tokens: cfg.max_batched_tokens,
         max_logit_rows: cfg.max_batch_size,
         kv_cache_dtype: Default::default(),
+        spin: tm_model::tp::GPU_SPIN,
     };
     let LoadedTp { path, name, group, tokenizer, template } = load_tp(&dir, boxed(comms), factory, opts).unwrap();
     let config = group.config().clone();

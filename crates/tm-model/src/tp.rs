@@ -29,7 +29,7 @@ use crate::llama::{LlamaModel, ShardLayout, ShardSpec, StepInput, Workspace};
 use crate::weights::TensorSource;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::thread::JoinHandle;
@@ -59,10 +59,20 @@ pub struct TpOptions {
     pub max_logit_rows: usize,
     /// What the KV cache stores keys and values as.
     pub kv_cache_dtype: KvCacheDtype,
+    /// How long the rank threads poll for their next command, and the caller for the ranks'
+    /// replies, before they block on the channel (zero: block at once). A blocked thread wakes
+    /// tens of microseconds after a send, twice per step; GPU ranks poll so that a batch-1 step
+    /// does not wait for that (it costs a busy core per rank and the caller's while they wait).
+    /// CPU ranks, which need every core for their products, do not. `TM_TP_SPIN_US` overrides it.
+    pub spin: Duration,
 }
 
+/// The polling time GPU ranks use ([`TpOptions::spin`]): longer than a batch-1 decode step of
+/// an 8B model, so that the caller is still polling when the replies come.
+pub const GPU_SPIN: Duration = Duration::from_millis(20);
+
 impl Default for TpOptions {
-    /// The default comm timeout, 256 blocks of 64 tokens, workspaces for one token.
+    /// The default comm timeout, 256 blocks of 64 tokens, workspaces for one token, no polling.
     fn default() -> Self {
         TpOptions {
             comm_timeout: DEFAULT_COMM_TIMEOUT,
@@ -71,6 +81,7 @@ impl Default for TpOptions {
             max_tokens: 1,
             max_logit_rows: 1,
             kv_cache_dtype: KvCacheDtype::Auto,
+            spin: Duration::ZERO,
         }
     }
 }
@@ -149,7 +160,8 @@ struct SampleJob {
 }
 
 enum Command {
-    Forward(u64, Arc<OwnedStep>, Option<Arc<Mutex<Option<SampleJob>>>>),
+    /// A step: its id, inputs, rank 0's sampling job, and when the caller sent it.
+    Forward(u64, Arc<OwnedStep>, Option<Arc<Mutex<Option<SampleJob>>>>, Instant),
     CopyBlocks(u64, Arc<Vec<(u32, u32)>>),
     SelfTest(u64, Duration),
     Shutdown,
@@ -168,6 +180,85 @@ struct Reply {
     id: u64,
     at: Instant,
     result: Result<Payload>,
+    /// For a step: how long after the caller's send the rank took the command, and how long
+    /// the rank then worked on it.
+    timing: Option<(Duration, Duration)>,
+}
+
+/// Where the host time of the group's steps went, per rank (logged when the group stops).
+#[derive(Debug, Default)]
+struct StepTiming {
+    steps: u64,
+    /// Per rank: send → the rank takes the command; the rank's work; the rank's reply → the
+    /// caller takes it.
+    woke: Vec<Duration>,
+    busy: Vec<Duration>,
+    back: Vec<Duration>,
+}
+
+impl StepTiming {
+    fn add(&mut self, rank: usize, woke: Duration, busy: Duration, back: Duration) {
+        if self.woke.len() <= rank {
+            self.woke.resize(rank + 1, Duration::ZERO);
+            self.busy.resize(rank + 1, Duration::ZERO);
+            self.back.resize(rank + 1, Duration::ZERO);
+        }
+        if rank == 0 {
+            self.steps += 1;
+        }
+        self.woke[rank] += woke;
+        self.busy[rank] += busy;
+        self.back[rank] += back;
+    }
+
+    /// One line per rank: mean microseconds per step.
+    fn report(&self) -> Vec<String> {
+        if self.steps == 0 {
+            return Vec::new();
+        }
+        let us = |d: Duration| d.as_secs_f64() * 1e6 / self.steps as f64;
+        (0..self.woke.len())
+            .map(|r| {
+                format!(
+                    "tensor-parallel steps ({}): rank {r} took the command {:.1} us after the send, worked {:.1} us, \
+                     its reply was taken {:.1} us later",
+                    self.steps,
+                    us(self.woke[r]),
+                    us(self.busy[r]),
+                    us(self.back[r])
+                )
+            })
+            .collect()
+    }
+}
+
+/// Takes the next message from `rx`, polling it for up to `spin` (yielding the core between
+/// polls) before blocking for the rest of `timeout`.
+fn recv_polling<T>(rx: &Receiver<T>, spin: Duration, timeout: Duration) -> std::result::Result<T, RecvTimeoutError> {
+    let start = Instant::now();
+    let spin = spin.min(timeout);
+    if !spin.is_zero() {
+        loop {
+            match rx.try_recv() {
+                Ok(v) => return Ok(v),
+                Err(TryRecvError::Disconnected) => return Err(RecvTimeoutError::Disconnected),
+                Err(TryRecvError::Empty) => {}
+            }
+            if start.elapsed() >= spin {
+                break;
+            }
+            std::thread::yield_now();
+        }
+    }
+    rx.recv_timeout(timeout.saturating_sub(start.elapsed()))
+}
+
+/// [`TpOptions::spin`], unless `TM_TP_SPIN_US` sets it (microseconds).
+fn spin_time(opts: &TpOptions) -> Duration {
+    match std::env::var("TM_TP_SPIN_US").ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+        Some(us) => Duration::from_micros(us),
+        None => opts.spin,
+    }
 }
 
 /// A communicator that counts the collectives its rank enters and leaves (the watchdog's sign
@@ -247,6 +338,9 @@ pub struct TpGroup {
     failed: Option<String>,
     weight_bytes: Vec<u64>,
     logits: Vec<f32>,
+    /// [`TpOptions::spin`] (or `TM_TP_SPIN_US`).
+    spin: Duration,
+    timing: StepTiming,
 }
 
 impl std::fmt::Debug for TpGroup {
@@ -384,6 +478,8 @@ impl TpGroup {
             failed: None,
             weight_bytes: Vec::new(),
             logits: Vec::new(),
+            spin: spin_time(opts),
+            timing: StepTiming::default(),
         }
     }
 
@@ -422,7 +518,8 @@ impl TpGroup {
         let id = self.next();
         let owned = Arc::new(OwnedStep::new(step));
         let what = format!("forward step {id}");
-        self.send_all(|_| Command::Forward(id, Arc::clone(&owned), None))?;
+        let now = Instant::now();
+        self.send_all(|_| Command::Forward(id, Arc::clone(&owned), None, now))?;
         let mut payloads = self.collect(id, &what, None)?;
         match payloads.first_mut().map(|p| std::mem::replace(p, Payload::Done)) {
             Some(Payload::Logits(v)) => {
@@ -456,7 +553,8 @@ impl TpGroup {
         let owned = Arc::new(OwnedStep::new(step));
         let what = format!("forward step {id}");
         let job = Arc::new(Mutex::new(Some(SampleJob { requests, want_logits })));
-        let sent = self.send_all(|r| Command::Forward(id, Arc::clone(&owned), (r == 0).then(|| Arc::clone(&job))));
+        let now = Instant::now();
+        let sent = self.send_all(|r| Command::Forward(id, Arc::clone(&owned), (r == 0).then(|| Arc::clone(&job)), now));
         while_running();
         sent?;
         let mut payloads = self.collect(id, &what, None)?;
@@ -581,9 +679,12 @@ impl TpGroup {
                 }
                 break;
             }
-            match self.replies.recv_timeout(slice) {
+            match recv_polling(&self.replies, self.spin, slice) {
                 Ok(reply) => {
                     let r = reply.rank;
+                    if let (Some((woke, busy)), true) = (reply.timing, reply.id == id) {
+                        self.timing.add(r, woke, busy, reply.at.elapsed());
+                    }
                     if matches!(reply.result, Ok(Payload::Exited)) {
                         if let Some(h) = self.ranks.get_mut(r) {
                             h.exited = true;
@@ -683,6 +784,9 @@ impl TpGroup {
 
 impl Drop for TpGroup {
     fn drop(&mut self) {
+        for line in self.timing.report() {
+            tracing::info!("{line}");
+        }
         let _ = self.stop();
     }
 }
@@ -758,43 +862,55 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
 
 fn rank_thread(ctx: RankCtx, rx: Receiver<Command>) {
     let (rank, replies, comm) = (ctx.rank, ctx.replies.clone(), Arc::clone(&ctx.comm));
-    let reply = |id: u64, result: Result<Payload>| {
+    let reply = |id: u64, result: Result<Payload>, timing: Option<(Duration, Duration)>| {
         let at = Instant::now();
         if let Err(e) = &result {
             comm.abort(&format!("rank {rank} failed: {e}"));
         }
-        let _ = replies.send(Reply { rank, id, at, result });
+        let _ = replies.send(Reply { rank, id, at, result, timing });
     };
     let loaded = guarded("loading", || load_rank(&ctx));
     let mut state = match loaded {
         Ok(s) => {
-            reply(0, Ok(Payload::Loaded { weight_bytes: s.model.weight_bytes() }));
+            reply(0, Ok(Payload::Loaded { weight_bytes: s.model.weight_bytes() }), None);
             Some(s)
         }
         Err(e) => {
-            reply(0, Err(e));
+            reply(0, Err(e), None);
             None
         }
     };
     if let Some(st) = state.as_mut() {
-        while let Ok(cmd) = rx.recv() {
+        let spin = spin_time(&ctx.opts);
+        loop {
+            let cmd = match recv_polling(&rx, spin, Duration::from_secs(3600)) {
+                Ok(cmd) => cmd,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
+            let mut timing = None;
             let (id, result) = match cmd {
                 Command::Shutdown => break,
-                Command::Forward(id, step, job) => (id, guarded("forward", || forward(&ctx, st, &step, job))),
+                Command::Forward(id, step, job, sent) => {
+                    let took = Instant::now();
+                    let result = guarded("forward", || forward(&ctx, st, &step, job));
+                    timing = Some((took.saturating_duration_since(sent), took.elapsed()));
+                    (id, result)
+                }
                 Command::CopyBlocks(id, pairs) => {
                     (id, guarded("copy_blocks", || st.kv.copy_blocks(st.ops.as_ref(), &pairs).map(|_| Payload::Done)))
                 }
                 Command::SelfTest(id, deadline) => (id, guarded("self-test", || self_test(&ctx, st, deadline))),
             };
             let failed = result.is_err();
-            reply(id, result);
+            reply(id, result, timing);
             if failed {
                 break; // the communicator is aborted: this rank is done
             }
         }
     }
     drop(state);
-    let _ = replies.send(Reply { rank, id: u64::MAX, at: Instant::now(), result: Ok(Payload::Exited) });
+    let _ = replies.send(Reply { rank, id: u64::MAX, at: Instant::now(), result: Ok(Payload::Exited), timing: None });
 }
 
 fn load_rank(ctx: &RankCtx) -> Result<RankState> {
@@ -893,4 +1009,48 @@ fn self_test(ctx: &RankCtx, st: &mut RankState, deadline: Duration) -> Result<Pa
         )));
     }
     Ok(Payload::Done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn polling_receives_what_blocking_would() {
+        for spin in [Duration::ZERO, Duration::from_millis(50)] {
+            let (tx, rx) = mpsc::channel();
+            let sender = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(5));
+                tx.send(7u32).unwrap();
+                std::thread::sleep(Duration::from_millis(5));
+                tx.send(8u32).unwrap();
+            });
+            assert_eq!(recv_polling(&rx, spin, Duration::from_secs(5)), Ok(7));
+            assert_eq!(recv_polling(&rx, spin, Duration::from_secs(5)), Ok(8));
+            sender.join().unwrap();
+            assert_eq!(recv_polling(&rx, spin, Duration::from_secs(5)), Err(RecvTimeoutError::Disconnected));
+        }
+        // Nothing comes: the timeout holds whether the wait polls or blocks.
+        let (_tx, rx) = mpsc::channel::<u32>();
+        let start = Instant::now();
+        assert_eq!(
+            recv_polling(&rx, Duration::from_millis(100), Duration::from_millis(20)),
+            Err(RecvTimeoutError::Timeout)
+        );
+        assert!(start.elapsed() >= Duration::from_millis(20) && start.elapsed() < Duration::from_secs(2));
+    }
+
+    #[test]
+    fn step_timing_reports_means_per_rank() {
+        let mut t = StepTiming::default();
+        assert!(t.report().is_empty());
+        for _ in 0..2 {
+            t.add(0, Duration::from_micros(10), Duration::from_micros(100), Duration::from_micros(4));
+            t.add(1, Duration::from_micros(30), Duration::from_micros(90), Duration::from_micros(6));
+        }
+        let r = t.report();
+        assert_eq!(r.len(), 2);
+        assert!(r[0].contains("rank 0 took the command 10.0 us") && r[0].contains("worked 100.0 us"), "{r:?}");
+        assert!(r[1].contains("rank 1 took the command 30.0 us") && r[1].contains("taken 6.0 us later"), "{r:?}");
+    }
 }

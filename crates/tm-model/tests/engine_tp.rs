@@ -44,6 +44,7 @@ fn tp_engine(
         max_tokens: config.max_batched_tokens,
         max_logit_rows: config.max_batch_size,
         kv_cache_dtype: Default::default(),
+        spin: Duration::ZERO,
     };
     let LoadedTp { path, name, group, tokenizer, template } =
         load_tp(dir, comms, cpu_backend_factory(), opts).expect("tp checkpoint loads");
