@@ -79,6 +79,17 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
         step()
     }
 
+    /// Says, inside [`Ops::run_step`], that the step has uploaded every per-step input but
+    /// `logit_rows` (the rows its final [`Ops::gather_rows`] will take, which the backend may
+    /// upload now): nothing after this point uploads new bytes. Models call it once per step,
+    /// after the first layer's attention. A backend that replays recorded steps may start the
+    /// replay it predicts here, and check the rest of the step while the device runs it (the
+    /// CUDA backend's early replay). The default does nothing.
+    fn step_inputs_ready(&self, logit_rows: &[u32]) -> Result<()> {
+        let _ = logit_rows;
+        Ok(())
+    }
+
     /// Reserves, once, the scratch the backend's matrix products need for steps of up to
     /// `max_tokens` tokens (the CUDA backend's int4 slab buffer, [`crate::q4_slab`]), so that no
     /// product allocates. Called when the activation workspace is allocated; the memory plan

@@ -390,6 +390,7 @@ impl PeerGroup {
         args[1] = KernelArg::Ptr(dst);
         args[2] = KernelArg::I64(count as i64);
         self.group_args(rank, me, tag, deadline, &mut args[3..]);
+        me.gpu.mark_collective();
         me.gpu.launch(&format!("{name}_{}", suffix(dtype)?), (BLOCKS, 1, 1), (THREADS, 1, 1), 0, &args)
     }
 
@@ -438,6 +439,7 @@ impl PeerGroup {
         self.group_args(rank, me, tag, deadline, &mut args[7..]);
         let threads = crate::kernels::elementwise::norm_row_threads(dtype, cols);
         let name = format!("peer_all_reduce_add_rms_norm{}_{}", if ll { "_ll" } else { "" }, suffix(dtype)?);
+        me.gpu.mark_collective();
         me.gpu.launch(&name, (BLOCKS, 1, 1), (threads, 1, 1), 0, &args)
     }
 

@@ -92,9 +92,10 @@ pub struct Gpu {
     /// Whether kernels that wait for their predecessors are launched with PDL on this device.
     pdl: bool,
     kernel_source: String,
-    /// The launch mode, the signature being recorded, and whether the recorded step did work
-    /// that cannot be captured into a graph ([`Gpu::mark_uncapturable`]).
-    recorder: Mutex<(LaunchMode, u64, bool)>,
+    /// The launch mode, the signature being recorded, whether the recorded step did work
+    /// that cannot be captured into a graph ([`Gpu::mark_uncapturable`]), and whether it launched
+    /// a collective ([`Gpu::mark_collective`]).
+    recorder: Mutex<(LaunchMode, u64, bool, bool)>,
     /// Host time per kernel name while steps are recorded (`TM_RECORD_PROFILE=1`).
     profile: Option<Mutex<RecordProfile>>,
 }
@@ -150,7 +151,7 @@ impl Gpu {
             functions: Mutex::new(HashMap::new()),
             kernel_source,
             pdl,
-            recorder: Mutex::new((LaunchMode::Eager, FNV_OFFSET, false)),
+            recorder: Mutex::new((LaunchMode::Eager, FNV_OFFSET, false, false)),
             profile: record_profile::enabled().then(|| Mutex::new(RecordProfile::default())),
         }))
     }
@@ -208,6 +209,7 @@ impl Gpu {
             if mode == LaunchMode::Record {
                 r.1 = FNV_OFFSET;
                 r.2 = false;
+                r.3 = false;
             }
             if let Some(mut p) = self.profile.as_ref().and_then(|p| p.lock().ok()) {
                 match (r.0, mode) {
@@ -232,6 +234,22 @@ impl Gpu {
         if let Ok(mut r) = self.recorder.lock() {
             r.2 = true;
         }
+    }
+
+    /// Marks the step being recorded as one that launches a collective kernel (a one-shot peer
+    /// all-reduce): running it again on this rank alone would leave the other ranks behind.
+    pub fn mark_collective(&self) {
+        if let Ok(mut r) = self.recorder.lock() {
+            if r.0 == LaunchMode::Record {
+                r.3 = true;
+            }
+        }
+    }
+
+    /// Whether the step recorded since the last switch to [`LaunchMode::Record`] was marked
+    /// with [`Gpu::mark_collective`].
+    pub fn collectives(&self) -> bool {
+        self.recorder.lock().map_or(true, |r| r.3)
     }
 
     /// Whether the step recorded since the last switch to [`LaunchMode::Record`] was marked

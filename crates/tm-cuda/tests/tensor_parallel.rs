@@ -7,6 +7,8 @@
 //!   (AWQ and GPTQ included), and on a model given by `TM_DEFAULT_MODEL` whose heads split over
 //!   two ranks (the default SmolLM2 has 9, so it runs on 3 CPU ranks in tm-model's tests).
 //! - The serving engine over two GPUs gives the single-GPU engine's tokens.
+//! - `TM_TP_WORLD=4` (or 8) runs the fixture comparison, the engine test and the fault test on
+//!   that many GPUs (at most as many as there are; the peer-collective tests stay on two).
 //! - A fault test on real NCCL: one rank stalls (the `NcclComm::stall_after` hook), the other
 //!   fails with the deadline error naming the stalled rank within the deadline + 10%, every
 //!   thread stops, and a new NCCL group works afterwards in the same process; once with the
@@ -64,6 +66,13 @@ fn skip(test: &str) -> bool {
         println!("{test}: skipped: {w}");
     }
     why.is_some()
+}
+
+/// Ranks of the model, engine and stall tests: `TM_TP_WORLD` (default 2; at most the GPU count).
+/// The peer-collective tests always use two.
+fn world() -> usize {
+    let gpus = tm_cuda::probe().map_or(2, |d| d.len()).max(2);
+    std::env::var("TM_TP_WORLD").ok().and_then(|v| v.trim().parse::<usize>().ok()).map_or(2, |w| w.clamp(2, gpus))
 }
 
 fn fixtures_dir() -> PathBuf {
@@ -153,9 +162,9 @@ fn rel_diff(got: &[f32], want: &[f32]) -> f32 {
     diff / (hi - lo).max(1.0)
 }
 
-/// tp=1 on GPU 0 against tp=2 on GPUs 0 and 1 for every prompt of `path`; returns the worst
+/// tp=1 on GPU 0 against tp=`world` on GPUs 0.. for every prompt of `path`; returns the worst
 /// logit difference and whether every greedy continuation matched.
-fn compare(path: &Path, prompts: &[Vec<u32>], dtype: DType, steps: usize) -> (f32, usize, usize) {
+fn compare(path: &Path, prompts: &[Vec<u32>], dtype: DType, steps: usize, world: usize) -> (f32, usize, usize) {
     let single = CudaBackend::open(options(dtype)).expect("CUDA backend");
     let m = load(path, &single, &mut |_, _| {}).expect("single-GPU load");
     let want: Vec<_> = prompts
@@ -164,8 +173,8 @@ fn compare(path: &Path, prompts: &[Vec<u32>], dtype: DType, steps: usize) -> (f3
         .collect();
     drop(m);
     drop(single);
-    let (comms, factory) = nccl_ranks(2, dtype);
-    let mut tp = load_tp(path, boxed(comms), factory, tp_options(Duration::from_secs(30))).expect("tp=2 load");
+    let (comms, factory) = nccl_ranks(world, dtype);
+    let mut tp = load_tp(path, boxed(comms), factory, tp_options(Duration::from_secs(30))).expect("tp load");
     let mut worst = 0f32;
     let mut same = 0;
     for (p, (wl, wi)) in prompts.iter().zip(&want) {
@@ -175,7 +184,7 @@ fn compare(path: &Path, prompts: &[Vec<u32>], dtype: DType, steps: usize) -> (f3
         if &gi == wi {
             same += 1;
         } else {
-            println!("  {}: greedy differs: tp=1 {wi:?} tp=2 {gi:?}", path.display());
+            println!("  {}: greedy differs: tp=1 {wi:?} tp={world} {gi:?}", path.display());
         }
     }
     tp.group.shutdown().expect("tp group stops");
@@ -357,7 +366,7 @@ fn fixtures_tp2_match_tp1() {
         }
         let p = prompts(&if name.starts_with("llama-") { fixtures_dir().join("llama") } else { dir.clone() });
         for dtype in [DType::F32, DType::BF16] {
-            let (worst, same, total) = compare(&dir, &p, dtype, 12);
+            let (worst, same, total) = compare(&dir, &p, dtype, 12, world());
             let tol = if dtype == DType::F32 { 1e-4 } else { 3e-2 };
             let ok = worst <= tol && (dtype != DType::F32 || same == total);
             println!(
@@ -370,7 +379,7 @@ fn fixtures_tp2_match_tp1() {
             }
         }
     }
-    assert!(failures.is_empty(), "tp=2 differs from tp=1: {failures:?}");
+    assert!(failures.is_empty(), "tp={} differs from tp=1: {failures:?}", world());
 }
 
 #[test]
@@ -394,7 +403,7 @@ fn default_model_tp2_matches_tp1() {
     drop(m);
     drop(single);
     for dtype in [DType::F32, DType::BF16] {
-        let (worst, same, total) = compare(&path, std::slice::from_ref(&ids), dtype, 24);
+        let (worst, same, total) = compare(&path, std::slice::from_ref(&ids), dtype, 24, 2);
         println!("{test}: {dtype}: max logit diff {worst:.2e} of the range; greedy 24 tokens same {same}/{total}");
         if dtype == DType::F32 {
             assert!(worst <= 1e-3 && same == total, "f32 tp=2 differs from tp=1");
@@ -446,7 +455,7 @@ fn engine_over_two_gpus_matches_one() {
     let want: Vec<_> = (0..8).map(|i| one.submit(request(i)).unwrap()).collect();
     let want: Vec<Vec<u32>> = want.into_iter().map(|s| s.wait().token_ids).collect();
     one.shutdown(Duration::from_secs(5)).unwrap();
-    let (comms, factory) = nccl_ranks(2, DType::F32);
+    let (comms, factory) = nccl_ranks(world(), DType::F32);
     let opts = TpOptions {
         comm_timeout: Duration::from_secs(30),
         num_blocks: cfg.num_blocks,
@@ -470,11 +479,11 @@ fn engine_over_two_gpus_matches_one() {
     engine.shutdown(Duration::from_secs(5)).unwrap();
 }
 
-/// One rank of two stalls at its collective `at` (counted from the group's start-up self-test,
+/// Rank 1 of [`world`] stalls at its collective `at` (counted from the group's start-up self-test,
 /// #0); the other must fail with the deadline error within the deadline + 10%.
 fn stall_once(at: u64, timeout: Duration, peer_path: bool) -> Result<(), String> {
     let dir = fixtures_dir().join("llama");
-    let (comms, factory) = nccl_ranks_with(2, DType::BF16, peer_path);
+    let (comms, factory) = nccl_ranks_with(world(), DType::BF16, peer_path);
     let comms: Vec<Box<dyn Comm>> = comms
         .into_iter()
         .map(|c| {
@@ -534,7 +543,7 @@ fn a_stalled_rank_fails_the_other_within_the_deadline() {
         }
     }
     // The process is still healthy: a new group starts and passes its self-test.
-    let gpus: Vec<Arc<Gpu>> = (0..2).map(|o| Gpu::open(o).unwrap()).collect();
+    let gpus: Vec<Arc<Gpu>> = (0..world()).map(|o| Gpu::open(o).unwrap()).collect();
     let comms = NcclComm::group(&gpus, Duration::from_secs(30)).expect("a new NCCL group after the faults");
     let t = nccl::self_test(&comms, Duration::from_secs(10), 0).expect("self-test after the faults");
     println!("{test}: after the faults: {}", t.summary());

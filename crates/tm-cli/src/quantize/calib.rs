@@ -173,6 +173,9 @@ impl Ops for Recorder<'_> {
     fn run_step(&self, step: &mut (dyn FnMut() -> tm_core::Result<()> + Send)) -> tm_core::Result<()> {
         self.inner.run_step(step)
     }
+    fn step_inputs_ready(&self, logit_rows: &[u32]) -> tm_core::Result<()> {
+        self.inner.step_inputs_ready(logit_rows)
+    }
     fn zeros(&self, desc: TensorDesc, phase: &str) -> tm_core::Result<Tensor> {
         self.inner.zeros(desc, phase)
     }

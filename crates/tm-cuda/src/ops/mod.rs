@@ -75,6 +75,8 @@ pub struct CudaBackend {
     dtype: DType,
     state: Mutex<StepState>,
     graphs: Option<Mutex<graphs::GraphCache>>,
+    /// The early-replay state of the step being recorded ([`graphs::Early`]).
+    early: Mutex<graphs::Early>,
     /// The int4 slab buffer of large-batch int4 products, once reserved ([`q4_slab`]).
     slab: OnceLock<Buffer>,
 }
@@ -129,6 +131,7 @@ impl CudaBackend {
             dtype: opts.dtype,
             state: Mutex::new(StepState::default()),
             graphs: opts.cuda_graphs.then(|| Mutex::new(graphs::GraphCache::default())),
+            early: Mutex::new(graphs::Early::default()),
             slab: OnceLock::new(),
         })
     }
@@ -143,6 +146,14 @@ impl CudaBackend {
     pub fn graph_stats(&self) -> Option<(u64, u64, u64)> {
         let cache = self.graphs.as_ref()?.lock().ok()?;
         Some((cache.counts[0], cache.counts[1], cache.counts[2]))
+    }
+
+    /// Early replays so far ([`graphs`]: a predicted graph launched before its step finished
+    /// recording): (those that matched their step, those that did not, after which the step ran
+    /// again eagerly); `None` when graphs are off.
+    pub fn early_replay_stats(&self) -> Option<(u64, u64)> {
+        let cache = self.graphs.as_ref()?.lock().ok()?;
+        Some(cache.early)
     }
 
     /// The capped caching allocator.
@@ -269,9 +280,21 @@ impl Ops for CudaBackend {
             None => step(),
             Some(cache) => {
                 let mut cache = cache.lock().map_err(|_| Error::invalid("cuda graph cache poisoned"))?;
-                graphs::run_step(&self.gpu, &self.staging, &mut cache, step)
+                graphs::run_step(&self.gpu, &self.staging, &mut cache, &self.early, step)
             }
         }
+    }
+
+    fn step_inputs_ready(&self, logit_rows: &[u32]) -> Result<()> {
+        if self.graphs.is_none() || self.gpu.mode() != LaunchMode::Record {
+            return Ok(());
+        }
+        {
+            // `gather_rows` puts the same bytes at the end of the step (a no-op then).
+            let mut st = self.state()?;
+            self.put(&mut st, Slot::Rows, as_bytes(logit_rows))?;
+        }
+        graphs::inputs_ready(&self.gpu, &self.staging, &self.early)
     }
 
     fn upload(&self, dst: &mut Tensor, src: &[u8]) -> Result<()> {

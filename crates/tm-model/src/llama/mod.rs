@@ -270,6 +270,10 @@ impl LlamaModel {
             let (k_cache, v_cache) = kv.layer_mut(i);
             ops.rope_write_kv(&mut ws.q, &mut ws.k, &ws.v, k_cache, v_cache, step.positions, freqs, step.slot_mapping)?;
             ops.attention(&ws.q, k_cache, v_cache, meta, &mut ws.attn)?;
+            if i == 0 {
+                // Every per-step input is uploaded by now (the later layers upload the same).
+                ops.step_inputs_ready(step.logit_rows)?;
+            }
             ops.matmul(&ws.attn, &layer.o, None, &mut ws.delta)?;
             self.join_residual(cx, ws, &layer.mlp_norm, &self.step_names[i][0])?;
             ops.gate_up_silu(&ws.normed, &layer.gate, &layer.up, &mut ws.gate, &mut ws.up, &mut ws.act)?;
