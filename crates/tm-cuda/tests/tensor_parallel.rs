@@ -163,8 +163,15 @@ fn rel_diff(got: &[f32], want: &[f32]) -> f32 {
 }
 
 /// tp=1 on GPU 0 against tp=`world` on GPUs 0.. for every prompt of `path`; returns the worst
-/// logit difference and whether every greedy continuation matched.
-fn compare(path: &Path, prompts: &[Vec<u32>], dtype: DType, steps: usize, world: usize) -> (f32, usize, usize) {
+/// logit difference and whether every greedy continuation matched, or the error of loading the
+/// shards (e.g. int4 groups that cannot stay whole on a rank at this `world`).
+fn compare(
+    path: &Path,
+    prompts: &[Vec<u32>],
+    dtype: DType,
+    steps: usize,
+    world: usize,
+) -> Result<(f32, usize, usize), String> {
     let single = CudaBackend::open(options(dtype)).expect("CUDA backend");
     let m = load(path, &single, &mut |_, _| {}).expect("single-GPU load");
     let want: Vec<_> = prompts
@@ -174,7 +181,8 @@ fn compare(path: &Path, prompts: &[Vec<u32>], dtype: DType, steps: usize, world:
     drop(m);
     drop(single);
     let (comms, factory) = nccl_ranks(world, dtype);
-    let mut tp = load_tp(path, boxed(comms), factory, tp_options(Duration::from_secs(30))).expect("tp load");
+    let mut tp =
+        load_tp(path, boxed(comms), factory, tp_options(Duration::from_secs(30))).map_err(|e| e.to_string())?;
     let mut worst = 0f32;
     let mut same = 0;
     for (p, (wl, wi)) in prompts.iter().zip(&want) {
@@ -188,7 +196,7 @@ fn compare(path: &Path, prompts: &[Vec<u32>], dtype: DType, steps: usize, world:
         }
     }
     tp.group.shutdown().expect("tp group stops");
-    (worst, same, prompts.len())
+    Ok((worst, same, prompts.len()))
 }
 
 #[test]
@@ -366,7 +374,15 @@ fn fixtures_tp2_match_tp1() {
         }
         let p = prompts(&if name.starts_with("llama-") { fixtures_dir().join("llama") } else { dir.clone() });
         for dtype in [DType::F32, DType::BF16] {
-            let (worst, same, total) = compare(&dir, &p, dtype, 12, world());
+            let (worst, same, total) = match compare(&dir, &p, dtype, 12, world()) {
+                Ok(r) => r,
+                // The fixtures' int4 layers are 32 columns per group over 64: whole on 2 ranks, not 4.
+                Err(e) if e.contains("must stay whole on a rank") => {
+                    println!("{test}: {name} {dtype}: not splittable at tp={}, as the loader says: {e}", world());
+                    continue;
+                }
+                Err(e) => panic!("{test}: {name} {dtype}: tp load: {e}"),
+            };
             let tol = if dtype == DType::F32 { 1e-4 } else { 3e-2 };
             let ok = worst <= tol && (dtype != DType::F32 || same == total);
             println!(
@@ -403,7 +419,7 @@ fn default_model_tp2_matches_tp1() {
     drop(m);
     drop(single);
     for dtype in [DType::F32, DType::BF16] {
-        let (worst, same, total) = compare(&path, std::slice::from_ref(&ids), dtype, 24, 2);
+        let (worst, same, total) = compare(&path, std::slice::from_ref(&ids), dtype, 24, 2).expect("tp=2 load");
         println!("{test}: {dtype}: max logit diff {worst:.2e} of the range; greedy 24 tokens same {same}/{total}");
         if dtype == DType::F32 {
             assert!(worst <= 1e-3 && same == total, "f32 tp=2 differs from tp=1");
