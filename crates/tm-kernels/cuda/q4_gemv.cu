@@ -169,35 +169,40 @@ __device__ __forceinline__ void mma(float c[4], const unsigned a[4], unsigned b0
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Word k (0..3) of a 16-byte chunk.
+__device__ __forceinline__ unsigned word_of(const uint4& c, int k) { return k == 0 ? c.x : k == 1 ? c.y : k == 2 ? c.z : c.w; }
+
+// The mma B operands of word k of a step: x of the columns (4k, 4k+2) and (4k+1, 4k+3) (low
+// nibbles) and the same + 16 (high nibbles), picked from the lane's 32 loaded x values (`xv`:
+// words 0..15) with one PRMT each.
+struct XPairs {
+    unsigned l02, l13, h02, h13;
+};
+__device__ __forceinline__ XPairs x_pairs(const uint4 (&xv)[4], int k) {
+    const unsigned a = word_of(xv[k / 2], (2 * k) % 4), b = word_of(xv[k / 2], (2 * k + 1) % 4);
+    const unsigned c = word_of(xv[2 + k / 2], (2 * k) % 4), d = word_of(xv[2 + k / 2], (2 * k + 1) % 4);
+    return {__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632), __byte_perm(c, d, 0x5410), __byte_perm(c, d, 0x7632)};
+}
+
 // The math of one step of NT tiles: the lane's 16-byte chunks `w[i][h]` of rows g and g + 8 of
 // tile i, their groups' prepared scales `sc[i][h]` and x[g] of the chunk's 32 columns (`xv`), into
 // acc[i] (the m16n8 C fragment).
 template <class T, int NT>
 __device__ __forceinline__ void step_math(const uint4 (&w)[NT][2], const typename Q4<T>::Scale (&sc)[NT][2],
                                           const uint4 (&xv)[4], float (*acc)[4]) {
-    const unsigned xw[16] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w,
-                             xv[2].x, xv[2].y, xv[2].z, xv[2].w, xv[3].x, xv[3].y, xv[3].z, xv[3].w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        // x pairs of columns (4k, 4k+2), (4k+1, 4k+3) and the same + 16.
-        const unsigned xl02 = __byte_perm(xw[2 * k], xw[2 * k + 1], 0x5410);
-        const unsigned xl13 = __byte_perm(xw[2 * k], xw[2 * k + 1], 0x7632);
-        const unsigned xh02 = __byte_perm(xw[8 + 2 * k], xw[9 + 2 * k], 0x5410);
-        const unsigned xh13 = __byte_perm(xw[8 + 2 * k], xw[9 + 2 * k], 0x7632);
+        const XPairs x = x_pairs(xv, k);
 #pragma unroll
         for (int i = 0; i < NT; ++i) {
-            const uint4& lo = w[i][0];
-            const uint4& hi = w[i][1];
-            const unsigned wl = k == 0 ? lo.x : k == 1 ? lo.y : k == 2 ? lo.z : lo.w;
-            const unsigned wh = k == 0 ? hi.x : k == 1 ? hi.y : k == 2 ? hi.z : hi.w;
             unsigned pl[4], ph[4];  // rows g and g + 8
-            Q4<T>::dequant(wl, sc[i][0], pl);
-            Q4<T>::dequant(wh, sc[i][1], ph);
+            Q4<T>::dequant(word_of(w[i][0], k), sc[i][0], pl);
+            Q4<T>::dequant(word_of(w[i][1], k), sc[i][1], ph);
             // a0: row g, slots 2t..2t+1; a1: row g+8, same; a2: row g, slots 2t+8..2t+9; a3: row g+8.
             const unsigned alo[4] = {pl[0], ph[0], pl[1], ph[1]};
             const unsigned ahi[4] = {pl[2], ph[2], pl[3], ph[3]};
-            mma(acc[i], alo, xl02, xl13, T());
-            mma(acc[i], ahi, xh02, xh13, T());
+            mma(acc[i], alo, x.l02, x.l13, T());
+            mma(acc[i], ahi, x.h02, x.h13, T());
         }
     }
 }
@@ -235,8 +240,6 @@ template <class T> __device__ __forceinline__ void raw4(unsigned w, unsigned p[4
 template <class T, int NT>
 __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __half (&sh)[NT][2],
                                                const __half (&mh)[NT][2], const uint4 (&xv)[4], float (*acc)[4]) {
-    const unsigned xw[16] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w,
-                             xv[2].x, xv[2].y, xv[2].z, xv[2].w, xv[3].x, xv[3].y, xv[3].z, xv[3].w};
     const unsigned ones[4] = {Raw4<T>::ONES, Raw4<T>::ONES, Raw4<T>::ONES, Raw4<T>::ONES};
     float xs[4] = {0.f, 0.f, 0.f, 0.f};  // X of batch columns 2t, 2t + 1 (rows g and g + 8 alike)
     float t[NT][4];
@@ -246,25 +249,18 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
         for (int e = 0; e < 4; ++e) t[i][e] = 0.f;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        const unsigned xl02 = __byte_perm(xw[2 * k], xw[2 * k + 1], 0x5410);
-        const unsigned xl13 = __byte_perm(xw[2 * k], xw[2 * k + 1], 0x7632);
-        const unsigned xh02 = __byte_perm(xw[8 + 2 * k], xw[9 + 2 * k], 0x5410);
-        const unsigned xh13 = __byte_perm(xw[8 + 2 * k], xw[9 + 2 * k], 0x7632);
-        mma(xs, ones, xl02, xl13, T());
-        mma(xs, ones, xh02, xh13, T());
+        const XPairs x = x_pairs(xv, k);
+        mma(xs, ones, x.l02, x.l13, T());
+        mma(xs, ones, x.h02, x.h13, T());
 #pragma unroll
         for (int i = 0; i < NT; ++i) {
-            const uint4& lo = w[i][0];
-            const uint4& hi = w[i][1];
-            const unsigned wl = k == 0 ? lo.x : k == 1 ? lo.y : k == 2 ? lo.z : lo.w;
-            const unsigned wh = k == 0 ? hi.x : k == 1 ? hi.y : k == 2 ? hi.z : hi.w;
             unsigned pl[4], ph[4];  // rows g and g + 8
-            raw4<T>(wl, pl);
-            raw4<T>(wh, ph);
+            raw4<T>(word_of(w[i][0], k), pl);
+            raw4<T>(word_of(w[i][1], k), ph);
             const unsigned alo[4] = {pl[0], ph[0], pl[1], ph[1]};
             const unsigned ahi[4] = {pl[2], ph[2], pl[3], ph[3]};
-            mma(t[i], alo, xl02, xl13, T());
-            mma(t[i], ahi, xh02, xh13, T());
+            mma(t[i], alo, x.l02, x.l13, T());
+            mma(t[i], ahi, x.h02, x.h13, T());
         }
     }
 #pragma unroll

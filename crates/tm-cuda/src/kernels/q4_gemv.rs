@@ -161,18 +161,16 @@ impl Unroll {
     }
 }
 
-/// What [`set_unroll`] can force: the kernels and the `pfw` choice.
-const FORCIBLE: [Unroll; 9] = [
-    Unroll::Two,
-    Unroll::Four,
-    Unroll::Narrow,
-    Unroll::NarrowFour,
-    Unroll::Prefetch,
-    Unroll::Prefetch8,
-    Unroll::Lean,
-    Unroll::Lean4,
-    Unroll::OneWave,
-];
+/// What [`set_unroll`] can force: the kernels ([`Unroll::ALL`]) and the `pfw` choice.
+const FORCIBLE: [Unroll; Unroll::ALL.len() + 1] = {
+    let mut f = [Unroll::OneWave; Unroll::ALL.len() + 1];
+    let mut i = 0;
+    while i < Unroll::ALL.len() {
+        f[i] = Unroll::ALL[i];
+        i += 1;
+    }
+    f
+};
 
 /// [`set_unroll`]'s override: 0 = none, else 1 + the index in [`FORCIBLE`].
 static OVERRIDE: AtomicU8 = AtomicU8::new(0);
