@@ -75,6 +75,13 @@ fn world() -> usize {
     std::env::var("TM_TP_WORLD").ok().and_then(|v| v.trim().parse::<usize>().ok()).map_or(2, |w| w.clamp(2, gpus))
 }
 
+/// Serializes the tests of this binary: they share GPUs 0.. and NCCL's process-wide state, and
+/// side by side their groups contend (a test run in parallel used to fail or abort).
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn fixtures_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("TM_FIXTURES").filter(|d| !d.is_empty()) {
         return PathBuf::from(d);
@@ -201,6 +208,7 @@ fn compare(
 
 #[test]
 fn nccl_self_test_reports_the_transport() {
+    let _serial = serial();
     let test = "nccl_self_test_reports_the_transport";
     if skip(test) {
         return;
@@ -234,6 +242,7 @@ fn nccl_self_test_reports_the_transport() {
 /// include launch overhead; in CUDA graphs the kernels cost less.
 #[test]
 fn small_all_reduce_latency() {
+    let _serial = serial();
     let test = "small_all_reduce_latency";
     if skip(test) {
         return;
@@ -348,6 +357,7 @@ fn small_all_reduce_latency() {
 
 #[test]
 fn fixtures_tp2_match_tp1() {
+    let _serial = serial();
     let test = "fixtures_tp2_match_tp1";
     if skip(test) {
         return;
@@ -400,6 +410,7 @@ fn fixtures_tp2_match_tp1() {
 
 #[test]
 fn default_model_tp2_matches_tp1() {
+    let _serial = serial();
     let test = "default_model_tp2_matches_tp1";
     if skip(test) {
         return;
@@ -429,6 +440,7 @@ fn default_model_tp2_matches_tp1() {
 
 #[test]
 fn engine_over_two_gpus_matches_one() {
+    let _serial = serial();
     let test = "engine_over_two_gpus_matches_one";
     if skip(test) {
         return;
@@ -541,6 +553,7 @@ fn stall_once(at: u64, timeout: Duration, peer_path: bool) -> Result<(), String>
 
 #[test]
 fn a_stalled_rank_fails_the_other_within_the_deadline() {
+    let _serial = serial();
     let test = "a_stalled_rank_fails_the_other_within_the_deadline";
     if skip(test) {
         return;
@@ -637,6 +650,7 @@ fn on_ranks<T: Send>(
 
 #[test]
 fn peer_collectives_match_nccl_and_the_host() {
+    let _serial = serial();
     let test = "peer_collectives_match_nccl_and_the_host";
     if skip(test) {
         return;
@@ -737,6 +751,7 @@ fn copy_on_stream(gpu: &Gpu, dst: u64, src: u64, bytes: usize) {
 /// parities of both protocols' slots. Every sum stays bit-exact on both ranks.
 #[test]
 fn peer_epochs_survive_thousands_of_calls_and_graph_replays() {
+    let _serial = serial();
     let test = "peer_epochs_survive_thousands_of_calls_and_graph_replays";
     if skip(test) {
         return;
@@ -833,6 +848,7 @@ fn peer_epochs_survive_thousands_of_calls_and_graph_replays() {
 
 #[test]
 fn a_rank_that_never_arrives_fails_the_peer_collective_within_its_deadline() {
+    let _serial = serial();
     let test = "a_rank_that_never_arrives_fails_the_peer_collective_within_its_deadline";
     if skip(test) {
         return;
@@ -989,6 +1005,7 @@ fn norm_close(dtype: DType, got: &[f32], want: &[f64]) -> bool {
 /// rows of small models, and odd widths (the scalar paths).
 #[test]
 fn fused_all_reduce_add_rms_norm_matches_the_separate_kernels() {
+    let _serial = serial();
     let test = "fused_all_reduce_add_rms_norm_matches_the_separate_kernels";
     if skip(test) || fused_off(test) {
         return;
@@ -1116,6 +1133,7 @@ fn fused_all_reduce_add_rms_norm_matches_the_separate_kernels() {
 /// eagerly while rank 0 replays), keeps every result equal to the first separate computation.
 #[test]
 fn fused_and_plain_collectives_interleave_eagerly_and_in_graphs() {
+    let _serial = serial();
     let test = "fused_and_plain_collectives_interleave_eagerly_and_in_graphs";
     if skip(test) || fused_off(test) {
         return;
