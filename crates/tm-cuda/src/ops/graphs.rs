@@ -107,13 +107,7 @@ pub(crate) fn inputs_ready(gpu: &Gpu, staging: &Staging, early: &Mutex<Early>) -
     if want != prefix || gpu.uncapturable() {
         return Ok(());
     }
-    if let Some((start, _)) = &e.events {
-        let _ = start.record(gpu.stream());
-    }
-    graph.0.launch().map_err(driver_err("cuGraphLaunch (early)"))?;
-    if let Some((_, end)) = &e.events {
-        let _ = end.record(gpu.stream());
-    }
+    launch_timed(gpu, &graph, &e.events, "cuGraphLaunch (early)")?;
     e.launched = Some((full, staging.upload_stats().0));
     Ok(())
 }
@@ -217,10 +211,7 @@ pub(crate) fn run_step(
         if let Some((prefix, full)) = cache.last.filter(|_| early_enabled()) {
             if let Some(graph) = cache.graphs.get(&full) {
                 e.predicted = Some((prefix, full, Arc::clone(graph)));
-                e.events = match cache.replay_events.take() {
-                    Some(ev) => Some(ev),
-                    None => replay_events(gpu),
-                };
+                e.events = take_events(cache, gpu);
             }
         }
     }
@@ -273,19 +264,10 @@ pub(crate) fn run_step(
         cache.counts[1] += 1;
         return Ok(());
     }
-    if let Some(graph) = cache.graphs.get(&signature) {
+    if let Some(graph) = cache.graphs.get(&signature).cloned() {
         cache.counts[0] += 1;
-        let events = match cache.replay_events.take() {
-            Some(e) => Some(e),
-            None => replay_events(gpu),
-        };
-        if let Some((start, _)) = &events {
-            let _ = start.record(gpu.stream());
-        }
-        graph.0.launch().map_err(driver_err("cuGraphLaunch"))?;
-        if let Some((_, end)) = &events {
-            let _ = end.record(gpu.stream());
-        }
+        let events = take_events(cache, gpu);
+        launch_timed(gpu, &graph, &events, "cuGraphLaunch")?;
         cache.replay_pending = events.is_some();
         cache.replay_events = events;
         cache.last = prefix.map(|p| (p, signature));
@@ -303,6 +285,23 @@ pub(crate) fn run_step(
             }
             Err(e) => tracing::debug!("CUDA graph capture failed, the step ran eagerly: {e}"),
         }
+    }
+    Ok(())
+}
+
+/// The cache's timing events for the next replay (made on first use).
+fn take_events(cache: &mut GraphCache, gpu: &Gpu) -> Option<(CudaEvent, CudaEvent)> {
+    cache.replay_events.take().or_else(|| replay_events(gpu))
+}
+
+/// Launches `graph` on the stream between the two timing `events` (when there are any).
+fn launch_timed(gpu: &Gpu, graph: &Graph, events: &Option<(CudaEvent, CudaEvent)>, what: &'static str) -> Result<()> {
+    if let Some((start, _)) = events {
+        let _ = start.record(gpu.stream());
+    }
+    graph.0.launch().map_err(driver_err(what))?;
+    if let Some((_, end)) = events {
+        let _ = end.record(gpu.stream());
     }
     Ok(())
 }
