@@ -189,26 +189,22 @@ struct Reply {
 #[derive(Debug, Default)]
 struct StepTiming {
     steps: u64,
-    /// Per rank: send → the rank takes the command; the rank's work; the rank's reply → the
-    /// caller takes it.
-    woke: Vec<Duration>,
-    busy: Vec<Duration>,
-    back: Vec<Duration>,
+    /// Per rank, summed: send → the rank takes the command; the rank's work; the rank's reply →
+    /// the caller takes it.
+    ranks: Vec<[Duration; 3]>,
 }
 
 impl StepTiming {
     fn add(&mut self, rank: usize, woke: Duration, busy: Duration, back: Duration) {
-        if self.woke.len() <= rank {
-            self.woke.resize(rank + 1, Duration::ZERO);
-            self.busy.resize(rank + 1, Duration::ZERO);
-            self.back.resize(rank + 1, Duration::ZERO);
+        if self.ranks.len() <= rank {
+            self.ranks.resize(rank + 1, [Duration::ZERO; 3]);
         }
         if rank == 0 {
             self.steps += 1;
         }
-        self.woke[rank] += woke;
-        self.busy[rank] += busy;
-        self.back[rank] += back;
+        for (sum, d) in self.ranks[rank].iter_mut().zip([woke, busy, back]) {
+            *sum += d;
+        }
     }
 
     /// One line per rank: mean microseconds per step.
@@ -217,15 +213,17 @@ impl StepTiming {
             return Vec::new();
         }
         let us = |d: Duration| d.as_secs_f64() * 1e6 / self.steps as f64;
-        (0..self.woke.len())
-            .map(|r| {
+        self.ranks
+            .iter()
+            .enumerate()
+            .map(|(r, [woke, busy, back])| {
                 format!(
                     "tensor-parallel steps ({}): rank {r} took the command {:.1} us after the send, worked {:.1} us, \
                      its reply was taken {:.1} us later",
                     self.steps,
-                    us(self.woke[r]),
-                    us(self.busy[r]),
-                    us(self.back[r])
+                    us(*woke),
+                    us(*busy),
+                    us(*back)
                 )
             })
             .collect()
