@@ -92,12 +92,21 @@ pub struct Gpu {
     /// Whether kernels that wait for their predecessors are launched with PDL on this device.
     pdl: bool,
     kernel_source: String,
-    /// The launch mode, the signature being recorded, whether the recorded step did work
-    /// that cannot be captured into a graph ([`Gpu::mark_uncapturable`]), and whether it launched
-    /// a collective ([`Gpu::mark_collective`]).
-    recorder: Mutex<(LaunchMode, u64, bool, bool)>,
+    /// The launch mode and what the step being recorded did.
+    recorder: Mutex<Recorder>,
     /// Host time per kernel name while steps are recorded (`TM_RECORD_PROFILE=1`).
     profile: Option<Mutex<RecordProfile>>,
+}
+
+/// The launch mode, and for the step recorded since the last switch to [`LaunchMode::Record`]: its
+/// signature, whether it did work that cannot be captured into a graph
+/// ([`Gpu::mark_uncapturable`]), and whether it launched a collective ([`Gpu::mark_collective`]).
+#[derive(Debug)]
+struct Recorder {
+    mode: LaunchMode,
+    signature: u64,
+    uncapturable: bool,
+    collectives: bool,
 }
 
 impl Drop for Gpu {
@@ -151,7 +160,12 @@ impl Gpu {
             functions: Mutex::new(HashMap::new()),
             kernel_source,
             pdl,
-            recorder: Mutex::new((LaunchMode::Eager, FNV_OFFSET, false, false)),
+            recorder: Mutex::new(Recorder {
+                mode: LaunchMode::Eager,
+                signature: FNV_OFFSET,
+                uncapturable: false,
+                collectives: false,
+            }),
             profile: record_profile::enabled().then(|| Mutex::new(RecordProfile::default())),
         }))
     }
@@ -200,39 +214,39 @@ impl Gpu {
 
     /// The current launch mode.
     pub fn mode(&self) -> LaunchMode {
-        self.recorder.lock().map_or(LaunchMode::Eager, |r| r.0)
+        self.recorder.lock().map_or(LaunchMode::Eager, |r| r.mode)
     }
 
     /// Switches the launch mode; entering [`LaunchMode::Record`] starts a new signature.
     pub fn set_mode(&self, mode: LaunchMode) {
         if let Ok(mut r) = self.recorder.lock() {
             if mode == LaunchMode::Record {
-                r.1 = FNV_OFFSET;
-                r.2 = false;
-                r.3 = false;
+                r.signature = FNV_OFFSET;
+                r.uncapturable = false;
+                r.collectives = false;
             }
             if let Some(mut p) = self.profile.as_ref().and_then(|p| p.lock().ok()) {
-                match (r.0, mode) {
+                match (r.mode, mode) {
                     (LaunchMode::Record, LaunchMode::Record) => {}
                     (_, LaunchMode::Record) => p.start(),
                     (LaunchMode::Record, _) => p.end(),
                     _ => {}
                 }
             }
-            r.0 = mode;
+            r.mode = mode;
         }
     }
 
     /// The signature recorded since the last switch to [`LaunchMode::Record`].
     pub fn signature(&self) -> u64 {
-        self.recorder.lock().map_or(0, |r| r.1)
+        self.recorder.lock().map_or(0, |r| r.signature)
     }
 
     /// Marks the step being recorded as one that must run eagerly (it does work a graph cannot
     /// hold, e.g. an NCCL collective): it is neither captured nor replayed.
     pub fn mark_uncapturable(&self) {
         if let Ok(mut r) = self.recorder.lock() {
-            r.2 = true;
+            r.uncapturable = true;
         }
     }
 
@@ -240,8 +254,8 @@ impl Gpu {
     /// all-reduce): running it again on this rank alone would leave the other ranks behind.
     pub fn mark_collective(&self) {
         if let Ok(mut r) = self.recorder.lock() {
-            if r.0 == LaunchMode::Record {
-                r.3 = true;
+            if r.mode == LaunchMode::Record {
+                r.collectives = true;
             }
         }
     }
@@ -249,21 +263,21 @@ impl Gpu {
     /// Whether the step recorded since the last switch to [`LaunchMode::Record`] was marked
     /// with [`Gpu::mark_collective`].
     pub fn collectives(&self) -> bool {
-        self.recorder.lock().map_or(true, |r| r.3)
+        self.recorder.lock().map_or(true, |r| r.collectives)
     }
 
     /// Whether the step recorded since the last switch to [`LaunchMode::Record`] was marked
     /// with [`Gpu::mark_uncapturable`].
     pub fn uncapturable(&self) -> bool {
-        self.recorder.lock().map_or(true, |r| r.2)
+        self.recorder.lock().map_or(true, |r| r.uncapturable)
     }
 
     /// Folds `words` into the signature (for work that is not a plain kernel launch, e.g. a
     /// cuBLASLt product).
     pub fn record(&self, words: &[u64]) {
         if let Ok(mut r) = self.recorder.lock() {
-            r.1 = words.iter().fold(r.1, |h, &w| fnv(h, w));
-            if r.0 == LaunchMode::Record {
+            r.signature = words.iter().fold(r.signature, |h, &w| fnv(h, w));
+            if r.mode == LaunchMode::Record {
                 self.profile_mark("(signed product: Gpu::record)");
             }
         }
@@ -313,7 +327,7 @@ impl Gpu {
     pub fn launch(&self, name: &str, grid: Dim3, block: Dim3, shared_mem: u32, args: &[KernelArg]) -> Result<()> {
         if self.mode() == LaunchMode::Record {
             let mut r = self.recorder.lock().map_err(|_| Error::invalid("cuda launch recorder poisoned"))?;
-            let mut h = name.bytes().fold(r.1, |h, b| fnv(h, b as u64));
+            let mut h = name.bytes().fold(r.signature, |h, b| fnv(h, b as u64));
             for w in [grid.0, grid.1, grid.2, block.0, block.1, block.2, shared_mem] {
                 h = fnv(h, w as u64);
             }
@@ -329,7 +343,7 @@ impl Gpu {
                     },
                 );
             }
-            r.1 = h;
+            r.signature = h;
             self.profile_mark(name);
             return Ok(());
         }
