@@ -5,7 +5,8 @@
 //! `M` = 512, 2048, 8192 tokens: `out[M, rows] = x[M, cols] · Wᵀ` through
 //! - cuBLASLt with a dense `W` of the same dtype (tm-cuda's `Blas`, what dense models run),
 //! - `matmul_q4` with its automatic choice (int4 group 128, the AWQ default),
-//! - the int4 GEMM with each tile shape forced (`l`, `m`, `s`, `t`), and the older tiled kernel
+//! - the int4 GEMM with each tile shape forced (`l`, `m`, `s`, `t`, and on sm_90 the wgmma shapes
+//!   `w`, `v`; elsewhere forcing those times the automatic choice), and the older tiled kernel
 //!   (`TM_Q4_GEMM=off`),
 //! - the large-batch slab path (`tm_cuda::kernels::q4_slab`: dequantize a slab of rows into a
 //!   `--slab-mib` scratch buffer, default `tm_core::q4_slab::SLAB_BYTES`, then cuBLASLt into the
@@ -183,8 +184,8 @@ fn run(args: &Args) -> Result<()> {
         std::env::var("TM_Q4_GEMM").unwrap_or_else(|_| "(unset)".into())
     );
     println!(
-        "{:<5} {:<8} {:>5} {:>6} {:>6} | {:>9} {:>7} | {:>9} {:>7} {:>6} {:>4} | {:>4} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8} \
-         | {:>8} {:>7} {:>6} {:>5} {:>7}",
+        "{:<5} {:<8} {:>5} {:>6} {:>6} | {:>9} {:>7} | {:>9} {:>7} {:>6} {:>4} | {:>4} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} \
+         {:>8} | {:>8} {:>7} {:>6} {:>5} {:>7}",
         "dtype",
         "shape",
         "M",
@@ -202,6 +203,8 @@ fn run(args: &Args) -> Result<()> {
         "m us",
         "s us",
         "t us",
+        "w us",
+        "v us",
         "tiled us",
         "slab us",
         "TFLOP/s",
@@ -301,7 +304,7 @@ fn run(args: &Args) -> Result<()> {
                     }
                     None => format!("{:>8} {:>7} {:>6} {:>5} {:>7}", "-", "-", "-", "-", "-"),
                 };
-                let auto_tile = q4_gemm::pick(m, rows, sms);
+                let auto_tile = q4_gemm::pick(m, rows, sms, q4_gemm::wgmma_available(&gpu));
                 let (best, t_best) = Tile::ALL
                     .iter()
                     .zip(&per_tile)

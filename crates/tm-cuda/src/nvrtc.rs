@@ -23,9 +23,11 @@ pub enum Output {
 }
 
 impl Output {
-    /// The `--gpu-architecture` option.
+    /// The `--gpu-architecture` option. An sm_90 cubin is built for `sm_90a` (Hopper's
+    /// arch-specific wgmma, which `q4_gemm.cu` uses), as `cargo xtask build-kernels` builds it.
     pub fn arch_option(self) -> String {
         match self {
+            Output::Cubin(90) => "--gpu-architecture=sm_90a".to_string(),
             Output::Cubin(sm) => format!("--gpu-architecture=sm_{sm}"),
             Output::Ptx(sm) => format!("--gpu-architecture=compute_{sm}"),
         }
@@ -375,7 +377,8 @@ mod tests {
         assert_eq!(choose_output(90, &supported), Some(Output::Cubin(90)));
         assert_eq!(choose_output(91, &supported), Some(Output::Ptx(90)));
         assert_eq!(choose_output(70, &supported), None);
-        assert_eq!(Output::Cubin(90).arch_option(), "--gpu-architecture=sm_90");
+        assert_eq!(Output::Cubin(90).arch_option(), "--gpu-architecture=sm_90a");
+        assert_eq!(Output::Cubin(89).arch_option(), "--gpu-architecture=sm_89");
         assert_eq!(Output::Ptx(87).arch_option(), "--gpu-architecture=compute_87");
     }
 

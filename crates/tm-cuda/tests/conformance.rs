@@ -2066,6 +2066,8 @@ fn matmul_q4_policies(s: &mut Suite, n: usize, rows: usize, cols: usize, group: 
             Policy::Force(Tile::Medium),
             Policy::Force(Tile::Small),
             Policy::Force(Tile::Tall),
+            Policy::Force(Tile::Wgmma),
+            Policy::Force(Tile::WgmmaNarrow),
             Policy::Auto,
             Policy::Off,
         ];

@@ -320,6 +320,366 @@ __device__ __forceinline__ void q4_gemm(T* __restrict__ out, const T* __restrict
 }  // namespace tmg
 
 // ---------------------------------------------------------------------------------------------
+// sm_90a: the same product with Hopper's warpgroup mma (wgmma), weights as the register operand.
+//
+// The GEMM is computed transposed, out^T[rows, n] = W[rows, cols] · x^T, so that the dequantized
+// weights are wgmma's A operand, which may come from registers: a warpgroup (4 warps, 128 threads)
+// runs wgmma.m64nNk16 with A = 64 weight rows x 16 columns dequantized in registers and B = the
+// activation tile (N tokens x 16 columns) read by the tensor cores straight from shared memory
+// through a matrix descriptor. The register fragment of A is the one of mma.m16n8k16 per warp
+// (warp w of the warpgroup holds rows 16 w .. 16 w + 15), so the dequantization is `dequant8`
+// above, unchanged: for weight row g (+ 8) and a 32-column block, one word gives the fragments of
+// both 16-column steps.
+//
+// A block is two warpgroups (256 threads): 128 weight rows (64 per warpgroup) x NTOK tokens.
+// - shared memory per stage: the activation tile, NTOK rows of 64 columns (128 bytes) in the
+//   128-byte swizzle wgmma reads (16-byte chunk c of row r at chunk c ^ (r & 7), stage bases
+//   1024-byte aligned: the layout of the mma.sync kernel's activation tile), then the packed tile,
+//   128 rows of 32 bytes laid out as in the mma.sync kernel;
+// - cp.async brings tile kt + STAGES - 1 into the stage tile kt - 1 used while tile kt is
+//   multiplied (one block barrier per tile; cp.async writes are generic-proxy writes, so each
+//   thread fences them for the async proxy before the barrier);
+// - per warpgroup and tile, two halves (32-column blocks) with their own A registers: wait until
+//   only one wgmma group is in flight (the other half's, so this half's of tile kt - 1 are done),
+//   dequantize this half's two fragments, issue its two wgmmas as one group. So a half's
+//   dequantization overlaps the other half's wgmmas. A wgmma reads its register operand
+//   asynchronously and ptxas does not protect it: registers may be rewritten only after the wait
+//   that retires the wgmmas reading them (a rolled loop that dequantized the next tile into the
+//   registers of in-flight wgmmas gave wrong sums; asking ptxas to keep them alive made it
+//   serialize every wgmma);
+// - the packed words of tile kt + 1 are read from shared memory right after the barrier, the
+//   scales and mins two tiles ahead from global memory into registers (one tile ahead left their
+//   latency exposed: 450 -> 520 TFLOP/s on the H200).
+// Epilogue: the accumulator of a thread holds, for weight rows g and g + 8 of its warp's 16, the
+// tokens 8 j + 2 t and 8 j + 2 t + 1; written as 2-byte stores.
+//
+// Requirements: those of the mma.sync kernel, and an sm_90a image: the build compiles sm_90 as
+// sm_90a; elsewhere these kernels trap, and only the sm_90a image defines the marker kernel
+// `matmul_q4_gemm_sm90a`, which the launcher looks up before it picks them.
+
+namespace tmw {
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TMW_WGMMA 1
+#else
+#define TMW_WGMMA 0
+#endif
+
+constexpr int THREADS = 256;  // two warpgroups
+constexpr int BW = 128;       // weight rows per block
+using tmg::BK;
+
+template <int NTOK, int STAGES> struct Shape {
+    static constexpr int X_BYTES = NTOK * 128;  // activation tile per stage
+    static constexpr int W_BYTES = BW * 32;     // packed tile per stage
+    static constexpr int STAGE = X_BYTES + W_BYTES;
+    static_assert(STAGE % 1024 == 0, "stage bases stay 1024-byte aligned");
+    static constexpr int SMEM = STAGES * STAGE + 1024;  // + alignment slack
+    static constexpr int X_PER_THREAD = NTOK * 8 / THREADS;
+    static constexpr int ACC = NTOK / 2;  // f32 accumulators per thread (m64 x NTOK / 128)
+    static_assert(X_PER_THREAD * THREADS == NTOK * 8, "copy split");
+    static_assert(STAGES >= 3, "tiles kt + 1 .. kt + STAGES - 1 in flight while kt is multiplied");
+};
+
+#if TMW_WGMMA
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const unsigned (&a)[4], unsigned long long desc, __half) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[128], const unsigned (&a)[4], unsigned long long desc, __half) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, {%128, %129, %130, %131}, %132, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const unsigned (&a)[4], unsigned long long desc, __nv_bfloat16) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[128], const unsigned (&a)[4], unsigned long long desc, __nv_bfloat16) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, {%128, %129, %130, %131}, %132, 1, 1, 1, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+
+
+// Orders this thread's shared-memory writes (cp.async is a generic-proxy write) before later
+// reads through the async proxy (wgmma's descriptor operands).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void fence_acc(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Descriptor of a K-major operand tile in the 128-byte swizzle: start address >> 4, leading
+// offset unused (1), stride between 8-row groups 1024 bytes, swizzle mode 1 (128 bytes).
+__device__ __forceinline__ unsigned long long desc_sw128(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+#endif
+
+template <class T, int NTOK, int STAGES>
+__device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __restrict__ x,
+                                              const unsigned char* __restrict__ packed,
+                                              const __half* __restrict__ scales, const __half* __restrict__ mins,
+                                              int n, int rows, int cols, int group) {
+#if TMW_WGMMA
+    typedef Shape<NTOK, STAGES> S;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const unsigned raw0 = tmg::smem_u32(smem_raw);
+    const unsigned base = (raw0 + 1023u) & ~1023u;
+    unsigned char* const sbase = smem_raw + (base - raw0);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = warp >> 2, wq = warp & 3;
+    const int w0 = blockIdx.x * BW;   // first weight row of the block
+    const int t0 = blockIdx.y * NTOK; // first token of the block
+    const int ktiles = cols / BK;
+    const int groups = cols / group;
+    const long long row_bytes = cols >> 1;
+
+    // Producer: activation chunk i = tid + 256 i -> token tid / 8 + 32 i, chunk tid % 8 (tokens
+    // 32 apart share (token & 7)); packed chunk tid -> weight row tid / 2, block tid % 2.
+    const int a_chunk = tid & 7, a_r0 = tid >> 3;
+    const T* a_src = x + (long long)(t0 + a_r0) * cols + a_chunk * 8;
+    const long long a_step = 32ll * cols;
+    const unsigned a_dst = a_r0 * 128 + ((a_chunk ^ (a_r0 & 7)) << 4);
+    const int b_blk = tid & 1, b_r = tid >> 1;
+    const bool b_ok = w0 + b_r < rows;
+    const unsigned char* b_src = packed + (long long)(b_ok ? w0 + b_r : 0) * row_bytes + b_blk * 16;
+    const unsigned b_dst = S::X_BYTES + b_r * 32 + ((b_blk ^ ((b_r >> 2) & 1)) << 4);
+
+    auto issue_tile = [&](int stage) {
+        const unsigned sb = base + stage * S::STAGE;
+#pragma unroll
+        for (int i = 0; i < S::X_PER_THREAD; ++i) {
+            const bool ok = t0 + a_r0 + 32 * i < n;
+            tmg::cp_async16(sb + a_dst + i * 32 * 128, ok ? a_src + i * a_step : x, ok);
+        }
+        tmg::cp_async16(sb + b_dst, b_src, b_ok);
+        a_src += BK;
+        b_src += BK / 2;
+    };
+
+    // Consumer: this thread's weight rows r0 = 64 wg + 16 wq + g and r0 + 8.
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = wg * 64 + wq * 16 + g;
+    const unsigned sel = (t & 1) ? 0x7362u : 0x5140u;
+    const unsigned b_off[2] = {(unsigned)(S::X_BYTES + r0 * 32 + (((g >> 2) & 1) << 4) + ((t >> 1) << 2)),
+                               (unsigned)(S::X_BYTES + r0 * 32 + ((((g >> 2) & 1) ^ 1) << 4) + ((t >> 1) << 2))};
+    // Scales and mins of rows r0, r0 + 8 (rows past the end read row 0 and are never stored).
+    long long s_idx[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = w0 + r0 + 8 * h;
+        s_idx[h] = (long long)(r < rows ? r : 0) * groups;
+    }
+    __half sv[2][2], mv[2][2];  // [row h][block] of the tile being dequantized
+    auto load_scales = [&](int kt, __half (&s)[2][2], __half (&m)[2][2]) {
+#pragma unroll
+        for (int blk = 0; blk < 2; ++blk) {
+            const int gi = (kt * BK + blk * 32) / group;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                s[h][blk] = __ldg(scales + s_idx[h] + gi);
+                m[h][blk] = __ldg(mins + s_idx[h] + gi);
+            }
+        }
+    };
+
+    float acc[S::ACC];
+#pragma unroll
+    for (int i = 0; i < S::ACC; ++i) acc[i] = 0.f;
+
+    // The packed words of the next tile: [block][row h][first/second 8-byte half].
+    unsigned raw[2][2][2];
+    auto load_raw = [&](int stage) {
+        const unsigned char* sb = sbase + stage * S::STAGE;
+#pragma unroll
+        for (int blk = 0; blk < 2; ++blk)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const unsigned char* p = sb + b_off[blk] + hr * 8 * 32;
+                raw[blk][hr][0] = *reinterpret_cast<const unsigned*>(p);
+                raw[blk][hr][1] = *reinterpret_cast<const unsigned*>(p + 8);
+            }
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < ktiles) issue_tile(s);
+        tmg::cp_async_commit();
+    }
+    tmg::cp_async_wait<STAGES - 2>();  // tile 0 has landed
+    fence_proxy_async();               // (cp.async writes, visible to wgmma's async-proxy reads)
+    __syncthreads();
+    load_raw(0);
+    // Scales and mins are read two tiles ahead (a global load's latency exceeds a tile's math).
+    __half sn[2][2], mn[2][2];
+    load_scales(0, sv, mv);
+    if (ktiles > 1) load_scales(1, sn, mn);
+
+    // Iteration kt: retire tile kt - 1's wgmmas, dequantize tile kt into the A registers (which
+    // those wgmmas read: ptxas does not track a wgmma's asynchronous register reads, so they may
+    // only be rewritten after the wait), issue tile kt's wgmmas, and while they run: wait for tile
+    // kt + 1, refill the stage tile kt - 1 used with tile kt + STAGES - 1, and read tile kt + 1's
+    // packed words and scales.
+    int rd = 0, wr = STAGES - 1;
+    for (int kt = 0; kt < ktiles; ++kt) {
+        const unsigned xb = base + rd * S::STAGE;
+        // Two halves (32-column blocks), each with its own A registers: a half's registers are
+        // rewritten only after the wait that retires the wgmmas which read them one tile earlier,
+        // so each half's dequantization overlaps the other half's wgmmas.
+#pragma unroll
+        for (int blk = 0; blk < 2; ++blk) {
+            wgmma_wait<1>();  // everything but the latest group: this half's wgmmas of tile kt - 1
+            fence_acc(acc);
+            unsigned h[2][4];
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr)
+                tmg::dequant8(__byte_perm(raw[blk][hr][0], raw[blk][hr][1], sel), tmg::dup(sv[hr][blk]),
+                              tmg::dup(mv[hr][blk]), h[hr], T());
+            // a0 = (row g, k 2t..), a1 = (row g + 8, k 2t..), a2 = (row g, k 2t + 8..), a3 = (row g + 8, k 2t + 8..)
+            const unsigned a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};
+            const unsigned a1[4] = {h[0][2], h[1][2], h[0][3], h[1][3]};
+            wgmma_fence();
+            wgmma_rs(acc, a0, desc_sw128(xb + blk * 64), T());
+            wgmma_rs(acc, a1, desc_sw128(xb + blk * 64 + 32), T());
+            wgmma_commit();
+            fence_acc(acc);
+        }
+        if (kt + 1 < ktiles) {
+            tmg::cp_async_wait<STAGES - 3>();  // this thread's copies of tile kt + 1 have landed
+            fence_proxy_async();
+            __syncthreads();  // everyone's have, and every warpgroup has retired tile kt - 1's wgmmas
+            if (kt + STAGES - 1 < ktiles) issue_tile(wr);
+            tmg::cp_async_commit();
+            rd = rd == STAGES - 1 ? 0 : rd + 1;
+            load_raw(rd);
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    sv[i][j] = sn[i][j];
+                    mv[i][j] = mn[i][j];
+                }
+            if (kt + 2 < ktiles) load_scales(kt + 2, sn, mn);
+        }
+        wr = wr == STAGES - 1 ? 0 : wr + 1;
+    }
+    wgmma_wait<0>();
+    fence_acc(acc);
+    tmg::cp_async_wait<0>();
+
+    // Epilogue: acc[4 j + e] = (weight row r0 + 8 (e >> 1), token 8 j + 2 t + (e & 1)).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = w0 + r0 + 8 * h;
+        if (r >= rows) continue;
+#pragma unroll
+        for (int j = 0; j < NTOK / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int tok = t0 + 8 * j + 2 * t + e;
+                if (tok < n) out[(long long)tok * rows + r] = tmk::from_float<T>(acc[4 * j + 2 * h + e]);
+            }
+        }
+    }
+#else
+    __trap();  // sm_90a only; the launcher never picks this kernel elsewhere
+#endif
+}
+
+}  // namespace tmw
+
+// ---------------------------------------------------------------------------------------------
 // Entry points: matmul_q4_gemm_{l,m,s}_{f16,bf16}; the tile shapes are listed in ABI.md and in the
 // launcher. `l`: 128 x 256 (warp tiles 64 x 64, 3 stages); `m`: 128 x 128 (64 x 32, 4 stages, at
 // most 128 registers so that two blocks fit an SM where shared memory allows, e.g. sm_90);
@@ -345,3 +705,25 @@ __device__ __forceinline__ void q4_gemm(T* __restrict__ out, const T* __restrict
 
 TMG_KERNELS(f16, __half)
 TMG_KERNELS(bf16, __nv_bfloat16)
+
+// sm_90a wgmma kernels (see above): `w`: 256 tokens x 128 weight rows, 4 stages (145 KiB shared);
+// `v`: 128 x 128, 4 stages (81 KiB). One block per SM (w: about 200 registers per thread).
+#define TMW_KERNEL(NAME, SUF, T, NTOK, ST, MINB)                                                                    \
+    extern "C" __global__ void __launch_bounds__(tmw::THREADS, MINB)                                              \
+        matmul_q4_gemm_##NAME##_##SUF(T* __restrict__ out, const T* __restrict__ x,                              \
+                                      const unsigned char* __restrict__ packed, const __half* __restrict__ scales, \
+                                      const __half* __restrict__ mins, int n, int rows, int cols, int group) {   \
+        tmk::pdl_launch_dependents();                                                                            \
+        tmk::pdl_wait();                                                                                         \
+        tmw::q4_gemm_wgmma<T, NTOK, ST>(out, x, packed, scales, mins, n, rows, cols, group);                    \
+    }
+
+TMW_KERNEL(w, f16, __half, 256, 4, 1)
+TMW_KERNEL(v, f16, __half, 128, 4, 1)
+TMW_KERNEL(w, bf16, __nv_bfloat16, 256, 4, 1)
+TMW_KERNEL(v, bf16, __nv_bfloat16, 128, 4, 1)
+
+#if TMW_WGMMA
+// Present only in an sm_90a image: the launcher's test that the `w` and `v` kernels are real.
+extern "C" __global__ void matmul_q4_gemm_sm90a() { tmk::pdl_wait(); }
+#endif

@@ -315,23 +315,44 @@ fn lineinfo() -> bool {
 
 /// Runs nvcc for one job: the cubin to `tmp`, with `job.ptx` the PTX into `keep_dir`.
 fn run_nvcc(nvcc: &Path, src_dir: &Path, tmp: &Path, keep_dir: &Path, job: &Job) -> Result<()> {
+    let source = src_dir.join(format!("{}.cu", job.module));
+    let arch = nvrtc::cubin_arch(job.sm);
     let mut cmd = Command::new(nvcc);
-    cmd.args(["-O3", "-std=c++17", "-cubin"]).arg(format!("-arch=sm_{}", job.sm));
+    // `-gencode` for the arch-specific target: the `-arch=sm_90a` shorthand also runs a plain
+    // sm_90 pass (nvcc 13.0), which rejects sm_90a's instructions.
+    let target = format!("arch=compute_{},code={arch}", arch.trim_start_matches("sm_"));
+    cmd.args(["-O3", "-std=c++17", "-cubin", "-gencode", &target]);
     if lineinfo() {
         cmd.arg("-lineinfo");
     }
-    if job.ptx {
+    // The kept PTX is the cubin's own unless the cubin is arch-specific (sm_90a), whose PTX no
+    // later GPU could compile: then a separate pass writes the portable compute_<sm> PTX.
+    let separate_ptx = job.ptx && arch != format!("sm_{}", job.sm);
+    if job.ptx && !separate_ptx {
         cmd.arg("--keep").arg("--keep-dir").arg(keep_dir);
     }
     cmd.arg("-I").arg(src_dir);
-    cmd.arg("-o").arg(tmp).arg(src_dir.join(format!("{}.cu", job.module)));
-    let out = cmd.output().with_context(|| format!("running {}", nvcc.display()))?;
+    cmd.arg("-o").arg(tmp).arg(&source);
+    run_logged(cmd, &job.module, job.sm)?;
+    if separate_ptx {
+        let mut ptx = Command::new(nvcc);
+        ptx.args(["-O3", "-std=c++17", "-ptx"]).arg(format!("-arch=compute_{}", job.sm));
+        ptx.arg("-I").arg(src_dir);
+        ptx.arg("-o").arg(keep_dir.join(format!("{}.ptx", job.module))).arg(&source);
+        run_logged(ptx, &job.module, job.sm)?;
+    }
+    Ok(())
+}
+
+/// Runs one nvcc command for `module` and `sm`, failing with its output, printing any warnings.
+fn run_logged(mut cmd: Command, module: &str, sm: u32) -> Result<()> {
+    let out = cmd.output().with_context(|| format!("running {:?}", cmd.get_program()))?;
     let log = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     if !out.status.success() {
-        bail!("nvcc failed on {}.cu for sm_{} ({}):\n{log}\ncommand: {cmd:?}", job.module, job.sm, out.status);
+        bail!("nvcc failed on {module}.cu for sm_{sm} ({}):\n{log}\ncommand: {cmd:?}", out.status);
     }
     if !log.trim().is_empty() {
-        eprintln!("nvcc {}.cu (sm_{}):\n{}", job.module, job.sm, log.trim_end());
+        eprintln!("nvcc {module}.cu (sm_{sm}):\n{}", log.trim_end());
     }
     Ok(())
 }
@@ -339,13 +360,24 @@ fn run_nvcc(nvcc: &Path, src_dir: &Path, tmp: &Path, keep_dir: &Path, job: &Job)
 /// Compiles one job with NVRTC, writing the same files as [`run_nvcc`].
 fn run_nvrtc(nvrtc: &Nvrtc, src_dir: &Path, tmp: &Path, keep_dir: &Path, job: &Job) -> Result<()> {
     let (source, headers) = nvrtc::read_sources(src_dir, &job.module)?;
+    let name = format!("{}.cu", job.module);
     let options = nvrtc::options(job.sm, &nvrtc.include, lineinfo());
-    let out = nvrtc.compile(&format!("{}.cu", job.module), &source, &headers, &options, job.ptx)?;
+    // As with nvcc: an arch-specific (sm_90a) cubin's PTX would not serve later GPUs, so the PTX
+    // then comes from a plain sm_<sm> compilation.
+    let separate_ptx = job.ptx && nvrtc::cubin_arch(job.sm) != format!("sm_{}", job.sm);
+    let out = nvrtc.compile(&name, &source, &headers, &options, job.ptx && !separate_ptx)?;
     if !out.log.is_empty() {
         eprintln!("nvrtc {}.cu (sm_{}):\n{}", job.module, job.sm, out.log);
     }
     fs::write(tmp, &out.cubin).with_context(|| format!("writing {}", tmp.display()))?;
-    if let Some(ptx) = out.ptx {
+    let ptx = if separate_ptx {
+        let mut plain = options.clone();
+        plain[0] = format!("--gpu-architecture=sm_{}", job.sm);
+        nvrtc.compile(&name, &source, &headers, &plain, true)?.ptx
+    } else {
+        out.ptx
+    };
+    if let Some(ptx) = ptx {
         let path = keep_dir.join(format!("{}.ptx", job.module));
         fs::write(&path, ptx).with_context(|| format!("writing {}", path.display()))?;
     }

@@ -86,11 +86,22 @@ pub fn pip_nvrtc(site_packages: &Path) -> Option<PathBuf> {
     (lib.is_file() && has_cuda_headers(&site_packages.join("nvidia/cuda_runtime/include"))).then_some(lib)
 }
 
+/// The machine target of the cubin for `sm`: `sm_90a` for sm_90 (Hopper's arch-specific
+/// instructions, wgmma, which `q4_gemm.cu` uses; such a cubin runs on every sm_90 device), else
+/// `sm_<sm>`. tm-cuda's run-time NVRTC (`Output::arch_option`) follows the same rule.
+pub fn cubin_arch(sm: u32) -> String {
+    if sm == 90 {
+        "sm_90a".to_string()
+    } else {
+        format!("sm_{sm}")
+    }
+}
+
 /// The options for `sm`, as tm-cuda's NVRTC fallback passes them (NVRTC optimises at -O3 by
 /// default; the nvcc build uses no fast-math either).
 pub fn options(sm: u32, include: &Path, lineinfo: bool) -> Vec<String> {
     let mut o = vec![
-        format!("--gpu-architecture=sm_{sm}"),
+        format!("--gpu-architecture={}", cubin_arch(sm)),
         "-std=c++17".to_string(),
         "-default-device".to_string(),
         format!("-I{}", include.display()),

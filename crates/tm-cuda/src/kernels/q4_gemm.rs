@@ -15,7 +15,12 @@
 //! - [`Tile::Small`]: 64 × 128, warp tiles 32 × 32, 4 stages, 56 KiB;
 //! - [`Tile::Tall`] (only when forced): 128 × 256, warp tiles 128 × 32, 3 stages, 84 KiB.
 //!
-//! All fit the 99 KiB per block of sm_86/sm_89 and the Jetson's (sm_87) 163 KiB.
+//! All fit the 99 KiB per block of sm_86/sm_89 and the Jetson's (sm_87) 163 KiB. On sm_90 two more
+//! shapes use Hopper's warpgroup mma (wgmma, the weights dequantized into its register operand,
+//! the activations read by the tensor cores from shared memory), when the loaded image is the
+//! sm_90a one ([`wgmma_available`]):
+//! - [`Tile::Wgmma`]: 256 tokens × 128 weight rows, 4 stages, 145 KiB;
+//! - [`Tile::WgmmaNarrow`]: 128 × 128, 4 stages, 81 KiB (more blocks for mid-sized batches).
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
@@ -45,13 +50,22 @@ pub enum Tile {
     /// dequantized once per block instead of twice, for twice the activation ldmatrix traffic.
     /// Never picked automatically; forced (`TM_Q4_GEMM=t`) to measure it against [`Tile::Large`].
     Tall,
+    /// sm_90a: 256 × 128 with wgmma (two warpgroups of 64 weight rows × 256 tokens), 4 stages.
+    Wgmma,
+    /// sm_90a: 128 × 128 with wgmma, 4 stages: twice the blocks of [`Tile::Wgmma`].
+    WgmmaNarrow,
 }
 
 impl Tile {
     /// Every tile shape.
-    pub const ALL: [Tile; 4] = [Tile::Large, Tile::Medium, Tile::Small, Tile::Tall];
-    /// The shapes [`pick`] chooses from, largest first.
-    pub const AUTO: [Tile; 3] = [Tile::Large, Tile::Medium, Tile::Small];
+    pub const ALL: [Tile; 6] = [Tile::Large, Tile::Medium, Tile::Small, Tile::Tall, Tile::Wgmma, Tile::WgmmaNarrow];
+    /// The shapes [`pick`] chooses from, largest first (the wgmma ones only where available).
+    pub const AUTO: [Tile; 5] = [Tile::Wgmma, Tile::WgmmaNarrow, Tile::Large, Tile::Medium, Tile::Small];
+
+    /// Whether the shape is one of the sm_90a wgmma kernels.
+    pub fn wgmma(self) -> bool {
+        matches!(self, Tile::Wgmma | Tile::WgmmaNarrow)
+    }
 
     /// The letter in the kernel name (`matmul_q4_gemm_{tag}_{dtype}`).
     pub fn tag(self) -> &'static str {
@@ -60,13 +74,16 @@ impl Tile {
             Tile::Medium => "m",
             Tile::Small => "s",
             Tile::Tall => "t",
+            Tile::Wgmma => "w",
+            Tile::WgmmaNarrow => "v",
         }
     }
 
     /// Activation rows (`n`) per block.
     pub fn bm(self) -> usize {
         match self {
-            Tile::Large | Tile::Medium | Tile::Tall => 128,
+            Tile::Wgmma => 256,
+            Tile::Large | Tile::Medium | Tile::Tall | Tile::WgmmaNarrow => 128,
             Tile::Small => 64,
         }
     }
@@ -75,48 +92,59 @@ impl Tile {
     pub fn bn(self) -> usize {
         match self {
             Tile::Large | Tile::Tall => 256,
-            Tile::Medium | Tile::Small => 128,
+            Tile::Medium | Tile::Small | Tile::Wgmma | Tile::WgmmaNarrow => 128,
         }
     }
 
     fn stages(self) -> usize {
         match self {
             Tile::Large | Tile::Tall => 3,
-            Tile::Medium | Tile::Small => 4,
+            Tile::Medium | Tile::Small | Tile::Wgmma | Tile::WgmmaNarrow => 4,
         }
     }
 
     /// Dynamic shared memory per block: per stage the activation tile (`bm` × 64 × 2 bytes), the
-    /// packed weight tile (`bn` × 32 bytes) and the scale/min pairs (`bn` × 16 bytes).
+    /// packed weight tile (`bn` × 32 bytes) and, for the mma.sync shapes, the scale/min pairs
+    /// (`bn` × 16 bytes; the wgmma shapes keep them in registers and align their stages to 1 KiB,
+    /// for which they ask 1 KiB more).
     pub fn shared_bytes(self) -> usize {
+        if self.wgmma() {
+            return self.stages() * (self.bm() * BK * 2 + self.bn() * BK / 2) + 1024;
+        }
         self.stages() * (self.bm() * BK * 2 + self.bn() * BK / 2 + self.bn() * 16)
     }
 
     /// Relative math throughput of a block of this shape (bigger warp tiles reuse each loaded or
     /// dequantized fragment more), for [`pick`].
     fn efficiency(self) -> f64 {
+        // The wgmma shapes measured 1.9x and about 1.5x the large tile's throughput (H200).
         match self {
+            Tile::Wgmma => 1.9,
+            Tile::WgmmaNarrow => 1.5,
             Tile::Large | Tile::Tall => 1.0,
             Tile::Medium => 0.8,
             Tile::Small => 0.6,
         }
     }
 
-    /// The tile named by `s` (`l`, `m`, `s`, `t`, or `large`, `medium`, `small`, `tall`).
+    /// The tile named by `s` (`l`, `m`, `s`, `t`, `w`, `v`, or `large`, `medium`, `small`, `tall`,
+    /// `wgmma`, `wgmma-narrow`).
     pub fn parse(s: &str) -> Option<Tile> {
         match s.trim().to_ascii_lowercase().as_str() {
             "l" | "large" => Some(Tile::Large),
             "m" | "medium" => Some(Tile::Medium),
             "s" | "small" => Some(Tile::Small),
             "t" | "tall" => Some(Tile::Tall),
+            "w" | "wgmma" => Some(Tile::Wgmma),
+            "v" | "wgmma-narrow" => Some(Tile::WgmmaNarrow),
             _ => None,
         }
     }
 }
 
 /// Which prefill kernel int4 matmuls use, from `TM_Q4_GEMM`: unset or `auto` → [`Policy::Auto`];
-/// `off`/`0`/`tiled` → [`Policy::Off`] (the older tiled kernel, for comparisons); `l`/`m`/`s`/`t`
-/// → [`Policy::Force`]. Anything else is reported once on stderr and treated as `auto`.
+/// `off`/`0`/`tiled` → [`Policy::Off`] (the older tiled kernel, for comparisons); `l`/`m`/`s`/`t`/
+/// `w`/`v` → [`Policy::Force`] (a wgmma shape where wgmma is unavailable falls back to `auto`). Anything else is reported once on stderr and treated as `auto`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
     /// [`pick`] chooses the tile.
@@ -136,7 +164,7 @@ impl Policy {
             Some(s) if s == "off" || s == "0" || s == "tiled" => Ok(Policy::Off),
             Some(s) => Tile::parse(&s)
                 .map(Policy::Force)
-                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s, t")),
+                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s, t, w, v")),
         }
     }
 
@@ -214,13 +242,14 @@ pub fn eligible(
 }
 
 /// The tile with the least estimated time on `sms` multiprocessors: whole waves of blocks (one
-/// block per SM) times the work of a block over its [`Tile::efficiency`]. Tiles whose `n` grid
-/// would exceed the hardware limit are skipped (the small tile always fits an [`eligible`] call).
-pub fn pick(n: usize, rows: usize, sms: usize) -> Tile {
+/// block per SM) times the work of a block over its [`Tile::efficiency`]. The wgmma shapes are
+/// candidates only with `wgmma` ([`wgmma_available`]); tiles whose `n` grid would exceed the
+/// hardware limit are skipped (the small tile always fits an [`eligible`] call).
+pub fn pick(n: usize, rows: usize, sms: usize, wgmma: bool) -> Tile {
     let sms = sms.max(1);
     let mut best = (f64::INFINITY, Tile::Small);
     for tile in Tile::AUTO {
-        if n.div_ceil(tile.bm()) > MAX_GRID_Y {
+        if (tile.wgmma() && !wgmma) || n.div_ceil(tile.bm()) > MAX_GRID_Y {
             continue;
         }
         let blocks = n.div_ceil(tile.bm()) * rows.div_ceil(tile.bn());
@@ -305,12 +334,36 @@ pub fn launch(
 }
 
 /// The tile [`crate::kernels::quant::matmul_q4`] uses for an [`eligible`] call under `policy`, or
-/// `None` for the older tiled kernel.
-pub fn choose(policy: Policy, n: usize, rows: usize, sms: usize) -> Option<Tile> {
+/// `None` for the older tiled kernel. `wgmma`: whether the sm_90a shapes can run
+/// ([`wgmma_available`]); a forced one that cannot falls back to [`pick`].
+pub fn choose(policy: Policy, n: usize, rows: usize, sms: usize, wgmma: bool) -> Option<Tile> {
     match policy {
         Policy::Off => None,
-        Policy::Force(t) if n.div_ceil(t.bm()) <= MAX_GRID_Y => Some(t),
-        Policy::Force(_) | Policy::Auto => Some(pick(n, rows, sms)),
+        Policy::Force(t) if n.div_ceil(t.bm()) <= MAX_GRID_Y && (wgmma || !t.wgmma()) => Some(t),
+        Policy::Force(_) | Policy::Auto => Some(pick(n, rows, sms, wgmma)),
+    }
+}
+
+/// The marker kernel that only `q4_gemm.cu`'s sm_90a image defines.
+const WGMMA_MARKER: &str = "matmul_q4_gemm_sm90a";
+
+/// Whether the wgmma shapes can run on `gpu`: an sm_90 device whose loaded `q4_gemm` image is the
+/// sm_90a one (`cargo xtask build-kernels` and the NVRTC fallback build sm_90 as sm_90a; an image
+/// built otherwise has trapping stubs and no marker kernel). Looked up once per process.
+pub fn wgmma_available(gpu: &Gpu) -> bool {
+    /// 0: not yet known, 1: no, 2: yes.
+    static KNOWN: AtomicU8 = AtomicU8::new(0);
+    if gpu.sm() != 90 {
+        return false;
+    }
+    match KNOWN.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => {
+            let yes = gpu.function(WGMMA_MARKER).is_ok();
+            KNOWN.store(if yes { 2 } else { 1 }, Ordering::Relaxed);
+            yes
+        }
     }
 }
 
@@ -320,10 +373,13 @@ mod tests {
 
     #[test]
     fn shared_memory_fits_every_supported_arch() {
-        // sm_86/sm_89 allow 99 KiB of dynamic shared memory per block.
+        // sm_86/sm_89 allow 99 KiB of dynamic shared memory per block, sm_90 227 KiB.
         for t in Tile::ALL {
-            assert!(t.shared_bytes() <= 99 * 1024, "{t:?}: {} bytes", t.shared_bytes());
+            let limit = if t.wgmma() { 227 } else { 99 } * 1024;
+            assert!(t.shared_bytes() <= limit, "{t:?}: {} bytes", t.shared_bytes());
         }
+        assert_eq!(Tile::Wgmma.shared_bytes(), 4 * (32768 + 4096) + 1024);
+        assert_eq!(Tile::WgmmaNarrow.shared_bytes(), 4 * (16384 + 4096) + 1024);
         assert_eq!(Tile::Large.shared_bytes(), 3 * (16384 + 8192 + 4096));
         assert_eq!(Tile::Small.shared_bytes(), 4 * (8192 + 4096 + 2048));
     }
@@ -350,12 +406,18 @@ mod tests {
     #[test]
     fn picks_tiles_by_waves() {
         // 8192 tokens: plenty of large tiles.
-        assert_eq!(pick(8192, 14336, 132), Tile::Large);
-        assert_eq!(pick(2048, 4096, 132), Tile::Large);
+        assert_eq!(pick(8192, 14336, 132, false), Tile::Large);
+        assert_eq!(pick(2048, 4096, 132, false), Tile::Large);
         // 512 tokens x 4096 rows: 64 large tiles would leave half the SMs idle.
-        assert_eq!(pick(512, 4096, 132), Tile::Medium);
-        assert_eq!(pick(64, 4096, 132), Tile::Small);
-        assert_eq!(pick(9, 576, 16), Tile::Small);
+        assert_eq!(pick(512, 4096, 132, false), Tile::Medium);
+        assert_eq!(pick(64, 4096, 132, false), Tile::Small);
+        assert_eq!(pick(9, 576, 16, false), Tile::Small);
+        // With wgmma: the wide shape for large batches, the narrow one where the wide would leave
+        // SMs idle (down to one wave of narrow blocks).
+        assert_eq!(pick(8192, 14336, 132, true), Tile::Wgmma);
+        assert_eq!(pick(2048, 4096, 132, true), Tile::Wgmma);
+        assert_eq!(pick(512, 4096, 132, true), Tile::WgmmaNarrow);
+        assert_eq!(pick(64, 4096, 132, true), Tile::WgmmaNarrow);
         let (name, grid, smem) = plan(Tile::Large, DType::BF16, 1000, 4104).unwrap();
         assert_eq!((name.as_str(), grid, smem), ("matmul_q4_gemm_l_bf16", (17, 8, 1), 86016));
         assert!(plan(Tile::Small, DType::F32, 10, 8).is_err());
@@ -369,14 +431,26 @@ mod tests {
         assert_eq!(Policy::parse(Some(" M ")), Ok(Policy::Force(Tile::Medium)));
         assert_eq!(Policy::parse(Some("t")), Ok(Policy::Force(Tile::Tall)));
         assert!(Policy::parse(Some("huge")).is_err());
-        assert_eq!(choose(Policy::Off, 512, 4096, 132), None);
-        assert_eq!(choose(Policy::Force(Tile::Small), 8192, 4096, 132), Some(Tile::Small));
-        assert_eq!(choose(Policy::Auto, 8192, 4096, 132), Some(Tile::Large));
+        assert_eq!(Policy::parse(Some("w")), Ok(Policy::Force(Tile::Wgmma)));
+        assert_eq!(Policy::parse(Some("v")), Ok(Policy::Force(Tile::WgmmaNarrow)));
+        assert_eq!(choose(Policy::Off, 512, 4096, 132, true), None);
+        assert_eq!(choose(Policy::Force(Tile::Small), 8192, 4096, 132, true), Some(Tile::Small));
+        assert_eq!(choose(Policy::Auto, 8192, 4096, 132, false), Some(Tile::Large));
+        assert_eq!(choose(Policy::Auto, 8192, 4096, 132, true), Some(Tile::Wgmma));
+        // A forced wgmma shape without wgmma: the automatic choice instead.
+        assert_eq!(choose(Policy::Force(Tile::Wgmma), 8192, 4096, 132, false), Some(Tile::Large));
+        assert_eq!(choose(Policy::Force(Tile::WgmmaNarrow), 8192, 4096, 132, true), Some(Tile::WgmmaNarrow));
     }
 
     #[test]
     fn policy_override_round_trips() {
-        for p in [Policy::Auto, Policy::Off, Policy::Force(Tile::Large), Policy::Force(Tile::Tall)] {
+        for p in [
+            Policy::Auto,
+            Policy::Off,
+            Policy::Force(Tile::Large),
+            Policy::Force(Tile::Tall),
+            Policy::Force(Tile::WgmmaNarrow),
+        ] {
             set_policy(Some(p));
             assert_eq!(policy(), p);
         }
