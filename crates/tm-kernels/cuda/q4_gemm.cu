@@ -499,6 +499,9 @@ template <int N> __device__ __forceinline__ void fence_acc(float (&d)[N]) {
 
 // Descriptor of a K-major operand tile in the 128-byte swizzle: start address >> 4, leading
 // offset unused (1), stride between 8-row groups 1024 bytes, swizzle mode 1 (128 bytes).
+// The f16 pair (v, v) of the f16 bits in the low half of `bits`.
+__device__ __forceinline__ unsigned dup_bits(unsigned bits) { return __byte_perm(bits, 0, 0x1010); }
+
 __device__ __forceinline__ unsigned long long desc_sw128(unsigned addr) {
     return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
            (1ull << 62);
@@ -561,15 +564,31 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
         const int r = w0 + r0 + 8 * h;
         s_idx[h] = (long long)(r < rows ? r : 0) * groups;
     }
-    __half sv[2][2], mv[2][2];  // [row h][block] of the tile being dequantized
-    auto load_scales = [&](int kt, __half (&s)[2][2], __half (&m)[2][2]) {
+    // [row h][block] of the tile being dequantized: the f16 bits in the low half of a register
+    // (as __half values the compiler packed two per register and spent ~30 PRMT per tile on it).
+    unsigned sv[2][2], mv[2][2];
+    const unsigned short* const scale_bits = reinterpret_cast<const unsigned short*>(scales);
+    const unsigned short* const min_bits = reinterpret_cast<const unsigned short*>(mins);
+    // The next tile load_scales reads: its first column's group and offset in that group (kept
+    // incrementally: a division per tile cost about 30 instructions of the loop's 290).
+    int s_group = 0, s_col = 0;
+    auto load_scales = [&](unsigned (&s)[2][2], unsigned (&m)[2][2]) {
+        const int gi[2] = {s_group, s_group + (s_col + 32 >= group)};
 #pragma unroll
         for (int blk = 0; blk < 2; ++blk) {
-            const int gi = (kt * BK + blk * 32) / group;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                s[h][blk] = __ldg(scales + s_idx[h] + gi);
-                m[h][blk] = __ldg(mins + s_idx[h] + gi);
+                s[h][blk] = __ldg(scale_bits + s_idx[h] + gi[blk]);
+                m[h][blk] = __ldg(min_bits + s_idx[h] + gi[blk]);
+            }
+        }
+        s_col += BK;  // group >= 32: at most two groups end within a tile
+        if (s_col >= group) {
+            s_col -= group;
+            ++s_group;
+            if (s_col >= group) {
+                s_col -= group;
+                ++s_group;
             }
         }
     };
@@ -602,21 +621,20 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
     __syncthreads();
     load_raw(0);
     // Scales and mins are read two tiles ahead (a global load's latency exceeds a tile's math).
-    __half sn[2][2], mn[2][2];
-    load_scales(0, sv, mv);
-    if (ktiles > 1) load_scales(1, sn, mn);
+    unsigned sv1[2][2], mv1[2][2];  // the odd tiles' (sv, mv: the even tiles')
+    load_scales(sv, mv);
+    if (ktiles > 1) load_scales(sv1, mv1);
 
-    // Iteration kt: retire tile kt - 1's wgmmas, dequantize tile kt into the A registers (which
-    // those wgmmas read: ptxas does not track a wgmma's asynchronous register reads, so they may
-    // only be rewritten after the wait), issue tile kt's wgmmas, and while they run: wait for tile
-    // kt + 1, refill the stage tile kt - 1 used with tile kt + STAGES - 1, and read tile kt + 1's
-    // packed words and scales.
+    // Tile kt: two halves (32-column blocks), each with its own A registers. A wgmma reads its
+    // register operand asynchronously and ptxas does not protect it, so a half's registers are
+    // rewritten only after the wait that retires the wgmmas which read them one tile earlier;
+    // each half's dequantization overlaps the other half's wgmmas. Then, while they run: wait for
+    // tile kt + 1, refill the stage tile kt - 1 used with tile kt + STAGES - 1, read tile kt + 1's
+    // packed words and tile kt + 2's scales (into the registers tile kt's scales held: the loop is
+    // unrolled twice so that the two scale sets alternate without copies).
     int rd = 0, wr = STAGES - 1;
-    for (int kt = 0; kt < ktiles; ++kt) {
+    auto tile = [&](int kt, unsigned (&ts)[2][2], unsigned (&tm)[2][2]) {
         const unsigned xb = base + rd * S::STAGE;
-        // Two halves (32-column blocks), each with its own A registers: a half's registers are
-        // rewritten only after the wait that retires the wgmmas which read them one tile earlier,
-        // so each half's dequantization overlaps the other half's wgmmas.
 #pragma unroll
         for (int blk = 0; blk < 2; ++blk) {
             wgmma_wait<1>();  // everything but the latest group: this half's wgmmas of tile kt - 1
@@ -624,8 +642,8 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
             unsigned h[2][4];
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr)
-                tmg::dequant8(__byte_perm(raw[blk][hr][0], raw[blk][hr][1], sel), tmg::dup(sv[hr][blk]),
-                              tmg::dup(mv[hr][blk]), h[hr], T());
+                tmg::dequant8(__byte_perm(raw[blk][hr][0], raw[blk][hr][1], sel), dup_bits(ts[hr][blk]),
+                              dup_bits(tm[hr][blk]), h[hr], T());
             // a0 = (row g, k 2t..), a1 = (row g + 8, k 2t..), a2 = (row g, k 2t + 8..), a3 = (row g + 8, k 2t + 8..)
             const unsigned a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};
             const unsigned a1[4] = {h[0][2], h[1][2], h[0][3], h[1][3]};
@@ -643,16 +661,13 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
             tmg::cp_async_commit();
             rd = rd == STAGES - 1 ? 0 : rd + 1;
             load_raw(rd);
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    sv[i][j] = sn[i][j];
-                    mv[i][j] = mn[i][j];
-                }
-            if (kt + 2 < ktiles) load_scales(kt + 2, sn, mn);
+            if (kt + 2 < ktiles) load_scales(ts, tm);
         }
         wr = wr == STAGES - 1 ? 0 : wr + 1;
+    };
+    for (int kt = 0; kt < ktiles; kt += 2) {
+        tile(kt, sv, mv);
+        if (kt + 1 < ktiles) tile(kt + 1, sv1, mv1);
     }
     wgmma_wait<0>();
     fence_acc(acc);
@@ -723,7 +738,8 @@ TMW_KERNEL(v, f16, __half, 128, 4, 1)
 TMW_KERNEL(w, bf16, __nv_bfloat16, 256, 4, 1)
 TMW_KERNEL(v, bf16, __nv_bfloat16, 128, 4, 1)
 
-#if TMW_WGMMA
-// Present only in an sm_90a image: the launcher's test that the `w` and `v` kernels are real.
+#if TMW_WGMMA || !defined(__CUDA_ARCH__)
+// Present only in an sm_90a image (and, for whole-program nvcc builds, the host pass): the
+// launcher's test that the `w` and `v` kernels are real.
 extern "C" __global__ void matmul_q4_gemm_sm90a() { tmk::pdl_wait(); }
 #endif
