@@ -33,7 +33,9 @@ pub const SLAB_ROW_ALIGN: usize = 128;
 /// compute-bound: ~78% of cuBLAS at 512 tokens and ~90% at 2048, against 35-40% for the fused
 /// mma.sync kernel; at 256 tokens (cuBLAS half memory-bound) the estimate is ~56%, close to the
 /// fused kernel's. 512 leaves a margin; compare `slab %` with `best %` in `q4_gemm_bench` and
-/// tune with `TM_Q4_SLAB_MIN_M`.
+/// tune with `TM_Q4_SLAB_MIN_M`. On sm_90 the fused kernel uses wgmma (66-76% of cuBLAS from
+/// 1024 tokens): there it is faster than slabs at 512 tokens, about even at 1024, slower from
+/// 2048 (measured, H200).
 pub const DEFAULT_MIN_TOKENS: usize = 512;
 
 /// Whether and from which batch size the slab path is used.
