@@ -16,8 +16,9 @@
 //! - `ops`: what the model calls (`Ops::matmul_many`, `Ops::gate_up_silu`: the tensor-core
 //!   `q4_gemv.cu` kernels with the automatic variant unless `TM_Q4_GEMV=0`), launched one by one
 //!   from the host;
-//! - `u2`, `u4`, `n16`, `n16u4`, `pf`, `pf8` (`n16`, `n16u4`, `pf8`: plain products only): each
-//!   variant of those kernels launched directly, one by one from the host ("stream"). A call that takes
+//! - `u2`, `n16`, `ln`, `ln4` (`n16`: plain products only; the lean `ln`, `ln4` where the shape
+//!   fits them): each variant of those kernels launched directly, one by one from the host
+//!   ("stream"). A call that takes
 //!   less GPU time than the host needs to launch it is timed at the host's launch rate, so for
 //!   the small products these lines measure launch gaps as much as the kernel;
 //! - `<variant> graph`: the same `--iters` calls captured once into a CUDA graph and the graph
@@ -31,8 +32,7 @@
 //! - `cuda-core`: the previous path, one `matmul_q4` CUDA-core GEMV launch per weight (plus
 //!   `silu_mul` for the MLP), from the host.
 //!
-//! `--variants pf,n16` limits the variants timed (default: all kernels; `pfw`, the choice of `pf8`
-//! or `pf` by grid size, may be named too).
+//! `--variants ln,n16` limits the variants timed (default: all kernels).
 
 mod common;
 
@@ -93,14 +93,14 @@ fn parse() -> Result<Opts, String> {
                 o.variants = v
                     .split(',')
                     .map(|name| {
-                        Unroll::parse(name).filter(|&u| u != Unroll::Auto).ok_or_else(|| {
-                            format!("--variants: `{name}` is not a variant (u2, u4, n16, n16u4, pf, pf8, ln, ln4, pfw)")
-                        })
+                        Unroll::parse(name)
+                            .filter(|&u| u != Unroll::Auto)
+                            .ok_or_else(|| format!("--variants: `{name}` is not a variant (u2, n16, ln, ln4)"))
                     })
                     .collect::<Result<_, String>>()?;
             }
             "-h" | "--help" => {
-                println!("usage: q4_gemv_bench [--dtype f16|bf16] [--group 128] [--iters 200] [--variants u2,pf,...]");
+                println!("usage: q4_gemv_bench [--dtype f16|bf16] [--group 128] [--iters 200] [--variants u2,ln,...]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument `{other}`")),
@@ -298,7 +298,7 @@ fn bench(o: &Opts) -> Result<(), String> {
             };
             let norm_ms = graphed("norm only", graph_ms(&b, o.iters, |_| norm()));
             let mut rows: Vec<(String, f64)> = vec![("ops".into(), ops_ms)];
-            // SiLU kernels exist for u2, u4 and pf only; the others would time one of those again.
+            // SiLU kernels exist for u2, ln and ln4 only; n16 would time u2 again.
             let variants = o.variants.iter().filter(|u| !matches!(shape, Shape::GateUp) || u.has_silu_form());
             for &u in variants {
                 rows.push((u.name().into(), common::time_ms(&b, o.iters, |i| launch(u, i))?));

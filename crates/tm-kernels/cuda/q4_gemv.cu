@@ -38,23 +38,15 @@
 //   overlap); a kernel that wrote them would need a plain stream dependency before these.
 //
 // Kernels (T = f16, bf16):
-// - `q4_gemv_u2_T`, `q4_gemv_u4_T` (NT = 2, U = 2 or 4: two CTAs per SM or one) and
-//   `q4_gemv_n16_T` (NT = 1, U = 2, x loaded at use rather than buffered, at most 80 registers:
-//   three CTAs per SM, twice the CTAs for small weights) and `q4_gemv_n16u4_T` (the same with
-//   U = 4, two CTAs per SM): up to three weights sharing x (a
-//   layer's q, k and v), rows of weight i in CTAs numbered one weight after the other
-//   (ceil(rows_i / 16 NT) each). Optional biases (null when absent) are added before rounding to T.
-// - `q4_gemv_pf_T`: `n16u4` cut to 80 registers (three CTAs per SM, so the 384 CTAs of an 8B
-//   model's q/k/v are resident in one wave on 132 SMs) by reading a step's scales and mins right
-//   before its math (the ring's loads only prefetch them into L2, which takes no registers).
-// - `q4_gemv_pf8_T`: `pf` with U = 8 at two CTAs per SM (128 registers): twice the bytes in
-//   flight, for the long-K products (down: 14336 columns, 14 steps per warp).
-// - `q4_gemv_silu_uU_T`: out = silu(x·G^T) * (x·U^T) for gate G and up U [rows, cols], each product
-//   rounded to T first (what separate products would store); ceil(rows / 16) CTAs. `q4_gemv_silu_pf_T`
-//   is U = 4 with x and the scales/mins read at use (SLATE), two CTAs per SM: four steps of gate
-//   and up in flight per warp, twice `u2`'s.
+// - `q4_gemv_u2_T` (NT = 2, U = 2: two CTAs per SM) and `q4_gemv_n16_T` (NT = 1, U = 2, x loaded
+//   at use rather than buffered, at most 80 registers: three CTAs per SM, twice the CTAs for small
+//   weights): up to three weights sharing x (a layer's q, k and v), rows of weight i in CTAs
+//   numbered one weight after the other (ceil(rows_i / 16 NT) each). Optional biases (null when
+//   absent) are added before rounding to T.
+// - `q4_gemv_silu_u2_T`: out = silu(x·G^T) * (x·U^T) for gate G and up U [rows, cols], each
+//   product rounded to T first (what separate products would store); ceil(rows / 16) CTAs.
 //
-// - `q4_gemv_ln_T`, `q4_gemv_ln4_T` (`n16`'s and `n16u4`'s configurations) and
+// - `q4_gemv_ln_T`, `q4_gemv_ln4_T` (`n16`'s configuration, and with U = 4 at two CTAs per SM) and
 //   `q4_gemv_silu_ln_T`, `q4_gemv_silu_ln4_T` (U = 2, x at use, two CTAs per SM; U = 4, x
 //   buffered, one): the lean kernels, for group 128, cols % 1024 == 0 and weights of whole 16-row
 //   tiles (`q4_tiles_lean`: nothing predicated, fixed address offsets) with the magic-sum step
@@ -73,16 +65,6 @@ using tmk::i64;
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;  // K slices per CTA
 constexpr int BLOCKS_PER_STEP = 4;   // 32-column blocks per warp step (one per lane of a row quad)
-
-// Prefetches the 32-byte sector holding `p` into L2 (no register, nothing waits for it). A no-op
-// on the host emulation.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#ifdef __CUDA_ARCH__
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-#else
-    (void)p;
-#endif
-}
 
 __device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned bits) {
     unsigned r;
@@ -311,14 +293,10 @@ template <int NT> struct StepBuf {
 // computes (the previous version waited for all U, computed all U, then loaded again). XPRE:
 // x is loaded with the weights (16 more registers per step buffer); else right before the step's
 // math (x is small and shared by every CTA, so those loads hit L1/L2; other warps cover them).
-// SLATE: a step's scales and mins are only prefetched into L2 (`prefetch.global.L2`, no
-// registers) when its weights are loaded, and read right before its math, like x without XPRE:
-// 4 U fewer registers, which lets `pf` keep all 4 steps of a 4096-column warp in flight within
-// the 80 registers of three CTAs per SM.
 //
 // `wait()` is called once every warp's first U steps of weights are issued and before anything
 // else is read: the kernel passes `tmk::pdl_wait` (so the wait stays visible in its body).
-template <class T, int U, int NT, bool XPRE, bool SLATE, class Wait>
+template <class T, int U, int NT, bool XPRE, class Wait>
 __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict__ x, int n, int cols, int group,
                                          float acc[NT][4], Wait wait) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -356,25 +334,9 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
 #pragma unroll
         for (int q = 0; q < 4; ++q) B.x[q] = xl ? __ldg(xp + 4 * s * BLOCKS_PER_STEP + q) : make_uint4(0, 0, 0, 0);
     };
-    // Issues the loads of step s's scales and mins into B (zeros past the end of K or the rows).
-    // With SLATE, right before the step's math; else `loadw` loads them with the weights.
-    auto loadsm = [&](StepBuf<NT>& B, int s) {
-        const int b = s * BLOCKS_PER_STEP + t;  // the lane's block
-        const bool bok = b < nblk;
-        const int gi = gshift >= 0 ? b >> gshift : b / group_blocks;
-#pragma unroll
-        for (int i = 0; i < NT; ++i) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const bool ok = bok && rok[i][h];
-                B.s[i][h] = ok ? tiles[i].scales[soff[i] + h * 8 * groups + gi] : __ushort_as_half(0);
-                B.m[i][h] = ok ? tiles[i].mins[soff[i] + h * 8 * groups + gi] : __ushort_as_half(0);
-            }
-        }
-    };
-    // Issues the weight loads of step s into B: packed nibbles, scales and mins (with SLATE only
-    // the prefetches of the scales and mins), zeros past the end of K or the rows. No earlier
-    // kernel writes weights, so these may precede the wait for the previous kernel.
+    // Issues the weight loads of step s into B: packed nibbles, scales and mins, zeros past the
+    // end of K or the rows. No earlier kernel writes weights, so these may precede the wait for
+    // the previous kernel.
     auto loadw = [&](StepBuf<NT>& B, int s) {
         const int b = s * BLOCKS_PER_STEP + t;  // the lane's block
         const bool bok = b < nblk;
@@ -385,15 +347,8 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
             for (int h = 0; h < 2; ++h) {
                 const bool ok = bok && rok[i][h];
                 B.w[i][h] = ok ? __ldcs(wp[i] + h * 8 * rstride + s * BLOCKS_PER_STEP) : make_uint4(0, 0, 0, 0);
-                if (SLATE) {
-                    if (ok) {
-                        prefetch_l2(tiles[i].scales + soff[i] + h * 8 * groups + gi);
-                        prefetch_l2(tiles[i].mins + soff[i] + h * 8 * groups + gi);
-                    }
-                } else {
-                    B.s[i][h] = ok ? tiles[i].scales[soff[i] + h * 8 * groups + gi] : __ushort_as_half(0);
-                    B.m[i][h] = ok ? tiles[i].mins[soff[i] + h * 8 * groups + gi] : __ushort_as_half(0);
-                }
+                B.s[i][h] = ok ? tiles[i].scales[soff[i] + h * 8 * groups + gi] : __ushort_as_half(0);
+                B.m[i][h] = ok ? tiles[i].mins[soff[i] + h * 8 * groups + gi] : __ushort_as_half(0);
             }
         }
     };
@@ -436,7 +391,6 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
             const int s = s0 + u * WARPS;
             if (s >= steps) break;  // the whole warp
             if (!XPRE) loadx(buf[u], s);
-            if (SLATE) loadsm(buf[u], s);
             compute(buf[u]);
             load(buf[u], s + U * WARPS);  // the ring's next step for this slot
         }
@@ -543,7 +497,7 @@ template <int NT> __device__ __forceinline__ float reduce_warps(const float acc[
 }
 
 // The plain products with NT 16-row tiles (16 NT consecutive rows of one weight) per CTA.
-template <class T, int U, int NT, bool SLATE, bool LEAN, class Wait>
+template <class T, int U, int NT, bool LEAN, class Wait>
 __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols, int group, const Slot<T>* slots,
                                         Wait wait) {
     constexpr int ROWS = 16 * NT;  // rows per CTA
@@ -567,7 +521,7 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
     if constexpr (LEAN)
         q4_tiles_lean<T, U, NT, NT == 2>(tiles, x, n, cols, acc, wait);
     else
-        q4_tiles<T, U, NT, NT == 2, SLATE>(tiles, x, n, cols, group, acc, wait);
+        q4_tiles<T, U, NT, NT == 2>(tiles, x, n, cols, group, acc, wait);
     const float v = reduce_warps<NT>(acc);
     if (threadIdx.x < NT * 128) {
         const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -580,18 +534,17 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
     }
 }
 
-template <class T, int U, bool SLATE, bool LEAN, class Wait>
+template <class T, int U, bool LEAN, class Wait>
 __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, int n, int cols, int group,
                                              const Slot<T>& gate, const Slot<T>& up, Wait wait) {
     const int row0 = blockIdx.x * 16, rows = gate.rows;
     const Tile tiles[2] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
                            Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[2][4];
-    // SLATE also loads x at use (XPRE = false): the registers go to weights in flight.
     if constexpr (LEAN)
         q4_tiles_lean<T, U, 2, (U > 2)>(tiles, x, n, cols, acc, wait);
     else
-        q4_tiles<T, U, 2, !SLATE, SLATE>(tiles, x, n, cols, group, acc, wait);
+        q4_tiles<T, U, 2, true>(tiles, x, n, cols, group, acc, wait);
     // Gate sums land in threads 0..127, up sums in 128..255 (same fragment order).
     __shared__ float upv[128];
     const float v = reduce_warps<2>(acc);
@@ -613,14 +566,12 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
 }  // namespace tmq4
 
 // Variants (see the launcher): U = steps in flight per warp, MIN_CTAS = CTAs per SM the register
-// budget is cut for. `u2` (32-row CTAs, at most 128 registers: two CTAs per SM), `u4` (32-row CTAs,
-// one CTA per SM, twice the bytes in flight per warp), `n16` (16-row CTAs, U = 2, at most 80
-// registers: three CTAs per SM; twice the CTAs of `u2` for weights too small to fill the GPU),
-// `n16u4` (16-row CTAs, U = 4: two CTAs per SM; a warp of a 4096-column product then issues the
-// loads of all its 4 steps at once), `pf` (`n16u4` at three CTAs per SM, scales read at use;
-// SLATE = true), `pf8` (`pf` with U = 8, two CTAs per SM). Every kernel allows the next one to launch first thing and hands `pdl_wait` to
-// the tile loop, which calls it once the ring's first weights are in flight.
-#define TM_Q4_GEMV_PLAIN(NAME, T, U, NT, MIN_CTAS, SLATE, LEAN)                                                               \
+// budget is cut for. `u2` (32-row CTAs, at most 128 registers: two CTAs per SM), `n16` (16-row
+// CTAs, U = 2, at most 80 registers: three CTAs per SM; twice the CTAs of `u2` for weights too
+// small to fill the GPU), and the lean `ln` (n16's configuration) and `ln4` (U = 4, two CTAs per
+// SM). Every kernel allows the next one to launch first thing and hands `pdl_wait` to the tile
+// loop, which calls it once the ring's first weights are in flight.
+#define TM_Q4_GEMV_PLAIN(NAME, T, U, NT, MIN_CTAS, LEAN)                                                                \
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
         NAME(const T* __restrict__ x, int n, int cols, int group, T* o0, T* o1, T* o2, const unsigned char* w0,         \
              const unsigned char* w1, const unsigned char* w2, const __half* s0, const __half* s1,                      \
@@ -628,9 +579,9 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
              const T* b2, int r0, int r1, int r2) {                                                                     \
         tmk::pdl_launch_dependents();                                                                                   \
         const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}};  \
-        tmq4::q4_gemv<T, U, NT, SLATE, LEAN>(x, n, cols, group, slots, [] { tmk::pdl_wait(); });                              \
+        tmq4::q4_gemv<T, U, NT, LEAN>(x, n, cols, group, slots, [] { tmk::pdl_wait(); });                               \
     }
-#define TM_Q4_GEMV_SILU(NAME, T, U, MIN_CTAS, SLATE, LEAN)                                                                    \
+#define TM_Q4_GEMV_SILU(NAME, T, U, MIN_CTAS, LEAN)                                                                     \
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
         NAME(T* out, const T* __restrict__ x, int n, int cols, int group,                                               \
                                   const unsigned char* wg, const __half* sg, const __half* mg,                          \
@@ -638,22 +589,16 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
         tmk::pdl_launch_dependents();                                                                                   \
         const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                    \
         const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                      \
-        tmq4::q4_gemv_silu<T, U, SLATE, LEAN>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });                     \
+        tmq4::q4_gemv_silu<T, U, LEAN>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });                      \
     }
 #define TM_Q4_GEMV(SUF, T)                                                                                              \
-    TM_Q4_GEMV_PLAIN(q4_gemv_u2_##SUF, T, 2, 2, 2, false, false)                                                        \
-    TM_Q4_GEMV_PLAIN(q4_gemv_u4_##SUF, T, 4, 2, 1, false, false)                                                        \
-    TM_Q4_GEMV_PLAIN(q4_gemv_n16_##SUF, T, 2, 1, 3, false, false)                                                       \
-    TM_Q4_GEMV_PLAIN(q4_gemv_n16u4_##SUF, T, 4, 1, 2, false, false)                                                     \
-    TM_Q4_GEMV_PLAIN(q4_gemv_pf_##SUF, T, 4, 1, 3, true, false)                                                         \
-    TM_Q4_GEMV_PLAIN(q4_gemv_pf8_##SUF, T, 8, 1, 2, true, false)                                                        \
-    TM_Q4_GEMV_PLAIN(q4_gemv_ln_##SUF, T, 2, 1, 3, false, true)                                                         \
-    TM_Q4_GEMV_PLAIN(q4_gemv_ln4_##SUF, T, 4, 1, 2, false, true)                                                        \
-    TM_Q4_GEMV_SILU(q4_gemv_silu_u2_##SUF, T, 2, 2, false, false)                                                       \
-    TM_Q4_GEMV_SILU(q4_gemv_silu_u4_##SUF, T, 4, 1, false, false)                                                       \
-    TM_Q4_GEMV_SILU(q4_gemv_silu_pf_##SUF, T, 4, 2, true, false)                                                        \
-    TM_Q4_GEMV_SILU(q4_gemv_silu_ln_##SUF, T, 2, 2, false, true)                                                        \
-    TM_Q4_GEMV_SILU(q4_gemv_silu_ln4_##SUF, T, 4, 1, false, true)
+    TM_Q4_GEMV_PLAIN(q4_gemv_u2_##SUF, T, 2, 2, 2, false)                                                               \
+    TM_Q4_GEMV_PLAIN(q4_gemv_n16_##SUF, T, 2, 1, 3, false)                                                              \
+    TM_Q4_GEMV_PLAIN(q4_gemv_ln_##SUF, T, 2, 1, 3, true)                                                                \
+    TM_Q4_GEMV_PLAIN(q4_gemv_ln4_##SUF, T, 4, 1, 2, true)                                                               \
+    TM_Q4_GEMV_SILU(q4_gemv_silu_u2_##SUF, T, 2, 2, false)                                                              \
+    TM_Q4_GEMV_SILU(q4_gemv_silu_ln_##SUF, T, 2, 2, true)                                                               \
+    TM_Q4_GEMV_SILU(q4_gemv_silu_ln4_##SUF, T, 4, 1, true)
 
 TM_Q4_GEMV(f16, __half)
 TM_Q4_GEMV(bf16, __nv_bfloat16)

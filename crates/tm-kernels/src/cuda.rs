@@ -184,16 +184,10 @@ mod tests {
             kernels,
             [
                 "q4_gemv_u2",
-                "q4_gemv_u4",
                 "q4_gemv_n16",
-                "q4_gemv_n16u4",
-                "q4_gemv_pf",
-                "q4_gemv_pf8",
                 "q4_gemv_ln",
                 "q4_gemv_ln4",
                 "q4_gemv_silu_u2",
-                "q4_gemv_silu_u4",
-                "q4_gemv_silu_pf",
                 "q4_gemv_silu_ln",
                 "q4_gemv_silu_ln4"
             ]

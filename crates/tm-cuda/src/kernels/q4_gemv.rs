@@ -9,27 +9,23 @@
 //! [`fits`] says whether a call can take this path; callers use `matmul_q4` (the CUDA-core GEMV,
 //! and the only path for f32) otherwise. `TM_Q4_GEMV=0` turns the path off, to compare.
 //!
-//! Each CTA (256 threads, 8 warps) computes 32 rows of one weight (16 for `n16`, `n16u4`, `pf`,
-//! `pf8`; or 16 rows of the gate and the same 16 of the up weight) with K split over its warps; see the kernel source for the layout.
-//! Every warp keeps a ring of `U` steps' loads in flight (software pipelined). The variants
-//! ([`Unroll`]):
+//! Each CTA (256 threads, 8 warps) computes 32 rows of one weight (16 for `n16`, `ln`, `ln4`;
+//! or 16 rows of the gate and the same 16 of the up weight) with K split over its warps; see the
+//! kernel source for the layout. Every warp keeps a ring of `U` steps' loads in flight (software
+//! pipelined). The variants ([`Unroll`]):
 //! - `u2`: U = 2, at most 128 registers, two CTAs per SM;
-//! - `u4`: U = 4, one CTA per SM, twice the bytes in flight per warp;
 //! - `n16` (plain products only): 16-row CTAs, U = 2, x loaded at use, at most 80 registers so
 //!   three CTAs fit per SM: twice the CTAs of `u2`, for weights too small to give every SM two
 //!   32-row CTAs (the q/k/v, o and down products of an 8B model on an H200: 192, 128 and 128
 //!   CTAs on 132 SMs);
-//! - `n16u4`: `n16` with U = 4 and two CTAs per SM (a warp of a 4096-column product issues the
-//!   loads of all its steps at once);
-//! - `pf`: `n16u4` cut to 80 registers so that three CTAs fit per SM, with the scales and mins
-//!   only prefetched into L2 with the weights and read right before the math: every CTA of the
-//!   8B model's q/k/v (384), o (256) and down (256) products is resident in one wave on 132 SMs,
-//!   and each warp of a 4096-column product has all of its weight loads in flight before it
-//!   waits for the previous kernel (below). Its SiLU form (`q4_gemv_silu_pf`) keeps 4 steps of
-//!   gate and up in flight per warp, x and scales read at use, two CTAs per SM: twice the bytes
-//!   in flight per SM of `u2`'s;
-//! - `pf8` (plain products): `pf` with 8 steps in flight per warp, two CTAs per SM (o and down:
-//!   256 CTAs, one wave on 132 SMs, twice the bytes in flight of `pf`); SiLU takes `pf`'s form.
+//! - `ln` and `ln4` (the lean kernels; [`lean_fits`]: group 128, `cols % 1024 == 0`, whole
+//!   16-row tiles, so nothing is predicated and the lane's addresses are fixed offsets): `n16`'s
+//!   configuration and U = 4 at two CTAs per SM (SiLU: U = 2 at two CTAs per SM, U = 4 at one)
+//!   with the magic-sum step: the mma takes the nibbles as OFF + q straight from the LOP3, and
+//!   scale and min are applied per 128-column step and row in f32. About 40% fewer instructions
+//!   per step than `u2`'s (SASS: 246 against 413 per gate/up step). H200, f16, n = 1, in a graph:
+//!   gate/up 23.4 us (`u2` 26.7), down 13.7 (`ln4`; `n16` 15.2), o 5.6 (`ln4`; `n16` 5.9), q/k/v
+//!   7.3 (`ln`; `n16` 7.1).
 //!
 //! Programmatic dependent launch (sm_90+): every variant lets the next kernel start at once
 //! (`pdl_launch_dependents` first) and issues the weight loads of its first U steps before
@@ -37,23 +33,14 @@
 //! When the launch carries the programmatic-serialization attribute, the weight stream thus
 //! overlaps the previous kernel's tail; without it the waits return at once.
 //!
-//! - `ln` and `ln4` (the lean kernels; [`lean_fits`]: group 128, `cols % 1024 == 0`, whole
-//!   16-row tiles, so nothing is predicated and the lane's addresses are fixed offsets): `n16`'s
-//!   and `n16u4`'s configurations (SiLU: U = 2 at two CTAs per SM, U = 4 at one) with the
-//!   magic-sum step: the mma takes the nibbles as OFF + q straight from the LOP3, and scale and
-//!   min are applied per 128-column step and row in f32. About 40% fewer instructions per step
-//!   than `u2`'s (SASS: 246 against 413 per gate/up step). H200, f16, n = 1, in a graph:
-//!   gate/up 23.4 us (`u2` 26.7), down 13.7 (`ln4`; `n16` 15.2), o 5.6 (`ln4`; `n16` 5.9), q/k/v
-//!   7.3 (`ln`; `n16` 7.1).
-//!
 //! `Auto` takes the lean kernels where they fit (unless `TM_Q4_GEMV_LEAN=0`): `ln4` for a plain
 //! product whose 16-row grid is one wave at two CTAs per SM, else `ln`, and `ln` for SiLU.
 //! Elsewhere `n16` for a plain product whose 32-row grid is under two CTAs per SM, else `u2`
-//! (the SiLU variant `u2`). `TM_Q4_GEMV_UNROLL=2|4|n16|n16u4|pf|pf8|pfw` overrides it
-//! (also `ln`, `ln4`, which fall back on the automatic non-lean choice where they do not fit;
-//! `n16` and `n16u4` mean `u2` for the SiLU variant, `pf8` means `pf`; `pfw` is `pf8` for a
-//! plain product whose 16-row grid is one wave of two CTAs per SM, else `pf`), and [`set_unroll`]
-//! overrides both (tests, benchmarks). `q4_gemv_bench` times every variant on the 8B shapes.
+//! (the SiLU variant `u2`). `TM_Q4_GEMV_UNROLL=2|n16|ln|ln4` overrides it (the lean ones fall back
+//! on the automatic non-lean choice where they do not fit; `n16` means `u2` for the SiLU
+//! variant), and [`set_unroll`] overrides both (tests, benchmarks). `q4_gemv_bench` times every
+//! variant on the 8B shapes. (The variants no shape chose any more were removed: `u4`,
+//! `n16u4`, and `pf`/`pf8`, which read the scales at use after an L2 prefetch.)
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
@@ -73,22 +60,13 @@ pub const MAX_N: usize = 8;
 /// The kernel variant: steps in flight per warp and rows per CTA (see the module doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Unroll {
-    /// `n16` for plain products under two 32-row CTAs per SM, else `u2` (`TM_Q4_GEMV_UNROLL`
-    /// overrides it).
+    /// `n16` for plain products under two 32-row CTAs per SM, else `u2`, or the lean kernels
+    /// where they fit (`TM_Q4_GEMV_UNROLL` overrides it).
     Auto,
     /// `*_u2_*`: 32-row CTAs, at most 128 registers, two CTAs per SM.
     Two,
-    /// `*_u4_*`: 32-row CTAs, one CTA per SM.
-    Four,
     /// `q4_gemv_n16_*`: 16-row CTAs, three per SM (plain products; the SiLU variant takes `u2`).
     Narrow,
-    /// `q4_gemv_n16u4_*`: 16-row CTAs, U = 4, two per SM (plain products; SiLU takes `u2`).
-    NarrowFour,
-    /// `q4_gemv_pf_*`: 16-row CTAs, U = 4, scales read at use, three per SM; SiLU
-    /// `q4_gemv_silu_pf_*` (U = 4, x and scales read at use, two per SM).
-    Prefetch,
-    /// `q4_gemv_pf8_*`: `pf` with U = 8, two per SM (plain products; SiLU takes `pf`'s form).
-    Prefetch8,
     /// `q4_gemv_ln_*` (16-row CTAs, U = 2, three per SM) and `q4_gemv_silu_ln_*` (U = 2, two per
     /// SM): the lean kernels, for group 128, `cols % 1024 == 0` and weights of whole 16-row tiles
     /// ([`lean_fits`]); other shapes take `Auto`'s non-lean choice.
@@ -96,63 +74,38 @@ pub enum Unroll {
     /// `q4_gemv_ln4_*` (U = 4, two per SM) and `q4_gemv_silu_ln4_*` (U = 4, one per SM): `Lean`
     /// with twice the steps in flight.
     Lean4,
-    /// A choice, not a kernel (`pfw`): `pf8` for a plain product whose 16-row grid fits in one
-    /// wave of two CTAs per SM (the 8B model's o and down), else `pf` (q/k/v: one wave of three);
-    /// SiLU `pf`'s form.
-    OneWave,
 }
 
 impl Unroll {
     /// Every variant but `Auto`, in the order the benchmark prints them.
-    pub const ALL: [Unroll; 8] = [
-        Unroll::Two,
-        Unroll::Four,
-        Unroll::Narrow,
-        Unroll::NarrowFour,
-        Unroll::Prefetch,
-        Unroll::Prefetch8,
-        Unroll::Lean,
-        Unroll::Lean4,
-    ];
+    pub const ALL: [Unroll; 4] = [Unroll::Two, Unroll::Narrow, Unroll::Lean, Unroll::Lean4];
 
     /// The variant's name in `TM_Q4_GEMV_UNROLL` and the benchmark's tables.
     pub fn name(self) -> &'static str {
         match self {
             Unroll::Auto => "auto",
             Unroll::Two => "u2",
-            Unroll::Four => "u4",
             Unroll::Narrow => "n16",
-            Unroll::NarrowFour => "n16u4",
-            Unroll::Prefetch => "pf",
-            Unroll::Prefetch8 => "pf8",
             Unroll::Lean => "ln",
             Unroll::Lean4 => "ln4",
-            Unroll::OneWave => "pfw",
         }
     }
 
-    /// Parses a `TM_Q4_GEMV_UNROLL` value: 2 (or u2), 4 (or u4), n16, n16u4, pf, pf8, ln, ln4,
-    /// pfw or auto.
+    /// Parses a `TM_Q4_GEMV_UNROLL` value: 2 (or u2), n16, ln, ln4 or auto.
     pub fn parse(v: &str) -> Option<Unroll> {
         match v.trim() {
             "auto" => Some(Unroll::Auto),
             "2" | "u2" => Some(Unroll::Two),
-            "4" | "u4" => Some(Unroll::Four),
             "n16" => Some(Unroll::Narrow),
-            "n16u4" => Some(Unroll::NarrowFour),
-            "pf" => Some(Unroll::Prefetch),
-            "pf8" => Some(Unroll::Prefetch8),
             "ln" => Some(Unroll::Lean),
             "ln4" => Some(Unroll::Lean4),
-            "pfw" => Some(Unroll::OneWave),
             _ => None,
         }
     }
 
-    /// Whether the variant has a SiLU kernel of its own (`n16` and `n16u4` take `u2` there,
-    /// `pf8` takes `pf`'s).
+    /// Whether the variant has a SiLU kernel of its own (`n16` takes `u2` there).
     pub fn has_silu_form(self) -> bool {
-        matches!(self, Unroll::Two | Unroll::Four | Unroll::Prefetch | Unroll::Lean | Unroll::Lean4)
+        matches!(self, Unroll::Two | Unroll::Lean | Unroll::Lean4)
     }
 
     /// Whether the variant is one of the lean kernels (which take only [`lean_fits`] shapes).
@@ -161,25 +114,14 @@ impl Unroll {
     }
 }
 
-/// What [`set_unroll`] can force: the kernels ([`Unroll::ALL`]) and the `pfw` choice.
-const FORCIBLE: [Unroll; Unroll::ALL.len() + 1] = {
-    let mut f = [Unroll::OneWave; Unroll::ALL.len() + 1];
-    let mut i = 0;
-    while i < Unroll::ALL.len() {
-        f[i] = Unroll::ALL[i];
-        i += 1;
-    }
-    f
-};
-
-/// [`set_unroll`]'s override: 0 = none, else 1 + the index in [`FORCIBLE`].
+/// [`set_unroll`]'s override: 0 = none, else 1 + the index in [`Unroll::ALL`].
 static OVERRIDE: AtomicU8 = AtomicU8::new(0);
 
 /// Makes `Auto` mean `unroll` for the whole process, over `TM_Q4_GEMV_UNROLL` (`None`, or
 /// `Some(Auto)`: back to the environment and the automatic choice). For tests and benchmarks
 /// that run every variant in one process.
 pub fn set_unroll(unroll: Option<Unroll>) {
-    let code = unroll.and_then(|u| FORCIBLE.iter().position(|&a| a == u)).map_or(0, |i| i as u8 + 1);
+    let code = unroll.and_then(|u| Unroll::ALL.iter().position(|&a| a == u)).map_or(0, |i| i as u8 + 1);
     OVERRIDE.store(code, Ordering::Relaxed);
 }
 
@@ -187,14 +129,14 @@ pub fn set_unroll(unroll: Option<Unroll>) {
 fn forced() -> Option<Unroll> {
     match OVERRIDE.load(Ordering::Relaxed) {
         0 => forced_unroll(),
-        c => FORCIBLE.get(usize::from(c - 1)).copied(),
+        c => Unroll::ALL.get(usize::from(c - 1)).copied(),
     }
 }
 
 impl Unroll {
     /// The kernel for a plain product whose grid has `ctas16` 16-row and `ctas32` 32-row CTAs,
     /// on `sms` multiprocessors, `lean` saying whether the shape fits the lean kernels
-    /// ([`lean_fits`]); never `Auto` nor `OneWave`.
+    /// ([`lean_fits`]); never `Auto`.
     fn resolve(self, ctas16: usize, ctas32: usize, sms: usize, lean: bool) -> Unroll {
         self.resolve_with(forced(), ctas16, ctas32, sms, lean && lean_enabled())
     }
@@ -202,18 +144,15 @@ impl Unroll {
     /// [`Unroll::resolve`] with `forced` as the override of `Auto` and `lean` as whether `Auto`
     /// may take (and a forced variant may be) a lean kernel.
     fn resolve_with(self, forced: Option<Unroll>, ctas16: usize, ctas32: usize, sms: usize, lean: bool) -> Unroll {
-        let one_wave = if ctas16 <= 2 * sms { Unroll::Prefetch8 } else { Unroll::Prefetch };
         let sized = if ctas32 < 2 * sms { Unroll::Narrow } else { Unroll::Two };
         // Lean: U = 4 when the 16-row grid is one wave at two CTAs per SM (o, down), else U = 2.
         let lean_sized = if ctas16 <= 2 * sms { Unroll::Lean4 } else { Unroll::Lean };
         let u = match self {
             Unroll::Auto => match forced {
-                Some(Unroll::OneWave) => one_wave,
                 Some(u) if u != Unroll::Auto => u,
                 _ if lean => lean_sized,
                 _ => sized,
             },
-            Unroll::OneWave => one_wave,
             u => u,
         };
         if u.is_lean() && !lean {
@@ -244,14 +183,8 @@ impl Unroll {
     /// Rows per CTA of the plain product.
     fn rows_per_cta(self) -> usize {
         match self {
-            Unroll::Narrow
-            | Unroll::NarrowFour
-            | Unroll::Prefetch
-            | Unroll::Prefetch8
-            | Unroll::OneWave
-            | Unroll::Lean
-            | Unroll::Lean4 => 16,
-            _ => 32,
+            Unroll::Narrow | Unroll::Lean | Unroll::Lean4 => 16,
+            Unroll::Auto | Unroll::Two => 32,
         }
     }
 
@@ -259,31 +192,23 @@ impl Unroll {
     fn plain_stem(self) -> &'static str {
         match self {
             Unroll::Narrow => "q4_gemv_n16",
-            Unroll::NarrowFour => "q4_gemv_n16u4",
-            Unroll::Prefetch | Unroll::OneWave => "q4_gemv_pf",
-            Unroll::Prefetch8 => "q4_gemv_pf8",
             Unroll::Lean => "q4_gemv_ln",
             Unroll::Lean4 => "q4_gemv_ln4",
-            Unroll::Four => "q4_gemv_u4",
-            _ => "q4_gemv_u2",
+            Unroll::Auto | Unroll::Two => "q4_gemv_u2",
         }
     }
 
-    /// The SiLU kernel's name stem (`Narrow` and `NarrowFour` have no SiLU form: `u2`; `pf8`
-    /// and `pfw` take `pf`'s).
+    /// The SiLU kernel's name stem (`Narrow` has no SiLU form: `u2`).
     fn silu_stem(self) -> &'static str {
         match self {
-            Unroll::Four => "q4_gemv_silu_u4",
-            Unroll::Prefetch | Unroll::Prefetch8 | Unroll::OneWave => "q4_gemv_silu_pf",
             Unroll::Lean => "q4_gemv_silu_ln",
             Unroll::Lean4 => "q4_gemv_silu_ln4",
-            _ => "q4_gemv_silu_u2",
+            Unroll::Auto | Unroll::Two | Unroll::Narrow => "q4_gemv_silu_u2",
         }
     }
 }
 
-/// `TM_Q4_GEMV_UNROLL` when it names a variant or `pfw` (2, 4, n16, n16u4, pf, pf8, pfw; auto:
-/// none).
+/// `TM_Q4_GEMV_UNROLL` when it names a variant (2, n16, ln, ln4; auto: none).
 fn forced_unroll() -> Option<Unroll> {
     static FORCED: OnceLock<Option<Unroll>> = OnceLock::new();
     *FORCED.get_or_init(|| {
@@ -292,7 +217,7 @@ fn forced_unroll() -> Option<Unroll> {
             Some(Unroll::Auto) => None,
             Some(u) => Some(u),
             None => {
-                tracing::warn!("TM_Q4_GEMV_UNROLL={v} ignored: expected 2, 4, n16, n16u4, pf, pf8, pfw or auto");
+                tracing::warn!("TM_Q4_GEMV_UNROLL={v} ignored: expected 2, n16, ln, ln4 or auto");
                 None
             }
         }
@@ -459,7 +384,7 @@ pub fn q4_gemv_silu(
     }
     let grid = u32::try_from(ctas(rows, SILU_ROWS_PER_CTA))
         .map_err(|_| Error::invalid(format!("q4_gemv_silu: {rows} rows need too many CTAs")))?;
-    // `Narrow` and `NarrowFour` take `u2`'s kernel, `Prefetch8` `pf`'s.
+    // `Narrow` takes `u2`'s kernel.
     let lean = lean_fits(cols, group, &[*gate, *up]) && lean_enabled();
     let u = unroll.resolve_silu_with(forced(), lean);
     let name = format!("{}_{}", u.silu_stem(), suffix(dt)?);
@@ -519,37 +444,20 @@ mod tests {
     #[test]
     fn unroll_variants() {
         assert_eq!(Unroll::Two.resolve(20, 10, 132, false), Unroll::Two);
-        assert_eq!(Unroll::Four.resolve(2000, 1000, 132, false), Unroll::Four);
         assert_eq!(Unroll::Narrow.resolve(2000, 1000, 132, false), Unroll::Narrow);
         // An 8B model on an H200: q/k/v 384 and 192, o and down 256 and 128 16- and 32-row CTAs;
         // 132 SMs.
         assert_eq!(Unroll::Auto.resolve_with(None, 256, 128, 132, false), Unroll::Narrow);
         assert_eq!(Unroll::Auto.resolve_with(None, 384, 192, 132, false), Unroll::Narrow);
         assert_eq!(Unroll::Auto.resolve_with(None, 528, 264, 132, false), Unroll::Two);
-        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::Prefetch), 528, 264, 132, false), Unroll::Prefetch);
-        assert_eq!(Unroll::Four.resolve_with(Some(Unroll::Prefetch), 528, 264, 132, false), Unroll::Four);
-        // `pfw`: pf8 for o and down (one wave of two per SM), pf for q/k/v.
-        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::OneWave), 256, 128, 132, false), Unroll::Prefetch8);
-        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::OneWave), 264, 132, 132, false), Unroll::Prefetch8);
-        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::OneWave), 384, 192, 132, false), Unroll::Prefetch);
-        assert_eq!(Unroll::OneWave.resolve_with(None, 384, 192, 132, false), Unroll::Prefetch);
-        assert_eq!(Unroll::OneWave.silu_stem(), "q4_gemv_silu_pf");
+        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::Narrow), 528, 264, 132, false), Unroll::Narrow);
+        assert_eq!(Unroll::Two.resolve_with(Some(Unroll::Narrow), 528, 264, 132, false), Unroll::Two);
         assert_eq!(Unroll::Narrow.rows_per_cta(), 16);
-        assert_eq!(Unroll::NarrowFour.rows_per_cta(), 16);
-        assert_eq!(Unroll::NarrowFour.plain_stem(), "q4_gemv_n16u4");
-        assert_eq!(Unroll::NarrowFour.silu_stem(), "q4_gemv_silu_u2");
         assert_eq!(Unroll::Two.rows_per_cta(), 32);
         assert_eq!(Unroll::Narrow.plain_stem(), "q4_gemv_n16");
         assert_eq!(Unroll::Narrow.silu_stem(), "q4_gemv_silu_u2");
-        assert_eq!(Unroll::Four.silu_stem(), "q4_gemv_silu_u4");
-        assert_eq!(Unroll::Prefetch.rows_per_cta(), 16);
-        assert_eq!(Unroll::Prefetch.plain_stem(), "q4_gemv_pf");
-        assert_eq!(Unroll::Prefetch.silu_stem(), "q4_gemv_silu_pf");
-        assert_eq!(Unroll::Prefetch8.silu_stem(), "q4_gemv_silu_pf");
-        assert_eq!(Unroll::Prefetch8.plain_stem(), "q4_gemv_pf8");
-        assert_eq!(Unroll::Prefetch8.rows_per_cta(), 16);
-        assert!(Unroll::Prefetch.has_silu_form() && Unroll::Four.has_silu_form());
-        assert!(!Unroll::Prefetch8.has_silu_form() && !Unroll::NarrowFour.has_silu_form());
+        assert_eq!(Unroll::Two.silu_stem(), "q4_gemv_silu_u2");
+        assert!(Unroll::Two.has_silu_form() && !Unroll::Narrow.has_silu_form());
     }
 
     #[test]
@@ -571,13 +479,13 @@ mod tests {
         assert_eq!(Unroll::Auto.resolve_with(None, 1792, 896, 132, false), Unroll::Two);
         assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::Lean4), 256, 128, 132, true), Unroll::Lean4);
         assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::Lean4), 256, 128, 132, false), Unroll::Narrow);
-        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::Prefetch), 256, 128, 132, true), Unroll::Prefetch);
+        assert_eq!(Unroll::Auto.resolve_with(Some(Unroll::Narrow), 256, 128, 132, true), Unroll::Narrow);
         assert_eq!(Unroll::Lean.resolve_with(None, 1792, 896, 132, false), Unroll::Two);
         assert_eq!(Unroll::Auto.resolve_silu_with(None, true), Unroll::Lean);
         assert_eq!(Unroll::Auto.resolve_silu_with(None, false), Unroll::Two);
         assert_eq!(Unroll::Auto.resolve_silu_with(Some(Unroll::Lean4), true), Unroll::Lean4);
         assert_eq!(Unroll::Lean4.resolve_silu_with(None, false), Unroll::Two);
-        assert_eq!(Unroll::Auto.resolve_silu_with(Some(Unroll::Prefetch), true), Unroll::Prefetch);
+        assert_eq!(Unroll::Auto.resolve_silu_with(Some(Unroll::Two), true), Unroll::Two);
         assert_eq!(Unroll::Lean.plain_stem(), "q4_gemv_ln");
         assert_eq!(Unroll::Lean4.silu_stem(), "q4_gemv_silu_ln4");
         assert_eq!(Unroll::Lean.rows_per_cta(), 16);
@@ -591,22 +499,18 @@ mod tests {
         }
         assert_eq!(Unroll::parse(" 2 "), Some(Unroll::Two));
         assert_eq!(Unroll::parse("auto"), Some(Unroll::Auto));
-        assert_eq!(Unroll::parse("pfw"), Some(Unroll::OneWave));
-        assert!(!Unroll::ALL.contains(&Unroll::OneWave) && FORCIBLE.contains(&Unroll::OneWave));
+        assert_eq!(Unroll::parse("pf"), None);
         assert_eq!(Unroll::parse("u8"), None);
     }
 
     #[test]
     fn set_unroll_forces_auto() {
         // The only test that sets the override (tests of this module share the process).
-        set_unroll(Some(Unroll::Prefetch));
-        assert_eq!(forced(), Some(Unroll::Prefetch));
-        assert_eq!(Unroll::Auto.resolve(2000, 1000, 132, false), Unroll::Prefetch);
-        set_unroll(Some(Unroll::OneWave));
-        assert_eq!(forced(), Some(Unroll::OneWave));
-        assert_eq!(Unroll::Auto.resolve(256, 128, 132, false), Unroll::Prefetch8);
-        set_unroll(Some(Unroll::Four));
-        assert_eq!(forced(), Some(Unroll::Four));
+        set_unroll(Some(Unroll::Narrow));
+        assert_eq!(forced(), Some(Unroll::Narrow));
+        assert_eq!(Unroll::Auto.resolve(2000, 1000, 132, false), Unroll::Narrow);
+        set_unroll(Some(Unroll::Lean4));
+        assert_eq!(forced(), Some(Unroll::Lean4));
         set_unroll(Some(Unroll::Auto));
         assert_eq!(forced(), forced_unroll());
         set_unroll(None);
