@@ -6,13 +6,14 @@
 //! - cuBLASLt with a dense `W` of the same dtype (tm-cuda's `Blas`, what dense models run),
 //! - `matmul_q4` with its automatic choice (int4 group 128, the AWQ default),
 //! - the int4 GEMM with each tile shape forced (`l`, `m`, `s`, `t`, and on sm_90 the wgmma shapes
-//!   `w`, `v`; elsewhere forcing those times the automatic choice), and the older tiled kernel
+//!   `w`, `x`, `v`; elsewhere forcing those times the automatic choice), and the older tiled kernel
 //!   (`TM_Q4_GEMM=off`),
 //! - the large-batch slab path (`tm_cuda::kernels::q4_slab`: dequantize a slab of rows into a
 //!   `--slab-mib` scratch buffer, default `tm_core::q4_slab::SLAB_BYTES`, then cuBLASLt into the
 //!   output's columns, slab after slab), and its dequantization alone (`deq us`),
 //!
-//! each timed with CUDA events over `--iters` launches after warm-up, printing µs, TFLOP/s and the
+//! each timed with CUDA events over `--iters` launches after warm-up (cuBLAS and the automatic
+//! choice in three alternating rounds, their medians), printing µs, TFLOP/s and the
 //! int4/cuBLAS throughput ratio (`ratio` = cuBLAS time / int4 time) for the automatic choice, for
 //! the fastest tile and for the slab path (`slab %`). The backend takes the slab path from
 //! `TM_Q4_SLAB_MIN_M` tokens (default 512): compare `slab %` with `best %` per `M` to place it.
@@ -150,6 +151,15 @@ fn time_us(gpu: &Gpu, iters: usize, mut f: impl FnMut() -> Result<()>) -> Result
     Ok(ms as f64 * 1e3 / iters as f64)
 }
 
+/// Rounds of alternating cuBLAS / automatic-choice timings whose medians are reported.
+const ROUNDS: usize = 3;
+
+/// The median of `v` (not empty), sorting it.
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn tflops(m: usize, rows: usize, cols: usize, us: f64) -> f64 {
     2.0 * (m * rows * cols) as f64 / (us * 1e-6) / 1e12
 }
@@ -185,7 +195,7 @@ fn run(args: &Args) -> Result<()> {
     );
     println!(
         "{:<5} {:<8} {:>5} {:>6} {:>6} | {:>9} {:>7} | {:>9} {:>7} {:>6} {:>4} | {:>4} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} \
-         {:>8} | {:>8} {:>7} {:>6} {:>5} {:>7}",
+         {:>8} {:>8} | {:>8} {:>7} {:>6} {:>5} {:>7}",
         "dtype",
         "shape",
         "M",
@@ -204,6 +214,7 @@ fn run(args: &Args) -> Result<()> {
         "s us",
         "t us",
         "w us",
+        "x us",
         "v us",
         "tiled us",
         "slab us",
@@ -254,9 +265,17 @@ fn run(args: &Args) -> Result<()> {
                     q4_gemm::set_policy(None);
                     r
                 };
-                let t_blas =
-                    time_us(&gpu, args.iters, || blas.gemm(dt, m, rows, cols, x.addr(), dense.addr(), out.addr()))?;
-                let t_auto = time_us(&gpu, args.iters, || q4(Some(Policy::Auto)))?;
+                // cuBLAS and the automatic choice alternate for ROUNDS rounds and each keeps its
+                // median: long products lower the clocks (power), and timing one right after the
+                // other gave the second 5-15% less on the 8192-token shapes.
+                let (mut blas_us, mut auto_us) = (Vec::new(), Vec::new());
+                for _ in 0..ROUNDS {
+                    blas_us.push(time_us(&gpu, args.iters, || {
+                        blas.gemm(dt, m, rows, cols, x.addr(), dense.addr(), out.addr())
+                    })?);
+                    auto_us.push(time_us(&gpu, args.iters, || q4(Some(Policy::Auto)))?);
+                }
+                let (t_blas, t_auto) = (median(&mut blas_us), median(&mut auto_us));
                 let mut per_tile = Vec::new();
                 for tile in Tile::ALL {
                     per_tile.push(time_us(&gpu, args.iters, || q4(Some(Policy::Force(tile))))?);
@@ -304,7 +323,8 @@ fn run(args: &Args) -> Result<()> {
                     }
                     None => format!("{:>8} {:>7} {:>6} {:>5} {:>7}", "-", "-", "-", "-", "-"),
                 };
-                let auto_tile = q4_gemm::pick(m, rows, sms, q4_gemm::wgmma_available(&gpu));
+                let auto_tile = q4_gemm::choose(Policy::Auto, m, rows, args.group, sms, q4_gemm::wgmma_available(&gpu))
+                    .unwrap_or(Tile::Large);
                 let (best, t_best) = Tile::ALL
                     .iter()
                     .zip(&per_tile)

@@ -2067,6 +2067,7 @@ fn matmul_q4_policies(s: &mut Suite, n: usize, rows: usize, cols: usize, group: 
             Policy::Force(Tile::Small),
             Policy::Force(Tile::Tall),
             Policy::Force(Tile::Wgmma),
+            Policy::Force(Tile::WgmmaK128),
             Policy::Force(Tile::WgmmaNarrow),
             Policy::Auto,
             Policy::Off,

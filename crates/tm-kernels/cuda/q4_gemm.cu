@@ -339,9 +339,10 @@ __device__ __forceinline__ void q4_gemm(T* __restrict__ out, const T* __restrict
 // - cp.async brings tile kt + STAGES - 1 into the stage tile kt - 1 used while tile kt is
 //   multiplied (one block barrier per tile; cp.async writes are generic-proxy writes, so each
 //   thread fences them for the async proxy before the barrier);
-// - per warpgroup and tile, two halves (32-column blocks) with their own A registers: wait until
-//   only one wgmma group is in flight (the other half's, so this half's of tile kt - 1 are done),
-//   dequantize this half's two fragments, issue its two wgmmas as one group. So a half's
+// - per warpgroup and k-tile, two halves (one 32-column block each for 64-column k-tiles, two
+//   for 128-column ones) with their own A registers: wait until only one wgmma group is in
+//   flight (the other half's, so this half's of tile kt - 1 are done), dequantize this half's
+//   fragments, issue its wgmmas as one group. So a half's
 //   dequantization overlaps the other half's wgmmas. A wgmma reads its register operand
 //   asynchronously and ptxas does not protect it: registers may be rewritten only after the wait
 //   that retires the wgmmas reading them (a rolled loop that dequantized the next tile into the
@@ -369,15 +370,24 @@ constexpr int THREADS = 256;  // two warpgroups
 constexpr int BW = 128;       // weight rows per block
 using tmg::BK;
 
-template <int NTOK, int STAGES> struct Shape {
-    static constexpr int X_BYTES = NTOK * 128;  // activation tile per stage
-    static constexpr int W_BYTES = BW * 32;     // packed tile per stage
+// SUBS: 64-column sub-tiles per stage (k-tile of 64 SUBS columns). SUBS = 2 needs
+// `group % 128 == 0` (one group per k-tile and row).
+template <int NTOK, int STAGES, int SUBS> struct Shape {
+    static constexpr int KT = 64 * SUBS;           // columns per k-tile
+    static constexpr int X_SUB = NTOK * 128;       // one 64-column sub-tile of activations
+    static constexpr int X_BYTES = SUBS * X_SUB;   // activation tile per stage
+    static constexpr int ROW = 32 * SUBS;          // packed bytes per weight row and k-tile
+    static constexpr int W_BYTES = BW * ROW;       // packed tile per stage
     static constexpr int STAGE = X_BYTES + W_BYTES;
     static_assert(STAGE % 1024 == 0, "stage bases stay 1024-byte aligned");
     static constexpr int SMEM = STAGES * STAGE + 1024;  // + alignment slack
-    static constexpr int X_PER_THREAD = NTOK * 8 / THREADS;
+    static constexpr int X_PER_THREAD = NTOK * 8 / THREADS;  // 16-byte chunks per sub-tile
+    static constexpr int W_PER_THREAD = BW * 2 * SUBS / THREADS;
+    static constexpr int BLOCKS = 2 * SUBS;        // 32-column blocks per k-tile
     static constexpr int ACC = NTOK / 2;  // f32 accumulators per thread (m64 x NTOK / 128)
     static_assert(X_PER_THREAD * THREADS == NTOK * 8, "copy split");
+    static_assert(W_PER_THREAD * THREADS == BW * 2 * SUBS, "copy split");
+    static_assert(SUBS == 1 || SUBS == 2, "one or two sub-tiles");
     static_assert(STAGES >= 3, "tiles kt + 1 .. kt + STAGES - 1 in flight while kt is multiplied");
 };
 
@@ -508,13 +518,14 @@ __device__ __forceinline__ unsigned long long desc_sw128(unsigned addr) {
 }
 #endif
 
-template <class T, int NTOK, int STAGES>
+template <class T, int NTOK, int STAGES, int SUBS>
 __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __restrict__ x,
                                               const unsigned char* __restrict__ packed,
                                               const __half* __restrict__ scales, const __half* __restrict__ mins,
                                               int n, int rows, int cols, int group) {
 #if TMW_WGMMA
-    typedef Shape<NTOK, STAGES> S;
+    typedef Shape<NTOK, STAGES, SUBS> S;
+    constexpr int KT = S::KT, NB = S::BLOCKS;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const unsigned raw0 = tmg::smem_u32(smem_raw);
     const unsigned base = (raw0 + 1023u) & ~1023u;
@@ -524,39 +535,58 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
     const int wg = warp >> 2, wq = warp & 3;
     const int w0 = blockIdx.x * BW;   // first weight row of the block
     const int t0 = blockIdx.y * NTOK; // first token of the block
-    const int ktiles = cols / BK;
+    const int ktiles = cols / KT;
     const int groups = cols / group;
     const long long row_bytes = cols >> 1;
 
-    // Producer: activation chunk i = tid + 256 i -> token tid / 8 + 32 i, chunk tid % 8 (tokens
-    // 32 apart share (token & 7)); packed chunk tid -> weight row tid / 2, block tid % 2.
+    // Packed block b (16 bytes, 32 columns) of weight row r sits at position b ^ swz(r) of the
+    // row's ROW bytes, so that the 8 rows a warp reads at once hit distinct banks.
+    auto swz = [](int r) { return SUBS == 1 ? (r >> 2) & 1 : (r >> 1) & 3; };
+
+    // Producer: activation chunk i = tid + 256 i of each sub-tile -> token tid / 8 + 32 i, chunk
+    // tid % 8 (tokens 32 apart share (token & 7)); packed chunk j = tid + 256 j -> weight row
+    // (tid + 256 j) / NB, block tid % NB.
     const int a_chunk = tid & 7, a_r0 = tid >> 3;
     const T* a_src = x + (long long)(t0 + a_r0) * cols + a_chunk * 8;
     const long long a_step = 32ll * cols;
     const unsigned a_dst = a_r0 * 128 + ((a_chunk ^ (a_r0 & 7)) << 4);
-    const int b_blk = tid & 1, b_r = tid >> 1;
-    const bool b_ok = w0 + b_r < rows;
-    const unsigned char* b_src = packed + (long long)(b_ok ? w0 + b_r : 0) * row_bytes + b_blk * 16;
-    const unsigned b_dst = S::X_BYTES + b_r * 32 + ((b_blk ^ ((b_r >> 2) & 1)) << 4);
+    const int a_valid = (n - t0 - a_r0 + 31) / 32;  // this thread's tokens a_r0 + 32 i < n - t0 for i < a_valid
+    const unsigned char* b_src[S::W_PER_THREAD];
+    bool b_ok[S::W_PER_THREAD];
+    unsigned b_dst[S::W_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < S::W_PER_THREAD; ++j) {
+        const int c = tid + THREADS * j, r = c / NB, blk = c % NB;
+        b_ok[j] = w0 + r < rows;
+        b_src[j] = packed + (long long)(b_ok[j] ? w0 + r : 0) * row_bytes + blk * 16;
+        b_dst[j] = S::X_BYTES + r * S::ROW + ((blk ^ swz(r)) << 4);
+    }
 
     auto issue_tile = [&](int stage) {
         const unsigned sb = base + stage * S::STAGE;
 #pragma unroll
         for (int i = 0; i < S::X_PER_THREAD; ++i) {
-            const bool ok = t0 + a_r0 + 32 * i < n;
-            tmg::cp_async16(sb + a_dst + i * 32 * 128, ok ? a_src + i * a_step : x, ok);
+            const bool ok = i < a_valid;
+#pragma unroll
+            for (int sub = 0; sub < SUBS; ++sub)
+                tmg::cp_async16(sb + sub * S::X_SUB + a_dst + i * 32 * 128, ok ? a_src + i * a_step + sub * 64 : x, ok);
         }
-        tmg::cp_async16(sb + b_dst, b_src, b_ok);
-        a_src += BK;
-        b_src += BK / 2;
+#pragma unroll
+        for (int j = 0; j < S::W_PER_THREAD; ++j) {
+            tmg::cp_async16(sb + b_dst[j], b_src[j], b_ok[j]);
+            b_src[j] += KT / 2;
+        }
+        a_src += KT;
     };
 
-    // Consumer: this thread's weight rows r0 = 64 wg + 16 wq + g and r0 + 8.
+    // Consumer: this thread's weight rows r0 = 64 wg + 16 wq + g and r0 + 8 (same swz).
     const int g = lane >> 2, t = lane & 3;
     const int r0 = wg * 64 + wq * 16 + g;
     const unsigned sel = (t & 1) ? 0x7362u : 0x5140u;
-    const unsigned b_off[2] = {(unsigned)(S::X_BYTES + r0 * 32 + (((g >> 2) & 1) << 4) + ((t >> 1) << 2)),
-                               (unsigned)(S::X_BYTES + r0 * 32 + ((((g >> 2) & 1) ^ 1) << 4) + ((t >> 1) << 2))};
+    unsigned b_off[NB];
+#pragma unroll
+    for (int blk = 0; blk < NB; ++blk)
+        b_off[blk] = S::X_BYTES + r0 * S::ROW + ((blk ^ swz(r0)) << 4) + ((t >> 1) << 2);
     // Scales and mins of rows r0, r0 + 8 (rows past the end read row 0 and are never stored).
     long long s_idx[2];
 #pragma unroll
@@ -564,29 +594,31 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
         const int r = w0 + r0 + 8 * h;
         s_idx[h] = (long long)(r < rows ? r : 0) * groups;
     }
-    // [row h][block] of the tile being dequantized: the f16 bits in the low half of a register
-    // (as __half values the compiler packed two per register and spent ~30 PRMT per tile on it).
-    unsigned sv[2][2], mv[2][2];
+    // Per row h and 32-column block of a k-tile (SUBS = 2: one group for the whole k-tile, so
+    // one pair per row): the f16 bits in the low half of a register (as __half values the
+    // compiler packed two per register and spent ~30 PRMT per tile on moving them).
+    constexpr int SB = SUBS == 1 ? 2 : 1;
+    typedef unsigned ScaleSet[2][SB];
     const unsigned short* const scale_bits = reinterpret_cast<const unsigned short*>(scales);
     const unsigned short* const min_bits = reinterpret_cast<const unsigned short*>(mins);
-    // The next tile load_scales reads: its first column's group and offset in that group (kept
+    // The next k-tile load_scales reads: its first column's group and offset in that group (kept
     // incrementally: a division per tile cost about 30 instructions of the loop's 290).
     int s_group = 0, s_col = 0;
-    auto load_scales = [&](unsigned (&s)[2][2], unsigned (&m)[2][2]) {
+    auto load_scales = [&](ScaleSet& sc, ScaleSet& mn) {
         const int gi[2] = {s_group, s_group + (s_col + 32 >= group)};
 #pragma unroll
-        for (int blk = 0; blk < 2; ++blk) {
+        for (int blk = 0; blk < SB; ++blk) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                s[h][blk] = __ldg(scale_bits + s_idx[h] + gi[blk]);
-                m[h][blk] = __ldg(min_bits + s_idx[h] + gi[blk]);
+                sc[h][blk] = __ldg(scale_bits + s_idx[h] + gi[blk]);
+                mn[h][blk] = __ldg(min_bits + s_idx[h] + gi[blk]);
             }
         }
-        s_col += BK;  // group >= 32: at most two groups end within a tile
+        s_col += KT;  // SUBS = 1: group >= 32, at most two groups end within a tile; SUBS = 2: group % 128 == 0
         if (s_col >= group) {
             s_col -= group;
             ++s_group;
-            if (s_col >= group) {
+            if (SUBS == 1 && s_col >= group) {
                 s_col -= group;
                 ++s_group;
             }
@@ -598,14 +630,14 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
     for (int i = 0; i < S::ACC; ++i) acc[i] = 0.f;
 
     // The packed words of the next tile: [block][row h][first/second 8-byte half].
-    unsigned raw[2][2][2];
+    unsigned raw[NB][2][2];
     auto load_raw = [&](int stage) {
         const unsigned char* sb = sbase + stage * S::STAGE;
 #pragma unroll
-        for (int blk = 0; blk < 2; ++blk)
+        for (int blk = 0; blk < NB; ++blk)
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) {
-                const unsigned char* p = sb + b_off[blk] + hr * 8 * 32;
+                const unsigned char* p = sb + b_off[blk] + hr * 8 * S::ROW;
                 raw[blk][hr][0] = *reinterpret_cast<const unsigned*>(p);
                 raw[blk][hr][1] = *reinterpret_cast<const unsigned*>(p + 8);
             }
@@ -620,36 +652,50 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
     fence_proxy_async();               // (cp.async writes, visible to wgmma's async-proxy reads)
     __syncthreads();
     load_raw(0);
-    // Scales and mins are read two tiles ahead (a global load's latency exceeds a tile's math).
-    unsigned sv1[2][2], mv1[2][2];  // the odd tiles' (sv, mv: the even tiles')
+    // Scales and mins are read two tiles ahead (a global load's latency exceeds a tile's math),
+    // into two sets: the even tiles' and the odd tiles'.
+    ScaleSet sv, mv, sv1, mv1;
     load_scales(sv, mv);
     if (ktiles > 1) load_scales(sv1, mv1);
 
-    // Tile kt: two halves (32-column blocks), each with its own A registers. A wgmma reads its
-    // register operand asynchronously and ptxas does not protect it, so a half's registers are
-    // rewritten only after the wait that retires the wgmmas which read them one tile earlier;
-    // each half's dequantization overlaps the other half's wgmmas. Then, while they run: wait for
-    // tile kt + 1, refill the stage tile kt - 1 used with tile kt + STAGES - 1, read tile kt + 1's
-    // packed words and tile kt + 2's scales (into the registers tile kt's scales held: the loop is
-    // unrolled twice so that the two scale sets alternate without copies).
+    // Tile kt: two halves (SUBS blocks of 32 columns each), each with its own A registers. A
+    // wgmma reads its register operand asynchronously and ptxas does not protect it, so a half's
+    // registers are rewritten only after the wait that retires the wgmmas which read them one
+    // tile earlier; each half's dequantization overlaps the other half's wgmmas. Then, while they
+    // run: wait for tile kt + 1, refill the stage tile kt - 1 used with tile kt + STAGES - 1, read
+    // tile kt + 1's packed words and tile kt + 2's scales (into the registers tile kt's scales
+    // held: the loop is unrolled twice so that the two scale sets alternate without copies).
     int rd = 0, wr = STAGES - 1;
-    auto tile = [&](int kt, unsigned (&ts)[2][2], unsigned (&tm)[2][2]) {
+    auto tile = [&](int kt, ScaleSet& ts, ScaleSet& tm) {
         const unsigned xb = base + rd * S::STAGE;
 #pragma unroll
-        for (int blk = 0; blk < 2; ++blk) {
+        for (int half = 0; half < 2; ++half) {
             wgmma_wait<1>();  // everything but the latest group: this half's wgmmas of tile kt - 1
             fence_acc(acc);
-            unsigned h[2][4];
+            unsigned a[2 * SUBS][4];  // the half's 16-column steps
 #pragma unroll
-            for (int hr = 0; hr < 2; ++hr)
-                tmg::dequant8(__byte_perm(raw[blk][hr][0], raw[blk][hr][1], sel), dup_bits(ts[hr][blk]),
-                              dup_bits(tm[hr][blk]), h[hr], T());
-            // a0 = (row g, k 2t..), a1 = (row g + 8, k 2t..), a2 = (row g, k 2t + 8..), a3 = (row g + 8, k 2t + 8..)
-            const unsigned a0[4] = {h[0][0], h[1][0], h[0][1], h[1][1]};
-            const unsigned a1[4] = {h[0][2], h[1][2], h[0][3], h[1][3]};
+            for (int bb = 0; bb < SUBS; ++bb) {
+                const int blk = half * SUBS + bb, sblk = SUBS == 1 ? blk : 0;
+                unsigned h[2][4];
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr)
+                    tmg::dequant8(__byte_perm(raw[blk][hr][0], raw[blk][hr][1], sel), dup_bits(ts[hr][sblk]),
+                                  dup_bits(tm[hr][sblk]), h[hr], T());
+                // a0 = (row g, k 2t..), a1 = (row g + 8, k 2t..), a2 = (row g, k 2t + 8..), a3 = (row g + 8, k 2t + 8..)
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    a[2 * bb + k][0] = h[0][2 * k];
+                    a[2 * bb + k][1] = h[1][2 * k];
+                    a[2 * bb + k][2] = h[0][2 * k + 1];
+                    a[2 * bb + k][3] = h[1][2 * k + 1];
+                }
+            }
             wgmma_fence();
-            wgmma_rs(acc, a0, desc_sw128(xb + blk * 64), T());
-            wgmma_rs(acc, a1, desc_sw128(xb + blk * 64 + 32), T());
+#pragma unroll
+            for (int ks = 0; ks < 2 * SUBS; ++ks) {
+                const int kk = half * 2 * SUBS + ks;  // 16-column step within the k-tile
+                wgmma_rs(acc, a[ks], desc_sw128(xb + (kk >> 2) * S::X_SUB + (kk & 3) * 32), T());
+            }
             wgmma_commit();
             fence_acc(acc);
         }
@@ -721,22 +767,26 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
 TMG_KERNELS(f16, __half)
 TMG_KERNELS(bf16, __nv_bfloat16)
 
-// sm_90a wgmma kernels (see above): `w`: 256 tokens x 128 weight rows, 4 stages (145 KiB shared);
-// `v`: 128 x 128, 4 stages (81 KiB). One block per SM (w: about 200 registers per thread).
-#define TMW_KERNEL(NAME, SUF, T, NTOK, ST, MINB)                                                                    \
-    extern "C" __global__ void __launch_bounds__(tmw::THREADS, MINB)                                              \
+// sm_90a wgmma kernels (see above): `w`: 256 tokens x 128 weight rows, 64-column k-tiles, 4 stages
+// (145 KiB shared); `v`: 128 x 128, 4 stages (81 KiB); `x`: `w` with 128-column k-tiles (two
+// sub-tiles per stage, half the barriers and waits per column), 3 stages (217 KiB), for
+// `group % 128 == 0`. One block per SM (w: about 220 registers per thread, x: about 240).
+#define TMW_KERNEL(NAME, SUF, T, NTOK, ST, SUBS)                                                                    \
+    extern "C" __global__ void __launch_bounds__(tmw::THREADS, 1)                                                  \
         matmul_q4_gemm_##NAME##_##SUF(T* __restrict__ out, const T* __restrict__ x,                              \
                                       const unsigned char* __restrict__ packed, const __half* __restrict__ scales, \
                                       const __half* __restrict__ mins, int n, int rows, int cols, int group) {   \
         tmk::pdl_launch_dependents();                                                                            \
         tmk::pdl_wait();                                                                                         \
-        tmw::q4_gemm_wgmma<T, NTOK, ST>(out, x, packed, scales, mins, n, rows, cols, group);                    \
+        tmw::q4_gemm_wgmma<T, NTOK, ST, SUBS>(out, x, packed, scales, mins, n, rows, cols, group);              \
     }
 
 TMW_KERNEL(w, f16, __half, 256, 4, 1)
 TMW_KERNEL(v, f16, __half, 128, 4, 1)
+TMW_KERNEL(x, f16, __half, 256, 3, 2)
 TMW_KERNEL(w, bf16, __nv_bfloat16, 256, 4, 1)
 TMW_KERNEL(v, bf16, __nv_bfloat16, 128, 4, 1)
+TMW_KERNEL(x, bf16, __nv_bfloat16, 256, 3, 2)
 
 #if TMW_WGMMA || !defined(__CUDA_ARCH__)
 // Present only in an sm_90a image (and, for whole-program nvcc builds, the host pass): the

@@ -19,7 +19,10 @@
 //! shapes use Hopper's warpgroup mma (wgmma, the weights dequantized into its register operand,
 //! the activations read by the tensor cores from shared memory), when the loaded image is the
 //! sm_90a one ([`wgmma_available`]):
-//! - [`Tile::Wgmma`]: 256 tokens × 128 weight rows, 4 stages, 145 KiB;
+//! - [`Tile::Wgmma`]: 256 tokens × 128 weight rows, 64-column k-tiles, 4 stages, 145 KiB;
+//! - [`Tile::WgmmaK128`]: the same with 128-column k-tiles (half the barriers and waits per
+//!   column), 3 stages, 217 KiB, for `group % 128 == 0` (what [`choose`] takes instead of
+//!   [`Tile::Wgmma`] there);
 //! - [`Tile::WgmmaNarrow`]: 128 × 128, 4 stages, 81 KiB (more blocks for mid-sized batches).
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -52,19 +55,31 @@ pub enum Tile {
     Tall,
     /// sm_90a: 256 × 128 with wgmma (two warpgroups of 64 weight rows × 256 tokens), 4 stages.
     Wgmma,
+    /// sm_90a: [`Tile::Wgmma`] with 128-column k-tiles, 3 stages; needs `group % 128 == 0`.
+    WgmmaK128,
     /// sm_90a: 128 × 128 with wgmma, 4 stages: twice the blocks of [`Tile::Wgmma`].
     WgmmaNarrow,
 }
 
 impl Tile {
     /// Every tile shape.
-    pub const ALL: [Tile; 6] = [Tile::Large, Tile::Medium, Tile::Small, Tile::Tall, Tile::Wgmma, Tile::WgmmaNarrow];
+    pub const ALL: [Tile; 7] =
+        [Tile::Large, Tile::Medium, Tile::Small, Tile::Tall, Tile::Wgmma, Tile::WgmmaK128, Tile::WgmmaNarrow];
     /// The shapes [`pick`] chooses from, largest first (the wgmma ones only where available).
     pub const AUTO: [Tile; 5] = [Tile::Wgmma, Tile::WgmmaNarrow, Tile::Large, Tile::Medium, Tile::Small];
 
     /// Whether the shape is one of the sm_90a wgmma kernels.
     pub fn wgmma(self) -> bool {
-        matches!(self, Tile::Wgmma | Tile::WgmmaNarrow)
+        matches!(self, Tile::Wgmma | Tile::WgmmaK128 | Tile::WgmmaNarrow)
+    }
+
+    /// 64-column sub-tiles per k-tile (2 for [`Tile::WgmmaK128`], else 1).
+    fn subs(self) -> usize {
+        if self == Tile::WgmmaK128 {
+            2
+        } else {
+            1
+        }
     }
 
     /// The letter in the kernel name (`matmul_q4_gemm_{tag}_{dtype}`).
@@ -75,6 +90,7 @@ impl Tile {
             Tile::Small => "s",
             Tile::Tall => "t",
             Tile::Wgmma => "w",
+            Tile::WgmmaK128 => "x",
             Tile::WgmmaNarrow => "v",
         }
     }
@@ -82,7 +98,7 @@ impl Tile {
     /// Activation rows (`n`) per block.
     pub fn bm(self) -> usize {
         match self {
-            Tile::Wgmma => 256,
+            Tile::Wgmma | Tile::WgmmaK128 => 256,
             Tile::Large | Tile::Medium | Tile::Tall | Tile::WgmmaNarrow => 128,
             Tile::Small => 64,
         }
@@ -92,13 +108,13 @@ impl Tile {
     pub fn bn(self) -> usize {
         match self {
             Tile::Large | Tile::Tall => 256,
-            Tile::Medium | Tile::Small | Tile::Wgmma | Tile::WgmmaNarrow => 128,
+            Tile::Medium | Tile::Small | Tile::Wgmma | Tile::WgmmaK128 | Tile::WgmmaNarrow => 128,
         }
     }
 
     fn stages(self) -> usize {
         match self {
-            Tile::Large | Tile::Tall => 3,
+            Tile::Large | Tile::Tall | Tile::WgmmaK128 => 3,
             Tile::Medium | Tile::Small | Tile::Wgmma | Tile::WgmmaNarrow => 4,
         }
     }
@@ -106,10 +122,10 @@ impl Tile {
     /// Dynamic shared memory per block: per stage the activation tile (`bm` × 64 × 2 bytes), the
     /// packed weight tile (`bn` × 32 bytes) and, for the mma.sync shapes, the scale/min pairs
     /// (`bn` × 16 bytes; the wgmma shapes keep them in registers and align their stages to 1 KiB,
-    /// for which they ask 1 KiB more).
+    /// for which they ask 1 KiB more; [`Tile::WgmmaK128`] holds two 64-column sub-tiles).
     pub fn shared_bytes(self) -> usize {
         if self.wgmma() {
-            return self.stages() * (self.bm() * BK * 2 + self.bn() * BK / 2) + 1024;
+            return self.stages() * self.subs() * (self.bm() * BK * 2 + self.bn() * BK / 2) + 1024;
         }
         self.stages() * (self.bm() * BK * 2 + self.bn() * BK / 2 + self.bn() * 16)
     }
@@ -120,7 +136,7 @@ impl Tile {
         // The wgmma shapes measured about 1.9x and 1.3-1.4x the large tile's throughput (H200;
         // at 1024 tokens x 6144 rows two waves of `w` beat three of `v`).
         match self {
-            Tile::Wgmma => 1.9,
+            Tile::Wgmma | Tile::WgmmaK128 => 1.9,
             Tile::WgmmaNarrow => 1.4,
             Tile::Large | Tile::Tall => 1.0,
             Tile::Medium => 0.8,
@@ -128,8 +144,8 @@ impl Tile {
         }
     }
 
-    /// The tile named by `s` (`l`, `m`, `s`, `t`, `w`, `v`, or `large`, `medium`, `small`, `tall`,
-    /// `wgmma`, `wgmma-narrow`).
+    /// The tile named by `s` (`l`, `m`, `s`, `t`, `w`, `x`, `v`, or `large`, `medium`, `small`,
+    /// `tall`, `wgmma`, `wgmma-k128`, `wgmma-narrow`).
     pub fn parse(s: &str) -> Option<Tile> {
         match s.trim().to_ascii_lowercase().as_str() {
             "l" | "large" => Some(Tile::Large),
@@ -137,6 +153,7 @@ impl Tile {
             "s" | "small" => Some(Tile::Small),
             "t" | "tall" => Some(Tile::Tall),
             "w" | "wgmma" => Some(Tile::Wgmma),
+            "x" | "wgmma-k128" => Some(Tile::WgmmaK128),
             "v" | "wgmma-narrow" => Some(Tile::WgmmaNarrow),
             _ => None,
         }
@@ -145,7 +162,8 @@ impl Tile {
 
 /// Which prefill kernel int4 matmuls use, from `TM_Q4_GEMM`: unset or `auto` → [`Policy::Auto`];
 /// `off`/`0`/`tiled` → [`Policy::Off`] (the older tiled kernel, for comparisons); `l`/`m`/`s`/`t`/
-/// `w`/`v` → [`Policy::Force`] (a wgmma shape where wgmma is unavailable falls back to `auto`). Anything else is reported once on stderr and treated as `auto`.
+/// `w`/`x`/`v` → [`Policy::Force`] (a wgmma shape where wgmma is unavailable falls back to
+/// `auto`; `x` where `group % 128 != 0` to `w`). Anything else is reported once on stderr and treated as `auto`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
     /// [`pick`] chooses the tile.
@@ -165,7 +183,7 @@ impl Policy {
             Some(s) if s == "off" || s == "0" || s == "tiled" => Ok(Policy::Off),
             Some(s) => Tile::parse(&s)
                 .map(Policy::Force)
-                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s, t, w, v")),
+                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s, t, w, x, v")),
         }
     }
 
@@ -334,15 +352,23 @@ pub fn launch(
     )
 }
 
-/// The tile [`crate::kernels::quant::matmul_q4`] uses for an [`eligible`] call under `policy`, or
-/// `None` for the older tiled kernel. `wgmma`: whether the sm_90a shapes can run
-/// ([`wgmma_available`]); a forced one that cannot falls back to [`pick`].
-pub fn choose(policy: Policy, n: usize, rows: usize, sms: usize, wgmma: bool) -> Option<Tile> {
-    match policy {
-        Policy::Off => None,
-        Policy::Force(t) if n.div_ceil(t.bm()) <= MAX_GRID_Y && (wgmma || !t.wgmma()) => Some(t),
-        Policy::Force(_) | Policy::Auto => Some(pick(n, rows, sms, wgmma)),
-    }
+/// The tile [`crate::kernels::quant::matmul_q4`] uses for an [`eligible`] call with int4 groups
+/// of `group` columns under `policy`, or `None` for the older tiled kernel. `wgmma`: whether the
+/// sm_90a shapes can run ([`wgmma_available`]); a forced one that cannot falls back to [`pick`].
+/// [`Tile::Wgmma`] becomes [`Tile::WgmmaK128`] where `group % 128 == 0` (`cols` is then a multiple
+/// of 128 too), and the other way round.
+pub fn choose(policy: Policy, n: usize, rows: usize, group: usize, sms: usize, wgmma: bool) -> Option<Tile> {
+    let tile = match policy {
+        Policy::Off => return None,
+        Policy::Force(t) if n.div_ceil(t.bm()) <= MAX_GRID_Y && (wgmma || !t.wgmma()) => t,
+        Policy::Force(_) | Policy::Auto => pick(n, rows, sms, wgmma),
+    };
+    let k128 = group.is_multiple_of(128);
+    Some(match tile {
+        Tile::Wgmma if k128 && policy != Policy::Force(Tile::Wgmma) => Tile::WgmmaK128,
+        Tile::WgmmaK128 if !k128 => Tile::Wgmma,
+        t => t,
+    })
 }
 
 /// The marker kernel that only `q4_gemm.cu`'s sm_90a image defines.
@@ -381,6 +407,7 @@ mod tests {
         }
         assert_eq!(Tile::Wgmma.shared_bytes(), 4 * (32768 + 4096) + 1024);
         assert_eq!(Tile::WgmmaNarrow.shared_bytes(), 4 * (16384 + 4096) + 1024);
+        assert_eq!(Tile::WgmmaK128.shared_bytes(), 3 * 2 * (32768 + 4096) + 1024);
         assert_eq!(Tile::Large.shared_bytes(), 3 * (16384 + 8192 + 4096));
         assert_eq!(Tile::Small.shared_bytes(), 4 * (8192 + 4096 + 2048));
     }
@@ -436,13 +463,18 @@ mod tests {
         assert!(Policy::parse(Some("huge")).is_err());
         assert_eq!(Policy::parse(Some("w")), Ok(Policy::Force(Tile::Wgmma)));
         assert_eq!(Policy::parse(Some("v")), Ok(Policy::Force(Tile::WgmmaNarrow)));
-        assert_eq!(choose(Policy::Off, 512, 4096, 132, true), None);
-        assert_eq!(choose(Policy::Force(Tile::Small), 8192, 4096, 132, true), Some(Tile::Small));
-        assert_eq!(choose(Policy::Auto, 8192, 4096, 132, false), Some(Tile::Large));
-        assert_eq!(choose(Policy::Auto, 8192, 4096, 132, true), Some(Tile::Wgmma));
+        assert_eq!(Policy::parse(Some("x")), Ok(Policy::Force(Tile::WgmmaK128)));
+        assert_eq!(choose(Policy::Off, 512, 4096, 128, 132, true), None);
+        assert_eq!(choose(Policy::Force(Tile::Small), 8192, 4096, 128, 132, true), Some(Tile::Small));
+        assert_eq!(choose(Policy::Auto, 8192, 4096, 128, 132, false), Some(Tile::Large));
+        // The wide wgmma shape takes 128-column k-tiles where the groups allow.
+        assert_eq!(choose(Policy::Auto, 8192, 4096, 128, 132, true), Some(Tile::WgmmaK128));
+        assert_eq!(choose(Policy::Auto, 8192, 4096, 64, 132, true), Some(Tile::Wgmma));
+        assert_eq!(choose(Policy::Force(Tile::Wgmma), 8192, 4096, 128, 132, true), Some(Tile::Wgmma));
+        assert_eq!(choose(Policy::Force(Tile::WgmmaK128), 8192, 4096, 96, 132, true), Some(Tile::Wgmma));
         // A forced wgmma shape without wgmma: the automatic choice instead.
-        assert_eq!(choose(Policy::Force(Tile::Wgmma), 8192, 4096, 132, false), Some(Tile::Large));
-        assert_eq!(choose(Policy::Force(Tile::WgmmaNarrow), 8192, 4096, 132, true), Some(Tile::WgmmaNarrow));
+        assert_eq!(choose(Policy::Force(Tile::Wgmma), 8192, 4096, 128, 132, false), Some(Tile::Large));
+        assert_eq!(choose(Policy::Force(Tile::WgmmaNarrow), 8192, 4096, 128, 132, true), Some(Tile::WgmmaNarrow));
     }
 
     #[test]
