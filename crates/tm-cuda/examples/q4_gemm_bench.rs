@@ -323,8 +323,9 @@ fn run(args: &Args) -> Result<()> {
                     }
                     None => format!("{:>8} {:>7} {:>6} {:>5} {:>7}", "-", "-", "-", "-", "-"),
                 };
-                let auto_tile = q4_gemm::choose(Policy::Auto, m, rows, args.group, sms, q4_gemm::wgmma_available(&gpu))
-                    .unwrap_or(Tile::Large);
+                let auto_tile =
+                    q4_gemm::choose(Policy::Auto, m, rows, cols, args.group, sms, q4_gemm::wgmma_available(&gpu))
+                        .unwrap_or(Tile::Large);
                 let (best, t_best) = Tile::ALL
                     .iter()
                     .zip(&per_tile)

@@ -22,7 +22,7 @@
 //! - [`Tile::Wgmma`]: 256 tokens × 128 weight rows, 64-column k-tiles, 4 stages, 145 KiB;
 //! - [`Tile::WgmmaK128`]: the same with 128-column k-tiles (half the barriers and waits per
 //!   column), 3 stages, 217 KiB, for `group % 128 == 0` (what [`choose`] takes instead of
-//!   [`Tile::Wgmma`] there);
+//!   [`Tile::Wgmma`] there, up to [`K128_MAX_COLS`] columns);
 //! - [`Tile::WgmmaNarrow`]: 128 × 128, 4 stages, 81 KiB (more blocks for mid-sized batches).
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -356,8 +356,17 @@ pub fn launch(
 /// of `group` columns under `policy`, or `None` for the older tiled kernel. `wgmma`: whether the
 /// sm_90a shapes can run ([`wgmma_available`]); a forced one that cannot falls back to [`pick`].
 /// [`Tile::Wgmma`] becomes [`Tile::WgmmaK128`] where `group % 128 == 0` (`cols` is then a multiple
-/// of 128 too), and the other way round.
-pub fn choose(policy: Policy, n: usize, rows: usize, group: usize, sms: usize, wgmma: bool) -> Option<Tile> {
+/// of 128 too) and `cols <= K128_MAX_COLS`; a forced [`Tile::WgmmaK128`] becomes [`Tile::Wgmma`]
+/// where the groups do not allow it.
+pub fn choose(
+    policy: Policy,
+    n: usize,
+    rows: usize,
+    cols: usize,
+    group: usize,
+    sms: usize,
+    wgmma: bool,
+) -> Option<Tile> {
     let tile = match policy {
         Policy::Off => return None,
         Policy::Force(t) if n.div_ceil(t.bm()) <= MAX_GRID_Y && (wgmma || !t.wgmma()) => t,
@@ -365,11 +374,16 @@ pub fn choose(policy: Policy, n: usize, rows: usize, group: usize, sms: usize, w
     };
     let k128 = group.is_multiple_of(128);
     Some(match tile {
-        Tile::Wgmma if k128 && policy != Policy::Force(Tile::Wgmma) => Tile::WgmmaK128,
+        Tile::Wgmma if k128 && cols <= K128_MAX_COLS && policy != Policy::Force(Tile::Wgmma) => Tile::WgmmaK128,
         Tile::WgmmaK128 if !k128 => Tile::Wgmma,
         t => t,
     })
 }
+
+/// The longest `cols` for which [`choose`] prefers [`Tile::WgmmaK128`] to [`Tile::Wgmma`]. H200,
+/// 2048-8192 tokens: bf16 6-10% faster on the 8B q/o, q/k/v and gate/up products (4096 columns),
+/// f16 0-4%; on down (14336 columns) 6-10% slower in both.
+pub const K128_MAX_COLS: usize = 8192;
 
 /// The marker kernel that only `q4_gemm.cu`'s sm_90a image defines.
 const WGMMA_MARKER: &str = "matmul_q4_gemm_sm90a";
@@ -464,17 +478,18 @@ mod tests {
         assert_eq!(Policy::parse(Some("w")), Ok(Policy::Force(Tile::Wgmma)));
         assert_eq!(Policy::parse(Some("v")), Ok(Policy::Force(Tile::WgmmaNarrow)));
         assert_eq!(Policy::parse(Some("x")), Ok(Policy::Force(Tile::WgmmaK128)));
-        assert_eq!(choose(Policy::Off, 512, 4096, 128, 132, true), None);
-        assert_eq!(choose(Policy::Force(Tile::Small), 8192, 4096, 128, 132, true), Some(Tile::Small));
-        assert_eq!(choose(Policy::Auto, 8192, 4096, 128, 132, false), Some(Tile::Large));
+        assert_eq!(choose(Policy::Off, 512, 4096, 4096, 128, 132, true), None);
+        assert_eq!(choose(Policy::Force(Tile::Small), 8192, 4096, 4096, 128, 132, true), Some(Tile::Small));
+        assert_eq!(choose(Policy::Auto, 8192, 4096, 4096, 128, 132, false), Some(Tile::Large));
         // The wide wgmma shape takes 128-column k-tiles where the groups allow.
-        assert_eq!(choose(Policy::Auto, 8192, 4096, 128, 132, true), Some(Tile::WgmmaK128));
-        assert_eq!(choose(Policy::Auto, 8192, 4096, 64, 132, true), Some(Tile::Wgmma));
-        assert_eq!(choose(Policy::Force(Tile::Wgmma), 8192, 4096, 128, 132, true), Some(Tile::Wgmma));
-        assert_eq!(choose(Policy::Force(Tile::WgmmaK128), 8192, 4096, 96, 132, true), Some(Tile::Wgmma));
+        assert_eq!(choose(Policy::Auto, 8192, 4096, 4096, 128, 132, true), Some(Tile::WgmmaK128));
+        assert_eq!(choose(Policy::Auto, 8192, 4096, 14336, 128, 132, true), Some(Tile::Wgmma));
+        assert_eq!(choose(Policy::Auto, 8192, 4096, 4096, 64, 132, true), Some(Tile::Wgmma));
+        assert_eq!(choose(Policy::Force(Tile::Wgmma), 8192, 4096, 4096, 128, 132, true), Some(Tile::Wgmma));
+        assert_eq!(choose(Policy::Force(Tile::WgmmaK128), 8192, 4096, 4032, 96, 132, true), Some(Tile::Wgmma));
         // A forced wgmma shape without wgmma: the automatic choice instead.
-        assert_eq!(choose(Policy::Force(Tile::Wgmma), 8192, 4096, 128, 132, false), Some(Tile::Large));
-        assert_eq!(choose(Policy::Force(Tile::WgmmaNarrow), 8192, 4096, 128, 132, true), Some(Tile::WgmmaNarrow));
+        assert_eq!(choose(Policy::Force(Tile::Wgmma), 8192, 4096, 4096, 128, 132, false), Some(Tile::Large));
+        assert_eq!(choose(Policy::Force(Tile::WgmmaNarrow), 8192, 4096, 4096, 128, 132, true), Some(Tile::WgmmaNarrow));
     }
 
     #[test]

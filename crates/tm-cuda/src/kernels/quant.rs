@@ -153,7 +153,7 @@ pub fn matmul_q4(
     if n > GEMV_MAX_N && q4_gemm::eligible(gpu.sm(), dt, n, rows, cols, group, x, out, packed, scales, mins) {
         let sms = gpu.info().multiprocessors as usize;
         let wgmma = q4_gemm::wgmma_available(gpu);
-        if let Some(tile) = q4_gemm::choose(q4_gemm::policy(), n, rows, group, sms, wgmma) {
+        if let Some(tile) = q4_gemm::choose(q4_gemm::policy(), n, rows, cols, group, sms, wgmma) {
             return q4_gemm::launch(gpu, tile, dt, out, x, packed, scales, mins, n, rows, cols, group);
         }
     }
