@@ -332,18 +332,19 @@ __device__ __forceinline__ void q4_gemm(T* __restrict__ out, const T* __restrict
 // both 16-column steps.
 //
 // A block is two warpgroups (256 threads): 128 weight rows (64 per warpgroup) x NTOK tokens.
-// - shared memory per stage: the activation tile, NTOK rows of 64 columns (128 bytes) in the
-//   128-byte swizzle wgmma reads (16-byte chunk c of row r at chunk c ^ (r & 7), stage bases
-//   1024-byte aligned: the layout of the mma.sync kernel's activation tile), then the packed tile,
-//   128 rows of 32 bytes laid out as in the mma.sync kernel;
+// - shared memory per stage (k-tiles of 64 SUBS columns, SUBS = 1 or 2): the activation tile as
+//   SUBS sub-tiles of NTOK rows of 64 columns (128 bytes) in the 128-byte swizzle wgmma reads
+//   (16-byte chunk c of row r at chunk c ^ (r & 7), bases 1024-byte aligned: the layout of the
+//   mma.sync kernel's activation tile), then the packed tile, 128 rows of 32 SUBS bytes whose
+//   16-byte blocks are XOR-swizzled by row so that a warp's reads hit distinct banks;
 // - cp.async brings tile kt + STAGES - 1 into the stage tile kt - 1 used while tile kt is
 //   multiplied (one block barrier per tile; cp.async writes are generic-proxy writes, so each
 //   thread fences them for the async proxy before the barrier);
 // - per warpgroup and k-tile, two halves (one 32-column block each for 64-column k-tiles, two
 //   for 128-column ones) with their own A registers: wait until only one wgmma group is in
 //   flight (the other half's, so this half's of tile kt - 1 are done), dequantize this half's
-//   fragments, issue its wgmmas as one group. So a half's
-//   dequantization overlaps the other half's wgmmas. A wgmma reads its register operand
+//   fragments, issue its wgmmas as one group. So a half's dequantization overlaps the other
+//   half's wgmmas. A wgmma reads its register operand
 //   asynchronously and ptxas does not protect it: registers may be rewritten only after the wait
 //   that retires the wgmmas reading them (a rolled loop that dequantized the next tile into the
 //   registers of in-flight wgmmas gave wrong sums; asking ptxas to keep them alive made it
@@ -368,7 +369,6 @@ namespace tmw {
 
 constexpr int THREADS = 256;  // two warpgroups
 constexpr int BW = 128;       // weight rows per block
-using tmg::BK;
 
 // SUBS: 64-column sub-tiles per stage (k-tile of 64 SUBS columns). SUBS = 2 needs
 // `group % 128 == 0` (one group per k-tile and row).

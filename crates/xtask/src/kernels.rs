@@ -371,8 +371,7 @@ fn run_nvrtc(nvrtc: &Nvrtc, src_dir: &Path, tmp: &Path, keep_dir: &Path, job: &J
     }
     fs::write(tmp, &out.cubin).with_context(|| format!("writing {}", tmp.display()))?;
     let ptx = if separate_ptx {
-        let mut plain = options.clone();
-        plain[0] = format!("--gpu-architecture=sm_{}", job.sm);
+        let plain = nvrtc::options_for(&format!("sm_{}", job.sm), &nvrtc.include, lineinfo());
         nvrtc.compile(&name, &source, &headers, &plain, true)?.ptx
     } else {
         out.ptx

@@ -97,11 +97,16 @@ pub fn cubin_arch(sm: u32) -> String {
     }
 }
 
-/// The options for `sm`, as tm-cuda's NVRTC fallback passes them (NVRTC optimises at -O3 by
-/// default; the nvcc build uses no fast-math either).
+/// The options for `sm`'s cubin ([`cubin_arch`]), as tm-cuda's NVRTC fallback passes them (NVRTC
+/// optimises at -O3 by default; the nvcc build uses no fast-math either).
 pub fn options(sm: u32, include: &Path, lineinfo: bool) -> Vec<String> {
+    options_for(&cubin_arch(sm), include, lineinfo)
+}
+
+/// [`options`] for the machine target `arch` (`sm_87`, `sm_90`, `sm_90a`, ...).
+pub fn options_for(arch: &str, include: &Path, lineinfo: bool) -> Vec<String> {
     let mut o = vec![
-        format!("--gpu-architecture={}", cubin_arch(sm)),
+        format!("--gpu-architecture={arch}"),
         "-std=c++17".to_string(),
         "-default-device".to_string(),
         format!("-I{}", include.display()),
@@ -274,6 +279,10 @@ mod tests {
             ["--gpu-architecture=sm_87", "-std=c++17", "-default-device", "-I/w/nvidia/cuda_runtime/include"]
         );
         assert_eq!(options(90, Path::new("/i"), true).last().map(String::as_str), Some("-lineinfo"));
+        // sm_90 cubins are built for sm_90a (wgmma); the portable PTX asks for plain sm_90.
+        assert_eq!(options(90, Path::new("/i"), false)[0], "--gpu-architecture=sm_90a");
+        assert_eq!(options_for("sm_90", Path::new("/i"), false)[0], "--gpu-architecture=sm_90");
+        assert_eq!(cubin_arch(89), "sm_89");
     }
 
     #[test]
