@@ -11,13 +11,19 @@
 //! PDL is used when the device's compute capability major is at least 9, unless the environment
 //! variable `TM_PDL` is `0` (also `off`, `false`), read once per process.
 //!
-//! The kernels do not trigger their dependents early (`TM_PDL_EARLY_TRIGGER`, common.cuh, is 0):
+//! Most kernels do not trigger their dependents early (`TM_PDL_EARLY_TRIGGER`, common.cuh, is 0):
 //! a grid's successor is scheduled as its blocks exit, which hides the launch of each kernel
 //! behind the end of the one before. Triggering at the top of every kernel was slower: the
 //! successors' blocks, and theirs in turn, became resident early and sat in `griddepcontrol.wait`
 //! on SM slots the running kernels needed. Measured on an H200 (same machine, batch-1 decode,
 //! replay of a step on the GPU): bf16 4.61 ms without PDL, 4.75 ms with the early trigger,
 //! 4.55 ms with the late one; AWQ 2.75 / 2.76 / 2.69 ms; tp=2 3.36 / 3.46 / 3.28 ms.
+//!
+//! The exceptions are kernels after which the next one has work that depends on nothing (the int4
+//! GEMVs' first weight loads): the norms, RoPE with the KV write and decode attention trigger
+//! first thing (their decode grids are small, so the GEMV's blocks take SMs they leave free), and
+//! the int4 GEMVs once their main loop is done. AWQ batch-1 replay 2448 -> 2303 us, bf16 and
+//! c256 unchanged (H200, same call; harness: scripts/gpu/q4_decode_chain.cu).
 
 use std::sync::{Once, OnceLock};
 

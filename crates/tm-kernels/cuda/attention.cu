@@ -1512,7 +1512,7 @@ struct CacheE4m3 {
                                  const int* ctx_len, const int* bt_start, const unsigned* block_tables, int heads,    \
                                  int kv_heads, int gs, int block_size, float scale_log2, int window, int num_splits,  \
                                  int partition) {                                                                      \
-        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_launch_dependents_early();                                                                            \
         tmk::pdl_wait();                                                                                               \
         tm_attn::attn_decode<T, KV, D>(q, k_cache, v_cache, out, part_o, part_ml, counters, q_start, q_len,            \
                                    ctx_len, bt_start, block_tables, heads, kv_heads, gs, block_size, scale_log2,      \
@@ -1553,7 +1553,7 @@ TM_ATTN_TC_ALL_D(bf16, __nv_bfloat16, tm_attn::kv8, _kv8)
                                                const int* bt_start, const unsigned* block_tables, int heads,           \
                                                int kv_heads, int gs, int block_size, float scale_log2, int window,     \
                                                int num_splits, int partition) {                                        \
-        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_launch_dependents_early();                                                                            \
         tmk::pdl_wait();                                                                                               \
         tm_attn::attn_decode_gqa_kv8<T, NS>(q, k_cache, v_cache, out, part_o, part_ml, counters, q_start, q_len,       \
                                             ctx_len, bt_start, block_tables, heads, kv_heads, gs, block_size,          \
@@ -1601,7 +1601,7 @@ TM_ATTN_GQA_KV8_KERNEL(bf16, __nv_bfloat16, 2, _s2)
         T* q, T* k, const T* v, unsigned char* k_cache, unsigned char* v_cache, const unsigned* positions,             \
         const unsigned* slots, const float* inv_freq, float attention_factor, int tokens, int heads, int kv_heads,     \
         int head_dim, int interleaved) {                                                                               \
-        tmk::pdl_launch_dependents();                                                                                  \
+        tmk::pdl_launch_dependents_early();                                                                            \
         tmk::pdl_wait();                                                                                               \
         tmk::rope_write_kv_tokens<T, unsigned char, tm_attn::CacheE4m3<T>>(q, k, v, k_cache, v_cache, positions,       \
                                                                            slots, inv_freq, attention_factor, tokens,  \

@@ -62,6 +62,19 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+/// `pdl_launch_dependents`, always (sm_90+): for the kernels whose grids are small at decode
+/// time (the norms, RoPE with the KV write, decode attention). The next grid (an int4 GEMV, say)
+/// then starts its blocks on the SMs these leave free and issues its weight loads, which depend
+/// on no kernel, while this one runs; its `pdl_wait` still holds it until this grid is done. The
+/// next grids themselves trigger late, so blocks waiting early take only slots that this grid
+/// does not need (it triggers only once all its blocks are resident). Batch-1 decode of a
+/// Llama-3-8B int4 model on the H200: see scripts/gpu/q4_decode_chain.cu.
+__device__ __forceinline__ void pdl_launch_dependents_early() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 /// Programmatic dependent launch, part 2: blocks until every grid this one depends on has finished
 /// and its writes are visible. Anything read from an earlier kernel's output, and every global
 /// write, must come after it; loads of data no earlier kernel writes (weights) may come before.
@@ -136,23 +149,30 @@ __device__ __forceinline__ float block_max(float v) {
 
 }  // namespace tmk
 
-#define TM_KERNEL_ONE_(name, sfx, TYPE, bounds, PARAMS, ARGS)        \
-    namespace tm_kernel_##name##_##sfx {                             \
-    typedef TYPE T;                                                  \
-    extern "C" __global__ void bounds name##_##sfx PARAMS {           \
-        tmk::pdl_launch_dependents();                                \
-        tmk::pdl_wait();                                             \
-        name##_impl<T> ARGS;                                         \
-    }                                                                \
+#define TM_KERNEL_ONE_(name, sfx, TYPE, bounds, trigger, PARAMS, ARGS) \
+    namespace tm_kernel_##name##_##sfx {                               \
+    typedef TYPE T;                                                    \
+    extern "C" __global__ void bounds name##_##sfx PARAMS {             \
+        tmk::trigger();                                                \
+        tmk::pdl_wait();                                               \
+        name##_impl<T> ARGS;                                           \
+    }                                                                  \
     }
 
-#define TM_KERNEL_ALL_(name, bounds, PARAMS, ARGS)                   \
-    TM_KERNEL_ONE_(name, f32, float, bounds, PARAMS, ARGS)           \
-    TM_KERNEL_ONE_(name, f16, __half, bounds, PARAMS, ARGS)          \
-    TM_KERNEL_ONE_(name, bf16, __nv_bfloat16, bounds, PARAMS, ARGS)
+#define TM_KERNEL_ALL_(name, bounds, trigger, PARAMS, ARGS)                   \
+    TM_KERNEL_ONE_(name, f32, float, bounds, trigger, PARAMS, ARGS)           \
+    TM_KERNEL_ONE_(name, f16, __half, bounds, trigger, PARAMS, ARGS)          \
+    TM_KERNEL_ONE_(name, bf16, __nv_bfloat16, bounds, trigger, PARAMS, ARGS)
 
 /// `name_f32`, `name_f16`, `name_bf16` calling `name_impl<T> ARGS`.
-#define TM_KERNEL(name, PARAMS, ARGS) TM_KERNEL_ALL_(name, , PARAMS, ARGS)
+#define TM_KERNEL(name, PARAMS, ARGS) TM_KERNEL_ALL_(name, , pdl_launch_dependents, PARAMS, ARGS)
 
 /// As `TM_KERNEL`, with `__launch_bounds__(threads)`.
-#define TM_KERNEL_BOUNDS(name, threads, PARAMS, ARGS) TM_KERNEL_ALL_(name, __launch_bounds__(threads), PARAMS, ARGS)
+#define TM_KERNEL_BOUNDS(name, threads, PARAMS, ARGS) \
+    TM_KERNEL_ALL_(name, __launch_bounds__(threads), pdl_launch_dependents, PARAMS, ARGS)
+
+/// As `TM_KERNEL` / `TM_KERNEL_BOUNDS`, triggering the next grid first thing
+/// (`tmk::pdl_launch_dependents_early`): for kernels whose decode-time grids are small.
+#define TM_KERNEL_EARLY(name, PARAMS, ARGS) TM_KERNEL_ALL_(name, , pdl_launch_dependents_early, PARAMS, ARGS)
+#define TM_KERNEL_BOUNDS_EARLY(name, threads, PARAMS, ARGS) \
+    TM_KERNEL_ALL_(name, __launch_bounds__(threads), pdl_launch_dependents_early, PARAMS, ARGS)

@@ -180,7 +180,7 @@ __device__ __forceinline__ void rms_norm_impl(T* out, const T* x, const T* w, fl
         norm_row<T, false>(out + off, nullptr, x + off, w, eps, cols);
     }
 }
-TM_KERNEL_BOUNDS(rms_norm, NORM_MAX_THREADS, (T * out, const T* x, const T* w, float eps, int rows, int cols), (out, x, w, eps, rows, cols))
+TM_KERNEL_BOUNDS_EARLY(rms_norm, NORM_MAX_THREADS, (T * out, const T* x, const T* w, float eps, int rows, int cols), (out, x, w, eps, rows, cols))
 
 template <typename T>
 __device__ __forceinline__ void add_rms_norm_impl(T* out, T* residual, const T* x, const T* w, float eps, int rows,
@@ -190,7 +190,7 @@ __device__ __forceinline__ void add_rms_norm_impl(T* out, T* residual, const T* 
         norm_row<T, true>(out + off, residual + off, x + off, w, eps, cols);
     }
 }
-TM_KERNEL_BOUNDS(add_rms_norm, NORM_MAX_THREADS, (T * out, T* residual, const T* x, const T* w, float eps, int rows, int cols),
+TM_KERNEL_BOUNDS_EARLY(add_rms_norm, NORM_MAX_THREADS, (T * out, T* residual, const T* x, const T* w, float eps, int rows, int cols),
           (out, residual, x, w, eps, rows, cols))
 
 // ---------------------------------------------------------------------------------------------
@@ -241,7 +241,7 @@ __device__ __forceinline__ void rope_write_kv_impl(T* q, T* k, const T* v, T* k_
     tmk::rope_write_kv_tokens<T, T, CacheSame<T>>(q, k, v, k_cache, v_cache, positions, slots, inv_freq,
                                                   attention_factor, tokens, heads, kv_heads, head_dim, interleaved);
 }
-TM_KERNEL(rope_write_kv,
+TM_KERNEL_EARLY(rope_write_kv,
           (T * q, T* k, const T* v, T* k_cache, T* v_cache, const unsigned* positions, const unsigned* slots,
            const float* inv_freq, float attention_factor, int tokens, int heads, int kv_heads, int head_dim,
            int interleaved),

@@ -186,7 +186,9 @@ mod tests {
             let (missing, found) = kernels_without_wait(src.text);
             if src.name.ends_with(".cu") {
                 // Kernels are defined by hand or through the (checked) TM_KERNEL wrappers.
-                let wrapped = src.text.contains("TM_KERNEL(") || src.text.contains("TM_KERNEL_BOUNDS(");
+                let wrapped = ["TM_KERNEL(", "TM_KERNEL_BOUNDS(", "TM_KERNEL_EARLY(", "TM_KERNEL_BOUNDS_EARLY("]
+                    .iter()
+                    .any(|m| src.text.contains(m));
                 assert!(found > 0 || wrapped, "{}: no kernel found; is the scan broken?", src.name);
             }
             for m in &missing {

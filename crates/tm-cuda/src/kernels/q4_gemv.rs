@@ -27,8 +27,8 @@
 //!   gate/up 23.4 us (`u2` 26.7), down 13.7 (`ln4`; `n16` 15.2), o 5.6 (`ln4`; `n16` 5.9), q/k/v
 //!   7.3 (`ln`; `n16` 7.1).
 //!
-//! Programmatic dependent launch (sm_90+): every variant lets the next kernel start at once
-//! (`pdl_launch_dependents` first) and issues the weight loads of its first U steps before
+//! Programmatic dependent launch (sm_90+): every variant lets the next kernel start once its main
+//! loop is done (`trigger_after_loop`, q4_gemv.cu) and issues the weight loads of its first U steps before
 //! `pdl_wait` (weights do not depend on earlier kernels); x is read and outputs written after it.
 //! When the launch carries the programmatic-serialization attribute, the weight stream thus
 //! overlaps the previous kernel's tail; without it the waits return at once.

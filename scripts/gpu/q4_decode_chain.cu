@@ -1,0 +1,186 @@
+// Development harness for the batch-1 int4 decode chain (q4_gemv.cu's lean kernels and the
+// add_rms_norm joins between them), compiled with the GPU machine's own nvcc (no Rust build):
+//
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I crates/tm-kernels/cuda \
+//        -o /tmp/q4c scripts/gpu/q4_decode_chain.cu && /tmp/q4c
+//
+// It builds 32 Llama-3-8B-shaped int4 layers (random nibbles, group 128) and captures one decode
+// step of their products into a CUDA graph, every launch with programmatic stream serialization as
+// tm's CUDA backend launches them: add_rms_norm, q/k/v (ln), o (ln4), add_rms_norm, gate/up+SiLU
+// (ln), down (ln4) per layer. Forms:
+//   early: the joins as built (add_rms_norm triggers its dependents first thing,
+//          `tmk::pdl_launch_dependents_early`), so the next GEMV's first weight loads overlap it;
+//   late:  the same join with the ordinary (late, implicit) trigger;
+//   none:  no joins (the most that removing them could save).
+// Optionally with a stand-in for decode attention before o (72 CTAs busy for 6 us), triggering
+// early or late. Attention, RoPE and the LM head themselves are not in the chain.
+//
+// Measured (H200, 2026-12-01, us per step, f16; bf16 within 1%), GEMVs triggering at exit
+// (-DTM_Q4_GEMV_EARLY_TRIGGER=0) / after their main loop (the default): late 1768 / 1722, early
+// 1703 / 1638, none 1635 / 1566; with the attention stand-in, both late 1984 / 1950, both early
+// 1858 / 1814. Also tried here and dropped: the RMSNorm computed again by every CTA of the next
+// GEMV in its prologue (x staged in shared memory, o and down adding into the residual): 1796-1818
+// against 1761-1768 for the separate kernel; a persistent gate/up grid whose warps' rings run on
+// across tiles (grids of 132-448 CTAs): 1649-1985 against 1641; scales and mins staged in shared
+// memory per CTA: 1642-1650 against 1646-1653.
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <cuda_runtime.h>
+#include "q4_gemv.cu"
+#include "elementwise.cu"
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
+
+__device__ unsigned hash(unsigned x) { x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16; return x; }
+__global__ void fill_bytes(unsigned char* p, size_t n, unsigned seed) {
+    for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) p[i] = hash(i * 2654435761u + seed) & 0xFF;
+}
+template <class T> __global__ void fill_x(T* p, size_t n, unsigned seed, float amp) {
+    for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        p[i] = tmk::from_float<T>(amp * ((hash(i * 747796405u + seed) & 0xFFFF) / 32768.0f - 1.0f));
+}
+__global__ void fill_sm(__half* s, __half* m, size_t n, unsigned seed) {
+    for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        float sc = 0.0005f + (hash(i + seed) & 0xFF) / 256000.0f;
+        s[i] = __float2half(sc);
+        m[i] = __float2half(-7.5f * sc);
+    }
+}
+
+struct W { unsigned char* p; __half* s; __half* m; int rows, cols; };
+static W make_w(int rows, int cols, unsigned seed) {
+    W w{nullptr, nullptr, nullptr, rows, cols};
+    size_t pb = (size_t)rows * cols / 2, ng = (size_t)rows * (cols / 128);
+    CK(cudaMalloc(&w.p, pb)); CK(cudaMalloc(&w.s, ng * 2)); CK(cudaMalloc(&w.m, ng * 2));
+    fill_bytes<<<1024, 256>>>(w.p, pb, seed);
+    fill_sm<<<256, 256>>>(w.s, w.m, ng, seed * 7 + 1);
+    return w;
+}
+struct Layer { W q, k, v, o, gate, up, down; };
+
+template <class... A> static void launch(void (*f)(A...), int grid, int threads, size_t smem, cudaStream_t st, A... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(grid); cfg.blockDim = dim3(threads); cfg.dynamicSmemBytes = smem; cfg.stream = st;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at; cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, f, args...));
+}
+
+template <class T> struct Ks;
+#define KS(SUF, TY) template <> struct Ks<TY> { \
+    static constexpr auto ln = q4_gemv_ln_##SUF; static constexpr auto ln4 = q4_gemv_ln4_##SUF; \
+    static constexpr auto silu = q4_gemv_silu_ln_##SUF; static constexpr auto arn = tm_kernel_add_rms_norm_##SUF::add_rms_norm_##SUF; };
+KS(f16, __half)
+KS(bf16, __nv_bfloat16)
+
+enum Form { EARLY, LATE, NONE };
+const char* form_names[] = {"early", "late", "none"};
+
+// add_rms_norm with the ordinary (late) trigger.
+template <class T> __global__ void __launch_bounds__(512) arn_late(T* out, T* resid, const T* x, const T* w, float eps, int rows, int cols) {
+    tmk::pdl_wait();
+    add_rms_norm_impl<T>(out, resid, x, w, eps, rows, cols);
+}
+// Stands in for decode attention at batch 1 (72 CTAs busy for `ns` nanoseconds), with or without
+// an early trigger.
+__global__ void __launch_bounds__(256) att_standin(int early, long long ns, float* sink) {
+    if (early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    tmk::pdl_wait();
+    long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+    if (threadIdx.x == 0 && t == 0) sink[blockIdx.x] = 1.f;
+}
+int g_att = 0;  // 0: no stand-in, 1: stand-in, 2: stand-in with an early trigger
+
+template <class T> struct Bufs { T *resid, *delta, *normed, *q, *k, *v, *act, *gamma; float* sink; };
+
+template <class T> static void join(Form form, Bufs<T>& b, cudaStream_t st) {
+    const int H = 4096;
+    const float eps = 1e-5f;
+    if (form == EARLY) launch(Ks<T>::arn, 1, 512, 0, st, b.normed, b.resid, (const T*)b.delta, (const T*)b.gamma, eps, 1, H);
+    if (form == LATE) launch(arn_late<T>, 1, 512, 0, st, b.normed, b.resid, (const T*)b.delta, (const T*)b.gamma, eps, 1, H);
+}
+
+template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Form form, cudaStream_t st) {
+    const int H = 4096, F = 14336;
+    const T* nul = nullptr;
+    for (const Layer& L : Ls) {
+        join(form, b, st);
+        launch(Ks<T>::ln, 384, 256, 0, st, (const T*)b.normed, 1, H, 128, b.q, b.k, b.v, (const unsigned char*)L.q.p,
+               (const unsigned char*)L.k.p, (const unsigned char*)L.v.p, (const __half*)L.q.s, (const __half*)L.k.s,
+               (const __half*)L.v.s, (const __half*)L.q.m, (const __half*)L.k.m, (const __half*)L.v.m, nul, nul, nul,
+               4096, 1024, 1024);
+        if (g_att) launch(att_standin, 72, 256, 0, st, g_att == 2 ? 1 : 0, 6000LL, b.sink);
+        // o: x = q (attention's output stands in).
+        launch(Ks<T>::ln4, 256, 256, 0, st, (const T*)b.q, 1, H, 128, b.delta, (T*)nullptr, (T*)nullptr,
+               (const unsigned char*)L.o.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
+               (const __half*)L.o.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.o.m,
+               (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
+        join(form, b, st);
+        launch(Ks<T>::silu, 896, 256, 0, st, b.act, (const T*)b.normed, 1, H, 128, (const unsigned char*)L.gate.p,
+               (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p, (const __half*)L.up.s,
+               (const __half*)L.up.m, F);
+        launch(Ks<T>::ln4, 256, 256, 0, st, (const T*)b.act, 1, F, 128, b.delta, (T*)nullptr, (T*)nullptr,
+               (const unsigned char*)L.down.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
+               (const __half*)L.down.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.down.m,
+               (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
+    }
+}
+
+template <class T> static void run(const char* dt, const std::vector<Layer>& Ls) {
+    const int H = 4096, F = 14336;
+    Bufs<T> b;
+    for (T** p : {&b.resid, &b.delta, &b.normed, &b.q, &b.act, &b.gamma}) CK(cudaMalloc(p, F * sizeof(T)));
+    CK(cudaMalloc(&b.sink, 1024 * sizeof(float)));
+    CK(cudaMalloc(&b.k, 1024 * sizeof(T))); CK(cudaMalloc(&b.v, 1024 * sizeof(T)));
+    cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    auto reset = [&] {
+        fill_x<T><<<64, 256>>>(b.resid, H, 11, 1.0f);
+        fill_x<T><<<64, 256>>>(b.gamma, H, 13, 1.0f);
+        CK(cudaMemset(b.delta, 0, H * sizeof(T)));
+        CK(cudaDeviceSynchronize());
+    };
+    struct Case { Form form; int att; };
+    const Case cases[] = {{LATE, 0}, {EARLY, 0}, {NONE, 0}, {LATE, 1}, {EARLY, 2}, {NONE, 2},
+                          {LATE, 0}, {EARLY, 0}, {LATE, 1}, {EARLY, 2}};
+    printf("GEMVs trigger after their loops: %d\n", TM_Q4_GEMV_EARLY_TRIGGER);
+    for (const Case& c : cases) {
+        const Form form = c.form;
+        g_att = c.att;
+        reset();
+        cudaGraph_t g; cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        step<T>(Ls, b, form, st);
+        CK(cudaStreamEndCapture(st, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        for (int i = 0; i < 5; ++i) CK(cudaGraphLaunch(ge, st));
+        cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+        const int iters = 50;
+        CK(cudaEventRecord(e0, st));
+        for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, st));
+        CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
+        float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+        const char* att[] = {"", " + attention stand-in", " + attention stand-in (early trigger)"};
+        printf("%s %-9s: %7.1f us per step%s\n", dt, form_names[form], 1000.f * ms / iters, att[g_att]);
+        CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
+    }
+}
+
+int main() {
+    setvbuf(stdout, nullptr, _IONBF, 0);
+    std::vector<Layer> Ls;
+    for (int l = 0; l < 32; ++l) {
+        unsigned s = 100 * l;
+        Ls.push_back(Layer{make_w(4096, 4096, s + 1), make_w(1024, 4096, s + 2), make_w(1024, 4096, s + 3),
+                           make_w(4096, 4096, s + 4), make_w(14336, 4096, s + 5), make_w(14336, 4096, s + 6),
+                           make_w(4096, 14336, s + 7)});
+    }
+    CK(cudaDeviceSynchronize());
+    run<__half>("f16", Ls);
+    run<__nv_bfloat16>("bf16", Ls);
+    return 0;
+}
