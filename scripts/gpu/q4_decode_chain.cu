@@ -13,7 +13,8 @@
 //   late:  the same join with the ordinary (late, implicit) trigger;
 //   none:  no joins (the most that removing them could save).
 // Optionally with a stand-in for decode attention before o (72 CTAs busy for 6 us), triggering
-// early or late. Attention, RoPE and the LM head themselves are not in the chain.
+// early or late, and with `rope_write_kv` after q/k/v. Attention and the LM head themselves are
+// not in the chain.
 //
 // Measured (H200, 2026-12-01, us per step, f16; bf16 within 1%), GEMVs triggering at exit
 // (-DTM_Q4_GEMV_EARLY_TRIGGER=0) / after their main loop (the default): late 1768 / 1722, early
@@ -22,7 +23,9 @@
 // GEMV in its prologue (x staged in shared memory, o and down adding into the residual): 1796-1818
 // against 1761-1768 for the separate kernel; a persistent gate/up grid whose warps' rings run on
 // across tiles (grids of 132-448 CTAs): 1649-1985 against 1641; scales and mins staged in shared
-// memory per CTA: 1642-1650 against 1646-1653.
+// memory per CTA: 1642-1650 against 1646-1653. rope_write_kv in the early chain with the stand-in:
+// 1914-1924 against 1813-1820 without it; folded into the q/k/v GEMV in the engine
+// (`q4_gemv_ln_rope`) it saved only 9-15 us of a 2.30 ms step, so most of it was already hidden.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -59,9 +62,9 @@ static W make_w(int rows, int cols, unsigned seed) {
 }
 struct Layer { W q, k, v, o, gate, up, down; };
 
-template <class... A> static void launch(void (*f)(A...), int grid, int threads, size_t smem, cudaStream_t st, A... args) {
+template <class... A> static void launch(void (*f)(A...), dim3 grid, int threads, size_t smem, cudaStream_t st, A... args) {
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid); cfg.blockDim = dim3(threads); cfg.dynamicSmemBytes = smem; cfg.stream = st;
+    cfg.gridDim = grid; cfg.blockDim = dim3(threads); cfg.dynamicSmemBytes = smem; cfg.stream = st;
     cudaLaunchAttribute at[1];
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     at[0].val.programmaticStreamSerializationAllowed = 1;
@@ -72,7 +75,8 @@ template <class... A> static void launch(void (*f)(A...), int grid, int threads,
 template <class T> struct Ks;
 #define KS(SUF, TY) template <> struct Ks<TY> { \
     static constexpr auto ln = q4_gemv_ln_##SUF; static constexpr auto ln4 = q4_gemv_ln4_##SUF; \
-    static constexpr auto silu = q4_gemv_silu_ln_##SUF; static constexpr auto arn = tm_kernel_add_rms_norm_##SUF::add_rms_norm_##SUF; };
+    static constexpr auto silu = q4_gemv_silu_ln_##SUF; \
+    static constexpr auto rope = tm_kernel_rope_write_kv_##SUF::rope_write_kv_##SUF; static constexpr auto arn = tm_kernel_add_rms_norm_##SUF::add_rms_norm_##SUF; };
 KS(f16, __half)
 KS(bf16, __nv_bfloat16)
 
@@ -94,9 +98,14 @@ __global__ void __launch_bounds__(256) att_standin(int early, long long ns, floa
     do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
     if (threadIdx.x == 0 && t == 0) sink[blockIdx.x] = 1.f;
 }
+int g_rope = 0;  // 1: rope_write_kv after q/k/v (as the engine runs it)
 int g_att = 0;  // 0: no stand-in, 1: stand-in, 2: stand-in with an early trigger
 
-template <class T> struct Bufs { T *resid, *delta, *normed, *q, *k, *v, *act, *gamma; float* sink; };
+template <class T> struct Bufs {
+    T *resid, *delta, *normed, *q, *k, *v, *act, *gamma, *kc, *vc;
+    float *sink, *inv_freq;
+    unsigned *pos, *slot;
+};
 
 template <class T> static void join(Form form, Bufs<T>& b, cudaStream_t st) {
     const int H = 4096;
@@ -114,6 +123,9 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
                (const unsigned char*)L.k.p, (const unsigned char*)L.v.p, (const __half*)L.q.s, (const __half*)L.k.s,
                (const __half*)L.v.s, (const __half*)L.q.m, (const __half*)L.k.m, (const __half*)L.v.m, nul, nul, nul,
                4096, 1024, 1024);
+        if (g_rope)
+            launch(Ks<T>::rope, dim3(1, 10), 256, 512, st, b.q, b.k, (const T*)b.v, b.kc, b.vc, (const unsigned*)b.pos,
+                   (const unsigned*)b.slot, (const float*)b.inv_freq, 1.0f, 1, 32, 8, 128, 0);
         if (g_att) launch(att_standin, 72, 256, 0, st, g_att == 2 ? 1 : 0, 6000LL, b.sink);
         // o: x = q (attention's output stands in).
         launch(Ks<T>::ln4, 256, 256, 0, st, (const T*)b.q, 1, H, 128, b.delta, (T*)nullptr, (T*)nullptr,
@@ -136,6 +148,11 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
     Bufs<T> b;
     for (T** p : {&b.resid, &b.delta, &b.normed, &b.q, &b.act, &b.gamma}) CK(cudaMalloc(p, F * sizeof(T)));
     CK(cudaMalloc(&b.sink, 1024 * sizeof(float)));
+    CK(cudaMalloc(&b.inv_freq, 64 * sizeof(float)));
+    CK(cudaMemset(b.inv_freq, 0, 64 * sizeof(float)));
+    CK(cudaMalloc(&b.pos, 4)); CK(cudaMemset(b.pos, 0, 4));
+    CK(cudaMalloc(&b.slot, 4)); CK(cudaMemset(b.slot, 0, 4));
+    CK(cudaMalloc(&b.kc, 64 * 1024 * sizeof(T))); CK(cudaMalloc(&b.vc, 64 * 1024 * sizeof(T)));
     CK(cudaMalloc(&b.k, 1024 * sizeof(T))); CK(cudaMalloc(&b.v, 1024 * sizeof(T)));
     cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     auto reset = [&] {
@@ -144,13 +161,14 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         CK(cudaMemset(b.delta, 0, H * sizeof(T)));
         CK(cudaDeviceSynchronize());
     };
-    struct Case { Form form; int att; };
-    const Case cases[] = {{LATE, 0}, {EARLY, 0}, {NONE, 0}, {LATE, 1}, {EARLY, 2}, {NONE, 2},
-                          {LATE, 0}, {EARLY, 0}, {LATE, 1}, {EARLY, 2}};
+    struct Case { Form form; int att; int rope; };
+    const Case cases[] = {{LATE, 0, 0}, {EARLY, 0, 0}, {NONE, 0, 0}, {LATE, 1, 0}, {EARLY, 2, 0}, {NONE, 2, 0},
+                          {EARLY, 2, 1}, {LATE, 0, 0}, {EARLY, 0, 0}, {LATE, 1, 0}, {EARLY, 2, 0}, {EARLY, 2, 1}};
     printf("GEMVs trigger after their loops: %d\n", TM_Q4_GEMV_EARLY_TRIGGER);
     for (const Case& c : cases) {
         const Form form = c.form;
         g_att = c.att;
+        g_rope = c.rope;
         reset();
         cudaGraph_t g; cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
@@ -165,7 +183,8 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
         float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
         const char* att[] = {"", " + attention stand-in", " + attention stand-in (early trigger)"};
-        printf("%s %-9s: %7.1f us per step%s\n", dt, form_names[form], 1000.f * ms / iters, att[g_att]);
+        printf("%s %-9s: %7.1f us per step%s%s\n", dt, form_names[form], 1000.f * ms / iters, g_rope ? " + rope_write_kv" : "",
+               att[g_att]);
         CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
     }
 }

@@ -221,6 +221,25 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
     ) -> Result<()> {
         rope_write_kv_unfused(self, q, k, v, k_cache, v_cache, positions, freqs, slot_mapping)
     }
+    /// A layer's q/k/v products of `x` ([`Ops::matmul_many`] with `weights` and `biases` into
+    /// `q`, `k`, `v`) followed by [`Ops::rope_write_kv`]: the same values, bit for bit. The
+    /// default does exactly that ([`qkv_rope_write_kv_unfused`]); backends may fold the RoPE and
+    /// the cache write into the products' epilogue.
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_rope_write_kv(
+        &self,
+        x: &Tensor,
+        weights: [&Weight; 3],
+        biases: [Option<&Tensor>; 3],
+        qkv: [&mut Tensor; 3],
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+        positions: &[u32],
+        freqs: &RopeFreqs,
+        slot_mapping: &[u32],
+    ) -> Result<()> {
+        qkv_rope_write_kv_unfused(self, x, weights, biases, qkv, k_cache, v_cache, positions, freqs, slot_mapping)
+    }
     /// Causal paged attention: `q: [tokens, heads * head_dim]` → `out` of the same shape. Query
     /// heads are grouped onto KV heads (GQA).
     fn attention(
@@ -352,6 +371,26 @@ pub fn rope_write_kv_unfused<O: Ops + ?Sized>(
     ops.rope(q, positions, freqs)?;
     ops.rope(k, positions, freqs)?;
     ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+}
+
+/// [`Ops::qkv_rope_write_kv`] as [`Ops::matmul_many`] then [`Ops::rope_write_kv`] (the default,
+/// and a backend's fallback when it cannot fuse).
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rope_write_kv_unfused<O: Ops + ?Sized>(
+    ops: &O,
+    x: &Tensor,
+    weights: [&Weight; 3],
+    biases: [Option<&Tensor>; 3],
+    qkv: [&mut Tensor; 3],
+    k_cache: &mut Tensor,
+    v_cache: &mut Tensor,
+    positions: &[u32],
+    freqs: &RopeFreqs,
+    slot_mapping: &[u32],
+) -> Result<()> {
+    let [q, k, v] = qkv;
+    ops.matmul_many(x, &weights, &biases, &mut [&mut *q, &mut *k, &mut *v])?;
+    ops.rope_write_kv(q, k, v, k_cache, v_cache, positions, freqs, slot_mapping)
 }
 
 /// [`Ops::gate_up_silu`] as two [`Ops::matmul`] calls and [`Ops::silu_mul`] (the default, and a

@@ -1052,6 +1052,121 @@ fn rope_write_kv(s: &mut Suite, r: &Rope, a: RopeKv) {
     });
 }
 
+/// The shapes of a q/k/v + RoPE + KV-cache write case ([`qkv_rope_write_kv`]).
+struct QkvRope {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    cols: usize,
+    group: usize,
+    /// Decode tokens (one per sequence, at random positions up to 20000).
+    n: usize,
+    bias: bool,
+    /// Whether the CUDA backend should fuse it (`q4_gemv_ln_rope`).
+    fused: bool,
+}
+
+/// `qkv_rope_write_kv` with int4 q/k/v weights, three ways: the CUDA op (for decode shapes that
+/// fit, the products with RoPE and the cache write in their epilogue), its default composition
+/// on the CUDA backend (`matmul_many`, then `rope_write_kv`) and the CPU backend. The fused
+/// result must equal the composition bit for bit (q, k, v and both caches, junk slots included)
+/// and match the CPU within tolerance; the fused kernel must have run exactly when expected.
+fn qkv_rope_write_kv(s: &mut Suite, r: &Rope, a: QkvRope) {
+    let QkvRope { heads, kv_heads, head_dim: hd, cols, group, n, bias, fused } = a;
+    let cfg = r.cfg.clone();
+    let b = if bias { " + biases" } else { "" };
+    let label =
+        format!("qkv_rope_write_kv int4 g{group} {} x[{n}, {cols}], {heads}/{kv_heads} heads × {hd}{b}", r.name);
+    s.case(label, |c| {
+        let freqs = cfg.freqs(20_000);
+        let positions: Vec<u32> = (0..n).map(|_| c.gen.below(20_001) as u32).collect();
+        let bs = 16;
+        let blocks = n + 2;
+        let perm = c.gen.permutation(blocks * bs);
+        let slots: Vec<u32> = perm[..n].to_vec();
+        let kv_dim = kv_heads * hd;
+        let shape = [blocks, bs, kv_heads, hd];
+        let (k_img, v_img) = (vec![JUNK_K; blocks * bs * kv_dim], vec![JUNK_V; blocks * bs * kv_dim]);
+        let (mut kc, mut vc) = (c.act(&shape, &k_img)?, c.act(&shape, &v_img)?);
+        let (mut kc2, mut vc2) = (c.act(&shape, &k_img)?, c.act(&shape, &v_img)?);
+        let xs = c.activations(n * cols, 1.0);
+        let x = c.act(&[n, cols], &xs)?;
+        let rows = [heads * hd, kv_dim, kv_dim];
+        let mut ws = Vec::new();
+        let mut biases = Vec::new();
+        for (i, &r) in rows.iter().enumerate() {
+            ws.push(c.weight(Kind::Int4(group), r, cols, (3.0 / cols as f32).sqrt())?);
+            let b = if bias && i != 1 { Some(c.normal(r, 0.5)) } else { None };
+            biases.push(b.map(|v| c.dense(&[r], &v)).transpose()?);
+        }
+        let mut outs = Vec::new();
+        let mut outs2 = Vec::new();
+        for &r in &rows {
+            outs.push(c.output(&[n, r])?);
+            outs2.push(c.output(&[n, r])?);
+        }
+        let gw = [&ws[0].gpu, &ws[1].gpu, &ws[2].gpu];
+        let gb = [0, 1, 2].map(|i| biases[i].as_ref().map(|b| &b.gpu));
+        let before = tm_cuda::kernels::q4_gemv::rope_launches();
+        {
+            let [o0, o1, o2] = &mut outs[..] else { unreachable!() };
+            let qkv = [&mut o0.gpu, &mut o1.gpu, &mut o2.gpu];
+            c.gpu
+                .qkv_rope_write_kv(&x.gpu, gw, gb, qkv, &mut kc.gpu, &mut vc.gpu, &positions, &freqs, &slots)
+                .ctx("cuda qkv_rope_write_kv")?;
+        }
+        let ran = tm_cuda::kernels::q4_gemv::rope_launches() - before;
+        {
+            let [o0, o1, o2] = &mut outs2[..] else { unreachable!() };
+            let qkv = [&mut o0.gpu, &mut o1.gpu, &mut o2.gpu];
+            tm_core::ops::qkv_rope_write_kv_unfused(
+                c.gpu,
+                &x.gpu,
+                gw,
+                gb,
+                qkv,
+                &mut kc2.gpu,
+                &mut vc2.gpu,
+                &positions,
+                &freqs,
+                &slots,
+            )
+            .ctx("cuda matmul_many, rope_write_kv")?;
+            let [o0, o1, o2] = &mut outs[..] else { unreachable!() };
+            let qkv = [&mut o0.cpu, &mut o1.cpu, &mut o2.cpu];
+            let cw = [&ws[0].cpu, &ws[1].cpu, &ws[2].cpu];
+            let cb = [0, 1, 2].map(|i| biases[i].as_ref().map(|b| &b.cpu));
+            c.cpu
+                .qkv_rope_write_kv(&x.cpu, cw, cb, qkv, &mut kc.cpu, &mut vc.cpu, &positions, &freqs, &slots)
+                .ctx("cpu qkv_rope_write_kv")?;
+        }
+        let want_fused = fused && c.dtype != DType::F32;
+        if (ran > 0) != want_fused {
+            c.problems.push(format!(
+                "q4_gemv_ln_rope launched {ran} time(s); expected it {}",
+                if want_fused { "once" } else { "not at all" }
+            ));
+        }
+        c.notes.push(if ran > 0 { "fused".to_string() } else { "unfused".to_string() });
+        for (i, what) in ["q", "k", "v"].iter().enumerate() {
+            c.check_same_bytes(what, &outs[i].gpu, &outs2[i].gpu)?;
+        }
+        c.check_same_bytes("k cache", &kc.gpu, &kc2.gpu)?;
+        c.check_same_bytes("v cache", &vc.gpu, &vc2.gpu)?;
+        // The products are rounded to the dtype before RoPE on the GPU, not on the CPU: twice the
+        // tolerance (as for gate_up_silu).
+        for (i, what) in ["q", "k", "v"].iter().enumerate() {
+            let want = c.cpu.download_f32(&outs[i].cpu).ctx("cpu download")?;
+            c.check(what, &outs[i].gpu, &want, hd, 2.0)?;
+        }
+        for (what, p) in [("k cache", &kc), ("v cache", &vc)] {
+            let want = c.cpu.download_f32(&p.cpu).ctx("cpu download")?;
+            c.check(what, &p.gpu, &want, hd, 2.0)?;
+        }
+        Ok(())
+    });
+}
+
 fn silu_mul(s: &mut Suite, rows: usize, cols: usize) {
     s.case(format!("silu_mul [{rows}, {cols}]"), |c| {
         // Gates up to about ±20, so both tails of the sigmoid are exercised.
@@ -2011,6 +2126,7 @@ fn matmul_int4_decode() {
 #[test]
 fn matmul_int4_decode_variants() {
     use tm_cuda::kernels::q4_gemv::{set_unroll, Unroll};
+    let _serial = decode_variant_lock();
     run("matmul_int4_decode_variants", &[DType::F16, DType::BF16], |s| {
         for u in Unroll::ALL {
             set_unroll(Some(u));
@@ -2111,6 +2227,13 @@ fn matmul_int4_gemm() {
             matmul_q4_policies(s, n, rows, cols, g);
         }
     });
+}
+
+/// Held while a test forces an int4 decode kernel (`q4_gemv::set_unroll`, process-wide) and by
+/// tests that expect the automatic choice.
+fn decode_variant_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Held while a test forces a prefill kernel (`q4_gemm::set_policy`, `tm_cuda::set_slab_policy`:
@@ -2275,6 +2398,36 @@ fn rope_write_kv_fused() {
             // A prefill chunk: one block per token.
             rope_write_kv(s, &r64[0], a(9, 3, 64, 64, 130, 200, fp8));
         }
+    });
+}
+
+#[test]
+fn qkv_rope_write_kv_fused() {
+    let _serial = decode_variant_lock();
+    run("qkv_rope_write_kv_fused", &ALL_DTYPES, |s| {
+        let a = |heads, kv_heads, head_dim, cols, n, bias, fused| QkvRope {
+            heads,
+            kv_heads,
+            head_dim,
+            cols,
+            group: 128,
+            n,
+            bias,
+            fused,
+        };
+        let (r128, r64) = (rope_configs(128), rope_configs(64));
+        // Llama-3-8B decode: rotate-half, and interleaved with llama3 scaling.
+        qkv_rope_write_kv(s, &r128[0], a(32, 8, 128, 4096, 1, false, true));
+        qkv_rope_write_kv(s, &r128[2], a(32, 8, 128, 4096, 1, false, true));
+        // Decode batches with biases; yarn with an attention factor.
+        qkv_rope_write_kv(s, &r64[3], a(14, 2, 64, 1024, 5, true, true));
+        qkv_rope_write_kv(s, &r64[4], a(8, 8, 64, 2048, 8, true, true));
+        // Head size 16 (the smallest the fused kernel takes).
+        qkv_rope_write_kv(s, &rope_configs(16)[1], a(4, 2, 16, 1024, 3, false, true));
+        // Not fused: columns not a multiple of 1024, head size 40, more than 8 tokens.
+        qkv_rope_write_kv(s, &r128[0], a(8, 2, 128, 1152, 2, false, false));
+        qkv_rope_write_kv(s, &rope_configs(40)[5], a(4, 2, 40, 1024, 1, true, false));
+        qkv_rope_write_kv(s, &r64[0], a(4, 2, 64, 1024, 12, false, false));
     });
 }
 

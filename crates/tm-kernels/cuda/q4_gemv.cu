@@ -60,6 +60,7 @@
 namespace tmq4 {
 
 using tmk::i64;
+using tmk::u64;
 
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;  // K slices per CTA
@@ -266,13 +267,17 @@ template <class T> struct Slot {
     int rows;
 };
 
-// The 16-row tile a CTA computes of one weight: rows row0..row0+15.
+// The 16-row tile a CTA computes of one weight: rows row0..row0+15; for the lean kernels, the
+// rows of fragment row g (0..7) and g + 8 are row0 + gs g and row0 + gs g + hs (the RoPE kernel
+// pairs a head's rows i and i + head_dim / 2, or 2i and 2i + 1, that way).
 struct Tile {
     const unsigned char* packed;
     const __half* scales;
     const __half* mins;
     int row0;
     int rows;
+    int gs = 1;
+    int hs = 8;
 };
 
 // One warp step's operands as loaded: per tile, the lane's 16-byte chunks of rows g and g + 8
@@ -418,7 +423,7 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
     for (int i = 0; i < NT; ++i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int r = tiles[i].row0 + g + 8 * h;
+            const int r = tiles[i].row0 + tiles[i].gs * g + tiles[i].hs * h;
             // Step j of this warp is step warp + 8 j: block 4 (warp + 8 j) + t, group warp + 8 j.
             wp[i][h] = reinterpret_cast<const uint4*>(tiles[i].packed + (i64)r * (cols >> 1)) + 4 * warp + t;
             sp[i][h] = tiles[i].scales + (i64)r * groups + warp;
@@ -576,6 +581,93 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
     }
 }
 
+// The RoPE arguments of `q4_gemv_rope` (what `rope_write_kv` takes, ABI.md "RoPE"): per batch row
+// j its position and KV-cache slot (0xffffffff: a padding token, rotated but not cached), the
+// inverse frequencies [head_dim / 2], the factor on cos and sin, and the pair convention.
+template <class T> struct RopeKv {
+    T* k_cache;
+    T* v_cache;
+    const unsigned* positions;
+    const unsigned* slots;
+    const float* inv_freq;
+    float attention_factor;
+    int head_dim;
+    int interleaved;
+};
+
+// The q/k/v products of a decode step (lean, NT = 1, `ln`'s configuration) with RoPE of q and k
+// and the KV-cache write of the rotated k and of v in the epilogue: what `q4_gemv` then
+// `rope_write_kv` (elementwise.cu) store, bit for bit. Slots 0, 1, 2 are q, k, v (rows heads * D,
+// kv_heads * D, kv_heads * D). A q or k CTA takes one head's rows {8 t + g, 8 t + g + D / 2} (or
+// {16 t + 2 g, 16 t + 2 g + 1} when interleaved) for t = 0 .. D / 16 - 1: the two rows of each
+// RoPE pair land in one thread's fragment rows g and g + 8; a v CTA takes 16 consecutive rows.
+template <class T, class Wait>
+__device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int cols, const Slot<T>* slots,
+                                             const RopeKv<T>& rk, Wait wait) {
+    int cta = blockIdx.x, si = 0;
+    const int own0 = slots[0].rows >> 4, own1 = slots[1].rows >> 4;
+    if (cta >= own0) {
+        cta -= own0;
+        si = 1;
+        if (cta >= own1) {
+            cta -= own1;
+            si = 2;
+        }
+    }
+    const Slot<T> s = si == 0 ? slots[0] : si == 1 ? slots[1] : slots[2];  // constant indices: no local memory
+    const int D = rk.head_dim, per_head = D >> 4;
+    const int head = cta / per_head, tt = cta - head * per_head;
+    Tile tile{s.packed, s.scales, s.mins, cta * 16, s.rows};
+    if (si < 2) {
+        tile.row0 = head * D + (rk.interleaved ? 16 * tt : 8 * tt);
+        tile.gs = rk.interleaved ? 2 : 1;
+        tile.hs = rk.interleaved ? 1 : D >> 1;
+    }
+    float acc[1][4];
+    q4_tiles_lean<T, 2, 1, false>(&tile, x, n, cols, acc, wait);
+    trigger_after_loop();
+    const float v = reduce_warps<1>(acc);
+    // Thread tid < 128 holds fragment element e = tid / 32 of lane tid % 32: fragment row
+    // g + 8 (e / 2), batch column 2 (lane % 4) + e % 2; rounded to T with the bias, as stored.
+    __shared__ float fin[128];
+    const int kv_dim = slots[1].rows;
+    if (threadIdx.x < 128) {
+        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+        const int row = tile.row0 + tile.gs * g + tile.hs * (e >> 1);
+        const float b = s.bias ? tmk::to_float(s.bias[row]) : 0.f;
+        fin[threadIdx.x] = tmk::round_to<T>(v + b);
+        const int j = 2 * (lane & 3) + (e & 1);
+        if (si == 2 && j < n) {
+            const T y = tmk::from_float<T>(fin[threadIdx.x]);
+            s.out[(i64)j * s.rows + row] = y;
+            const unsigned slot = rk.slots[j];
+            if (slot != 0xffffffffu) rk.v_cache[(u64)slot * kv_dim + row] = y;
+        }
+    }
+    if (si == 2) return;  // uniform per CTA
+    __syncthreads();
+    if (threadIdx.x < 64) {
+        const int par = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+        const int j = 2 * (lane & 3) + par;
+        if (j < n) {
+            const int ra = tile.row0 + tile.gs * g, rb = ra + tile.hs;
+            const int i = 8 * tt + g;  // the pair's index in its head
+            float sn, cs;
+            sincosf(__fmul_rn((float)rk.positions[j], rk.inv_freq[i]), &sn, &cs);
+            const float c = cs * rk.attention_factor, sv = sn * rk.attention_factor;
+            const float x1 = fin[par * 32 + lane], x2 = fin[(2 + par) * 32 + lane];
+            const T ya = tmk::from_float<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sv)));
+            const T yb = tmk::from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sv)));
+            s.out[(i64)j * s.rows + ra] = ya;
+            s.out[(i64)j * s.rows + rb] = yb;
+            const unsigned slot = rk.slots[j];
+            if (si == 1 && slot != 0xffffffffu) {
+                rk.k_cache[(u64)slot * kv_dim + ra] = ya;
+                rk.k_cache[(u64)slot * kv_dim + rb] = yb;
+            }
+        }
+    }
+}
 
 }  // namespace tmq4
 
@@ -605,7 +697,24 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
         const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                      \
         tmq4::q4_gemv_silu<T, U, LEAN>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });                      \
     }
+// q/k/v with RoPE and the KV-cache write (`q4_gemv_rope`): the plain parameters (without
+// `accumulate`), then the caches, positions, slots, inv_freq, attention_factor, head_dim and
+// interleaved of `rope_write_kv`.
+#define TM_Q4_GEMV_ROPE(NAME, T)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, 3)                                                      \
+        NAME(const T* __restrict__ x, int n, int cols, int group, T* o0, T* o1, T* o2, const unsigned char* w0,         \
+             const unsigned char* w1, const unsigned char* w2, const __half* s0, const __half* s1,                      \
+             const __half* s2, const __half* m0, const __half* m1, const __half* m2, const T* b0, const T* b1,          \
+             const T* b2, int r0, int r1, int r2, T* k_cache, T* v_cache, const unsigned* positions,                   \
+             const unsigned* kv_slots, const float* inv_freq, float attention_factor, int head_dim,                     \
+             int interleaved) {                                                                                         \
+        const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}};  \
+        const tmq4::RopeKv<T> rk = {k_cache, v_cache, positions, kv_slots, inv_freq, attention_factor, head_dim,         \
+                                    interleaved};                                                                       \
+        tmq4::q4_gemv_rope<T>(x, n, cols, slots, rk, [] { tmk::pdl_wait(); });                                          \
+    }
 #define TM_Q4_GEMV(SUF, T)                                                                                              \
+    TM_Q4_GEMV_ROPE(q4_gemv_ln_rope_##SUF, T)                                                                           \
     TM_Q4_GEMV_PLAIN(q4_gemv_u2_##SUF, T, 2, 2, 2, false)                                                               \
     TM_Q4_GEMV_PLAIN(q4_gemv_n16_##SUF, T, 2, 1, 3, false)                                                              \
     TM_Q4_GEMV_PLAIN(q4_gemv_ln_##SUF, T, 2, 1, 3, true)                                                                \

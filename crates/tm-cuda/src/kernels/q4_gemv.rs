@@ -42,7 +42,7 @@
 //! variant on the 8B shapes. (The variants no shape chose any more were removed: `u4`,
 //! `n16u4`, and `pf`/`pf8`, which read the scales at use after an L2 prefetch.)
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use tm_core::{DType, Error, Result};
@@ -327,36 +327,127 @@ pub fn q4_gemv(
         return Ok(());
     }
     let grid16 = plain_grid(&used, 16)?;
-    let s = |i: usize| used.get(i).copied().unwrap_or_default();
     let lean = lean_fits(cols, group, &used);
     let u = unroll.resolve(grid16 as usize, grid32 as usize, gpu.info().multiprocessors as usize, lean);
     let grid = plain_grid(&used, u.rows_per_cta())?;
     let name = format!("{}_{}", u.plain_stem(), suffix(dt)?);
-    let args = [
+    let args = plain_args(x, n, cols, group, &used)?;
+    gpu.launch(&name, (grid, 1, 1), (THREADS, 1, 1), 0, &args)
+}
+
+/// The arguments the plain kernels (and [`q4_gemv_rope`]) start with: x, n, cols, group, then
+/// the outputs, packed weights, scales, mins, biases and rows of up to three weights (absent
+/// ones zero).
+fn plain_args(x: u64, n: usize, cols: usize, group: usize, used: &[Q4Slot]) -> Result<Vec<KernelArg>> {
+    let s = |i: usize| used.get(i).copied().unwrap_or_default();
+    let mut args = vec![
         KernelArg::Ptr(x),
         KernelArg::I32(int("n", n)?),
         KernelArg::I32(int("cols", cols)?),
         KernelArg::I32(int("group", group)?),
-        KernelArg::Ptr(s(0).out),
-        KernelArg::Ptr(s(1).out),
-        KernelArg::Ptr(s(2).out),
-        KernelArg::Ptr(s(0).packed),
-        KernelArg::Ptr(s(1).packed),
-        KernelArg::Ptr(s(2).packed),
-        KernelArg::Ptr(s(0).scales),
-        KernelArg::Ptr(s(1).scales),
-        KernelArg::Ptr(s(2).scales),
-        KernelArg::Ptr(s(0).mins),
-        KernelArg::Ptr(s(1).mins),
-        KernelArg::Ptr(s(2).mins),
-        KernelArg::Ptr(s(0).bias),
-        KernelArg::Ptr(s(1).bias),
-        KernelArg::Ptr(s(2).bias),
-        KernelArg::I32(int("rows", s(0).rows)?),
-        KernelArg::I32(int("rows", s(1).rows)?),
-        KernelArg::I32(int("rows", s(2).rows)?),
     ];
-    gpu.launch(&name, (grid, 1, 1), (THREADS, 1, 1), 0, &args)
+    args.extend((0..3).map(|i| KernelArg::Ptr(s(i).out)));
+    args.extend((0..3).map(|i| KernelArg::Ptr(s(i).packed)));
+    args.extend((0..3).map(|i| KernelArg::Ptr(s(i).scales)));
+    args.extend((0..3).map(|i| KernelArg::Ptr(s(i).mins)));
+    args.extend((0..3).map(|i| KernelArg::Ptr(s(i).bias)));
+    for i in 0..3 {
+        args.push(KernelArg::I32(int("rows", s(i).rows)?));
+    }
+    Ok(args)
+}
+
+/// The RoPE and KV-cache operands of [`q4_gemv_rope`] (those of `rope_write_kv`): device
+/// addresses of the caches (in the activation dtype), the u32 positions and cache slots of the
+/// `n` tokens and the f32 inverse frequencies `[head_dim / 2]`.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeKv {
+    /// Key cache.
+    pub k_cache: u64,
+    /// Value cache.
+    pub v_cache: u64,
+    /// Position of each token.
+    pub positions: u64,
+    /// Cache slot of each token (`u32::MAX`: not cached).
+    pub slots: u64,
+    /// Inverse frequencies.
+    pub inv_freq: u64,
+    /// Factor on cos and sin.
+    pub attention_factor: f32,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Pairs `(2i, 2i + 1)` instead of `(i, i + head_dim / 2)`.
+    pub interleaved: bool,
+}
+
+/// [`q4_gemv_rope`] launches in this process (all devices): tests read it to confirm the fused
+/// path ran.
+static ROPE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+/// How many [`q4_gemv_rope`] launches this process has made.
+pub fn rope_launches() -> u64 {
+    ROPE_LAUNCHES.load(Ordering::Relaxed)
+}
+
+/// Whether `TM_Q4_GEMV_ROPE` allows [`q4_gemv_rope`] (unset or not `0`).
+pub fn rope_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TM_Q4_GEMV_ROPE").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Whether [`q4_gemv_rope`] takes q, k, v `slots` of `cols` columns and group `group` with
+/// heads of `head_dim` (the caller checked [`fits`]): the path on (and the lean path, with no
+/// variant forced by `TM_Q4_GEMV_UNROLL` or a test) and [`rope_shape_fits`].
+pub fn rope_fits(cols: usize, group: usize, slots: &[Q4Slot; 3], head_dim: usize) -> bool {
+    rope_enabled() && lean_enabled() && forced().is_none() && rope_shape_fits(cols, group, slots, head_dim)
+}
+
+/// The shapes [`q4_gemv_rope`] takes: the lean kernels' ([`lean_fits`]), `head_dim` a multiple of
+/// 16 (a head is whole 16-row tiles, each pairing rows `i` and `i + head_dim / 2`), and whole
+/// heads of q, k and v, with k and v alike.
+pub fn rope_shape_fits(cols: usize, group: usize, slots: &[Q4Slot; 3], head_dim: usize) -> bool {
+    let [q, k, v] = slots;
+    lean_fits(cols, group, slots)
+        && head_dim > 0
+        && head_dim.is_multiple_of(16)
+        && q.rows.is_multiple_of(head_dim)
+        && k.rows.is_multiple_of(head_dim)
+        && k.rows > 0
+        && k.rows == v.rows
+}
+
+/// The q/k/v products (`slots` q, k, v, as [`q4_gemv`]) with RoPE of q and k and the cache write
+/// of the rotated k and of v in the epilogue (`q4_gemv_ln_rope_*`): what [`q4_gemv`] then
+/// `rope_write_kv` store, bit for bit. The caller checked [`fits`], [`rope_fits`] and the shapes.
+#[allow(clippy::too_many_arguments)]
+pub fn q4_gemv_rope(
+    gpu: &Gpu,
+    dt: DType,
+    x: u64,
+    n: usize,
+    cols: usize,
+    group: usize,
+    slots: &[Q4Slot; 3],
+    rope: &RopeKv,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let grid = plain_grid(slots, 16)?;
+    let mut args = plain_args(x, n, cols, group, slots)?;
+    args.extend([
+        KernelArg::Ptr(rope.k_cache),
+        KernelArg::Ptr(rope.v_cache),
+        KernelArg::Ptr(rope.positions),
+        KernelArg::Ptr(rope.slots),
+        KernelArg::Ptr(rope.inv_freq),
+        KernelArg::F32(rope.attention_factor),
+        KernelArg::I32(int("head_dim", rope.head_dim)?),
+        KernelArg::I32(i32::from(rope.interleaved)),
+    ]);
+    gpu.launch(&format!("q4_gemv_ln_rope_{}", suffix(dt)?), (grid, 1, 1), (THREADS, 1, 1), 0, &args)?;
+    ROPE_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    Ok(())
 }
 
 /// `out [n, rows] = silu(x · Gᵀ) * (x · Uᵀ)` for int4 `gate` and `up` `[rows, cols]` of group size
@@ -411,6 +502,21 @@ mod tests {
 
     fn slot(rows: usize) -> Q4Slot {
         Q4Slot { packed: 0x1000, scales: 0x2000, mins: 0x3000, bias: 0, out: 0x4000, rows }
+    }
+
+    #[test]
+    fn rope_fits_whole_heads_of_lean_shapes() {
+        let llama = [slot(4096), slot(1024), slot(1024)];
+        let fits = rope_shape_fits;
+        assert!(fits(4096, 128, &llama, 128));
+        assert!(fits(4096, 128, &llama, 64));
+        assert!(fits(4096, 128, &llama, 16));
+        assert!(!fits(4096, 128, &llama, 40), "head_dim not a multiple of 16");
+        assert!(!fits(4096, 64, &llama, 128), "group 64 is not lean");
+        assert!(!fits(4608, 128, &llama, 128), "cols not a multiple of 1024");
+        assert!(!fits(4096, 128, &[slot(4096), slot(1024), slot(512)], 128), "k and v differ");
+        assert!(!fits(4096, 128, &[slot(4096), slot(0), slot(0)], 128), "no kv heads");
+        assert!(!fits(4096, 128, &[slot(4000), slot(1024), slot(1024)], 128), "q not whole heads");
     }
 
     #[test]

@@ -558,6 +558,35 @@ impl Ops for CudaBackend {
         tm_core::ops::rope_write_kv_unfused(self, q, k, v, k_cache, v_cache, positions, freqs, slot_mapping)
     }
 
+    fn qkv_rope_write_kv(
+        &self,
+        x: &Tensor,
+        weights: [&Weight; 3],
+        biases: [Option<&Tensor>; 3],
+        mut qkv: [&mut Tensor; 3],
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+        positions: &[u32],
+        freqs: &RopeFreqs,
+        slot_mapping: &[u32],
+    ) -> Result<()> {
+        if self.fused_q4_qkv_rope(x, weights, biases, &mut qkv, k_cache, v_cache, positions, freqs, slot_mapping)? {
+            return Ok(());
+        }
+        tm_core::ops::qkv_rope_write_kv_unfused(
+            self,
+            x,
+            weights,
+            biases,
+            qkv,
+            k_cache,
+            v_cache,
+            positions,
+            freqs,
+            slot_mapping,
+        )
+    }
+
     fn attention(
         &self,
         q: &Tensor,

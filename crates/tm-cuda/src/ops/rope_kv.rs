@@ -2,16 +2,21 @@
 //! ([`CudaBackend::fused_rope_write_kv`]): at batch-1 decode the separate `rope`, `rope` and
 //! `write_kv` kernels are each mostly launch latency. `TM_CUDA_ROPE_KV=0` turns the fusion off
 //! (the three kernels run instead; to compare).
+//!
+//! For int4 q/k/v at decode, the RoPE and the cache write go into the products' epilogue instead
+//! ([`CudaBackend::fused_q4_qkv_rope`], `q4_gemv_ln_rope`; `TM_Q4_GEMV_ROPE=0` turns it off).
 
 use std::sync::OnceLock;
 
-use tm_core::checks;
+use tm_core::checks::{self, rows_of};
+use tm_core::quant::Weight;
 use tm_core::rope::{RopeFreqs, RopeStyle};
 use tm_core::{DType, Error, Result, Tensor};
 
 use super::meta::Slot;
 use super::{as_bytes, ptr, CudaBackend};
 use crate::kernels::elementwise::{self as ew, RopeKvBuffers, RopeKvShape};
+use crate::kernels::q4_gemv::{self, Q4Slot, RopeKv};
 
 /// Whether the fused kernel is on (`TM_CUDA_ROPE_KV` is not `0`).
 fn enabled() -> bool {
@@ -77,6 +82,80 @@ impl CudaBackend {
         };
         let fp8 = kv == DType::F8E4M3;
         ew::rope_write_kv(&self.gpu, self.dtype, &buffers, shape, freqs.attention_factor, fp8)?;
+        Ok(true)
+    }
+
+    /// `Ops::qkv_rope_write_kv` as one `q4_gemv_ln_rope` launch: int4 q, k, v of one shape class
+    /// ([`q4_gemv::fits`] and [`q4_gemv::rope_fits`]) and caches in the activation dtype.
+    /// `Ok(false)` (nothing done) sends the caller to the products and `rope_write_kv`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn fused_q4_qkv_rope(
+        &self,
+        x: &Tensor,
+        weights: [&Weight; 3],
+        biases: [Option<&Tensor>; 3],
+        qkv: &mut [&mut Tensor; 3],
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+        positions: &[u32],
+        freqs: &RopeFreqs,
+        slot_mapping: &[u32],
+    ) -> Result<bool> {
+        let [Weight::Int4(wq), Weight::Int4(wk), Weight::Int4(wv)] = weights else { return Ok(false) };
+        let (cols, group) = (wq.cols, wq.group_size);
+        if !q4_gemv::enabled() || [wk, wv].iter().any(|w| w.cols != cols || w.group_size != group) {
+            return Ok(false);
+        }
+        if k_cache.dtype() != self.dtype || v_cache.dtype() != self.dtype {
+            return Ok(false);
+        }
+        let n = rows_of("matmul input", x, cols)?;
+        if positions.len() != n || slot_mapping.len() != n {
+            return Ok(false);
+        }
+        let mut slots = [Q4Slot::default(); 3];
+        for (i, ((w, b), out)) in [wq, wk, wv].iter().zip(biases).zip(qkv.iter()).enumerate() {
+            if out.numel() != n * w.rows {
+                return Err(Error::shape("matmul output", [n, w.rows], out.shape()));
+            }
+            if let Some(b) = b {
+                if b.numel() != w.rows {
+                    return Err(Error::shape("bias", [w.rows], b.shape()));
+                }
+                self.check(b, "bias")?;
+            }
+            self.check(out, "matmul output")?;
+            let mins = w.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
+            slots[i] = Q4Slot {
+                packed: ptr(&w.packed),
+                scales: ptr(&w.scales),
+                mins: ptr(mins),
+                bias: b.map_or(0, ptr),
+                out: ptr(out),
+                rows: w.rows,
+            };
+        }
+        let head_dim = 2 * freqs.inv_freq.len();
+        if !q4_gemv::fits(self.dtype, n, cols, group, ptr(x), &slots)
+            || !q4_gemv::rope_fits(cols, group, &slots, head_dim)
+        {
+            return Ok(false);
+        }
+        self.check(x, "matmul input")?;
+        let [_, k, v] = qkv;
+        checks::write_kv(k, v, k_cache, v_cache, slot_mapping)?;
+        let mut st = self.state()?;
+        let rope = RopeKv {
+            k_cache: ptr(k_cache),
+            v_cache: ptr(v_cache),
+            positions: self.put(&mut st, Slot::Positions, as_bytes(positions))?,
+            slots: self.put(&mut st, Slot::Slots, as_bytes(slot_mapping))?,
+            inv_freq: self.put(&mut st, Slot::InvFreq, as_bytes(&freqs.inv_freq))?,
+            attention_factor: freqs.attention_factor,
+            head_dim,
+            interleaved: freqs.style == RopeStyle::Interleaved,
+        };
+        q4_gemv::q4_gemv_rope(&self.gpu, self.dtype, ptr(x), n, cols, group, &slots, &rope)?;
         Ok(true)
     }
 }

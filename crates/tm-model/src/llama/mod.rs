@@ -254,21 +254,24 @@ impl LlamaModel {
                 self.join_residual(cx, ws, &layer.attn_norm, &self.step_names[i - 1][1])?;
             }
             let (bq, bk, bv) = &layer.qkv_bias;
-            ops.matmul_many(
-                &ws.normed,
-                &[&layer.q, &layer.k, &layer.v],
-                &[bq.as_ref(), bk.as_ref(), bv.as_ref()],
-                &mut [&mut ws.q, &mut ws.k, &mut ws.v],
-            )?;
+            let weights = [&layer.q, &layer.k, &layer.v];
+            let biases = [bq.as_ref(), bk.as_ref(), bv.as_ref()];
+            let (k_cache, v_cache) = kv.layer_mut(i);
             if let Some((qn, kn)) = &layer.qk_norm {
+                ops.matmul_many(&ws.normed, &weights, &biases, &mut [&mut ws.q, &mut ws.k, &mut ws.v])?;
                 ops.rms_norm(&ws.q, qn, eps, &mut ws.scratch_q)?;
                 ops.rms_norm(&ws.k, kn, eps, &mut ws.scratch_k)?;
                 std::mem::swap(&mut ws.q, &mut ws.scratch_q);
                 std::mem::swap(&mut ws.k, &mut ws.scratch_k);
+                // RoPE on q and k and the rotated k and v into the cache (one launch on CUDA).
+                let (q, k) = (&mut ws.q, &mut ws.k);
+                ops.rope_write_kv(q, k, &ws.v, k_cache, v_cache, step.positions, freqs, step.slot_mapping)?;
+            } else {
+                // The products, RoPE and the cache write (one launch for int4 decode on CUDA).
+                let qkv = [&mut ws.q, &mut ws.k, &mut ws.v];
+                let (pos, slots) = (step.positions, step.slot_mapping);
+                ops.qkv_rope_write_kv(&ws.normed, weights, biases, qkv, k_cache, v_cache, pos, freqs, slots)?;
             }
-            // RoPE on q and k and the rotated k and v into the cache (one launch on CUDA).
-            let (k_cache, v_cache) = kv.layer_mut(i);
-            ops.rope_write_kv(&mut ws.q, &mut ws.k, &ws.v, k_cache, v_cache, step.positions, freqs, step.slot_mapping)?;
             ops.attention(&ws.q, k_cache, v_cache, meta, &mut ws.attn)?;
             if i == 0 {
                 // Every per-step input is uploaded by now (the later layers upload the same).
