@@ -111,8 +111,26 @@ impl CudaBackend {
             return Ok(false);
         }
         let n = rows_of("matmul input", x, cols)?;
-        let mut slots = Vec::with_capacity(3);
-        for ((q, b), out) in qs.iter().zip(biases).zip(outs.iter()) {
+        let slots = self.q4_slots(n, &qs, biases, outs)?;
+        if !q4_gemv::fits(self.dtype, n, cols, group, ptr(x), &slots) {
+            return Ok(false);
+        }
+        self.check(x, "matmul input")?;
+        q4_gemv::q4_gemv(&self.gpu, self.dtype, ptr(x), n, cols, group, &slots, Unroll::Auto)?;
+        Ok(true)
+    }
+
+    /// The launch slots of int4 weights `qs` with their `biases` and outputs for `n` activation
+    /// rows, after checking the outputs' and biases' shapes and dtypes.
+    pub(super) fn q4_slots(
+        &self,
+        n: usize,
+        qs: &[&QuantWeight],
+        biases: &[Option<&Tensor>],
+        outs: &[&mut Tensor],
+    ) -> Result<Vec<Q4Slot>> {
+        let mut slots = Vec::with_capacity(qs.len());
+        for ((q, b), out) in qs.iter().zip(biases).zip(outs) {
             if out.numel() != n * q.rows {
                 return Err(Error::shape("matmul output", [n, q.rows], out.shape()));
             }
@@ -125,12 +143,7 @@ impl CudaBackend {
             self.check(out, "matmul output")?;
             slots.push(Q4Slot { bias: b.map_or(0, ptr), out: ptr(out), ..q4_slot(q)? });
         }
-        if !q4_gemv::fits(self.dtype, n, cols, group, ptr(x), &slots) {
-            return Ok(false);
-        }
-        self.check(x, "matmul input")?;
-        q4_gemv::q4_gemv(&self.gpu, self.dtype, ptr(x), n, cols, group, &slots, Unroll::Auto)?;
-        Ok(true)
+        Ok(slots)
     }
 
     /// One int4 product through the tensor-core GEMV, when it fits (shapes already checked; a

@@ -113,28 +113,9 @@ impl CudaBackend {
         if positions.len() != n || slot_mapping.len() != n {
             return Ok(false);
         }
-        let mut slots = [Q4Slot::default(); 3];
-        for (i, ((w, b), out)) in [wq, wk, wv].iter().zip(biases).zip(qkv.iter()).enumerate() {
-            if out.numel() != n * w.rows {
-                return Err(Error::shape("matmul output", [n, w.rows], out.shape()));
-            }
-            if let Some(b) = b {
-                if b.numel() != w.rows {
-                    return Err(Error::shape("bias", [w.rows], b.shape()));
-                }
-                self.check(b, "bias")?;
-            }
-            self.check(out, "matmul output")?;
-            let mins = w.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
-            slots[i] = Q4Slot {
-                packed: ptr(&w.packed),
-                scales: ptr(&w.scales),
-                mins: ptr(mins),
-                bias: b.map_or(0, ptr),
-                out: ptr(out),
-                rows: w.rows,
-            };
-        }
+        let slots: [Q4Slot; 3] = self.q4_slots(n, &[wq, wk, wv], &biases, &qkv[..])?[..]
+            .try_into()
+            .map_err(|_| Error::invalid("q/k/v: three launch slots expected"))?;
         let head_dim = 2 * freqs.inv_freq.len();
         if !q4_gemv::fits(self.dtype, n, cols, group, ptr(x), &slots)
             || !q4_gemv::rope_fits(cols, group, &slots, head_dim)
