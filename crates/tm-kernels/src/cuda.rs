@@ -189,7 +189,8 @@ mod tests {
                 "q4_gemv_ln4",
                 "q4_gemv_silu_u2",
                 "q4_gemv_silu_ln",
-                "q4_gemv_silu_ln4"
+                "q4_gemv_silu_ln4",
+                "q4_gemv_ln_rope"
             ]
         );
         for a in artefacts().iter().filter(|a| a.module == "q4_gemv") {
