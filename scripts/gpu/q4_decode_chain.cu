@@ -26,9 +26,22 @@
 // memory per CTA: 1642-1650 against 1646-1653. rope_write_kv in the early chain with the stand-in:
 // 1914-1924 against 1813-1820 without it; folded into the q/k/v GEMV in the engine
 // (`q4_gemv_ln_rope`) it saved only 9-15 us of a 2.30 ms step, so most of it was already hidden.
+//
+// Arguments: none (the forms above), `tl` (the lean kernels against their tile-major forms, `lnt`,
+// `ln4t`, `silu_lnt`, the weights read as if stored tile-major: the layout's speed is the same for
+// random nibbles), `pf` (the attention stand-in issuing `cp.async.bulk.prefetch.L2` of the first
+// MiBs of the next gate and up weights). Measured 2026-12-01 (f16; bf16 within 1%): tile-major
+// 1567 -> 1438 us per step without joins, 1814 -> 1698 us early with the stand-in (now the CUDA
+// backend's layout for these shapes); L2 prefetch of 4 / 8 / 12 / 16 MiB of each: 1820 -> 1790 /
+// 1783 / 1769 / 1790 us (from row 4224: 1802-1796), not pursued. Staged x (each CTA copying x into
+// shared memory once, pre-permuted into the mma B operands with per-group sums, so the loop needs
+// no PRMT, ones-mma or high-nibble shifts: 25-31% fewer SASS instructions per step) was slower,
+// 1572 -> 1635 us without joins: the staging adds a dependent load, reduction and barrier before
+// each CTA's first step, and the loop is bound by the weights' DRAM pattern, not by issue.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+#include <string>
 #include <cuda_runtime.h>
 #include "q4_gemv.cu"
 #include "elementwise.cu"
@@ -76,6 +89,8 @@ template <class T> struct Ks;
 #define KS(SUF, TY) template <> struct Ks<TY> { \
     static constexpr auto ln = q4_gemv_ln_##SUF; static constexpr auto ln4 = q4_gemv_ln4_##SUF; \
     static constexpr auto silu = q4_gemv_silu_ln_##SUF; \
+    static constexpr auto tl = q4_gemv_lnt_##SUF; static constexpr auto tl4 = q4_gemv_ln4t_##SUF; \
+    static constexpr auto silu_tl = q4_gemv_silu_lnt_##SUF; \
     static constexpr auto rope = tm_kernel_rope_write_kv_##SUF::rope_write_kv_##SUF; static constexpr auto arn = tm_kernel_add_rms_norm_##SUF::add_rms_norm_##SUF; };
 KS(f16, __half)
 KS(bf16, __nv_bfloat16)
@@ -90,8 +105,17 @@ template <class T> __global__ void __launch_bounds__(512) arn_late(T* out, T* re
 }
 // Stands in for decode attention at batch 1 (72 CTAs busy for `ns` nanoseconds), with or without
 // an early trigger.
-__global__ void __launch_bounds__(256) att_standin(int early, long long ns, float* sink) {
+__global__ void __launch_bounds__(256) att_standin(int early, long long ns, float* sink, const char* pa, const char* pb,
+                                                   long long pbytes) {
     if (early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    // L2 prefetch of pbytes of each of pa and pb (64 KiB bulk prefetches spread over the CTAs)
+    if (threadIdx.x == 0 && pbytes > 0) {
+        for (long long off = (long long)blockIdx.x * 65536; off < pbytes; off += (long long)gridDim.x * 65536) {
+            const unsigned n = (unsigned)min(65536LL, pbytes - off);
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pa + off), "r"(n) : "memory");
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pb + off), "r"(n) : "memory");
+        }
+    }
     tmk::pdl_wait();
     long long t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
@@ -100,6 +124,11 @@ __global__ void __launch_bounds__(256) att_standin(int early, long long ns, floa
 }
 int g_rope = 0;  // 1: rope_write_kv after q/k/v (as the engine runs it)
 int g_att = 0;  // 0: no stand-in, 1: stand-in, 2: stand-in with an early trigger
+long long g_pf = 0;    // bytes of the gate and of the up weight the stand-in prefetches into L2
+long long g_pf_off = 0;  // from this byte offset
+bool g_pf_only = false;
+bool g_tl_only = false;
+int g_tl = 0;  // 1: the tile-major kernels (lnt, ln4t, silu_lnt: the weights read as tile-major)
 
 template <class T> struct Bufs {
     T *resid, *delta, *normed, *q, *k, *v, *act, *gamma, *kc, *vc;
@@ -119,24 +148,26 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
     const T* nul = nullptr;
     for (const Layer& L : Ls) {
         join(form, b, st);
-        launch(Ks<T>::ln, 384, 256, 0, st, (const T*)b.normed, 1, H, 128, b.q, b.k, b.v, (const unsigned char*)L.q.p,
+        launch(g_tl ? Ks<T>::tl : Ks<T>::ln, 384, 256, 0, st, (const T*)b.normed, 1, H, 128, b.q, b.k, b.v, (const unsigned char*)L.q.p,
                (const unsigned char*)L.k.p, (const unsigned char*)L.v.p, (const __half*)L.q.s, (const __half*)L.k.s,
                (const __half*)L.v.s, (const __half*)L.q.m, (const __half*)L.k.m, (const __half*)L.v.m, nul, nul, nul,
                4096, 1024, 1024);
         if (g_rope)
             launch(Ks<T>::rope, dim3(1, 10), 256, 512, st, b.q, b.k, (const T*)b.v, b.kc, b.vc, (const unsigned*)b.pos,
                    (const unsigned*)b.slot, (const float*)b.inv_freq, 1.0f, 1, 32, 8, 128, 0);
-        if (g_att) launch(att_standin, 72, 256, 0, st, g_att == 2 ? 1 : 0, 6000LL, b.sink);
+        if (g_att)
+            launch(att_standin, 72, 256, 0, st, g_att == 2 ? 1 : 0, 6000LL, b.sink, (const char*)L.gate.p + g_pf_off,
+                   (const char*)L.up.p + g_pf_off, g_pf);
         // o: x = q (attention's output stands in).
-        launch(Ks<T>::ln4, 256, 256, 0, st, (const T*)b.q, 1, H, 128, b.delta, (T*)nullptr, (T*)nullptr,
+        launch(g_tl ? Ks<T>::tl4 : Ks<T>::ln4, 256, 256, 0, st, (const T*)b.q, 1, H, 128, b.delta, (T*)nullptr, (T*)nullptr,
                (const unsigned char*)L.o.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
                (const __half*)L.o.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.o.m,
                (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
         join(form, b, st);
-        launch(Ks<T>::silu, 896, 256, 0, st, b.act, (const T*)b.normed, 1, H, 128, (const unsigned char*)L.gate.p,
+        launch(g_tl ? Ks<T>::silu_tl : Ks<T>::silu, 896, 256, 0, st, b.act, (const T*)b.normed, 1, H, 128, (const unsigned char*)L.gate.p,
                (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p, (const __half*)L.up.s,
                (const __half*)L.up.m, F);
-        launch(Ks<T>::ln4, 256, 256, 0, st, (const T*)b.act, 1, F, 128, b.delta, (T*)nullptr, (T*)nullptr,
+        launch(g_tl ? Ks<T>::tl4 : Ks<T>::ln4, 256, 256, 0, st, (const T*)b.act, 1, F, 128, b.delta, (T*)nullptr, (T*)nullptr,
                (const unsigned char*)L.down.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
                (const __half*)L.down.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.down.m,
                (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
@@ -161,14 +192,25 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         CK(cudaMemset(b.delta, 0, H * sizeof(T)));
         CK(cudaDeviceSynchronize());
     };
-    struct Case { Form form; int att; int rope; };
-    const Case cases[] = {{LATE, 0, 0}, {EARLY, 0, 0}, {NONE, 0, 0}, {LATE, 1, 0}, {EARLY, 2, 0}, {NONE, 2, 0},
-                          {EARLY, 2, 1}, {LATE, 0, 0}, {EARLY, 0, 0}, {LATE, 1, 0}, {EARLY, 2, 0}, {EARLY, 2, 1}};
+    struct Case { Form form; int att; int rope; int pf_mb; int pf_off_rows; int tl; };
+    const Case all[] = {{LATE, 0, 0}, {EARLY, 0, 0}, {NONE, 0, 0}, {LATE, 1, 0}, {EARLY, 2, 0}, {NONE, 2, 0},
+                        {EARLY, 2, 1}, {LATE, 0, 0}, {EARLY, 0, 0}, {LATE, 1, 0}, {EARLY, 2, 0}, {EARLY, 2, 1}};
+    // L2 prefetch of gate/up rows during the attention stand-in: MiB of each weight, first row.
+    const Case pfc[] = {{EARLY, 2, 0, 0, 0},    {EARLY, 2, 0, 4, 0},    {EARLY, 2, 0, 8, 0}, {EARLY, 2, 0, 12, 0},
+                        {EARLY, 2, 0, 16, 0},   {EARLY, 2, 0, 4, 4224}, {EARLY, 2, 0, 8, 4224}, {EARLY, 2, 0, 12, 4224},
+                        {EARLY, 2, 0, 0, 0}, {EARLY, 2, 1, 0, 0}, {EARLY, 2, 1, 8, 0}};
+    const Case tlc[] = {{EARLY, 2, 0, 0, 0, 0}, {EARLY, 2, 0, 0, 0, 1}, {NONE, 0, 0, 0, 0, 0}, {NONE, 0, 0, 0, 0, 1},
+                        {EARLY, 2, 0, 0, 0, 0}, {EARLY, 2, 0, 0, 0, 1}, {NONE, 0, 0, 0, 0, 0}, {NONE, 0, 0, 0, 0, 1}};
+    std::vector<Case> cases(g_pf_only ? std::begin(pfc) : std::begin(all), g_pf_only ? std::end(pfc) : std::end(all));
+    if (g_tl_only) cases.assign(std::begin(tlc), std::end(tlc));
     printf("GEMVs trigger after their loops: %d\n", TM_Q4_GEMV_EARLY_TRIGGER);
     for (const Case& c : cases) {
         const Form form = c.form;
         g_att = c.att;
         g_rope = c.rope;
+        g_pf = (long long)c.pf_mb << 20;
+        g_tl = c.tl;
+        g_pf_off = (long long)c.pf_off_rows * 2048;
         reset();
         cudaGraph_t g; cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
@@ -183,13 +225,18 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
         float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
         const char* att[] = {"", " + attention stand-in", " + attention stand-in (early trigger)"};
-        printf("%s %-9s: %7.1f us per step%s%s\n", dt, form_names[form], 1000.f * ms / iters, g_rope ? " + rope_write_kv" : "",
+        printf("%s %-9s: %7.1f us per step%s%s", dt, form_names[form], 1000.f * ms / iters, g_rope ? " + rope_write_kv" : "",
                att[g_att]);
+        if (g_tl) printf(" [tile-major]");
+        if (g_pf) printf(", L2 prefetch of %lld MiB of gate and of up from row %d", g_pf >> 20, c.pf_off_rows);
+        printf("\n");
         CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
     }
 }
 
-int main() {
+int main(int argc, char** argv) {
+    g_pf_only = argc > 1 && std::string(argv[1]) == "pf";
+    g_tl_only = argc > 1 && std::string(argv[1]) == "tl";
     setvbuf(stdout, nullptr, _IONBF, 0);
     std::vector<Layer> Ls;
     for (int l = 0; l < 32; ++l) {

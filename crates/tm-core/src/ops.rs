@@ -108,6 +108,13 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
     fn upload(&self, dst: &mut Tensor, src: &[u8]) -> Result<()>;
     /// Copies `src` into host bytes (in `src`'s dtype).
     fn download(&self, src: &Tensor, dst: &mut [u8]) -> Result<()>;
+    /// The order this backend wants the packed bytes of a `[rows, cols]` int4 weight of
+    /// `group_size` in (the loader repacks to it before uploading; see
+    /// [`crate::quant::Int4Layout`]). Row-major unless a backend's kernels read another.
+    fn int4_layout(&self, rows: usize, cols: usize, group_size: usize) -> crate::quant::Int4Layout {
+        let _ = (rows, cols, group_size);
+        crate::quant::Int4Layout::RowMajor
+    }
     /// Makes a dense weight tensor from host bytes of dtype `src_dtype`, converting to
     /// [`Ops::weight_dtype`].
     fn load_dense(&self, src_dtype: DType, shape: &[usize], src: &[u8], phase: &str) -> Result<Tensor>;

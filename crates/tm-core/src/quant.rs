@@ -11,10 +11,69 @@
 //! `c0/2 + i` (for `i < 16`) holds column `c0 + i` in its low nibble and column `c0 + 16 + i` in its
 //! high nibble — the order GGUF's Q4 blocks use, so they import by plain copy.
 //!
+//! A backend may instead keep an int4 matrix whose rows are a multiple of 16 and whose columns
+//! are a multiple of 128 in [`Int4Layout::Tiles16x128`] order (it says so through
+//! [`crate::Ops::int4_layout`]; the loader repacks with [`tile_int4`]): the same 16-byte chunks
+//! (32 columns each, nibbles as above), ordered so that the 16 rows x 128 columns of one tile and
+//! column step are 1 KiB of consecutive bytes ([`int4_chunk_offset`]). A decode product then
+//! reads long runs of consecutive bytes instead of 64 bytes from each of 16 rows. Scales and
+//! mins stay `[rows, cols / group_size]`.
+//!
 //! # The int8 layout
 //! `packed` is `[rows, cols]` i8; `w = q * scale` with one f16 scale per group (GGUF Q8_0).
 
 use crate::{DType, Error, Result, Tensor};
+
+/// The order of an int4 matrix's packed bytes (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Int4Layout {
+    /// `[rows, cols / 2]`, row after row.
+    #[default]
+    RowMajor,
+    /// Tiles of 16 rows, each column step of 128 columns of a tile 1 KiB of consecutive bytes:
+    /// [`int4_chunk_offset`]. Needs `rows % 16 == 0` and `cols % 128 == 0`.
+    Tiles16x128,
+}
+
+/// Whether a `[rows, cols]` int4 matrix can be stored as [`Int4Layout::Tiles16x128`].
+pub fn int4_tiles_fit(rows: usize, cols: usize) -> bool {
+    rows.is_multiple_of(16) && cols.is_multiple_of(128) && rows > 0
+}
+
+/// Byte offset of the 16-byte chunk `block` (columns `32 block .. 32 block + 32`) of row `row` in
+/// an int4 matrix of `cols` columns stored in `layout`. Tiles16x128: tile `row / 16`, step
+/// `block / 4` (tiles in row order, the steps of a tile consecutive, 1 KiB each), then rows 0..7 of
+/// the tile and rows 8..15 (512 bytes each), 64 bytes per row: its four chunks in order. So chunk
+/// `t` of rows `g` and `g + 8` of a step are at `64 g + 16 t` and `512 + 64 g + 16 t`, what lane
+/// `4 g + t` of a warp reads for an m16n8k16 A fragment.
+pub fn int4_chunk_offset(layout: Int4Layout, row: usize, block: usize, cols: usize) -> usize {
+    match layout {
+        Int4Layout::RowMajor => row * (cols / 2) + block * 16,
+        Int4Layout::Tiles16x128 => {
+            ((row / 16) * (cols / 128) + block / 4) * 1024 + ((row / 8) % 2) * 512 + (row % 8) * 64 + (block % 4) * 16
+        }
+    }
+}
+
+/// Reorders row-major int4 bytes (`[rows, cols / 2]`) into [`Int4Layout::Tiles16x128`]
+/// (`rows % 16 == 0`, `cols % 128 == 0`, checked).
+pub fn tile_int4(packed: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>> {
+    if !int4_tiles_fit(rows, cols) || packed.len() != rows * cols / 2 {
+        return Err(Error::invalid(format!(
+            "int4 tiles need rows % 16 == 0 and cols % 128 == 0 and [rows, cols / 2] bytes: {rows} x {cols}, {} bytes",
+            packed.len()
+        )));
+    }
+    let mut out = vec![0u8; packed.len()];
+    for row in 0..rows {
+        for block in 0..cols / 32 {
+            let src = int4_chunk_offset(Int4Layout::RowMajor, row, block, cols);
+            let dst = int4_chunk_offset(Int4Layout::Tiles16x128, row, block, cols);
+            out[dst..dst + 16].copy_from_slice(&packed[src..src + 16]);
+        }
+    }
+    Ok(out)
+}
 
 /// A group-quantized matrix (see the module docs for the layout).
 #[derive(Debug)]
@@ -31,6 +90,8 @@ pub struct QuantWeight {
     pub scales: Tensor,
     /// `[rows, cols/group_size]` f16 mins (int4 only).
     pub mins: Option<Tensor>,
+    /// The order of `packed` (int4; int8 is always row-major).
+    pub layout: Int4Layout,
 }
 
 /// A weight matrix `[rows, cols]` for `y = x W^T`.
@@ -77,6 +138,14 @@ impl QuantWeight {
             )));
         }
         let groups = self.cols / self.group_size;
+        if self.layout == Int4Layout::Tiles16x128 && !(int4 && int4_tiles_fit(self.rows, self.cols)) {
+            return Err(Error::invalid(format!(
+                "a {} x {} {} weight cannot be stored in 16 x 128 tiles",
+                self.rows,
+                self.cols,
+                if int4 { "int4" } else { "int8" }
+            )));
+        }
         if int4 {
             self.packed.expect_dtype("int4 packed", DType::U8)?;
             self.packed.expect_shape("int4 packed", &[self.rows, self.cols / 2])?;
@@ -111,5 +180,38 @@ mod tests {
         assert_eq!(int4_position(31), (15, true));
         assert_eq!(int4_position(32), (16, false));
         assert_eq!(int4_position(63), (31, true));
+    }
+
+    #[test]
+    fn tiles_put_each_step_of_sixteen_rows_in_one_kib() {
+        // 32 rows x 256 columns: 2 tiles x 2 steps; every chunk labelled by (row, block).
+        let (rows, cols) = (32, 256);
+        let mut packed = vec![0u8; rows * cols / 2];
+        for r in 0..rows {
+            for b in 0..cols / 32 {
+                let o = int4_chunk_offset(Int4Layout::RowMajor, r, b, cols);
+                packed[o..o + 16].fill((r * 8 + b) as u8);
+            }
+        }
+        let tiled = tile_int4(&packed, rows, cols).unwrap();
+        // Step 1 of tile 1 (rows 16..31, blocks 4..7) is the last KiB: rows 16..23 then 24..31,
+        // each row's four chunks in order.
+        let kib = &tiled[3 * 1024..4 * 1024];
+        for (i, chunk) in kib.chunks(16).enumerate() {
+            let (h, g, t) = (i / 32, (i / 4) % 8, i % 4);
+            assert!(chunk.iter().all(|&v| v as usize == (16 + 8 * h + g) * 8 + 4 + t), "chunk {i}");
+        }
+        // Every chunk lands where int4_chunk_offset says, and nowhere else.
+        let mut seen = vec![false; rows * cols / 32];
+        for r in 0..rows {
+            for b in 0..cols / 32 {
+                let o = int4_chunk_offset(Int4Layout::Tiles16x128, r, b, cols);
+                assert!(tiled[o..o + 16].iter().all(|&v| v as usize == r * 8 + b));
+                assert!(!std::mem::replace(&mut seen[o / 16], true));
+            }
+        }
+        assert!(tile_int4(&packed[1..], rows, cols).is_err());
+        assert!(tile_int4(&packed[..rows * 96 / 2], rows, 96).is_err());
+        assert!(!int4_tiles_fit(24, 256) && !int4_tiles_fit(32, 192) && int4_tiles_fit(16, 128));
     }
 }

@@ -3,7 +3,7 @@
 
 use faer::{Accum, MatMut, MatRef, Par};
 use half::f16;
-use tm_core::quant::{int4_position, QuantWeight, Weight};
+use tm_core::quant::{int4_position, Int4Layout, QuantWeight, Weight};
 use tm_core::{DType, Error, Result};
 use tm_quant::HostQuantView;
 
@@ -66,6 +66,9 @@ pub fn weight_row(w: &Weight, r: usize, out: &mut [f32]) -> Result<()> {
 
 /// A validated host view of a quantized weight.
 pub fn quant_view(q: &QuantWeight) -> Result<HostQuantView<'_>> {
+    if q.layout != Int4Layout::RowMajor {
+        return Err(Error::Unsupported(format!("int4 weights in {:?} order on the CPU backend", q.layout)));
+    }
     let packed =
         q.packed.buffer().host_bytes().ok_or_else(|| Error::Unsupported("quantized weight not on the host".into()))?;
     let packed = &packed[..q.packed.desc().bytes()];

@@ -236,6 +236,8 @@ fn run(args: &Args) -> Result<()> {
             let dense = upload(&alloc, &staging, &random_values(&mut rng, dt, rows * cols, 0.03))?;
             let packed_host: Vec<u8> = (0..rows * cols / 2).map(|_| rng.next_u64() as u8).collect();
             let packed = upload(&alloc, &staging, &packed_host)?;
+            // Random nibbles: the order the backend would store them in (what the kernels read).
+            let layout = tm_cuda::kernels::q4_gemv::preferred_layout(dt, rows, cols, args.group);
             let scale_host: Vec<u8> = (0..rows * groups)
                 .flat_map(|_| half::f16::from_f32(0.004 + 0.001 * common::unit(&mut rng)).to_le_bytes())
                 .collect();
@@ -261,6 +263,7 @@ fn run(args: &Args) -> Result<()> {
                         rows,
                         cols,
                         args.group,
+                        layout,
                     );
                     q4_gemm::set_policy(None);
                     r
@@ -288,6 +291,7 @@ fn run(args: &Args) -> Result<()> {
                     rows,
                     cols,
                     group: args.group,
+                    layout,
                 };
                 let slab_cells = match rows_per_slab(dt, &w, slab.len()) {
                     Some(per) => {
@@ -311,6 +315,7 @@ fn run(args: &Args) -> Result<()> {
                                     rows,
                                     cols,
                                     args.group,
+                                    layout,
                                 )?;
                             }
                             Ok(())

@@ -41,7 +41,7 @@ use std::process::ExitCode;
 use common::{Rng, COPY_BW};
 
 use cudarc::driver::sys;
-use tm_core::quant::Weight;
+use tm_core::quant::{Int4Layout, Weight};
 use tm_core::{DType, Ops, Tensor, TensorDesc};
 use tm_cuda::kernels::q4_gemv::{self, Q4Slot, Unroll};
 use tm_cuda::kernels::{elementwise, quant};
@@ -163,6 +163,7 @@ fn slot(w: &Weight, out: &Tensor) -> Result<Q4Slot, String> {
                 bias: 0,
                 out: out.buffer().addr(),
                 rows: q.rows,
+                tiled: q.layout == tm_core::quant::Int4Layout::Tiles16x128,
             })
         }
         _ => Err("not an int4 weight".into()),
@@ -320,7 +321,21 @@ fn bench(o: &Opts) -> Result<(), String> {
             }
             let old = common::time_ms(&b, o.iters, |i| {
                 for s in &slots[i % copies] {
-                    quant::matmul_q4(b.gpu(), o.dtype, s.out, xa, s.packed, s.scales, s.mins, n, s.rows, cols, group)?;
+                    let layout = if s.tiled { Int4Layout::Tiles16x128 } else { Int4Layout::RowMajor };
+                    quant::matmul_q4(
+                        b.gpu(),
+                        o.dtype,
+                        s.out,
+                        xa,
+                        s.packed,
+                        s.scales,
+                        s.mins,
+                        n,
+                        s.rows,
+                        cols,
+                        group,
+                        layout,
+                    )?;
                 }
                 if let Shape::GateUp = shape {
                     let (g, u) = (slots[0][0].out, slots[0][1].out);

@@ -2122,15 +2122,17 @@ fn matmul_int4_decode() {
 /// Every variant of the int4 decode kernels forced in turn (`q4_gemv::set_unroll`; the labels
 /// start with the variant's name): the 8B q/k/v, o, down and gate/up shapes at n = 1 and 8 and
 /// tp = 2 halves (which the lean kernels take; they fall back on the others), and odd shapes (row tails, partial steps, group 32/64, three weights with biases, K long enough
-/// for the step ring to wrap).
+/// for the step ring to wrap). Twice: weights row-major, then as the backend stores them (the
+/// lean shapes tile-major, which every variant then reads with the lean kernels).
 #[test]
 fn matmul_int4_decode_variants() {
-    use tm_cuda::kernels::q4_gemv::{set_unroll, Unroll};
+    use tm_cuda::kernels::q4_gemv::{set_tiling, set_unroll, Unroll};
     let _serial = decode_variant_lock();
     run("matmul_int4_decode_variants", &[DType::F16, DType::BF16], |s| {
-        for u in Unroll::ALL {
+        for (u, tiling) in [false, true].into_iter().flat_map(|t| Unroll::ALL.map(|u| (u, t))) {
             set_unroll(Some(u));
-            s.tag = format!("[{}] ", u.name());
+            set_tiling(Some(tiling));
+            s.tag = format!("[{}{}] ", u.name(), if tiling { " tiles" } else { "" });
             for (n, rows, cols, g, bias) in [
                 (1, 4096, 4096, 128, false),
                 (8, 4096, 14336, 128, false),
@@ -2159,6 +2161,7 @@ fn matmul_int4_decode_variants() {
             }
         }
         set_unroll(None);
+        set_tiling(None);
         s.tag.clear();
     });
 }
@@ -2404,6 +2407,8 @@ fn rope_write_kv_fused() {
 #[test]
 fn qkv_rope_write_kv_fused() {
     let _serial = decode_variant_lock();
+    // The fused kernel reads row-major weights; tile-major ones take the composition (last case).
+    tm_cuda::kernels::q4_gemv::set_tiling(Some(false));
     run("qkv_rope_write_kv_fused", &ALL_DTYPES, |s| {
         let a = |heads, kv_heads, head_dim, cols, n, bias, fused| QkvRope {
             heads,
@@ -2428,6 +2433,117 @@ fn qkv_rope_write_kv_fused() {
         qkv_rope_write_kv(s, &r128[0], a(8, 2, 128, 1152, 2, false, false));
         qkv_rope_write_kv(s, &rope_configs(40)[5], a(4, 2, 40, 1024, 1, true, false));
         qkv_rope_write_kv(s, &r64[0], a(4, 2, 64, 1024, 12, false, false));
+        tm_cuda::kernels::q4_gemv::set_tiling(Some(true));
+        qkv_rope_write_kv(s, &r128[0], a(32, 8, 128, 4096, 1, false, false));
+        tm_cuda::kernels::q4_gemv::set_tiling(Some(false));
+    });
+    tm_cuda::kernels::q4_gemv::set_tiling(None);
+}
+
+/// The int4 kernels on one weight uploaded twice, row-major and tile-major (`q4_gemv::set_tiling`;
+/// the CUDA backend picks tile-major for these lean shapes): decode products (plain, q/k/v-like
+/// `matmul_many`, gate/up/SiLU), the prefill GEMM with every tile forced and its fallback, the
+/// slab path, and the embedding of a table's rows. Both layouts must give the same bytes, and
+/// the exact host product within tolerance.
+#[test]
+fn matmul_int4_layouts() {
+    use tm_core::quant::{Int4Layout, Weight};
+    use tm_cuda::kernels::q4_gemm::{set_policy, Policy, Tile};
+    use tm_cuda::kernels::q4_gemv::set_tiling;
+    let _serial = decode_variant_lock();
+    let _prefill = prefill_policy_lock();
+    let layout = |w: &Weight| match w {
+        Weight::Int4(q) => Some(q.layout),
+        _ => None,
+    };
+    run("matmul_int4_layouts", &[DType::F16, DType::BF16], |s| {
+        for (ns, rows, cols) in [(&[1usize, 3, 8, 64, 200][..], 1024, 4096), (&[1, 5, 40][..], 2048, 14336)] {
+            s.case(format!("int4 layouts W[{rows}, {cols}]ᵀ g128, n in {ns:?}, embedding, slabs"), |c| {
+                set_tiling(Some(true));
+                let w = c.weight(Kind::Int4(128), rows, cols, (3.0 / cols as f32).sqrt());
+                set_tiling(Some(false));
+                let w = w?;
+                let q = w.quant.as_ref().ok_or("int4 weight without its host copy")?;
+                let rm = tm_model::llama::quant_load::upload_quant(c.gpu, q).ctx("row-major upload");
+                set_tiling(None);
+                let rm = rm?;
+                if layout(&w.gpu) != Some(Int4Layout::Tiles16x128) || layout(&rm) != Some(Int4Layout::RowMajor) {
+                    return Err(format!("layouts {:?} and {:?}", layout(&w.gpu), layout(&rm)));
+                }
+                for &n in ns {
+                    let xs = c.activations(n * cols, 1.0);
+                    let x = c.act(&[n, cols], &xs)?;
+                    let mut want = vec![0f32; n * rows];
+                    tm_cpu::quant_matmul::matmul_int4_exact(&xs, n, &q.view(), &mut want).ctx("host product")?;
+                    let policies: &[Policy] = if n > 8 {
+                        &[
+                            Policy::Auto,
+                            Policy::Off,
+                            Policy::Force(Tile::Medium),
+                            Policy::Force(Tile::Wgmma),
+                            Policy::Force(Tile::WgmmaK128),
+                        ]
+                    } else {
+                        &[Policy::Auto]
+                    };
+                    for &p in policies {
+                        let (mut a, mut b) = (c.output(&[n, rows])?, c.output(&[n, rows])?);
+                        set_policy(Some(p));
+                        let ran = c.gpu.matmul(&x.gpu, &w.gpu, None, &mut a.gpu);
+                        let ran = ran.and_then(|_| c.gpu.matmul(&x.gpu, &rm, None, &mut b.gpu));
+                        set_policy(None);
+                        ran.ctx(format!("cuda matmul n = {n} ({p:?})"))?;
+                        c.check_same_bytes(&format!("n = {n} {p:?}: tile-major vs row-major"), &a.gpu, &b.gpu)?;
+                        c.check(&format!("n = {n} {p:?}"), &a.gpu, &want, rows, 1.0)?;
+                    }
+                }
+                // Decode q/k/v-like and gate/up/SiLU launches over two tile-major weights.
+                let xs = c.activations(2 * cols, 1.0);
+                let x = c.act(&[2, cols], &xs)?;
+                let (mut a, mut b) = (c.output(&[2, rows])?, c.output(&[2, rows])?);
+                let (mut g1, mut u1, mut g2, mut u2) =
+                    (c.output(&[2, rows])?, c.output(&[2, rows])?, c.output(&[2, rows])?, c.output(&[2, rows])?);
+                c.gpu.gate_up_silu(&x.gpu, &w.gpu, &w.gpu, &mut g1.gpu, &mut u1.gpu, &mut a.gpu).ctx("silu tiled")?;
+                c.gpu.gate_up_silu(&x.gpu, &rm, &rm, &mut g2.gpu, &mut u2.gpu, &mut b.gpu).ctx("silu row-major")?;
+                c.check_same_bytes("gate/up/SiLU", &a.gpu, &b.gpu)?;
+                {
+                    let mut ta = [c.output(&[2, rows])?, c.output(&[2, rows])?];
+                    let mut tb = [c.output(&[2, rows])?, c.output(&[2, rows])?];
+                    let [a0, a1] = &mut ta;
+                    c.gpu
+                        .matmul_many(&x.gpu, &[&w.gpu, &w.gpu], &[None, None], &mut [&mut a0.gpu, &mut a1.gpu])
+                        .ctx("many")?;
+                    let [b0, b1] = &mut tb;
+                    c.gpu
+                        .matmul_many(&x.gpu, &[&rm, &rm], &[None, None], &mut [&mut b0.gpu, &mut b1.gpu])
+                        .ctx("many")?;
+                    c.check_same_bytes("matmul_many", &ta[1].gpu, &tb[1].gpu)?;
+                }
+                // The slab path (a 1 MiB budget: several slabs).
+                let on = tm_core::q4_slab::SlabPolicy { enabled: true, min_tokens: 1 };
+                tm_cuda::set_slab_policy(Some((on, 1 << 20)));
+                let xs = c.activations(64 * cols, 1.0);
+                let x = c.act(&[64, cols], &xs)?;
+                let (mut a, mut b) = (c.output(&[64, rows])?, c.output(&[64, rows])?);
+                let ran = c.gpu.reserve_matmul_scratch(64).and_then(|_| {
+                    c.gpu.matmul(&x.gpu, &w.gpu, None, &mut a.gpu)?;
+                    c.gpu.matmul(&x.gpu, &rm, None, &mut b.gpu)
+                });
+                tm_cuda::set_slab_policy(None);
+                ran.ctx("slabs")?;
+                c.check_same_bytes("slabs", &a.gpu, &b.gpu)?;
+                // Rows of the weight as an embedding table.
+                let ids: Vec<u32> = (0..7).map(|_| c.gen.below(rows) as u32).collect();
+                let (mut a, mut b) = (c.output(&[7, cols])?, c.output(&[7, cols])?);
+                c.gpu.embedding(&w.gpu, &ids, &mut a.gpu).ctx("embedding tiled")?;
+                c.gpu.embedding(&rm, &ids, &mut b.gpu).ctx("embedding row-major")?;
+                c.check_same_bytes("embedding", &a.gpu, &b.gpu)?;
+                let mut e = c.output(&[7, cols])?;
+                c.cpu.embedding(&w.cpu, &ids, &mut e.cpu).ctx("cpu embedding")?;
+                let want = c.cpu.download_f32(&e.cpu).ctx("cpu download")?;
+                c.check("embedding", &a.gpu, &want, cols, 1.0)
+            });
+        }
     });
 }
 

@@ -85,6 +85,16 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+/// Byte offset of the 16-byte chunk `blk` (columns 32 blk .. 32 blk + 31) of row `r` of an int4
+/// weight of `cols` columns: row-major (`tiled` = 0), or tile-major (`tiled` = 1: tm-core's
+/// `Int4Layout::Tiles16x128` and `int4_chunk_offset`, ABI.md "int4 layouts"; rows % 16 == 0,
+/// cols % 128 == 0). Every int4 kernel takes the layout as an `int tiled` argument.
+__device__ __forceinline__ long long q4_chunk_offset(int r, int blk, int cols, int tiled) {
+    return tiled ? ((long long)(r >> 4) * (cols >> 7) + (blk >> 2)) * 1024 + ((r >> 3) & 1) * 512 + (r & 7) * 64 +
+                       (blk & 3) * 16
+                 : (long long)r * (cols >> 1) + blk * 16;
+}
+
 /// Rounds `x` to `T` and back (what storing to a `T` tensor and reloading it gives).
 template <typename T>
 __device__ __forceinline__ float round_to(float x) {

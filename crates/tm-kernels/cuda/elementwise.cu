@@ -120,11 +120,12 @@ TM_KERNEL(embedding_q8,
 __device__ __forceinline__ float dequant4(unsigned q, float s, float m) { return __fadd_rn(__fmul_rn((float)q, s), m); }
 
 /// int4: byte `c0/2 + i` of each 32-column run holds column `c0+i` (low nibble) and `c0+16+i`
-/// (high nibble); `w = q * scale + min`.
+/// (high nibble); `w = q * scale + min`. `tiled`: the table is stored tile-major (each 32-column
+/// run's 16 bytes at `tmk::q4_chunk_offset`).
 template <typename T>
 __device__ __forceinline__ void embedding_q4_impl(T* out, const unsigned char* packed, const __half* scales,
                                                   const __half* mins, const unsigned* ids, int n, int hidden,
-                                                  int group) {
+                                                  int group, int tiled) {
     const int groups = hidden / group;
     const int bytes = hidden / 2;
     for (int r = blockIdx.x; r < n; r += gridDim.x) {
@@ -133,10 +134,13 @@ __device__ __forceinline__ void embedding_q4_impl(T* out, const unsigned char* p
         const __half* sr = scales + id * (u64)groups;
         const __half* mr = mins + id * (u64)groups;
         T* o = out + (i64)r * hidden;
-        if ((reinterpret_cast<u64>(pr) & 3ull) == 0) {
+        if (tiled || (reinterpret_cast<u64>(pr) & 3ull) == 0) {
             // 4 bytes per thread: columns lo..lo+3 and lo+16..lo+19 of one 32-column run.
             for (int i = threadIdx.x; i < bytes / 4; i += blockDim.x) {
-                const unsigned word = reinterpret_cast<const unsigned*>(pr)[i];
+                const unsigned word =
+                    tiled ? *reinterpret_cast<const unsigned*>(packed + tmk::q4_chunk_offset((int)id, i >> 2, hidden, 1) +
+                                                               4 * (i & 3))
+                          : reinterpret_cast<const unsigned*>(pr)[i];
                 const int b = 4 * i;
                 const int lo = (b / 16) * 32 + (b % 16);
                 const int g = lo / group;
@@ -162,8 +166,8 @@ __device__ __forceinline__ void embedding_q4_impl(T* out, const unsigned char* p
 }
 TM_KERNEL(embedding_q4,
           (T * out, const unsigned char* packed, const __half* scales, const __half* mins, const unsigned* ids, int n,
-           int hidden, int group),
-          (out, packed, scales, mins, ids, n, hidden, group))
+           int hidden, int group, int tiled),
+          (out, packed, scales, mins, ids, n, hidden, group, tiled))
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm: `out = x * (1 / sqrt(mean(x^2) + eps)) * w`, one row per `threadIdx.y`.

@@ -42,6 +42,14 @@ namespace tmg {
 constexpr int THREADS = 256;
 constexpr int BK = 64;  // columns per k-tile
 
+// Bytes a thread's packed-weight source pointer advances after k-tile `kt` of `kt_cols` (64 or
+// 128) columns: row-major kt_cols / 2; tile-major (`tmk::q4_chunk_offset`) 1 KiB per 128
+// columns, so a 64-column tile moves 32 bytes within the step and the next one 992 to the next.
+__device__ __forceinline__ int packed_advance(int kt, int kt_cols, int tiled) {
+    if (!tiled) return kt_cols / 2;
+    return kt_cols == 128 ? 1024 : (kt & 1) ? 992 : 32;
+}
+
 template <class T2> __device__ __forceinline__ T2 as_t2(unsigned v) {
     return *reinterpret_cast<T2*>(&v);
 }
@@ -146,7 +154,8 @@ template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES> struct Shape {
 template <class T, int BM, int BN, int WARPS_M, int WARPS_N, int STAGES>
 __device__ __forceinline__ void q4_gemm(T* __restrict__ out, const T* __restrict__ x,
                                         const unsigned char* __restrict__ packed, const __half* __restrict__ scales,
-                                        const __half* __restrict__ mins, int n, int rows, int cols, int group) {
+                                        const __half* __restrict__ mins, int n, int rows, int cols, int group,
+                                        int tiled) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     typedef Shape<BM, BN, WARPS_M, WARPS_N, STAGES> S;
     constexpr int MT = S::MT, NT = S::NT;
@@ -173,8 +182,10 @@ __device__ __forceinline__ void q4_gemm(T* __restrict__ out, const T* __restrict
     // Packed weights and scales: pair i = tid + 256 i -> row tid / 2 + 128 i, block tid % 2; rows
     // 128 i apart share ((row >> 2) & 1).
     const int b_blk = tid & 1, b_r0 = tid >> 1;
-    const unsigned char* b_src = packed + (long long)(n0 + b_r0) * row_bytes + b_blk * 16;
+    // (128 rows on is 128 row_bytes on in both layouts: whole 16-row tiles.)
+    const unsigned char* b_src = packed + tmk::q4_chunk_offset(n0 + b_r0, b_blk, cols, tiled);
     const long long b_step = 128ll * row_bytes;
+    int b_kt = 0;  // the k-tile b_src points at
     const unsigned b_dst = b_r0 * 32 + ((b_blk ^ ((b_r0 >> 2) & 1)) << 4);
     const long long s_row = (long long)(n0 + b_r0) * groups;  // scale index of the row's group 0
     const unsigned s_dst = b_r0 * 16 + b_blk * 8;
@@ -193,7 +204,7 @@ __device__ __forceinline__ void q4_gemm(T* __restrict__ out, const T* __restrict
             cp_async16(sB0 + stage * S::B_BYTES + b_dst + i * 128 * 32, ok ? b_src + i * b_step : packed, ok);
         }
         a_src += BK;
-        b_src += BK / 2;
+        b_src += packed_advance(b_kt++, BK, tiled);
     };
     __half sv[S::B_PER_THREAD], mv[S::B_PER_THREAD];
     auto load_scales = [&](int kt) {
@@ -477,7 +488,7 @@ template <class T, int NTOK, int STAGES, int SUBS>
 __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __restrict__ x,
                                               const unsigned char* __restrict__ packed,
                                               const __half* __restrict__ scales, const __half* __restrict__ mins,
-                                              int n, int rows, int cols, int group) {
+                                              int n, int rows, int cols, int group, int tiled) {
 #if TMW_WGMMA
     typedef Shape<NTOK, STAGES, SUBS> S;
     constexpr int KT = S::KT, NB = S::BLOCKS;
@@ -492,7 +503,6 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
     const int t0 = blockIdx.y * NTOK; // first token of the block
     const int ktiles = cols / KT;
     const int groups = cols / group;
-    const long long row_bytes = cols >> 1;
 
     // Packed block b (16 bytes, 32 columns) of weight row r sits at position b ^ swz(r) of the
     // row's ROW bytes, so that the 8 rows a warp reads at once hit distinct banks.
@@ -513,9 +523,10 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
     for (int j = 0; j < S::W_PER_THREAD; ++j) {
         const int c = tid + THREADS * j, r = c / NB, blk = c % NB;
         b_ok[j] = w0 + r < rows;
-        b_src[j] = packed + (long long)(b_ok[j] ? w0 + r : 0) * row_bytes + blk * 16;
+        b_src[j] = packed + tmk::q4_chunk_offset(b_ok[j] ? w0 + r : 0, blk, cols, tiled);
         b_dst[j] = S::X_BYTES + r * S::ROW + ((blk ^ swz(r)) << 4);
     }
+    int b_kt = 0;  // the k-tile b_src points at
 
     auto issue_tile = [&](int stage) {
         const unsigned sb = base + stage * S::STAGE;
@@ -529,8 +540,9 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
 #pragma unroll
         for (int j = 0; j < S::W_PER_THREAD; ++j) {
             tmg::cp_async16(sb + b_dst[j], b_src[j], b_ok[j]);
-            b_src[j] += KT / 2;
+            b_src[j] += tmg::packed_advance(b_kt, KT, tiled);
         }
+        ++b_kt;
         a_src += KT;
     };
 
@@ -707,10 +719,11 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
     extern "C" __global__ void __launch_bounds__(tmg::THREADS, MINB)                                            \
         matmul_q4_gemm_##NAME##_##SUF(T* __restrict__ out, const T* __restrict__ x,                              \
                                       const unsigned char* __restrict__ packed, const __half* __restrict__ scales, \
-                                      const __half* __restrict__ mins, int n, int rows, int cols, int group) {   \
+                                      const __half* __restrict__ mins, int n, int rows, int cols, int group,     \
+                                      int tiled) {                                                               \
         tmk::pdl_launch_dependents();                                                                            \
         tmk::pdl_wait();                                                                                         \
-        tmg::q4_gemm<T, BM, BN, WM, WN, ST>(out, x, packed, scales, mins, n, rows, cols, group);                \
+        tmg::q4_gemm<T, BM, BN, WM, WN, ST>(out, x, packed, scales, mins, n, rows, cols, group, tiled);         \
     }
 
 #define TMG_KERNELS(SUF, T)                          \
@@ -730,10 +743,11 @@ TMG_KERNELS(bf16, __nv_bfloat16)
     extern "C" __global__ void __launch_bounds__(tmw::THREADS, 1)                                                  \
         matmul_q4_gemm_##NAME##_##SUF(T* __restrict__ out, const T* __restrict__ x,                              \
                                       const unsigned char* __restrict__ packed, const __half* __restrict__ scales, \
-                                      const __half* __restrict__ mins, int n, int rows, int cols, int group) {   \
+                                      const __half* __restrict__ mins, int n, int rows, int cols, int group,     \
+                                      int tiled) {                                                               \
         tmk::pdl_launch_dependents();                                                                            \
         tmk::pdl_wait();                                                                                         \
-        tmw::q4_gemm_wgmma<T, NTOK, ST, SUBS>(out, x, packed, scales, mins, n, rows, cols, group);              \
+        tmw::q4_gemm_wgmma<T, NTOK, ST, SUBS>(out, x, packed, scales, mins, n, rows, cols, group, tiled);       \
     }
 
 TMW_KERNEL(w, f16, __half, 256, 4, 1)

@@ -51,6 +51,9 @@
 //   tiles (`q4_tiles_lean`: nothing predicated, fixed address offsets) with the magic-sum step
 //   (`step_math_lean`: no dequantization, scale and min applied per step and row in f32). SASS
 //   per gate/up step: 246 instructions against `u2`'s 413.
+// - `q4_gemv_lnt_T`, `q4_gemv_ln4t_T`, `q4_gemv_silu_lnt_T`, `q4_gemv_silu_ln4t_T`: the lean
+//   kernels for weights stored tile-major (`q4_tiles_lean`'s TILED; the launcher takes them for
+//   every weight of that layout, which the CUDA backend gives exactly the lean shapes).
 //
 // Requirements checked by the launcher: 1 <= n <= 8, cols % 32 == 0, group % 32 == 0,
 // cols % group == 0, packed weights and x 16-byte aligned, scales and mins 2-byte aligned.
@@ -409,7 +412,12 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
 // bytes on, scales and mins one group per warp on, x 128 columns per warp on). Batch columns
 // past n read row 0 of x: their sums land only in mma columns >= n, which nobody stores. The
 // math is `step_math_lean`. The ring, XPRE and the place of `wait()` are `q4_tiles`'s.
-template <class T, int U, int NT, bool XPRE, class Wait>
+//
+// TILED: the weights are stored tile-major (tm-core's `Int4Layout::Tiles16x128`, ABI.md): step s
+// of a tile's 16 rows is 1 KiB of consecutive bytes, lane 4 g + t's chunks of rows g and g + 8 at
+// 16 lane and 512 + 16 lane, so a warp's step reads 1 KiB in two fully used 512-byte loads instead
+// of 64 bytes from each of 16 rows (the tile is then rows row0 .. row0 + 15: gs = 1, hs = 8).
+template <class T, int U, int NT, bool XPRE, bool TILED = false, class Wait>
 __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __restrict__ x, int n, int cols,
                                               float acc[NT][4], Wait wait) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -425,7 +433,11 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         for (int h = 0; h < 2; ++h) {
             const int r = tiles[i].row0 + tiles[i].gs * g + tiles[i].hs * h;
             // Step j of this warp is step warp + 8 j: block 4 (warp + 8 j) + t, group warp + 8 j.
-            wp[i][h] = reinterpret_cast<const uint4*>(tiles[i].packed + (i64)r * (cols >> 1)) + 4 * warp + t;
+            if (TILED)  // the tile's step warp + 8 j is 1 KiB (64 chunks) on from its step 0
+                wp[i][h] = reinterpret_cast<const uint4*>(tiles[i].packed + (i64)(tiles[i].row0 >> 4) * 8 * cols) +
+                           64 * warp + 32 * h + lane;
+            else
+                wp[i][h] = reinterpret_cast<const uint4*>(tiles[i].packed + (i64)r * (cols >> 1)) + 4 * warp + t;
             sp[i][h] = tiles[i].scales + (i64)r * groups + warp;
             mp[i][h] = tiles[i].mins + (i64)r * groups + warp;
         }
@@ -442,7 +454,7 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         for (int i = 0; i < NT; ++i)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                B.w[i][h] = __ldcs(wp[i][h] + 32 * j);
+                B.w[i][h] = __ldcs(wp[i][h] + (TILED ? 512 : 32) * j);
                 B.s[i][h] = sp[i][h][8 * j];
                 B.m[i][h] = mp[i][h][8 * j];
             }
@@ -513,8 +525,12 @@ template <int NT> __device__ __forceinline__ float reduce_warps(const float acc[
     return v;
 }
 
+// Which tile loop a kernel runs: `q4_tiles`, `q4_tiles_lean`, or `q4_tiles_lean` on tile-major
+// weights.
+enum Path { GENERIC = 0, LEAN = 1, LEAN_TILED = 2 };
+
 // The plain products with NT 16-row tiles (16 NT consecutive rows of one weight) per CTA.
-template <class T, int U, int NT, bool LEAN, class Wait>
+template <class T, int U, int NT, int PATH, class Wait>
 __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols, int group, const Slot<T>* slots,
                                         Wait wait) {
     constexpr int ROWS = 16 * NT;  // rows per CTA
@@ -535,7 +551,9 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
 #pragma unroll
     for (int i = 0; i < NT; ++i) tiles[i] = Tile{s.packed, s.scales, s.mins, cta * ROWS + 16 * i, s.rows};
     float acc[NT][4];
-    if constexpr (LEAN)
+    if constexpr (PATH == LEAN_TILED)
+        q4_tiles_lean<T, U, NT, NT == 2, true>(tiles, x, n, cols, acc, wait);
+    else if constexpr (PATH == LEAN)
         q4_tiles_lean<T, U, NT, NT == 2>(tiles, x, n, cols, acc, wait);
     else
         q4_tiles<T, U, NT, NT == 2>(tiles, x, n, cols, group, acc, wait);
@@ -552,14 +570,16 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
     }
 }
 
-template <class T, int U, bool LEAN, class Wait>
+template <class T, int U, int PATH, class Wait>
 __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, int n, int cols, int group,
                                              const Slot<T>& gate, const Slot<T>& up, Wait wait) {
     const int row0 = blockIdx.x * 16, rows = gate.rows;
     const Tile tiles[2] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
                            Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[2][4];
-    if constexpr (LEAN)
+    if constexpr (PATH == LEAN_TILED)
+        q4_tiles_lean<T, U, 2, (U > 2), true>(tiles, x, n, cols, acc, wait);
+    else if constexpr (PATH == LEAN)
         q4_tiles_lean<T, U, 2, (U > 2)>(tiles, x, n, cols, acc, wait);
     else
         q4_tiles<T, U, 2, true>(tiles, x, n, cols, group, acc, wait);
@@ -677,7 +697,7 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
 // small to fill the GPU), and the lean `ln` (n16's configuration) and `ln4` (U = 4, two CTAs per
 // SM). Every kernel allows the next one to launch first thing and hands `pdl_wait` to the tile
 // loop, which calls it once the ring's first weights are in flight.
-#define TM_Q4_GEMV_PLAIN(NAME, T, U, NT, MIN_CTAS, LEAN)                                                                \
+#define TM_Q4_GEMV_PLAIN(NAME, T, U, NT, MIN_CTAS, PATH)                                                                \
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
         NAME(const T* __restrict__ x, int n, int cols, int group, T* o0, T* o1, T* o2, const unsigned char* w0,         \
              const unsigned char* w1, const unsigned char* w2, const __half* s0, const __half* s1,                      \
@@ -685,9 +705,9 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
              const T* b2, int r0, int r1, int r2) {                                                                     \
         tmk::pdl_launch_dependents();                                                                                   \
         const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}};  \
-        tmq4::q4_gemv<T, U, NT, LEAN>(x, n, cols, group, slots, [] { tmk::pdl_wait(); });                               \
+        tmq4::q4_gemv<T, U, NT, tmq4::PATH>(x, n, cols, group, slots, [] { tmk::pdl_wait(); });                               \
     }
-#define TM_Q4_GEMV_SILU(NAME, T, U, MIN_CTAS, LEAN)                                                                     \
+#define TM_Q4_GEMV_SILU(NAME, T, U, MIN_CTAS, PATH)                                                                     \
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
         NAME(T* out, const T* __restrict__ x, int n, int cols, int group,                                               \
                                   const unsigned char* wg, const __half* sg, const __half* mg,                          \
@@ -695,7 +715,7 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
         tmk::pdl_launch_dependents();                                                                                   \
         const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                    \
         const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                      \
-        tmq4::q4_gemv_silu<T, U, LEAN>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });                      \
+        tmq4::q4_gemv_silu<T, U, tmq4::PATH>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });                      \
     }
 // q/k/v with RoPE and the KV-cache write (`q4_gemv_rope`): the plain parameters (without
 // `accumulate`), then the caches, positions, slots, inv_freq, attention_factor, head_dim and
@@ -715,13 +735,17 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
     }
 #define TM_Q4_GEMV(SUF, T)                                                                                              \
     TM_Q4_GEMV_ROPE(q4_gemv_ln_rope_##SUF, T)                                                                           \
-    TM_Q4_GEMV_PLAIN(q4_gemv_u2_##SUF, T, 2, 2, 2, false)                                                               \
-    TM_Q4_GEMV_PLAIN(q4_gemv_n16_##SUF, T, 2, 1, 3, false)                                                              \
-    TM_Q4_GEMV_PLAIN(q4_gemv_ln_##SUF, T, 2, 1, 3, true)                                                                \
-    TM_Q4_GEMV_PLAIN(q4_gemv_ln4_##SUF, T, 4, 1, 2, true)                                                               \
-    TM_Q4_GEMV_SILU(q4_gemv_silu_u2_##SUF, T, 2, 2, false)                                                              \
-    TM_Q4_GEMV_SILU(q4_gemv_silu_ln_##SUF, T, 2, 2, true)                                                               \
-    TM_Q4_GEMV_SILU(q4_gemv_silu_ln4_##SUF, T, 4, 1, true)
+    TM_Q4_GEMV_PLAIN(q4_gemv_u2_##SUF, T, 2, 2, 2, GENERIC)                                                             \
+    TM_Q4_GEMV_PLAIN(q4_gemv_n16_##SUF, T, 2, 1, 3, GENERIC)                                                            \
+    TM_Q4_GEMV_PLAIN(q4_gemv_ln_##SUF, T, 2, 1, 3, LEAN)                                                                \
+    TM_Q4_GEMV_PLAIN(q4_gemv_ln4_##SUF, T, 4, 1, 2, LEAN)                                                               \
+    TM_Q4_GEMV_PLAIN(q4_gemv_lnt_##SUF, T, 2, 1, 3, LEAN_TILED)                                                         \
+    TM_Q4_GEMV_PLAIN(q4_gemv_ln4t_##SUF, T, 4, 1, 2, LEAN_TILED)                                                        \
+    TM_Q4_GEMV_SILU(q4_gemv_silu_u2_##SUF, T, 2, 2, GENERIC)                                                            \
+    TM_Q4_GEMV_SILU(q4_gemv_silu_ln_##SUF, T, 2, 2, LEAN)                                                               \
+    TM_Q4_GEMV_SILU(q4_gemv_silu_ln4_##SUF, T, 4, 1, LEAN)                                                              \
+    TM_Q4_GEMV_SILU(q4_gemv_silu_lnt_##SUF, T, 2, 2, LEAN_TILED)                                                        \
+    TM_Q4_GEMV_SILU(q4_gemv_silu_ln4t_##SUF, T, 4, 1, LEAN_TILED)
 
 TM_Q4_GEMV(f16, __half)
 TM_Q4_GEMV(bf16, __nv_bfloat16)

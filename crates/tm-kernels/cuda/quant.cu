@@ -18,6 +18,9 @@
 // A third entry, `dequant_q4_rows_T` (f16/bf16), writes a slab of int4 rows dequantized into a
 // scratch buffer for the large-batch path that multiplies it with cuBLASLt.
 //
+// The int4 entries take the weight's layout last (`int tiled`: 0 row-major, 1 tile-major, see
+// `tmk::q4_chunk_offset`); the int8 ones are always row-major.
+//
 // Requirements checked by the launcher: cols % 32 == 0, group % 32 == 0, cols % group == 0,
 // `packed` / `q` 16-byte aligned. `x` and `out` need only element alignment (16-byte vector loads
 // of x are used when x is 16-byte aligned). Offsets into W and x are 64-bit.
@@ -145,13 +148,15 @@ __device__ __forceinline__ void gemv_fma16(const float* w, const T* __restrict__
 template <class T, int NB>
 __device__ __forceinline__ void gemv_q4(T* __restrict__ out, const T* __restrict__ x,
                                         const unsigned char* __restrict__ packed, const __half* __restrict__ scales,
-                                        const __half* __restrict__ mins, int n, int rows, int cols, int group) {
+                                        const __half* __restrict__ mins, int n, int rows, int cols, int group,
+                                        int tiled) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * GEMV_ROWS + (threadIdx.x >> 5);
     if (row >= rows) return;  // uniform per warp
     const int nblk = cols >> 5;  // 32-column blocks, 16 bytes each
     const int groups = cols / group;
-    const uint4* wrow = reinterpret_cast<const uint4*>(packed + (long long)row * (cols >> 1));
+    // Block b of the row (row-major: 16 b bytes on; tile-major: tmk::q4_chunk_offset).
+    auto wblk = [&](int b) { return reinterpret_cast<const uint4*>(packed + tmk::q4_chunk_offset(row, b, cols, tiled)); };
     const __half* srow = scales + (long long)row * groups;
     const __half* mrow = mins + (long long)row * groups;
     const bool xvec = aligned16(x);
@@ -160,10 +165,10 @@ __device__ __forceinline__ void gemv_q4(T* __restrict__ out, const T* __restrict
     for (int j = 0; j < NB; ++j) acc[j] = 0.f;
 
     int b = lane;
-    uint4 cur = b < nblk ? __ldg(wrow + b) : make_uint4(0, 0, 0, 0);
+    uint4 cur = b < nblk ? __ldg(wblk(b)) : make_uint4(0, 0, 0, 0);
     while (b < nblk) {
         const int bn = b + 32;
-        const uint4 nxt = bn < nblk ? __ldg(wrow + bn) : make_uint4(0, 0, 0, 0);
+        const uint4 nxt = bn < nblk ? __ldg(wblk(bn)) : make_uint4(0, 0, 0, 0);
         const int g = (b << 5) / group;
         const float s = __half2float(srow[g]);
         const float m = __half2float(mrow[g]);
@@ -286,7 +291,8 @@ __device__ __forceinline__ uint4 load8(const T* __restrict__ x, long long off, b
 template <class T, bool Q4>
 __device__ __forceinline__ void tiled_mma(T* __restrict__ out, const T* __restrict__ x,
                                           const unsigned char* __restrict__ wq, const __half* __restrict__ scales,
-                                          const __half* __restrict__ mins, int n, int rows, int cols, int group) {
+                                          const __half* __restrict__ mins, int n, int rows, int cols, int group,
+                                          int tiled) {
     __shared__ __align__(16) T xs[MMA_BM * MMA_LDS];
     __shared__ __align__(16) T ws[MMA_BN * MMA_LDS];
     constexpr int WCH = Q4 ? 1 : 2;  // weight chunks per thread per k-step
@@ -334,7 +340,7 @@ __device__ __forceinline__ void tiled_mma(T* __restrict__ out, const T* __restri
                 sr[i] = __half2float(scales[gi]);
                 if (Q4) {
                     mr[i] = __half2float(mins[gi]);
-                    wr[i] = __ldg(reinterpret_cast<const uint4*>(wq + (long long)gn * (cols >> 1) + (k >> 1)));
+                    wr[i] = __ldg(reinterpret_cast<const uint4*>(wq + tmk::q4_chunk_offset(gn, k >> 5, cols, tiled)));
                 } else {
                     wr[i] = __ldg(reinterpret_cast<const uint4*>(wq + (long long)gn * cols + k));
                 }
@@ -468,7 +474,8 @@ constexpr int SIMT_LDS = 68;  // shared row stride (floats): [k][m] and [k][n] t
 template <bool Q4>
 __device__ __forceinline__ void tiled_simt(float* __restrict__ out, const float* __restrict__ x,
                                            const unsigned char* __restrict__ wq, const __half* __restrict__ scales,
-                                           const __half* __restrict__ mins, int n, int rows, int cols, int group) {
+                                           const __half* __restrict__ mins, int n, int rows, int cols, int group,
+                                           int tiled) {
     __shared__ __align__(16) float xs[SIMT_BK * SIMT_LDS];
     __shared__ __align__(16) float ws[SIMT_BK * SIMT_LDS];
     const int tid = threadIdx.x;
@@ -507,7 +514,7 @@ __device__ __forceinline__ void tiled_simt(float* __restrict__ out, const float*
             sr = __half2float(scales[gi]);
             if (Q4) {
                 mr = __half2float(mins[gi]);
-                wr[0] = __ldg(reinterpret_cast<const unsigned*>(wq + (long long)gn * (cols >> 1) + (k0 >> 1)) + wpart);
+                wr[0] = __ldg(reinterpret_cast<const unsigned*>(wq + tmk::q4_chunk_offset(gn, k0 >> 5, cols, tiled)) + wpart);
             } else {
                 const uint2 v =
                     __ldg(reinterpret_cast<const uint2*>(wq + (long long)gn * cols + k0) + wpart);
@@ -591,22 +598,22 @@ __device__ __forceinline__ void tiled_simt(float* __restrict__ out, const float*
 template <class T, bool Q4>
 __device__ __forceinline__ void tiled(T* __restrict__ out, const T* __restrict__ x, const unsigned char* __restrict__ wq,
                                       const __half* __restrict__ scales, const __half* __restrict__ mins, int n,
-                                      int rows, int cols, int group) {
-    tiled_mma<T, Q4>(out, x, wq, scales, mins, n, rows, cols, group);
+                                      int rows, int cols, int group, int tiled) {
+    tiled_mma<T, Q4>(out, x, wq, scales, mins, n, rows, cols, group, tiled);
 }
 template <>
 __device__ __forceinline__ void tiled<float, true>(float* __restrict__ out, const float* __restrict__ x,
                                                    const unsigned char* __restrict__ wq,
                                                    const __half* __restrict__ scales, const __half* __restrict__ mins,
-                                                   int n, int rows, int cols, int group) {
-    tiled_simt<true>(out, x, wq, scales, mins, n, rows, cols, group);
+                                                   int n, int rows, int cols, int group, int tiled) {
+    tiled_simt<true>(out, x, wq, scales, mins, n, rows, cols, group, tiled);
 }
 template <>
 __device__ __forceinline__ void tiled<float, false>(float* __restrict__ out, const float* __restrict__ x,
                                                     const unsigned char* __restrict__ wq,
                                                     const __half* __restrict__ scales, const __half* __restrict__ mins,
-                                                    int n, int rows, int cols, int group) {
-    tiled_simt<false>(out, x, wq, scales, mins, n, rows, cols, group);
+                                                    int n, int rows, int cols, int group, int tiled) {
+    tiled_simt<false>(out, x, wq, scales, mins, n, rows, cols, group, tiled);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -622,7 +629,7 @@ constexpr int DEQ_THREADS = 256;
 template <class T>
 __device__ __forceinline__ void dequant_q4_rows(T* __restrict__ out, const unsigned char* __restrict__ packed,
                                                 const __half* __restrict__ scales, const __half* __restrict__ mins,
-                                                int r0, int nrows, int cols, int group) {
+                                                int r0, int nrows, int cols, int group, int tiled) {
     const long long nblk = cols >> 5;
     const long long i = (long long)blockIdx.x * DEQ_THREADS + threadIdx.x;
     if (i >= (long long)nrows * nblk) return;
@@ -632,7 +639,7 @@ __device__ __forceinline__ void dequant_q4_rows(T* __restrict__ out, const unsig
     const long long gi = row * groups + (int)((b << 5) / group);
     const float s = __half2float(scales[gi]);
     const float m = __half2float(mins[gi]);
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(packed + row * (cols >> 1) + (b << 4)));
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(packed + tmk::q4_chunk_offset((int)row, (int)b, cols, tiled)));
     const unsigned words[4] = {v.x, v.y, v.z, v.w};
     T* dst = out + r * cols + (b << 5);
 #pragma unroll
@@ -661,10 +668,11 @@ __device__ __forceinline__ void dequant_q4_rows(T* __restrict__ out, const unsig
     extern "C" __global__ void __launch_bounds__(tmq::GEMV_THREADS)                                             \
         matmul_q4_gemv##NB##_##SUF(T* __restrict__ out, const T* __restrict__ x,                                 \
                                    const unsigned char* __restrict__ packed, const __half* __restrict__ scales, \
-                                   const __half* __restrict__ mins, int n, int rows, int cols, int group) {     \
+                                   const __half* __restrict__ mins, int n, int rows, int cols, int group,       \
+                                   int tiled) {                                                                 \
         tmk::pdl_launch_dependents();                                                                           \
         tmk::pdl_wait();                                                                                        \
-        tmq::gemv_q4<T, NB>(out, x, packed, scales, mins, n, rows, cols, group);                               \
+        tmq::gemv_q4<T, NB>(out, x, packed, scales, mins, n, rows, cols, group, tiled);                        \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(tmq::GEMV_THREADS)                                             \
         matmul_q8_gemv##NB##_##SUF(T* __restrict__ out, const T* __restrict__ x, const signed char* __restrict__ q, \
@@ -682,10 +690,10 @@ __device__ __forceinline__ void dequant_q4_rows(T* __restrict__ out, const unsig
     extern "C" __global__ void __launch_bounds__(tmq::TILED_THREADS)                                            \
         matmul_q4_tiled_##SUF(T* __restrict__ out, const T* __restrict__ x, const unsigned char* __restrict__ packed, \
                               const __half* __restrict__ scales, const __half* __restrict__ mins, int n, int rows, \
-                              int cols, int group) {                                                             \
+                              int cols, int group, int tiled) {                                                  \
         tmk::pdl_launch_dependents();                                                                            \
         tmk::pdl_wait();                                                                                         \
-        tmq::tiled<T, true>(out, x, packed, scales, mins, n, rows, cols, group);                                 \
+        tmq::tiled<T, true>(out, x, packed, scales, mins, n, rows, cols, group, tiled);                          \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(tmq::TILED_THREADS)                                            \
         matmul_q8_tiled_##SUF(T* __restrict__ out, const T* __restrict__ x, const signed char* __restrict__ q,   \
@@ -693,7 +701,7 @@ __device__ __forceinline__ void dequant_q4_rows(T* __restrict__ out, const unsig
         tmk::pdl_launch_dependents();                                                                           \
         tmk::pdl_wait();                                                                                        \
         tmq::tiled<T, false>(out, x, reinterpret_cast<const unsigned char*>(q), scales, nullptr, n, rows, cols, \
-                             group);                                                                             \
+                             group, 0);                                                                          \
     }
 
 TMQ_KERNELS(f32, float)
@@ -704,10 +712,10 @@ TMQ_KERNELS(bf16, __nv_bfloat16)
     extern "C" __global__ void __launch_bounds__(tmq::DEQ_THREADS)                                              \
         dequant_q4_rows_##SUF(T* __restrict__ out, const unsigned char* __restrict__ packed,                    \
                               const __half* __restrict__ scales, const __half* __restrict__ mins, int r0,       \
-                              int nrows, int cols, int group) {                                                 \
+                              int nrows, int cols, int group, int tiled) {                                      \
         tmk::pdl_launch_dependents();                                                                           \
         tmk::pdl_wait(); /* the previous slab's GEMM may still read the scratch this overwrites */             \
-        tmq::dequant_q4_rows<T>(out, packed, scales, mins, r0, nrows, cols, group);                             \
+        tmq::dequant_q4_rows<T>(out, packed, scales, mins, r0, nrows, cols, group, tiled);                      \
     }
 
 TMQ_DEQUANT(f16, __half)

@@ -187,9 +187,13 @@ mod tests {
                 "q4_gemv_n16",
                 "q4_gemv_ln",
                 "q4_gemv_ln4",
+                "q4_gemv_lnt",
+                "q4_gemv_ln4t",
                 "q4_gemv_silu_u2",
                 "q4_gemv_silu_ln",
                 "q4_gemv_silu_ln4",
+                "q4_gemv_silu_lnt",
+                "q4_gemv_silu_ln4t",
                 "q4_gemv_ln_rope"
             ]
         );

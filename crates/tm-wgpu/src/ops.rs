@@ -77,6 +77,9 @@ fn weight_parts(w: &Weight) -> Result<WeightParts<'_>> {
         }
         Weight::Int4(q) => {
             q.validate(true)?;
+            if q.layout != tm_core::quant::Int4Layout::RowMajor {
+                return Err(Error::Unsupported(format!("int4 weights in {:?} order on the wgpu backend", q.layout)));
+            }
             let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
             WeightParts { tensors: vec![&q.packed, &q.scales, mins], suffix: "q4", group_size: q.group_size }
         }

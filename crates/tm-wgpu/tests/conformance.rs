@@ -109,6 +109,7 @@ fn weights(g: &WgpuBackend, c: &CpuBackend, kind: &str, rows: usize, cols: usize
             scales: tensor(ops, DType::F16, &[rows, cols / group], bytemuck::cast_slice(&scales)),
             mins: (dtype == DType::U8)
                 .then(|| tensor(ops, DType::F16, &[rows, cols / group], bytemuck::cast_slice(&mins))),
+            layout: Default::default(),
         };
         match kind {
             "int4" => Weight::Int4(q(DType::U8, &[rows, cols / 2])),

@@ -6,6 +6,7 @@
 //! the kernel on the GPU's stream. The kernels take their 16-byte vector paths by themselves when
 //! the pointers and row lengths allow it, so any alignment of the element type works.
 
+use tm_core::quant::Int4Layout;
 use tm_core::{DType, Error, Result};
 
 use super::suffix;
@@ -127,6 +128,8 @@ pub fn embedding_q8(
 
 /// `out[i, :]` = row `ids[i]` of an int4 table (`packed`: u8 `[vocab, hidden / 2]` in tm's nibble
 /// order, `scales` and `mins`: f16 `[vocab, hidden / group]`), dequantized to `dt`.
+/// `layout`: the order of `packed` and the table's row count (vocab; a tile-major table has whole
+/// 16-row tiles).
 #[allow(clippy::too_many_arguments)]
 pub fn embedding_q4(
     gpu: &Gpu,
@@ -139,9 +142,11 @@ pub fn embedding_q4(
     n: usize,
     hidden: usize,
     group: usize,
+    layout: (Int4Layout, usize),
 ) -> Result<()> {
     let op = "embedding_q4";
     let (n32, h32, g32) = (int(op, "n", n)?, int(op, "hidden", hidden)?, int(op, "group", group)?);
+    let tiled = super::layout_arg(op, layout.0, layout.1, hidden)?;
     if n == 0 || hidden == 0 {
         return Ok(());
     }
@@ -161,6 +166,7 @@ pub fn embedding_q4(
             KernelArg::I32(n32),
             KernelArg::I32(h32),
             KernelArg::I32(g32),
+            tiled,
         ],
     )
 }

@@ -28,6 +28,7 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
+use tm_core::quant::Int4Layout;
 use tm_core::{DType, Error, Result};
 
 use super::suffix;
@@ -317,10 +318,12 @@ pub fn launch(
     rows: usize,
     cols: usize,
     group: usize,
+    layout: Int4Layout,
 ) -> Result<()> {
     let int = |what: &str, v: usize| {
         i32::try_from(v).map_err(|_| Error::invalid(format!("matmul_q4_gemm: {what} = {v} exceeds the kernel's int")))
     };
+    let tiled = super::layout_arg("matmul_q4_gemm", layout, rows, cols)?;
     let (n32, r32, c32, g32) = (int("n", n)?, int("rows", rows)?, int("cols", cols)?, int("group", group)?);
     if n == 0 || rows == 0 {
         return Ok(());
@@ -348,6 +351,7 @@ pub fn launch(
             KernelArg::I32(r32),
             KernelArg::I32(c32),
             KernelArg::I32(g32),
+            tiled,
         ],
     )
 }

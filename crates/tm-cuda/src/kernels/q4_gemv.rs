@@ -45,6 +45,7 @@
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
+use tm_core::quant::Int4Layout;
 use tm_core::{DType, Error, Result};
 
 use super::suffix;
@@ -238,6 +239,37 @@ pub fn lean_fits(cols: usize, group: usize, slots: &[Q4Slot]) -> bool {
     group == 128 && cols > 0 && cols.is_multiple_of(1024) && slots.iter().all(|s| s.rows.is_multiple_of(16))
 }
 
+/// [`set_tiling`]'s override: 0 = none (the environment decides), 1 = off, 2 = on.
+static TILING: AtomicU8 = AtomicU8::new(0);
+
+/// Makes [`preferred_layout`] store new int4 weights tile-major (`Some(true)`), row-major
+/// (`Some(false)`), or as `TM_Q4_TILED` says (`None`), for the whole process: for tests and
+/// benchmarks that compare the layouts. Weights already uploaded keep theirs.
+pub fn set_tiling(on: Option<bool>) {
+    TILING.store(on.map_or(0, |b| 1 + u8::from(b)), Ordering::Relaxed);
+}
+
+/// The layout the CUDA backend stores a `[rows, cols]` int4 weight of `group` in, for activations
+/// `dt`: tile-major ([`tm_core::quant::Int4Layout::Tiles16x128`]) for f16/bf16 and the lean
+/// kernels' shapes ([`lean_fits`]), where the decode product reads each 1 KiB step of a 16-row
+/// tile in one piece (scripts/gpu/q4_decode_chain.cu: 32 int4 8B layers 1567 -> 1438 us per
+/// step); row-major otherwise, or when `TM_Q4_TILED=0` or the lean kernels are off
+/// (`TM_Q4_GEMV_LEAN=0`). Every int4 kernel reads both layouts; the decode products read
+/// tile-major weights only with the lean kernels.
+pub fn preferred_layout(dt: DType, rows: usize, cols: usize, group: usize) -> Int4Layout {
+    static ENV: OnceLock<bool> = OnceLock::new();
+    let on = match TILING.load(Ordering::Relaxed) {
+        0 => *ENV.get_or_init(|| std::env::var("TM_Q4_TILED").map_or(true, |v| v.trim() != "0")) && lean_enabled(),
+        c => c == 2,
+    };
+    let slot = Q4Slot { rows, ..Q4Slot::default() };
+    if on && matches!(dt, DType::F16 | DType::BF16) && lean_fits(cols, group, &[slot]) && rows > 0 {
+        Int4Layout::Tiles16x128
+    } else {
+        Int4Layout::RowMajor
+    }
+}
+
 /// Whether the path is on (`TM_Q4_GEMV` is not `0`).
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
@@ -260,6 +292,36 @@ pub struct Q4Slot {
     pub out: u64,
     /// Rows of the weight (features of the output).
     pub rows: usize,
+    /// `packed` is tile-major ([`tm_core::quant::Int4Layout::Tiles16x128`]): only the lean
+    /// kernels' tile-major forms (`lnt`, `ln4t`, `silu_lnt`, `silu_ln4t`) read it, and only in
+    /// [`lean_fits`] shapes.
+    pub tiled: bool,
+}
+
+/// Whether the weights of one launch are tile-major: all or none of them, and only in
+/// [`lean_fits`] shapes (what the CUDA backend stores tile-major), else an error.
+fn tiled_launch(op: &str, cols: usize, group: usize, slots: &[Q4Slot]) -> Result<bool> {
+    let tiled = slots.first().is_some_and(|s| s.tiled);
+    if slots.iter().any(|s| s.tiled != tiled) {
+        return Err(Error::invalid(format!("{op}: the weights of one launch are in different int4 layouts")));
+    }
+    if tiled && !lean_fits(cols, group, slots) {
+        return Err(Error::invalid(format!(
+            "{op}: tile-major int4 weights need group 128, cols % 1024 == 0 and whole 16-row tiles \
+             (cols {cols}, group {group})"
+        )));
+    }
+    Ok(tiled)
+}
+
+/// For tile-major weights: the lean variant `u` asks for, or `Auto`'s lean choice (`fallback`)
+/// when `u` (forced by `TM_Q4_GEMV_UNROLL` or a test) is not a lean one; the kernel-name suffix.
+fn tiled_variant(u: Unroll, fallback: Unroll, tiled: bool) -> (Unroll, &'static str) {
+    match (tiled, u.is_lean()) {
+        (false, _) => (u, ""),
+        (true, true) => (u, "t"),
+        (true, false) => (fallback, "t"),
+    }
 }
 
 /// Whether `n` activation rows of `cols` features in `dt`, with int4 weights of group size
@@ -327,10 +389,14 @@ pub fn q4_gemv(
         return Ok(());
     }
     let grid16 = plain_grid(&used, 16)?;
+    let tiled = tiled_launch("q4_gemv", cols, group, &used)?;
     let lean = lean_fits(cols, group, &used);
-    let u = unroll.resolve(grid16 as usize, grid32 as usize, gpu.info().multiprocessors as usize, lean);
+    let sms = gpu.info().multiprocessors as usize;
+    let u = unroll.resolve(grid16 as usize, grid32 as usize, sms, lean);
+    let lean_auto = Unroll::Auto.resolve_with(None, grid16 as usize, grid32 as usize, sms, true);
+    let (u, t) = tiled_variant(u, lean_auto, tiled);
     let grid = plain_grid(&used, u.rows_per_cta())?;
-    let name = format!("{}_{}", u.plain_stem(), suffix(dt)?);
+    let name = format!("{}{t}_{}", u.plain_stem(), suffix(dt)?);
     let args = plain_args(x, n, cols, group, &used)?;
     gpu.launch(&name, (grid, 1, 1), (THREADS, 1, 1), 0, &args)
 }
@@ -397,7 +463,9 @@ pub fn rope_enabled() -> bool {
 
 /// Whether [`q4_gemv_rope`] takes q, k, v `slots` of `cols` columns and group `group` with
 /// heads of `head_dim` (the caller checked [`fits`]): the path on (and the lean path, with no
-/// variant forced by `TM_Q4_GEMV_UNROLL` or a test) and [`rope_shape_fits`].
+/// variant forced by `TM_Q4_GEMV_UNROLL` or a test) and [`rope_shape_fits`]. Not for tile-major
+/// weights (the kernel pairs rows `i` and `i + head_dim / 2` of a head in one 16-row tile, which
+/// the tiles as stored are not): those take [`q4_gemv`] and `rope_write_kv`.
 pub fn rope_fits(cols: usize, group: usize, slots: &[Q4Slot; 3], head_dim: usize) -> bool {
     rope_enabled() && lean_enabled() && forced().is_none() && rope_shape_fits(cols, group, slots, head_dim)
 }
@@ -408,6 +476,7 @@ pub fn rope_fits(cols: usize, group: usize, slots: &[Q4Slot; 3], head_dim: usize
 pub fn rope_shape_fits(cols: usize, group: usize, slots: &[Q4Slot; 3], head_dim: usize) -> bool {
     let [q, k, v] = slots;
     lean_fits(cols, group, slots)
+        && slots.iter().all(|s| !s.tiled)
         && head_dim > 0
         && head_dim.is_multiple_of(16)
         && q.rows.is_multiple_of(head_dim)
@@ -476,9 +545,11 @@ pub fn q4_gemv_silu(
     let grid = u32::try_from(ctas(rows, SILU_ROWS_PER_CTA))
         .map_err(|_| Error::invalid(format!("q4_gemv_silu: {rows} rows need too many CTAs")))?;
     // `Narrow` takes `u2`'s kernel.
+    let tiled = tiled_launch("q4_gemv_silu", cols, group, &[*gate, *up])?;
     let lean = lean_fits(cols, group, &[*gate, *up]) && lean_enabled();
     let u = unroll.resolve_silu_with(forced(), lean);
-    let name = format!("{}_{}", u.silu_stem(), suffix(dt)?);
+    let (u, t) = tiled_variant(u, Unroll::Lean, tiled);
+    let name = format!("{}{t}_{}", u.silu_stem(), suffix(dt)?);
     let args = [
         KernelArg::Ptr(out),
         KernelArg::Ptr(x),
@@ -501,7 +572,7 @@ mod tests {
     use super::*;
 
     fn slot(rows: usize) -> Q4Slot {
-        Q4Slot { packed: 0x1000, scales: 0x2000, mins: 0x3000, bias: 0, out: 0x4000, rows }
+        Q4Slot { packed: 0x1000, scales: 0x2000, mins: 0x3000, bias: 0, out: 0x4000, rows, tiled: false }
     }
 
     #[test]

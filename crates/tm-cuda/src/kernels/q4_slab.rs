@@ -6,6 +6,7 @@
 //! (`tm-cuda/src/ops/q4_slab.rs`); benchmarks call it directly.
 
 use tm_core::q4_slab::{slab_rows, slabs};
+use tm_core::quant::Int4Layout;
 use tm_core::{DType, Error, Result};
 
 use super::quant::dequant_q4_rows;
@@ -27,6 +28,8 @@ pub struct Int4Matrix {
     pub cols: usize,
     /// Columns per group.
     pub group: usize,
+    /// The order of `packed`.
+    pub layout: Int4Layout,
 }
 
 /// Rows per slab for `w` in `dt` with `budget` bytes of scratch, or `None` when the path cannot
@@ -63,7 +66,7 @@ pub fn matmul_q4_slabs(
     let es = dt.storage_bytes(1);
     let mut count = 0;
     for (r0, len) in slabs(w.rows, per_slab) {
-        dequant_q4_rows(gpu, dt, scratch, w.packed, w.scales, w.mins, r0, len, w.rows, w.cols, w.group)?;
+        dequant_q4_rows(gpu, dt, scratch, w.packed, w.scales, w.mins, r0, len, w.rows, w.cols, w.group, w.layout)?;
         blas.gemm_into(dt, n, len, w.cols, x, scratch, out + (r0 * es) as u64, w.rows)?;
         count += 1;
     }

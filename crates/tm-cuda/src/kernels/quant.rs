@@ -22,8 +22,9 @@
 
 use tm_core::{DType, Error, Result};
 
-use super::{q4_gemm, suffix};
+use super::{layout_arg, q4_gemm, suffix};
 use crate::runtime::{Dim3, Gpu, KernelArg};
+use tm_core::quant::Int4Layout;
 
 /// Threads per block of every quant kernel.
 const THREADS: u32 = 256;
@@ -143,8 +144,10 @@ pub fn matmul_q4(
     rows: usize,
     cols: usize,
     group: usize,
+    layout: Int4Layout,
 ) -> Result<()> {
     let op = "matmul_q4";
+    let tiled = layout_arg(op, layout, rows, cols)?;
     let Some([n32, r32, c32, g32]) = validate(op, dt, packed, n, rows, cols, group)? else {
         return Ok(());
     };
@@ -154,7 +157,7 @@ pub fn matmul_q4(
         let sms = gpu.info().multiprocessors as usize;
         let wgmma = q4_gemm::wgmma_available(gpu);
         if let Some(tile) = q4_gemm::choose(q4_gemm::policy(), n, rows, cols, group, sms, wgmma) {
-            return q4_gemm::launch(gpu, tile, dt, out, x, packed, scales, mins, n, rows, cols, group);
+            return q4_gemm::launch(gpu, tile, dt, out, x, packed, scales, mins, n, rows, cols, group, layout);
         }
     }
     let (name, grid, block) = plan(Kind::Int4, dt, n, rows)?;
@@ -173,6 +176,7 @@ pub fn matmul_q4(
             KernelArg::I32(r32),
             KernelArg::I32(c32),
             KernelArg::I32(g32),
+            tiled,
         ],
     )
 }
@@ -251,9 +255,11 @@ pub fn dequant_q4_rows(
     rows: usize,
     cols: usize,
     group: usize,
+    layout: Int4Layout,
 ) -> Result<()> {
     let op = "dequant_q4_rows";
     check_shape(op, cols, group)?;
+    let tiled = layout_arg(op, layout, rows, cols)?;
     let end = r0
         .checked_add(nrows)
         .filter(|&e| e <= rows)
@@ -283,6 +289,7 @@ pub fn dequant_q4_rows(
             KernelArg::I32(n32),
             KernelArg::I32(c32),
             KernelArg::I32(g32),
+            tiled,
         ],
     )
 }

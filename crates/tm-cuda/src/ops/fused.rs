@@ -9,7 +9,7 @@
 use std::sync::OnceLock;
 
 use tm_core::checks::rows_of;
-use tm_core::quant::{QuantWeight, Weight};
+use tm_core::quant::{Int4Layout, QuantWeight, Weight};
 use tm_core::{Error, Result, Tensor};
 
 use super::{ptr, CudaBackend};
@@ -33,7 +33,15 @@ fn int4(w: &Weight) -> Option<&QuantWeight> {
 /// The device addresses of an int4 weight (its output and bias left 0).
 fn q4_slot(q: &QuantWeight) -> Result<Q4Slot> {
     let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
-    Ok(Q4Slot { packed: ptr(&q.packed), scales: ptr(&q.scales), mins: ptr(mins), bias: 0, out: 0, rows: q.rows })
+    Ok(Q4Slot {
+        packed: ptr(&q.packed),
+        scales: ptr(&q.scales),
+        mins: ptr(mins),
+        bias: 0,
+        out: 0,
+        rows: q.rows,
+        tiled: q.layout == Int4Layout::Tiles16x128,
+    })
 }
 
 /// The dense matrix of `w`, if it is one.

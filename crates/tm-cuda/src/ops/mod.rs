@@ -230,6 +230,7 @@ impl CudaBackend {
                 q.rows,
                 q.cols,
                 q.group_size,
+                q.layout,
             )
         } else {
             quant::matmul_q8(
@@ -295,6 +296,12 @@ impl Ops for CudaBackend {
             self.put(&mut st, Slot::Rows, as_bytes(logit_rows))?;
         }
         graphs::inputs_ready(&self.gpu, &self.staging, &self.early)
+    }
+
+    /// Tile-major for the lean decode kernels' shapes at f16/bf16
+    /// ([`crate::kernels::q4_gemv::preferred_layout`]).
+    fn int4_layout(&self, rows: usize, cols: usize, group_size: usize) -> tm_core::quant::Int4Layout {
+        crate::kernels::q4_gemv::preferred_layout(self.dtype, rows, cols, group_size)
     }
 
     fn upload(&self, dst: &mut Tensor, src: &[u8]) -> Result<()> {
@@ -383,6 +390,7 @@ impl Ops for CudaBackend {
                     n,
                     hidden,
                     q.group_size,
+                    (q.layout, q.rows),
                 )
             }
         }

@@ -100,6 +100,7 @@ impl CudaBackend {
             rows: q.rows,
             cols: q.cols,
             group: q.group_size,
+            layout: q.layout,
         };
         let budget = budget.min(slab.len());
         if q4_slab::rows_per_slab(self.dtype, &w, budget).is_none() || !w.cols.is_multiple_of(32) {

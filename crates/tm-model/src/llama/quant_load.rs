@@ -3,7 +3,7 @@
 
 use crate::error::{ModelError, Result};
 use crate::weights::{Encoding, TensorRef};
-use tm_core::quant::{QuantWeight, Weight};
+use tm_core::quant::{tile_int4, Int4Layout, QuantWeight, Weight};
 use tm_core::{DType, Ops, TensorDesc};
 use tm_quant::gguf::{import_gguf, GgufType};
 use tm_quant::HostQuant;
@@ -25,7 +25,8 @@ pub fn import_gguf_weight(ops: &dyn Ops, t: &TensorRef<'_>) -> Result<Weight> {
     upload_quant(ops, &host)
 }
 
-/// Uploads a host-side quantized matrix into a backend [`Weight`].
+/// Uploads a host-side quantized matrix into a backend [`Weight`], int4 packed bytes in the order
+/// the backend asks for ([`Ops::int4_layout`]).
 pub fn upload_quant(ops: &dyn Ops, q: &HostQuant) -> Result<Weight> {
     let groups = q.cols / q.group_size;
     let int4 = q.mins.is_some();
@@ -34,8 +35,12 @@ pub fn upload_quant(ops: &dyn Ops, q: &HostQuant) -> Result<Weight> {
     } else {
         TensorDesc::new(DType::I8, &[q.rows, q.cols])
     };
+    let layout = if int4 { ops.int4_layout(q.rows, q.cols, q.group_size) } else { Int4Layout::RowMajor };
     let mut packed = ops.zeros(packed_desc, "weights")?;
-    ops.upload(&mut packed, &q.packed)?;
+    match layout {
+        Int4Layout::RowMajor => ops.upload(&mut packed, &q.packed)?,
+        Int4Layout::Tiles16x128 => ops.upload(&mut packed, &tile_int4(&q.packed, q.rows, q.cols)?)?,
+    }
     let f16_tensor = |v: &[half::f16]| -> Result<tm_core::Tensor> {
         let mut t = ops.zeros(TensorDesc::new(DType::F16, &[q.rows, groups]), "weights")?;
         ops.upload(&mut t, bytemuck::cast_slice(v))?;
@@ -43,7 +48,7 @@ pub fn upload_quant(ops: &dyn Ops, q: &HostQuant) -> Result<Weight> {
     };
     let scales = f16_tensor(&q.scales)?;
     let mins = q.mins.as_deref().map(f16_tensor).transpose()?;
-    let w = QuantWeight { rows: q.rows, cols: q.cols, group_size: q.group_size, packed, scales, mins };
+    let w = QuantWeight { rows: q.rows, cols: q.cols, group_size: q.group_size, packed, scales, mins, layout };
     w.validate(int4)?;
     Ok(if int4 { Weight::Int4(w) } else { Weight::Int8(w) })
 }
