@@ -2572,6 +2572,8 @@ fn sample_greedy_and_penalties() {
         sample_greedy(s, 256, 32000);
         sample_greedy(s, 7, 49152);
         sample_greedy(s, 64, 384);
+        // Rows that are not 16-byte aligned (the argmax kernel's scalar path) and a vector tail.
+        sample_greedy(s, 5, 1001);
         sample_penalties(s, 48, 32000);
         sample_penalties(s, 8, 151936);
     });

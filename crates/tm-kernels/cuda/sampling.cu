@@ -661,13 +661,35 @@ template <class T> __device__ void argmax_row(const T* __restrict__ logits, int 
     const T* lg = logits + (long long)blockIdx.x * vocab;
     float m = 0.f;
     unsigned am = NONE;
-    for (int i = threadIdx.x; i < vocab; i += NT) {
-        const float v = to_f(lg[i]);
+    auto take = [&](float v, int i) {
         if (!is_nan(v) && (am == NONE || v > m)) {
             m = v;
             am = (unsigned)i;
         }
+    };
+    // A thread visits its indices in increasing order (so `>` keeps its first maximum); with a
+    // 16-byte aligned row, 16 bytes of consecutive logits per load, four loads in flight.
+    constexpr int E = 16 / sizeof(T);
+    int head = vocab;  // elements before the vector part
+    if ((reinterpret_cast<unsigned long long>(lg) & 15ull) == 0) {
+        const int nv = vocab / E;
+        const uint4* lv = reinterpret_cast<const uint4*>(lg);
+        for (int c0 = threadIdx.x; c0 < nv; c0 += 4 * NT) {
+            uint4 u[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) u[k] = c0 + k * NT < nv ? __ldg(lv + c0 + k * NT) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                if (c0 + k * NT >= nv) break;
+                const T* e = reinterpret_cast<const T*>(&u[k]);
+#pragma unroll
+                for (int j = 0; j < E; ++j) take(to_f(e[j]), (c0 + k * NT) * E + j);
+            }
+        }
+        head = 0;
+        for (int i = nv * E + threadIdx.x; i < vocab; i += NT) take(to_f(lg[i]), i);
     }
+    for (int i = threadIdx.x; i < head; i += NT) take(to_f(lg[i]), i);
     block_argmax(m, am, bufv, bufi);
     if (threadIdx.x == 0) out[blockIdx.x] = (am == NONE || is_nan(to_f(lg[0]))) ? 0u : am;
 }

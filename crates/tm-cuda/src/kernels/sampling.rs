@@ -204,6 +204,15 @@ pub fn build_inputs(requests: &mut [SampleRequest<'_>], inputs: &mut SampleInput
     inputs.penalty_counts.push(0);
 }
 
+/// Whether a row with `params` is a plain argmax: greedy (`temperature == 0`) with no penalty
+/// that changes logits, so [`argmax`] gives the token [`sample`] would.
+pub fn plain_greedy(params: &tm_core::sampling::SamplingParams) -> bool {
+    params.temperature == 0.0
+        && params.repetition_penalty == 1.0
+        && params.presence_penalty == 0.0
+        && params.frequency_penalty == 0.0
+}
+
 /// f32 elements of one scratch row: `vocab` rounded up to a multiple of 4 (16-byte rows).
 fn scratch_stride(vocab: usize) -> usize {
     vocab.div_ceil(4).saturating_mul(4)
