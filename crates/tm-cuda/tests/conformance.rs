@@ -2433,8 +2433,15 @@ fn qkv_rope_write_kv_fused() {
         qkv_rope_write_kv(s, &r128[0], a(8, 2, 128, 1152, 2, false, false));
         qkv_rope_write_kv(s, &rope_configs(40)[5], a(4, 2, 40, 1024, 1, true, false));
         qkv_rope_write_kv(s, &r64[0], a(4, 2, 64, 1024, 12, false, false));
+        // Tile-major weights (`q4_gemv_lnt_rope`): rotate-half with head_dim % 32 fused, the
+        // interleaved convention and head size 16 not.
         tm_cuda::kernels::q4_gemv::set_tiling(Some(true));
-        qkv_rope_write_kv(s, &r128[0], a(32, 8, 128, 4096, 1, false, false));
+        qkv_rope_write_kv(s, &r128[0], a(32, 8, 128, 4096, 1, false, true));
+        qkv_rope_write_kv(s, &r64[3], a(14, 2, 64, 1024, 5, true, true));
+        qkv_rope_write_kv(s, &r64[0], a(8, 8, 64, 2048, 8, true, true));
+        qkv_rope_write_kv(s, &r64[4], a(8, 8, 64, 2048, 8, true, false));
+        qkv_rope_write_kv(s, &r128[2], a(32, 8, 128, 4096, 1, false, false));
+        qkv_rope_write_kv(s, &rope_configs(16)[1], a(4, 2, 16, 1024, 3, false, false));
         tm_cuda::kernels::q4_gemv::set_tiling(Some(false));
     });
     tm_cuda::kernels::q4_gemv::set_tiling(None);

@@ -689,6 +689,77 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
     }
 }
 
+// `q4_gemv_rope` for tile-major weights (the tiles as stored are 16 consecutive rows, so the
+// RoPE pair of a row is in another tile): rotate-half only, `head_dim % 32 == 0`. A q or k CTA
+// takes two tiles of one head, rows 16 t .. 16 t + 15 and the same + head_dim / 2 (t < head_dim /
+// 32), with `silu_lnt`'s loop (U = 2, two tiles): the RoPE pair of fragment element e of the first
+// tile is element e of the second. A v CTA takes 32 consecutive rows. Each tile's sums are those
+// of `q4_gemv`'s `lnt` (same steps, same warp reduction), so the results equal `q4_gemv` then
+// `rope_write_kv`, bit for bit, as `q4_gemv_rope`'s do.
+template <class T, class Wait>
+__device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int n, int cols, const Slot<T>* slots,
+                                                   const RopeKv<T>& rk, Wait wait) {
+    int cta = blockIdx.x, si = 0;
+    const int own0 = slots[0].rows >> 5, own1 = slots[1].rows >> 5;
+    if (cta >= own0) {
+        cta -= own0;
+        si = 1;
+        if (cta >= own1) {
+            cta -= own1;
+            si = 2;
+        }
+    }
+    const Slot<T> s = si == 0 ? slots[0] : si == 1 ? slots[1] : slots[2];  // constant indices: no local memory
+    const int D = rk.head_dim, per_head = D >> 5;
+    const int head = cta / per_head, tt = cta - head * per_head;
+    // First rows of the two tiles: a head's 16 tt and 16 tt + D / 2 (q, k), or 32 cta and + 16 (v).
+    const int row_a = si < 2 ? head * D + 16 * tt : 32 * cta;
+    const int row_b = si < 2 ? row_a + (D >> 1) : row_a + 16;
+    const Tile tiles[2] = {Tile{s.packed, s.scales, s.mins, row_a, s.rows}, Tile{s.packed, s.scales, s.mins, row_b, s.rows}};
+    float acc[2][4];
+    q4_tiles_lean<T, 2, 2, false, true>(tiles, x, n, cols, acc, wait);
+    trigger_after_loop();
+    const float v = reduce_warps<2>(acc);
+    // Thread tid holds fragment element e = tid / 32 (tile e / 4) of lane tid % 32: row g + 8 (e / 2
+    // % 2) of its tile, batch column 2 (lane % 4) + e % 2; rounded to T with the bias, as stored.
+    __shared__ float fin[256];
+    const int kv_dim = slots[1].rows;
+    const int e = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+    const int row = (e < 4 ? row_a : row_b) + g + 8 * ((e >> 1) & 1);
+    const int j = 2 * (lane & 3) + (e & 1);
+    {
+        const float b = s.bias ? tmk::to_float(s.bias[row]) : 0.f;
+        fin[threadIdx.x] = tmk::round_to<T>(v + b);
+    }
+    if (si == 2) {  // uniform per CTA
+        if (j < n) {
+            const T y = tmk::from_float<T>(fin[threadIdx.x]);
+            s.out[(i64)j * s.rows + row] = y;
+            const unsigned slot = rk.slots[j];
+            if (slot != 0xffffffffu) rk.v_cache[(u64)slot * kv_dim + row] = y;
+        }
+        return;
+    }
+    __syncthreads();
+    if (threadIdx.x < 128 && j < n) {
+        const int ra = row, rb = row + (D >> 1);
+        const int i = ra - head * D;  // the pair's index in its head
+        float sn, cs;
+        sincosf(__fmul_rn((float)rk.positions[j], rk.inv_freq[i]), &sn, &cs);
+        const float c = cs * rk.attention_factor, sv = sn * rk.attention_factor;
+        const float x1 = fin[threadIdx.x], x2 = fin[threadIdx.x + 128];
+        const T ya = tmk::from_float<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sv)));
+        const T yb = tmk::from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sv)));
+        s.out[(i64)j * s.rows + ra] = ya;
+        s.out[(i64)j * s.rows + rb] = yb;
+        const unsigned slot = rk.slots[j];
+        if (si == 1 && slot != 0xffffffffu) {
+            rk.k_cache[(u64)slot * kv_dim + ra] = ya;
+            rk.k_cache[(u64)slot * kv_dim + rb] = yb;
+        }
+    }
+}
+
 }  // namespace tmq4
 
 // Variants (see the launcher): U = steps in flight per warp, MIN_CTAS = CTAs per SM the register
@@ -720,8 +791,8 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
 // q/k/v with RoPE and the KV-cache write (`q4_gemv_rope`): the plain parameters (without
 // `accumulate`), then the caches, positions, slots, inv_freq, attention_factor, head_dim and
 // interleaved of `rope_write_kv`.
-#define TM_Q4_GEMV_ROPE(NAME, T)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, 3)                                                      \
+#define TM_Q4_GEMV_ROPE(NAME, T, FN, MIN_CTAS)                                                                          \
+    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
         NAME(const T* __restrict__ x, int n, int cols, int group, T* o0, T* o1, T* o2, const unsigned char* w0,         \
              const unsigned char* w1, const unsigned char* w2, const __half* s0, const __half* s1,                      \
              const __half* s2, const __half* m0, const __half* m1, const __half* m2, const T* b0, const T* b1,          \
@@ -731,10 +802,11 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
         const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}};  \
         const tmq4::RopeKv<T> rk = {k_cache, v_cache, positions, kv_slots, inv_freq, attention_factor, head_dim,         \
                                     interleaved};                                                                       \
-        tmq4::q4_gemv_rope<T>(x, n, cols, slots, rk, [] { tmk::pdl_wait(); });                                          \
+        tmq4::FN<T>(x, n, cols, slots, rk, [] { tmk::pdl_wait(); });                                                    \
     }
 #define TM_Q4_GEMV(SUF, T)                                                                                              \
-    TM_Q4_GEMV_ROPE(q4_gemv_ln_rope_##SUF, T)                                                                           \
+    TM_Q4_GEMV_ROPE(q4_gemv_ln_rope_##SUF, T, q4_gemv_rope, 3)                                                          \
+    TM_Q4_GEMV_ROPE(q4_gemv_lnt_rope_##SUF, T, q4_gemv_rope_tiled, 2)                                                   \
     TM_Q4_GEMV_PLAIN(q4_gemv_u2_##SUF, T, 2, 2, 2, GENERIC)                                                             \
     TM_Q4_GEMV_PLAIN(q4_gemv_n16_##SUF, T, 2, 1, 3, GENERIC)                                                            \
     TM_Q4_GEMV_PLAIN(q4_gemv_ln_##SUF, T, 2, 1, 3, LEAN)                                                                \

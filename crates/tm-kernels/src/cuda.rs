@@ -194,7 +194,8 @@ mod tests {
                 "q4_gemv_silu_ln4",
                 "q4_gemv_silu_lnt",
                 "q4_gemv_silu_ln4t",
-                "q4_gemv_ln_rope"
+                "q4_gemv_ln_rope",
+                "q4_gemv_lnt_rope"
             ]
         );
         for a in artefacts().iter().filter(|a| a.module == "q4_gemv") {

@@ -462,23 +462,27 @@ pub fn rope_enabled() -> bool {
 }
 
 /// Whether [`q4_gemv_rope`] takes q, k, v `slots` of `cols` columns and group `group` with
-/// heads of `head_dim` (the caller checked [`fits`]): the path on (and the lean path, with no
-/// variant forced by `TM_Q4_GEMV_UNROLL` or a test) and [`rope_shape_fits`]. Not for tile-major
-/// weights (the kernel pairs rows `i` and `i + head_dim / 2` of a head in one 16-row tile, which
-/// the tiles as stored are not): those take [`q4_gemv`] and `rope_write_kv`.
-pub fn rope_fits(cols: usize, group: usize, slots: &[Q4Slot; 3], head_dim: usize) -> bool {
-    rope_enabled() && lean_enabled() && forced().is_none() && rope_shape_fits(cols, group, slots, head_dim)
+/// heads of `head_dim` and the pair convention `interleaved` (the caller checked [`fits`]): the
+/// path on (and the lean path, with no variant forced by `TM_Q4_GEMV_UNROLL` or a test) and
+/// [`rope_shape_fits`].
+pub fn rope_fits(cols: usize, group: usize, slots: &[Q4Slot; 3], head_dim: usize, interleaved: bool) -> bool {
+    rope_enabled() && lean_enabled() && forced().is_none() && rope_shape_fits(cols, group, slots, head_dim, interleaved)
 }
 
-/// The shapes [`q4_gemv_rope`] takes: the lean kernels' ([`lean_fits`]), `head_dim` a multiple of
-/// 16 (a head is whole 16-row tiles, each pairing rows `i` and `i + head_dim / 2`), and whole
-/// heads of q, k and v, with k and v alike.
-pub fn rope_shape_fits(cols: usize, group: usize, slots: &[Q4Slot; 3], head_dim: usize) -> bool {
+/// The shapes [`q4_gemv_rope`] takes: the lean kernels' ([`lean_fits`]), whole heads of q, k and
+/// v with k and v alike, and for row-major weights `head_dim` a multiple of 16 (a head is whole
+/// 16-row tiles, each pairing rows `i` and `i + head_dim / 2`, or `2i` and `2i + 1`); for
+/// tile-major ones (whose tiles are 16 consecutive rows: the kernel pairs the tiles of rows `i`
+/// and `i + head_dim / 2` instead) rotate-half pairs and `head_dim` a multiple of 32.
+pub fn rope_shape_fits(cols: usize, group: usize, slots: &[Q4Slot; 3], head_dim: usize, interleaved: bool) -> bool {
     let [q, k, v] = slots;
+    let tiled = slots.iter().all(|s| s.tiled);
+    let (mixed, pair_align) = (slots.iter().any(|s| s.tiled) && !tiled, if tiled { 32 } else { 16 });
     lean_fits(cols, group, slots)
-        && slots.iter().all(|s| !s.tiled)
+        && !mixed
+        && !(tiled && interleaved)
         && head_dim > 0
-        && head_dim.is_multiple_of(16)
+        && head_dim.is_multiple_of(pair_align)
         && q.rows.is_multiple_of(head_dim)
         && k.rows.is_multiple_of(head_dim)
         && k.rows > 0
@@ -486,7 +490,8 @@ pub fn rope_shape_fits(cols: usize, group: usize, slots: &[Q4Slot; 3], head_dim:
 }
 
 /// The q/k/v products (`slots` q, k, v, as [`q4_gemv`]) with RoPE of q and k and the cache write
-/// of the rotated k and of v in the epilogue (`q4_gemv_ln_rope_*`): what [`q4_gemv`] then
+/// of the rotated k and of v in the epilogue (`q4_gemv_ln_rope_*`, 16 rows per CTA; for tile-major
+/// weights `q4_gemv_lnt_rope_*`, 32 rows per CTA: two tiles): what [`q4_gemv`] then
 /// `rope_write_kv` store, bit for bit. The caller checked [`fits`], [`rope_fits`] and the shapes.
 #[allow(clippy::too_many_arguments)]
 pub fn q4_gemv_rope(
@@ -502,7 +507,8 @@ pub fn q4_gemv_rope(
     if n == 0 {
         return Ok(());
     }
-    let grid = plain_grid(slots, 16)?;
+    let tiled = tiled_launch("q4_gemv_rope", cols, group, slots)?;
+    let grid = plain_grid(slots, if tiled { 32 } else { 16 })?;
     let mut args = plain_args(x, n, cols, group, slots)?;
     args.extend([
         KernelArg::Ptr(rope.k_cache),
@@ -514,7 +520,8 @@ pub fn q4_gemv_rope(
         KernelArg::I32(int("head_dim", rope.head_dim)?),
         KernelArg::I32(i32::from(rope.interleaved)),
     ]);
-    gpu.launch(&format!("q4_gemv_ln_rope_{}", suffix(dt)?), (grid, 1, 1), (THREADS, 1, 1), 0, &args)?;
+    let stem = if tiled { "q4_gemv_lnt_rope" } else { "q4_gemv_ln_rope" };
+    gpu.launch(&format!("{stem}_{}", suffix(dt)?), (grid, 1, 1), (THREADS, 1, 1), 0, &args)?;
     ROPE_LAUNCHES.fetch_add(1, Ordering::Relaxed);
     Ok(())
 }
@@ -578,16 +585,24 @@ mod tests {
     #[test]
     fn rope_fits_whole_heads_of_lean_shapes() {
         let llama = [slot(4096), slot(1024), slot(1024)];
-        let fits = rope_shape_fits;
+        let fits = |c, g, s: &[Q4Slot; 3], d| rope_shape_fits(c, g, s, d, false);
         assert!(fits(4096, 128, &llama, 128));
         assert!(fits(4096, 128, &llama, 64));
         assert!(fits(4096, 128, &llama, 16));
+        assert!(rope_shape_fits(4096, 128, &llama, 128, true));
         assert!(!fits(4096, 128, &llama, 40), "head_dim not a multiple of 16");
         assert!(!fits(4096, 64, &llama, 128), "group 64 is not lean");
         assert!(!fits(4608, 128, &llama, 128), "cols not a multiple of 1024");
         assert!(!fits(4096, 128, &[slot(4096), slot(1024), slot(512)], 128), "k and v differ");
         assert!(!fits(4096, 128, &[slot(4096), slot(0), slot(0)], 128), "no kv heads");
         assert!(!fits(4096, 128, &[slot(4000), slot(1024), slot(1024)], 128), "q not whole heads");
+        // Tile-major: rotate-half pairs of whole 16-row tiles, head_dim % 32.
+        let tiles = llama.map(|s| Q4Slot { tiled: true, ..s });
+        assert!(fits(4096, 128, &tiles, 128));
+        assert!(fits(4096, 128, &tiles, 32));
+        assert!(!fits(4096, 128, &tiles, 16), "a tile and its pair tile need head_dim % 32");
+        assert!(!rope_shape_fits(4096, 128, &tiles, 128, true), "interleaved pairs are rows of one tile");
+        assert!(!fits(4096, 128, &[tiles[0], llama[1], llama[2]], 128), "mixed layouts");
     }
 
     #[test]

@@ -117,8 +117,9 @@ impl CudaBackend {
             .try_into()
             .map_err(|_| Error::invalid("q/k/v: three launch slots expected"))?;
         let head_dim = 2 * freqs.inv_freq.len();
+        let interleaved = freqs.style == RopeStyle::Interleaved;
         if !q4_gemv::fits(self.dtype, n, cols, group, ptr(x), &slots)
-            || !q4_gemv::rope_fits(cols, group, &slots, head_dim)
+            || !q4_gemv::rope_fits(cols, group, &slots, head_dim, interleaved)
         {
             return Ok(false);
         }
@@ -134,7 +135,7 @@ impl CudaBackend {
             inv_freq: self.put(&mut st, Slot::InvFreq, as_bytes(&freqs.inv_freq))?,
             attention_factor: freqs.attention_factor,
             head_dim,
-            interleaved: freqs.style == RopeStyle::Interleaved,
+            interleaved,
         };
         q4_gemv::q4_gemv_rope(&self.gpu, self.dtype, ptr(x), n, cols, group, &slots, &rope)?;
         Ok(true)
