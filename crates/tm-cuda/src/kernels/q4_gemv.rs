@@ -27,6 +27,13 @@
 //!   gate/up 23.4 us (`u2` 26.7), down 13.7 (`ln4`; `n16` 15.2), o 5.6 (`ln4`; `n16` 5.9), q/k/v
 //!   7.3 (`ln`; `n16` 7.1).
 //!
+//! Tile-major weights ([`tm_core::quant::Int4Layout::Tiles16x128`], [`Q4Slot::tiled`]; what the
+//! CUDA backend stores for the lean shapes, [`preferred_layout`]) take the lean kernels' `*t`
+//! forms (`lnt`, `ln4t`, `silu_lnt`, `silu_ln4t`, `lnt_rope`), which read each warp step's 1 KiB
+//! in two 512-byte loads: H200, f16, n = 1, in a graph, gate/up 21.1 µs, q/k/v 6.2, o 5.1 against
+//! 23.1, 6.9, 5.3 row-major (same call). A forced non-lean variant means `Auto`'s lean choice for
+//! them.
+//!
 //! Programmatic dependent launch (sm_90+): every variant lets the next kernel start once its main
 //! loop is done (`trigger_after_loop`, q4_gemv.cu) and issues the weight loads of its first U steps before
 //! `pdl_wait` (weights do not depend on earlier kernels); x is read and outputs written after it.
