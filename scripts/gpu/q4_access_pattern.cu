@@ -17,18 +17,20 @@
 #include <cstdio>
 #include <cuda_runtime.h>
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
-template <int U>
+// CONTIG: warp w takes steps w J .. w J + J - 1 (warp-contiguous K) instead of w, w + 8, ...
+template <int U, bool CONTIG = false>
 __global__ void __launch_bounds__(256, 2) gemv_like(const uint4* w, int cols, unsigned* sink) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int J = cols >> 10;
     const int rs = cols >> 5;  // uint4 per row
-    const uint4* p0 = w + (size_t)(blockIdx.x * 16 + g) * rs + 4 * warp + t;
+    const uint4* p0 = w + (size_t)(blockIdx.x * 16 + g) * rs + 4 * (CONTIG ? warp * J : warp) + t;
     const uint4* p1 = p0 + 8 * rs;
+    constexpr int STEP = CONTIG ? 4 : 32;  // uint4 between a warp's steps
     unsigned acc = 0;
     for (int j0 = 0; j0 < J; j0 += U) {
         uint4 a[U], b[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) if (j0 + u < J) { a[u] = __ldcs(p0 + 32 * (j0 + u)); b[u] = __ldcs(p1 + 32 * (j0 + u)); }
+        for (int u = 0; u < U; ++u) if (j0 + u < J) { a[u] = __ldcs(p0 + STEP * (j0 + u)); b[u] = __ldcs(p1 + STEP * (j0 + u)); }
 #pragma unroll
         for (int u = 0; u < U; ++u) if (j0 + u < J) acc ^= a[u].x ^ a[u].y ^ a[u].z ^ a[u].w ^ b[u].x ^ b[u].y ^ b[u].z ^ b[u].w;
     }
@@ -65,24 +67,6 @@ __global__ void __launch_bounds__(256, 2) tiled(const uint4* w, int cols, unsign
     if (acc == 0x12345678u) sink[0] = acc;
 }
 int g_smem = 0;  // dynamic shared memory per CTA: limits the CTAs per SM
-// Warp-contiguous K: warp w takes steps w J .. w J + J - 1 (the same bytes as gemv_like).
-template <int U>
-__global__ void __launch_bounds__(256, 2) warp_contig(const uint4* w, int cols, unsigned* sink) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int J = cols >> 10;
-    const int rs = cols >> 5;
-    const uint4* p0 = w + (size_t)(blockIdx.x * 16 + g) * rs + 4 * warp * J + t;
-    const uint4* p1 = p0 + 8 * rs;
-    unsigned acc = 0;
-    for (int j0 = 0; j0 < J; j0 += U) {
-        uint4 a[U], b[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) if (j0 + u < J) { a[u] = __ldcs(p0 + 4 * (j0 + u)); b[u] = __ldcs(p1 + 4 * (j0 + u)); }
-#pragma unroll
-        for (int u = 0; u < U; ++u) if (j0 + u < J) acc ^= a[u].x ^ a[u].y ^ a[u].z ^ a[u].w ^ b[u].x ^ b[u].y ^ b[u].z ^ b[u].w;
-    }
-    if (acc == 0x12345678u) sink[0] = acc;
-}
 template <class K> float timeit(K k, int grid, const uint4* w, int cols, unsigned* sink) {
     cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
     cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, g_smem);
@@ -106,7 +90,7 @@ int main() {
         float a2 = timeit(gemv_like<2>, grid, w, s.cols, sink), a4 = timeit(gemv_like<4>, grid, w, s.cols, sink);
         float c2 = timeit(contiguous<2>, grid, w, s.cols, sink), c4 = timeit(contiguous<4>, grid, w, s.cols, sink);
         float t2 = timeit(tiled<2>, grid, w, s.cols, sink), t4 = timeit(tiled<4>, grid, w, s.cols, sink);
-        float w2 = timeit(warp_contig<2>, grid, w, s.cols, sink), w4 = timeit(warp_contig<4>, grid, w, s.cols, sink);
+        float w2 = timeit(gemv_like<2, true>, grid, w, s.cols, sink), w4 = timeit(gemv_like<4, true>, grid, w, s.cols, sink);
         printf("%-8s warp-contiguous K U2 %6.1f (%4.2f) U4 %6.1f (%4.2f)\n", s.name, w2, bytes / w2 / 1e6, w4, bytes / w4 / 1e6);
         printf("%-8s %6.1f MB: gemv-like U2 %6.1f us (%4.2f TB/s) U4 %6.1f (%4.2f) | contiguous U2 %6.1f (%4.2f) U4 %6.1f (%4.2f) | tiled U2 %6.1f (%4.2f) U4 %6.1f (%4.2f)\n",
                s.name, bytes / 1e6, a2, bytes / a2 / 1e6, a4, bytes / a4 / 1e6, c2, bytes / c2 / 1e6, c4, bytes / c4 / 1e6, t2, bytes / t2 / 1e6, t4, bytes / t4 / 1e6);

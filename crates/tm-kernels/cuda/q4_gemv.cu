@@ -615,6 +615,45 @@ template <class T> struct RopeKv {
     int interleaved;
 };
 
+// The weight slot (0, 1, 2) of this CTA when weight i owns `slots[i].rows >> shift` CTAs, weight
+// 0's first; `cta` becomes the CTA's index within its weight.
+template <class T> __device__ __forceinline__ int slot_of_cta(const Slot<T>* slots, int shift, int& cta) {
+    cta = blockIdx.x;
+    const int own0 = slots[0].rows >> shift, own1 = slots[1].rows >> shift;
+    if (cta < own0) return 0;
+    cta -= own0;
+    if (cta < own1) return 1;
+    cta -= own1;
+    return 2;
+}
+
+// The RoPE epilogue's stores for batch row j: v (`si` 2) stores `y` at `row` of the output and,
+// unless the token is padding, of the value cache; q and k (`rope_pair`) rotate the pair (x1, x2)
+// of rows ra, rb (pair index i of the head) exactly as `rope_write_kv` does and store it, k also
+// into the key cache.
+template <class T> __device__ __forceinline__ void store_v(const Slot<T>& s, const RopeKv<T>& rk, int kv_dim, int j, int row, float y) {
+    const T t = tmk::from_float<T>(y);
+    s.out[(i64)j * s.rows + row] = t;
+    const unsigned slot = rk.slots[j];
+    if (slot != 0xffffffffu) rk.v_cache[(u64)slot * kv_dim + row] = t;
+}
+template <class T>
+__device__ __forceinline__ void rope_pair(const Slot<T>& s, const RopeKv<T>& rk, bool is_k, int kv_dim, int j, int i, int ra,
+                                          int rb, float x1, float x2) {
+    float sn, cs;
+    sincosf(__fmul_rn((float)rk.positions[j], rk.inv_freq[i]), &sn, &cs);
+    const float c = cs * rk.attention_factor, sv = sn * rk.attention_factor;
+    const T ya = tmk::from_float<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sv)));
+    const T yb = tmk::from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sv)));
+    s.out[(i64)j * s.rows + ra] = ya;
+    s.out[(i64)j * s.rows + rb] = yb;
+    const unsigned slot = rk.slots[j];
+    if (is_k && slot != 0xffffffffu) {
+        rk.k_cache[(u64)slot * kv_dim + ra] = ya;
+        rk.k_cache[(u64)slot * kv_dim + rb] = yb;
+    }
+}
+
 // The q/k/v products of a decode step (lean, NT = 1, `ln`'s configuration) with RoPE of q and k
 // and the KV-cache write of the rotated k and of v in the epilogue: what `q4_gemv` then
 // `rope_write_kv` (elementwise.cu) store, bit for bit. Slots 0, 1, 2 are q, k, v (rows heads * D,
@@ -624,16 +663,8 @@ template <class T> struct RopeKv {
 template <class T, class Wait>
 __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int cols, const Slot<T>* slots,
                                              const RopeKv<T>& rk, Wait wait) {
-    int cta = blockIdx.x, si = 0;
-    const int own0 = slots[0].rows >> 4, own1 = slots[1].rows >> 4;
-    if (cta >= own0) {
-        cta -= own0;
-        si = 1;
-        if (cta >= own1) {
-            cta -= own1;
-            si = 2;
-        }
-    }
+    int cta;
+    const int si = slot_of_cta(slots, 4, cta);
     const Slot<T> s = si == 0 ? slots[0] : si == 1 ? slots[1] : slots[2];  // constant indices: no local memory
     const int D = rk.head_dim, per_head = D >> 4;
     const int head = cta / per_head, tt = cta - head * per_head;
@@ -657,12 +688,7 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
         const float b = s.bias ? tmk::to_float(s.bias[row]) : 0.f;
         fin[threadIdx.x] = tmk::round_to<T>(v + b);
         const int j = 2 * (lane & 3) + (e & 1);
-        if (si == 2 && j < n) {
-            const T y = tmk::from_float<T>(fin[threadIdx.x]);
-            s.out[(i64)j * s.rows + row] = y;
-            const unsigned slot = rk.slots[j];
-            if (slot != 0xffffffffu) rk.v_cache[(u64)slot * kv_dim + row] = y;
-        }
+        if (si == 2 && j < n) store_v(s, rk, kv_dim, j, row, fin[threadIdx.x]);
     }
     if (si == 2) return;  // uniform per CTA
     __syncthreads();
@@ -672,19 +698,7 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
         if (j < n) {
             const int ra = tile.row0 + tile.gs * g, rb = ra + tile.hs;
             const int i = 8 * tt + g;  // the pair's index in its head
-            float sn, cs;
-            sincosf(__fmul_rn((float)rk.positions[j], rk.inv_freq[i]), &sn, &cs);
-            const float c = cs * rk.attention_factor, sv = sn * rk.attention_factor;
-            const float x1 = fin[par * 32 + lane], x2 = fin[(2 + par) * 32 + lane];
-            const T ya = tmk::from_float<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sv)));
-            const T yb = tmk::from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sv)));
-            s.out[(i64)j * s.rows + ra] = ya;
-            s.out[(i64)j * s.rows + rb] = yb;
-            const unsigned slot = rk.slots[j];
-            if (si == 1 && slot != 0xffffffffu) {
-                rk.k_cache[(u64)slot * kv_dim + ra] = ya;
-                rk.k_cache[(u64)slot * kv_dim + rb] = yb;
-            }
+            rope_pair(s, rk, si == 1, kv_dim, j, i, ra, rb, fin[par * 32 + lane], fin[(2 + par) * 32 + lane]);
         }
     }
 }
@@ -699,16 +713,8 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
 template <class T, class Wait>
 __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int n, int cols, const Slot<T>* slots,
                                                    const RopeKv<T>& rk, Wait wait) {
-    int cta = blockIdx.x, si = 0;
-    const int own0 = slots[0].rows >> 5, own1 = slots[1].rows >> 5;
-    if (cta >= own0) {
-        cta -= own0;
-        si = 1;
-        if (cta >= own1) {
-            cta -= own1;
-            si = 2;
-        }
-    }
+    int cta;
+    const int si = slot_of_cta(slots, 5, cta);
     const Slot<T> s = si == 0 ? slots[0] : si == 1 ? slots[1] : slots[2];  // constant indices: no local memory
     const int D = rk.head_dim, per_head = D >> 5;
     const int head = cta / per_head, tt = cta - head * per_head;
@@ -732,32 +738,13 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
         fin[threadIdx.x] = tmk::round_to<T>(v + b);
     }
     if (si == 2) {  // uniform per CTA
-        if (j < n) {
-            const T y = tmk::from_float<T>(fin[threadIdx.x]);
-            s.out[(i64)j * s.rows + row] = y;
-            const unsigned slot = rk.slots[j];
-            if (slot != 0xffffffffu) rk.v_cache[(u64)slot * kv_dim + row] = y;
-        }
+        if (j < n) store_v(s, rk, kv_dim, j, row, fin[threadIdx.x]);
         return;
     }
     __syncthreads();
-    if (threadIdx.x < 128 && j < n) {
-        const int ra = row, rb = row + (D >> 1);
-        const int i = ra - head * D;  // the pair's index in its head
-        float sn, cs;
-        sincosf(__fmul_rn((float)rk.positions[j], rk.inv_freq[i]), &sn, &cs);
-        const float c = cs * rk.attention_factor, sv = sn * rk.attention_factor;
-        const float x1 = fin[threadIdx.x], x2 = fin[threadIdx.x + 128];
-        const T ya = tmk::from_float<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, sv)));
-        const T yb = tmk::from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, sv)));
-        s.out[(i64)j * s.rows + ra] = ya;
-        s.out[(i64)j * s.rows + rb] = yb;
-        const unsigned slot = rk.slots[j];
-        if (si == 1 && slot != 0xffffffffu) {
-            rk.k_cache[(u64)slot * kv_dim + ra] = ya;
-            rk.k_cache[(u64)slot * kv_dim + rb] = yb;
-        }
-    }
+    if (threadIdx.x < 128 && j < n)  // the pair's index in its head: row - head * D
+        rope_pair(s, rk, si == 1, kv_dim, j, row - head * D, row, row + (D >> 1), fin[threadIdx.x],
+                  fin[threadIdx.x + 128]);
 }
 
 }  // namespace tmq4
