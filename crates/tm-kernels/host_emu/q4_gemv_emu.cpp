@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <memory>
 #include <functional>
+#include <cstring>
 #include "q4_gemv_emu.inc"  // q4_gemv.cu with its inline PTX replaced (gen.py)
 
 thread_local dim3 threadIdx;
@@ -82,6 +83,16 @@ static Q make_q(int rows, int cols, int group) {
     return q;
 }
 
+// The tile-major copy of a row-major packed weight (tm-core `tile_int4`, via the kernels' own
+// `tmk::q4_chunk_offset`), for the lean kernels' `*t` forms.
+static std::vector<uint8_t> tiled(const Q& q) {
+    std::vector<uint8_t> t(q.packed.size());
+    for (int r = 0; r < q.rows; ++r)
+        for (int b = 0; b < q.cols / 32; ++b)
+            std::memcpy(&t[tmk::q4_chunk_offset(r, b, q.cols, 1)], &q.packed[(size_t)r * q.cols / 2 + 16 * b], 16);
+    return t;
+}
+
 template <class T> static T to_t(float v);
 template <> __half to_t<__half>(float v) { return __float2half_rn(v); }
 template <> __nv_bfloat16 to_t<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
@@ -124,7 +135,10 @@ static void case_plain(const char* dt, int U, int n, std::vector<int> rowsv, int
     }
     int k = rowsv.size();
     auto O = [&](int i) { return i < k ? outs[i].data() : nullptr; };
-    auto W = [&](int i) { return i < k ? qs[i].packed.data() : nullptr; };
+    const bool tl = U == 77 || U == 78;  // the tile-major forms, on tiled copies of the weights
+    std::vector<std::vector<uint8_t>> tw;
+    for (auto& q : qs) tw.push_back(tl ? tiled(q) : q.packed);
+    auto W = [&](int i) { return i < k ? tw[i].data() : nullptr; };
     auto S = [&](int i) { return i < k ? qs[i].s.data() : nullptr; };
     auto M = [&](int i) { return i < k ? qs[i].m.data() : nullptr; };
     auto B = [&](int i) { return i < k && bias && i % 2 == 0 ? biases[i].data() : nullptr; };
@@ -133,9 +147,9 @@ static void case_plain(const char* dt, int U, int n, std::vector<int> rowsv, int
     int ctas = 0; for (int r : rowsv) ctas += (r + per - 1) / per;
     run_grid(ctas, [&] {
         if constexpr (std::is_same_v<T, __half>) {
-            (U == 2 ? q4_gemv_u2_f16 : U == 16 ? q4_gemv_n16_f16 : U == 67 ? q4_gemv_ln_f16 : q4_gemv_ln4_f16)(x.data(), n, cols, group, O(0), O(1), O(2), W(0), W(1), W(2), S(0), S(1), S(2), M(0), M(1), M(2), B(0), B(1), B(2), R(0), R(1), R(2));
+            (U == 2 ? q4_gemv_u2_f16 : U == 16 ? q4_gemv_n16_f16 : U == 67 ? q4_gemv_ln_f16 : U == 68 ? q4_gemv_ln4_f16 : U == 77 ? q4_gemv_lnt_f16 : q4_gemv_ln4t_f16)(x.data(), n, cols, group, O(0), O(1), O(2), W(0), W(1), W(2), S(0), S(1), S(2), M(0), M(1), M(2), B(0), B(1), B(2), R(0), R(1), R(2));
         } else {
-            (U == 2 ? q4_gemv_u2_bf16 : U == 16 ? q4_gemv_n16_bf16 : U == 67 ? q4_gemv_ln_bf16 : q4_gemv_ln4_bf16)(x.data(), n, cols, group, O(0), O(1), O(2), W(0), W(1), W(2), S(0), S(1), S(2), M(0), M(1), M(2), B(0), B(1), B(2), R(0), R(1), R(2));
+            (U == 2 ? q4_gemv_u2_bf16 : U == 16 ? q4_gemv_n16_bf16 : U == 67 ? q4_gemv_ln_bf16 : U == 68 ? q4_gemv_ln4_bf16 : U == 77 ? q4_gemv_lnt_bf16 : q4_gemv_ln4t_bf16)(x.data(), n, cols, group, O(0), O(1), O(2), W(0), W(1), W(2), S(0), S(1), S(2), M(0), M(1), M(2), B(0), B(1), B(2), R(0), R(1), R(2));
         }
     });
     for (int i = 0; i < k; ++i) {
@@ -148,7 +162,7 @@ static void case_plain(const char* dt, int U, int n, std::vector<int> rowsv, int
                 want[(size_t)j * rows + r] = acc;
             }
         char what[200];
-        snprintf(what, sizeof what, "%s %s plain n=%d rows=%d (slot %d of %d) cols=%d g=%d%s", dt, U == 16 ? "n16" : U == 67 ? "ln" : U == 68 ? "ln4" : "u2", n, rows, i, k, cols, group, B(i) ? " +bias" : "");
+        snprintf(what, sizeof what, "%s %s plain n=%d rows=%d (slot %d of %d) cols=%d g=%d%s", dt, U == 16 ? "n16" : U == 67 ? "ln" : U == 68 ? "ln4" : U == 77 ? "lnt" : U == 78 ? "ln4t" : "u2", n, rows, i, k, cols, group, B(i) ? " +bias" : "");
         check(what, outs[i], want, n, rows, std::is_same_v<T, __half> ? 2e-3 : 2e-2);
     }
 }
@@ -160,11 +174,13 @@ static void case_silu(const char* dt, int U, int n, int rows, int cols, int grou
     std::vector<T> x((size_t)n * cols); std::vector<double> xd(x.size());
     for (size_t i = 0; i < x.size(); ++i) { x[i] = to_t<T>(nd(rng)); xd[i] = from_t(x[i]); }
     std::vector<T> out((size_t)n * rows, to_t<T>(NAN));
+    const bool tl = U == 17 || U == 18;  // the tile-major forms, on tiled copies of the weights
+    const std::vector<uint8_t> gp = tl ? tiled(g) : g.packed, up = tl ? tiled(u) : u.packed;
     run_grid((rows + 15) / 16, [&] {
         if constexpr (std::is_same_v<T, __half>) {
-            (U == 2 ? q4_gemv_silu_u2_f16 : U == 7 ? q4_gemv_silu_ln_f16 : q4_gemv_silu_ln4_f16)(out.data(), x.data(), n, cols, group, g.packed.data(), g.s.data(), g.m.data(), u.packed.data(), u.s.data(), u.m.data(), rows);
+            (U == 2 ? q4_gemv_silu_u2_f16 : U == 7 ? q4_gemv_silu_ln_f16 : U == 8 ? q4_gemv_silu_ln4_f16 : U == 17 ? q4_gemv_silu_lnt_f16 : q4_gemv_silu_ln4t_f16)(out.data(), x.data(), n, cols, group, gp.data(), g.s.data(), g.m.data(), up.data(), u.s.data(), u.m.data(), rows);
         } else {
-            (U == 2 ? q4_gemv_silu_u2_bf16 : U == 7 ? q4_gemv_silu_ln_bf16 : q4_gemv_silu_ln4_bf16)(out.data(), x.data(), n, cols, group, g.packed.data(), g.s.data(), g.m.data(), u.packed.data(), u.s.data(), u.m.data(), rows);
+            (U == 2 ? q4_gemv_silu_u2_bf16 : U == 7 ? q4_gemv_silu_ln_bf16 : U == 8 ? q4_gemv_silu_ln4_bf16 : U == 17 ? q4_gemv_silu_lnt_bf16 : q4_gemv_silu_ln4t_bf16)(out.data(), x.data(), n, cols, group, gp.data(), g.s.data(), g.m.data(), up.data(), u.s.data(), u.m.data(), rows);
         }
     });
     std::vector<double> want((size_t)n * rows);
@@ -175,7 +191,7 @@ static void case_silu(const char* dt, int U, int n, int rows, int cols, int grou
             want[(size_t)j * rows + r] = a / (1 + std::exp(-a)) * b;
         }
     char what[200];
-    snprintf(what, sizeof what, "%s %s silu n=%d rows=%d cols=%d g=%d", dt, U == 2 ? "u2" : U == 7 ? "ln" : "ln4", n, rows, cols, group);
+    snprintf(what, sizeof what, "%s %s silu n=%d rows=%d cols=%d g=%d", dt, U == 2 ? "u2" : U == 7 ? "ln" : U == 8 ? "ln4" : U == 17 ? "lnt" : "ln4t", n, rows, cols, group);
     check(what, out, want, n, rows, std::is_same_v<T, __half> ? 4e-3 : 4e-2);
 }
 
@@ -219,23 +235,23 @@ int main() {
     // The lean kernels (group 128, cols % 1024 == 0, whole 16-row tiles): plain 67 ln, 68 ln4;
     // SiLU 7 ln, 8 ln4. Uncentred and centred groups, every batch-size class, 1 to 14 steps per warp.
     amp = 0;
-    for (int U : {67, 68}) {
+    for (int U : {67, 68, 77, 78}) {
         case_plain<__half>("f16", U, 1, {48}, 1024, 128, false);
         case_plain<__half>("f16", U, 3, {32, 16, 16}, 2048, 128, true);
         case_plain<__nv_bfloat16>("bf16", U, 7, {64, 16}, 3072, 128, false);
         case_plain<__half>("f16", U, 8, {16}, 7168, 128, true);
     }
-    for (int U : {7, 8}) {
+    for (int U : {7, 8, 17, 18}) {
         case_silu<__half>("f16", U, 1, 48, 1024, 128);
         case_silu<__nv_bfloat16>("bf16", U, 4, 32, 5120, 128);
         case_silu<__half>("f16", U, 8, 16, 4096, 128);
     }
     amp = 3 * std::sqrt(3.f / 4096);
-    for (int U : {67, 68}) {
+    for (int U : {67, 68, 77, 78}) {
         case_plain<__nv_bfloat16>("bf16 centred", U, 1, {64, 16, 16}, 4096, 128, false);
         case_plain<__half>("f16 centred", U, 2, {32}, 14336, 128, true);
     }
-    for (int U : {7, 8}) {
+    for (int U : {7, 8, 17, 18}) {
         case_silu<__nv_bfloat16>("bf16 centred", U, 8, 32, 4096, 128);
         case_silu<__half>("f16 centred", U, 1, 64, 4096, 128);
     }

@@ -34,6 +34,10 @@ inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) { return __half2{hfma1(a
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __expf(float v) { return std::exp(v); }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline void sincosf(float v, float* s, float* c) { *s = std::sin(v); *c = std::cos(v); }
 inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
 void __syncthreads();
 template <class T> inline T __ldg(const T* p) { return *p; }
