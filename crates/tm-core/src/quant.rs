@@ -64,12 +64,13 @@ pub fn tile_int4(packed: &[u8], rows: usize, cols: usize) -> Result<Vec<u8>> {
             packed.len()
         )));
     }
+    // A row's four chunks of one 128-column step are 64 consecutive bytes in both orders.
     let mut out = vec![0u8; packed.len()];
     for row in 0..rows {
-        for block in 0..cols / 32 {
-            let src = int4_chunk_offset(Int4Layout::RowMajor, row, block, cols);
-            let dst = int4_chunk_offset(Int4Layout::Tiles16x128, row, block, cols);
-            out[dst..dst + 16].copy_from_slice(&packed[src..src + 16]);
+        for step in 0..cols / 128 {
+            let src = int4_chunk_offset(Int4Layout::RowMajor, row, 4 * step, cols);
+            let dst = int4_chunk_offset(Int4Layout::Tiles16x128, row, 4 * step, cols);
+            out[dst..dst + 64].copy_from_slice(&packed[src..src + 64]);
         }
     }
     Ok(out)
