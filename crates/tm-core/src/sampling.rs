@@ -47,6 +47,27 @@ impl SamplingParams {
         Self::default()
     }
 
+    /// Whether tokens are picked by argmax (`temperature == 0`; penalties still apply).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// Whether the repetition penalty applies (over prompt and output tokens).
+    pub fn has_repetition_penalty(&self) -> bool {
+        self.repetition_penalty != 1.0
+    }
+
+    /// Whether the presence or frequency penalty applies (over output tokens).
+    pub fn has_output_penalties(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
+    /// Whether a row's token is the plain argmax of its logits: greedy with no penalty that
+    /// changes them ([`apply_penalties`] is then a no-op).
+    pub fn is_plain_argmax(&self) -> bool {
+        self.is_greedy() && !self.has_repetition_penalty() && !self.has_output_penalties()
+    }
+
     /// Checks every field's range, naming the field in the error.
     pub fn validate(&self) -> Result<()> {
         let bad = |field: &str, value: f32, range: &str| {
@@ -101,7 +122,7 @@ impl Rng {
 /// Applies repetition, presence and frequency penalties in place. `prompt` and `output` are
 /// the tokens so far.
 pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, prompt: &[u32], output: &[u32]) {
-    if params.repetition_penalty != 1.0 {
+    if params.has_repetition_penalty() {
         let mut seen = vec![false; logits.len()];
         for &t in prompt.iter().chain(output) {
             let t = t as usize;
@@ -112,7 +133,7 @@ pub fn apply_penalties(logits: &mut [f32], params: &SamplingParams, prompt: &[u3
             }
         }
     }
-    if params.presence_penalty != 0.0 || params.frequency_penalty != 0.0 {
+    if params.has_output_penalties() {
         let mut counts = std::collections::HashMap::<u32, u32>::new();
         for &t in output {
             *counts.entry(t).or_default() += 1;
@@ -144,7 +165,7 @@ pub fn sample_from_logits(
     rng: &mut Rng,
     scratch: &mut Vec<(f32, u32)>,
 ) -> u32 {
-    if params.temperature == 0.0 || logits.is_empty() {
+    if params.is_greedy() || logits.is_empty() {
         return argmax(logits);
     }
     scratch.clear();

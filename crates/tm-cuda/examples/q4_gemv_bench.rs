@@ -41,7 +41,7 @@ use std::process::ExitCode;
 use common::{Rng, COPY_BW};
 
 use cudarc::driver::sys;
-use tm_core::quant::{Int4Layout, Weight};
+use tm_core::quant::Weight;
 use tm_core::{DType, Ops, Tensor, TensorDesc};
 use tm_cuda::kernels::q4_gemv::{self, Q4Slot, Unroll};
 use tm_cuda::kernels::{elementwise, quant};
@@ -321,7 +321,6 @@ fn bench(o: &Opts) -> Result<(), String> {
             }
             let old = common::time_ms(&b, o.iters, |i| {
                 for s in &slots[i % copies] {
-                    let layout = if s.tiled { Int4Layout::Tiles16x128 } else { Int4Layout::RowMajor };
                     quant::matmul_q4(
                         b.gpu(),
                         o.dtype,
@@ -334,7 +333,7 @@ fn bench(o: &Opts) -> Result<(), String> {
                         s.rows,
                         cols,
                         group,
-                        layout,
+                        s.layout(),
                     )?;
                 }
                 if let Shape::GateUp = shape {

@@ -52,7 +52,7 @@
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
-use tm_core::quant::Int4Layout;
+use tm_core::quant::{int4_tiles_fit, Int4Layout};
 use tm_core::{DType, Error, Result};
 
 use super::suffix;
@@ -243,7 +243,12 @@ pub fn lean_enabled() -> bool {
 /// `cols` a multiple of 1024 (whole steps for each of a CTA's 8 warps) and every weight of whole
 /// 16-row tiles. Llama-3-8B's products all do, and so do their halves under tp = 2.
 pub fn lean_fits(cols: usize, group: usize, slots: &[Q4Slot]) -> bool {
-    group == 128 && cols > 0 && cols.is_multiple_of(1024) && slots.iter().all(|s| s.rows.is_multiple_of(16))
+    lean_columns(cols, group) && slots.iter().all(|s| s.rows.is_multiple_of(16))
+}
+
+/// [`lean_fits`]'s condition on the columns and groups: group 128, `cols` a multiple of 1024.
+fn lean_columns(cols: usize, group: usize) -> bool {
+    group == 128 && cols > 0 && cols.is_multiple_of(1024)
 }
 
 /// [`set_tiling`]'s override: 0 = none (the environment decides), 1 = off, 2 = on.
@@ -269,8 +274,7 @@ pub fn preferred_layout(dt: DType, rows: usize, cols: usize, group: usize) -> In
         0 => *ENV.get_or_init(|| std::env::var("TM_Q4_TILED").map_or(true, |v| v.trim() != "0")) && lean_enabled(),
         c => c == 2,
     };
-    let slot = Q4Slot { rows, ..Q4Slot::default() };
-    if on && matches!(dt, DType::F16 | DType::BF16) && lean_fits(cols, group, &[slot]) && rows > 0 {
+    if on && matches!(dt, DType::F16 | DType::BF16) && lean_columns(cols, group) && int4_tiles_fit(rows, cols) {
         Int4Layout::Tiles16x128
     } else {
         Int4Layout::RowMajor
@@ -303,6 +307,17 @@ pub struct Q4Slot {
     /// kernels' tile-major forms (`lnt`, `ln4t`, `silu_lnt`, `silu_ln4t`) read it, and only in
     /// [`lean_fits`] shapes.
     pub tiled: bool,
+}
+
+impl Q4Slot {
+    /// The order of `packed` ([`Q4Slot::tiled`] as an [`Int4Layout`]).
+    pub fn layout(&self) -> Int4Layout {
+        if self.tiled {
+            Int4Layout::Tiles16x128
+        } else {
+            Int4Layout::RowMajor
+        }
+    }
 }
 
 /// Whether the weights of one launch are tile-major: all or none of them, and only in

@@ -167,11 +167,11 @@ pub fn build_inputs(requests: &mut [SampleRequest<'_>], inputs: &mut SampleInput
     inputs.penalty_counts.clear();
     for req in requests.iter_mut() {
         let p = req.params;
-        let greedy = p.temperature == 0.0;
+        let greedy = p.is_greedy();
         let uniform = if greedy { 0.0 } else { req.rng.next_f64() };
         let offset = inputs.penalty_tokens.len();
-        let rep = p.repetition_penalty != 1.0;
-        let pres = p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        let rep = p.has_repetition_penalty();
+        let pres = p.has_output_penalties();
         if rep || pres {
             inputs.next_epoch();
             if rep {
@@ -202,15 +202,6 @@ pub fn build_inputs(requests: &mut [SampleRequest<'_>], inputs: &mut SampleInput
     }
     inputs.penalty_tokens.push(0);
     inputs.penalty_counts.push(0);
-}
-
-/// Whether a row with `params` is a plain argmax: greedy (`temperature == 0`) with no penalty
-/// that changes logits, so [`argmax`] gives the token [`sample`] would.
-pub fn plain_greedy(params: &tm_core::sampling::SamplingParams) -> bool {
-    params.temperature == 0.0
-        && params.repetition_penalty == 1.0
-        && params.presence_penalty == 0.0
-        && params.frequency_penalty == 0.0
 }
 
 /// f32 elements of one scratch row: `vocab` rounded up to a multiple of 4 (16-byte rows).

@@ -710,7 +710,7 @@ impl Ops for CudaBackend {
         // Greedy rows without penalties (every decode step of a greedy benchmark or chat): the
         // argmax kernel reads the logits directly, with no inputs to upload and no f32 copy of the
         // row (128k f16 logits at batch 1, ncu on the H200: 10.5 us against 28.2 us for `sample_T`).
-        if requests.iter().all(|r| sampling::plain_greedy(r.params)) {
+        if requests.iter().all(|r| r.params.is_plain_argmax()) {
             sampling::argmax(&self.gpu, self.dtype, ptr(logits), n, vocab, out)?;
         } else {
             self.sample_on_device(st, logits, requests, out)?;
