@@ -2,7 +2,9 @@
 // add_rms_norm joins between them), compiled with the GPU machine's own nvcc (no Rust build):
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I crates/tm-kernels/cuda \
-//        -o /tmp/q4c scripts/gpu/q4_decode_chain.cu && /tmp/q4c
+//        -o /tmp/q4c scripts/gpu/q4_decode_chain.cu crates/tm-kernels/cuda/attention.cu && /tmp/q4c
+//
+// (or here, with the pip nvcc: add `-cudart static -L<cu13>/lib` and carry the binary)
 //
 // It builds 32 Llama-3-8B-shaped int4 layers (random nibbles, group 128) and captures one decode
 // step of their products into a CUDA graph, every launch with programmatic stream serialization as
@@ -27,9 +29,25 @@
 // 1914-1924 against 1813-1820 without it; folded into the q/k/v GEMV in the engine
 // (`q4_gemv_ln_rope`) it saved only 9-15 us of a 2.30 ms step, so most of it was already hidden.
 //
+// `g4`: gate/up+SiLU on tile-major weights with more steps in flight at two CTAs per SM (x loaded
+// at use): U = 3 (8 bytes of spills) 1708-1713 us and U = 4 (208 bytes) 1907-1918 us against
+// 1686-1699 for silu_lnt's U = 2, early chain with the stand-in (2026-12-01, f16; bf16 alike).
+// `at`: decode attention itself (attn_decode_d128, 600 keys in 10 splits, fused combine) between
+// q/k/v and o: 1786-1795 us against 1516-1526 without attention and 1687-1699 with the 6-us
+// stand-in. Engine ablations on the same day (AWQ b1 replay 2088-2092 us; the kernels cut short,
+// garbage out): attention returning right after its wait 1924, after loading Q and its tile 1927,
+// skipping only the combine tail (fence, counter, last-CTA merge) 1988; add_rms_norm returning at
+// once 1989, both 1837. Tried here and in the engine, not kept: the combine's partials copied
+// into shared memory with the (max, sum) pairs (one L2 trip): harness 1790 -> 1772, engine
+// 2148 -> 2155; attention copying its first K/V tile before its wait (all but the newest key):
+// harness none, engine 2142 -> 2148; the splits merged through distributed shared memory in a
+// thread-block cluster (committed and reverted, see `git log -S cluster_combine`: attn_decode_bench 11.3 -> 9.6 us at 550
+// keys, engine 2172 -> 2247 us). This harness's q/k/v is `lnt` at three CTAs per SM, the engine's
+// `lnt_rope` at two, so attention's start is not modelled exactly.
+//
 // Arguments: none (the forms above), `tl` (the lean kernels against their tile-major forms, `lnt`,
 // `ln4t`, `silu_lnt`, the weights read as if stored tile-major: the layout's speed is the same for
-// random nibbles), `pf` (the attention stand-in issuing `cp.async.bulk.prefetch.L2` of the first
+// random nibbles), `g4`, `at` (above), `pf` (the attention stand-in issuing `cp.async.bulk.prefetch.L2` of the first
 // MiBs of the next gate and up weights). Measured 2026-12-01 (f16; bf16 within 1%): tile-major
 // 1567 -> 1438 us per step without joins, 1814 -> 1698 us early with the stand-in (now the CUDA
 // backend's layout for these shapes); L2 prefetch of 4 / 8 / 12 / 16 MiB of each: 1820 -> 1790 /
@@ -45,6 +63,15 @@
 #include <cuda_runtime.h>
 #include "q4_gemv.cu"
 #include "elementwise.cu"
+// attention.cu is a second translation unit (its helpers clash with elementwise.cu's in one):
+//   nvcc ... -o /tmp/q4c scripts/gpu/q4_decode_chain.cu crates/tm-kernels/cuda/attention.cu
+#define TM_ATTN_DECL(SUF, T)                                                                                            \
+    extern "C" __global__ void attn_decode_d128_##SUF(                                                                 \
+        const T* q, const T* k_cache, const T* v_cache, T* out, float* part_o, float* part_ml, unsigned* counters,    \
+        const int* q_start, const int* q_len, const int* ctx_len, const int* bt_start, const unsigned* block_tables,  \
+        int heads, int kv_heads, int gs, int block_size, float scale_log2, int window, int num_splits, int partition);
+TM_ATTN_DECL(f16, __half)
+TM_ATTN_DECL(bf16, __nv_bfloat16)
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
 
@@ -85,12 +112,29 @@ template <class... A> static void launch(void (*f)(A...), dim3 grid, int threads
     CK(cudaLaunchKernelEx(&cfg, f, args...));
 }
 
+// gate/up+SiLU on tile-major weights with U steps in flight per warp and x loaded at use, two
+// CTAs per SM (mode `g4`; silu_lnt is U = 2, silu_ln4t U = 4 with x buffered at one CTA per SM).
+#define SILU_X(NAME, T, U, XPRE)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, 2)                                                      \
+        NAME(T* out, const T* __restrict__ x, int n, int cols, int group, const unsigned char* wg, const __half* sg,     \
+             const __half* mg, const unsigned char* wu, const __half* su, const __half* mu, int rows) {                 \
+        const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                    \
+        const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                      \
+        tmq4::q4_gemv_silu<T, U, tmq4::LEAN_TILED, XPRE>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });    \
+    }
+SILU_X(silu_t3a_f16, __half, 3, false)
+SILU_X(silu_t4a_f16, __half, 4, false)
+SILU_X(silu_t3a_bf16, __nv_bfloat16, 3, false)
+SILU_X(silu_t4a_bf16, __nv_bfloat16, 4, false)
+
 template <class T> struct Ks;
 #define KS(SUF, TY) template <> struct Ks<TY> { \
     static constexpr auto ln = q4_gemv_ln_##SUF; static constexpr auto ln4 = q4_gemv_ln4_##SUF; \
     static constexpr auto silu = q4_gemv_silu_ln_##SUF; \
     static constexpr auto tl = q4_gemv_lnt_##SUF; static constexpr auto tl4 = q4_gemv_ln4t_##SUF; \
     static constexpr auto silu_tl = q4_gemv_silu_lnt_##SUF; \
+    static constexpr auto silu_t3a = silu_t3a_##SUF; static constexpr auto silu_t4a = silu_t4a_##SUF; \
+    static constexpr auto attn = attn_decode_d128_##SUF; \
     static constexpr auto rope = tm_kernel_rope_write_kv_##SUF::rope_write_kv_##SUF; static constexpr auto arn = tm_kernel_add_rms_norm_##SUF::add_rms_norm_##SUF; };
 KS(f16, __half)
 KS(bf16, __nv_bfloat16)
@@ -123,11 +167,26 @@ __global__ void __launch_bounds__(256) att_standin(int early, long long ns, floa
     if (threadIdx.x == 0 && t == 0) sink[blockIdx.x] = 1.f;
 }
 int g_rope = 0;  // 1: rope_write_kv after q/k/v (as the engine runs it)
-int g_att = 0;  // 0: no stand-in, 1: stand-in, 2: stand-in with an early trigger
+int g_att = 0;  // 0: no stand-in, 1: stand-in, 2: stand-in with an early trigger, 3: attn_decode itself
+bool g_at_only = false;
+// Decode attention itself (g_att = 3): per layer a paged cache of ACTX keys of 8 KV heads of 128
+// in blocks of 64 (one shuffled block table), one sequence, split as the CUDA backend splits it at
+// batch 1 (one 64-key tile per split CTA, the last CTA of each head group merging).
+constexpr int ACTX = 600, ABLK = 64, APART = 64, ASPLITS = (ACTX + APART - 1) / APART;
+struct AttnBufs {
+    std::vector<void*> kc, vc;  // per layer
+    int* meta;                  // q_start, q_len, ctx_len, bt_start
+    unsigned *bt, *cnt;
+    float *po, *pml;
+    void* out;
+};
+AttnBufs g_ab;
 long long g_pf = 0;    // bytes of the gate and of the up weight the stand-in prefetches into L2
 long long g_pf_off = 0;  // from this byte offset
 bool g_pf_only = false;
 bool g_tl_only = false;
+int g_silu = 0;  // gate/up on tile-major weights: 0 silu_lnt, 1 silu_t3a, 2 silu_t4a
+bool g_g4_only = false;
 int g_tl = 0;  // 1: the tile-major kernels (lnt, ln4t, silu_lnt: the weights read as tile-major)
 
 template <class T> struct Bufs {
@@ -155,16 +214,26 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
         if (g_rope)
             launch(Ks<T>::rope, dim3(1, 10), 256, 512, st, b.q, b.k, (const T*)b.v, b.kc, b.vc, (const unsigned*)b.pos,
                    (const unsigned*)b.slot, (const float*)b.inv_freq, 1.0f, 1, 32, 8, 128, 0);
-        if (g_att)
+        if (g_att && g_att < 3)
             launch(att_standin, 72, 256, 0, st, g_att == 2 ? 1 : 0, 6000LL, b.sink, (const char*)L.gate.p + g_pf_off,
                    (const char*)L.up.p + g_pf_off, g_pf);
-        // o: x = q (attention's output stands in).
-        launch(g_tl ? Ks<T>::tl4 : Ks<T>::ln4, 256, 256, 0, st, (const T*)b.q, 1, H, 128, b.delta, (T*)nullptr, (T*)nullptr,
+        const T* ox = b.q;  // o's input: attention's output, or q standing in for it
+        if (g_att == 3) {
+            const size_t li = &L - &Ls[0];
+            const AttnBufs& a = g_ab;
+            launch(Ks<T>::attn, dim3(ASPLITS, 8, 1), 128, (16 + 64) * 136 * sizeof(T) * 1 + 64 * 136 * sizeof(T), st,
+                   (const T*)b.q, (const T*)a.kc[li], (const T*)a.vc[li], (T*)a.out, a.po, a.pml, a.cnt,
+                   (const int*)a.meta, (const int*)a.meta + 1, (const int*)a.meta + 2, (const int*)a.meta + 3,
+                   (const unsigned*)a.bt, 32, 8, 4, ABLK, 1.4426950f / sqrtf(128.f), 0, ASPLITS, APART);
+            ox = (const T*)a.out;
+        }
+        launch(g_tl ? Ks<T>::tl4 : Ks<T>::ln4, 256, 256, 0, st, ox, 1, H, 128, b.delta, (T*)nullptr, (T*)nullptr,
                (const unsigned char*)L.o.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
                (const __half*)L.o.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.o.m,
                (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
         join(form, b, st);
-        launch(g_tl ? Ks<T>::silu_tl : Ks<T>::silu, 896, 256, 0, st, b.act, (const T*)b.normed, 1, H, 128, (const unsigned char*)L.gate.p,
+        auto silu = !g_tl ? Ks<T>::silu : g_silu == 1 ? Ks<T>::silu_t3a : g_silu == 2 ? Ks<T>::silu_t4a : Ks<T>::silu_tl;
+        launch(silu, 896, 256, 0, st, b.act, (const T*)b.normed, 1, H, 128, (const unsigned char*)L.gate.p,
                (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p, (const __half*)L.up.s,
                (const __half*)L.up.m, F);
         launch(g_tl ? Ks<T>::tl4 : Ks<T>::ln4, 256, 256, 0, st, (const T*)b.act, 1, F, 128, b.delta, (T*)nullptr, (T*)nullptr,
@@ -192,7 +261,7 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         CK(cudaMemset(b.delta, 0, H * sizeof(T)));
         CK(cudaDeviceSynchronize());
     };
-    struct Case { Form form; int att; int rope; int pf_mb; int pf_off_rows; int tl; };
+    struct Case { Form form; int att; int rope; int pf_mb; int pf_off_rows; int tl; int silu; };
     const Case all[] = {{LATE, 0, 0}, {EARLY, 0, 0}, {NONE, 0, 0}, {LATE, 1, 0}, {EARLY, 2, 0}, {NONE, 2, 0},
                         {EARLY, 2, 1}, {LATE, 0, 0}, {EARLY, 0, 0}, {LATE, 1, 0}, {EARLY, 2, 0}, {EARLY, 2, 1}};
     // L2 prefetch of gate/up rows during the attention stand-in: MiB of each weight, first row.
@@ -203,6 +272,33 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
                         {EARLY, 2, 0, 0, 0, 0}, {EARLY, 2, 0, 0, 0, 1}, {NONE, 0, 0, 0, 0, 0}, {NONE, 0, 0, 0, 0, 1}};
     std::vector<Case> cases(g_pf_only ? std::begin(pfc) : std::begin(all), g_pf_only ? std::end(pfc) : std::end(all));
     if (g_tl_only) cases.assign(std::begin(tlc), std::end(tlc));
+    const Case g4c[] = {{EARLY, 2, 0, 0, 0, 1, 0}, {EARLY, 2, 0, 0, 0, 1, 1}, {EARLY, 2, 0, 0, 0, 1, 2},
+                        {NONE, 0, 0, 0, 0, 1, 0},  {NONE, 0, 0, 0, 0, 1, 1},  {NONE, 0, 0, 0, 0, 1, 2},
+                        {EARLY, 2, 0, 0, 0, 1, 0}, {EARLY, 2, 0, 0, 0, 1, 1}, {EARLY, 2, 0, 0, 0, 1, 2}};
+    if (g_g4_only) cases.assign(std::begin(g4c), std::end(g4c));
+    const Case atc[] = {{EARLY, 2, 0, 0, 0, 1, 0}, {EARLY, 3, 0, 0, 0, 1, 0}, {EARLY, 0, 0, 0, 0, 1, 0},
+                        {EARLY, 2, 0, 0, 0, 1, 0}, {EARLY, 3, 0, 0, 0, 1, 0}, {EARLY, 0, 0, 0, 0, 1, 0}};
+    if (g_at_only) {
+        cases.assign(std::begin(atc), std::end(atc));
+        AttnBufs& a = g_ab;
+        const size_t per = (size_t)ASPLITS * ABLK * 8 * 128;  // elements of one layer's K (or V) cache
+        a.kc.clear(); a.vc.clear();
+        for (int l = 0; l < 32; ++l) {
+            T *k, *v;
+            CK(cudaMalloc(&k, per * sizeof(T))); CK(cudaMalloc(&v, per * sizeof(T)));
+            fill_x<T><<<256, 256>>>(k, per, 1000 + l, 1.0f);
+            fill_x<T><<<256, 256>>>(v, per, 2000 + l, 1.0f);
+            a.kc.push_back(k); a.vc.push_back(v);
+        }
+        const int meta[4] = {0, 1, ACTX, 0};
+        unsigned bt[ASPLITS];
+        for (int i = 0; i < ASPLITS; ++i) bt[i] = (i * 7 + 3) % ASPLITS;  // a shuffled table
+        CK(cudaMalloc(&a.meta, sizeof meta)); CK(cudaMemcpy(a.meta, meta, sizeof meta, cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&a.bt, sizeof bt)); CK(cudaMemcpy(a.bt, bt, sizeof bt, cudaMemcpyHostToDevice));
+        CK(cudaMalloc(&a.cnt, 64 * 4)); CK(cudaMemset(a.cnt, 0, 64 * 4));
+        CK(cudaMalloc(&a.po, 32 * ASPLITS * 128 * 4)); CK(cudaMalloc(&a.pml, 32 * ASPLITS * 2 * 4));
+        CK(cudaMalloc(&a.out, 4096 * sizeof(T)));
+    }
     printf("GEMVs trigger after their loops: %d\n", TM_Q4_GEMV_EARLY_TRIGGER);
     for (const Case& c : cases) {
         const Form form = c.form;
@@ -210,6 +306,7 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         g_rope = c.rope;
         g_pf = (long long)c.pf_mb << 20;
         g_tl = c.tl;
+        g_silu = c.silu;
         g_pf_off = (long long)c.pf_off_rows * 2048;
         reset();
         cudaGraph_t g; cudaGraphExec_t ge;
@@ -224,10 +321,12 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         for (int i = 0; i < iters; ++i) CK(cudaGraphLaunch(ge, st));
         CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
         float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
-        const char* att[] = {"", " + attention stand-in", " + attention stand-in (early trigger)"};
+        const char* att[] = {"", " + attention stand-in", " + attention stand-in (early trigger)",
+                             " + attn_decode (600 keys, 10 splits)"};
         printf("%s %-9s: %7.1f us per step%s%s", dt, form_names[form], 1000.f * ms / iters, g_rope ? " + rope_write_kv" : "",
                att[g_att]);
         if (g_tl) printf(" [tile-major]");
+        if (g_silu) printf(" [gate/up U = %d, x at use, 2 CTAs/SM]", g_silu + 2);
         if (g_pf) printf(", L2 prefetch of %lld MiB of gate and of up from row %d", g_pf >> 20, c.pf_off_rows);
         printf("\n");
         CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
@@ -237,6 +336,8 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
 int main(int argc, char** argv) {
     g_pf_only = argc > 1 && std::string(argv[1]) == "pf";
     g_tl_only = argc > 1 && std::string(argv[1]) == "tl";
+    g_g4_only = argc > 1 && std::string(argv[1]) == "g4";
+    g_at_only = argc > 1 && std::string(argv[1]) == "at";
     setvbuf(stdout, nullptr, _IONBF, 0);
     std::vector<Layer> Ls;
     for (int l = 0; l < 32; ++l) {

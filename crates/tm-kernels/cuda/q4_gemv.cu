@@ -570,7 +570,7 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
     }
 }
 
-template <class T, int U, int PATH, class Wait>
+template <class T, int U, int PATH, bool XPRE = (U > 2), class Wait>
 __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, int n, int cols, int group,
                                              const Slot<T>& gate, const Slot<T>& up, Wait wait) {
     const int row0 = blockIdx.x * 16, rows = gate.rows;
@@ -578,9 +578,9 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
                            Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[2][4];
     if constexpr (PATH == LEAN_TILED)
-        q4_tiles_lean<T, U, 2, (U > 2), true>(tiles, x, n, cols, acc, wait);
+        q4_tiles_lean<T, U, 2, XPRE, true>(tiles, x, n, cols, acc, wait);
     else if constexpr (PATH == LEAN)
-        q4_tiles_lean<T, U, 2, (U > 2)>(tiles, x, n, cols, acc, wait);
+        q4_tiles_lean<T, U, 2, XPRE>(tiles, x, n, cols, acc, wait);
     else
         q4_tiles<T, U, 2, true>(tiles, x, n, cols, group, acc, wait);
     // Gate sums land in threads 0..127, up sums in 128..255 (same fragment order).
