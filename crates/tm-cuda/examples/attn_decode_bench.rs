@@ -1,6 +1,5 @@
 //! Times the paged decode attention kernel (`attn_decode`; when the context is split, its partials
-//! merged through distributed shared memory by a thread-block cluster of the splits (sm_90+, up to
-//! 16 splits), by the last split CTA (fused combine) or by a second launch of `attn_combine`) on the
+//! merged by the last split CTA (fused combine) or by a second launch of `attn_combine`) on the
 //! GPU with CUDA events, with a 16-bit KV cache and with the FP8 E4M3 cache, for a
 //! Llama-3-8B-shaped layer: 8 KV heads, 32 query heads (group 4), head_dim 128, blocks of 64
 //! tokens. By default three batches: 256 sequences of 768 tokens of context, and batch-1 decode
@@ -10,13 +9,13 @@
 //! ```text
 //! cargo build --release -p tm-cuda --examples
 //! target/release/examples/attn_decode_bench [--dtype f16|bf16] [--seqs N] [--ctx N] [--iters 200]
-//!     [--combine cluster|fused|launch|all]
+//!     [--combine fused|launch|both]
 //! ```
 //!
-//! Each line gives the split count, the merge (`cluster`, `fused`, `launch`: the two-kernel path, or `-`
+//! Each line gives the split count, the merge (`fused`, `launch`: the two-kernel path, or `-`
 //! with one split), the time per call, the KV-cache bytes read per second (K and V of every
 //! sequence's context; Q, the output and the metadata are not counted) and that as a fraction of
-//! the H200's measured copy bandwidth (4.275 TB/s). `--combine all` (the default) times a split
+//! the H200's measured copy bandwidth (4.275 TB/s). `--combine both` (the default) times a split
 //! batch both ways. The blocks of the sequences are scattered through the cache (a shuffled block
 //! table), as in a serving engine. No assertions (the conformance tests check the results);
 //! without a CUDA device it says so and exits successfully.
@@ -46,31 +45,8 @@ struct Opts {
     /// (sequences, context tokens each) per batch timed.
     cases: Vec<(usize, usize)>,
     iters: usize,
-    /// Merges to time for a split batch.
-    combine: Vec<Merge>,
-}
-
-/// How the splits of a decode are merged (`attention::set_cluster_merge`, `set_fused_combine`).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Merge {
-    /// A thread-block cluster of the splits, through distributed shared memory (sm_90+, else fused).
-    Cluster,
-    /// The last split CTA to finish.
-    Fused,
-    /// A second launch (`attn_combine`).
-    Launch,
-}
-
-impl Merge {
-    const ALL: [Merge; 3] = [Merge::Cluster, Merge::Fused, Merge::Launch];
-
-    fn name(self) -> &'static str {
-        match self {
-            Merge::Cluster => "cluster",
-            Merge::Fused => "fused",
-            Merge::Launch => "launch",
-        }
-    }
+    /// Merges to time for a split batch: `true` = fused combine, `false` = `attn_combine` launch.
+    combine: Vec<bool>,
 }
 
 fn positive(what: &str, v: &str) -> Result<usize, String> {
@@ -78,7 +54,7 @@ fn positive(what: &str, v: &str) -> Result<usize, String> {
 }
 
 fn parse() -> Result<Opts, String> {
-    let mut o = Opts { dtype: DType::BF16, cases: Vec::new(), iters: 200, combine: Merge::ALL.to_vec() };
+    let mut o = Opts { dtype: DType::BF16, cases: Vec::new(), iters: 200, combine: vec![true, false] };
     let (mut seqs, mut ctx) = (None, None);
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -95,17 +71,17 @@ fn parse() -> Result<Opts, String> {
             "--ctx" => ctx = Some(positive("--ctx", &value("--ctx")?)?),
             "--iters" => o.iters = positive("--iters", &value("--iters")?)?,
             "--combine" => {
-                let v = value("--combine")?;
-                o.combine = match Merge::ALL.iter().find(|m| m.name() == v) {
-                    Some(&m) => vec![m],
-                    None if v == "all" => Merge::ALL.to_vec(),
-                    None => return Err(format!("--combine {v}: expected cluster, fused, launch or all")),
+                o.combine = match value("--combine")?.as_str() {
+                    "fused" => vec![true],
+                    "launch" => vec![false],
+                    "both" => vec![true, false],
+                    other => return Err(format!("--combine {other}: expected fused, launch or both")),
                 }
             }
             "-h" | "--help" => {
                 println!(
                     "usage: attn_decode_bench [--dtype f16|bf16] [--seqs N] [--ctx N] [--iters 200] \
-                     [--combine cluster|fused|launch|all]"
+                     [--combine fused|launch|both]"
                 );
                 std::process::exit(0);
             }
@@ -162,7 +138,6 @@ fn bench(o: &Opts) -> Result<(), String> {
         bench_batch(&b, o, seqs, ctx)?;
     }
     attention::set_fused_combine(None);
-    attention::set_cluster_merge(None);
     Ok(())
 }
 
@@ -220,14 +195,13 @@ fn bench_batch(b: &tm_cuda::CudaBackend, o: &Opts, seqs: usize, ctx: usize) -> R
     };
     let splits = attention::decode_splits(&shape, &batch);
     println!("{seqs} seqs, ctx {ctx}: {splits} split(s)");
-    let merges: &[Merge] = if splits > 1 { &o.combine } else { &[Merge::Fused] };
+    let merges: &[bool] = if splits > 1 { &o.combine } else { &[true] };
     for kv in [o.dtype, DType::F8E4M3] {
         let elems = blocks * BLOCK * KV_HEADS * HEAD_DIM;
         let k = upload(ops, kv, &[elems], &random_bytes(&mut rng, kv, elems))?;
         let v = upload(ops, kv, &[elems], &random_bytes(&mut rng, kv, elems))?;
-        for &merge in merges {
-            attention::set_cluster_merge(Some(merge == Merge::Cluster));
-            attention::set_fused_combine(Some(merge != Merge::Launch));
+        for &fused in merges {
+            attention::set_fused_combine(Some(fused));
             let ms = common::time_ms(b, o.iters, |_| {
                 attention::attention(
                     b.gpu(),
@@ -244,9 +218,15 @@ fn bench_batch(b: &tm_cuda::CudaBackend, o: &Opts, seqs: usize, ctx: usize) -> R
             })?;
             let bytes = 2.0 * kv.storage_bytes(seqs * ctx * KV_HEADS * HEAD_DIM) as f64;
             let bw = bytes / (ms * 1e-3);
-            let merge = if splits == 1 { "-" } else { merge.name() };
+            let merge = if splits == 1 {
+                "-"
+            } else if fused {
+                "fused"
+            } else {
+                "launch"
+            };
             println!(
-                "  cache {:<8} merge {merge:<7} {:>9.1} us  {:>7.0} GB/s  {:>5.1}%",
+                "  cache {:<8} merge {merge:<6} {:>9.1} us  {:>7.0} GB/s  {:>5.1}%",
                 kv.to_string(),
                 ms * 1e3,
                 bw / 1e9,

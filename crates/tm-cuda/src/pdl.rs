@@ -92,14 +92,11 @@ pub(crate) fn log_choice(ordinal: usize, cc: (u32, u32)) {
     }
 }
 
-/// Launches `f` with `cuLaunchKernelEx`: with the programmatic-stream-serialization attribute
-/// when `pdl`, and in clusters of `cluster_x` blocks along x when it is above 1 (the grid's x is a
-/// multiple of it; sizes above 8 need the function's non-portable-cluster attribute set first).
+/// Launches `f` with the programmatic-stream-serialization attribute.
 ///
 /// # Safety
 /// As `cuLaunchKernel`: `f` is a live function of the current context, `stream` a live stream of
 /// it, and `params` points at one valid value per kernel parameter, in order.
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn launch(
     f: sys::CUfunction,
     grid: (u32, u32, u32),
@@ -107,24 +104,11 @@ pub(crate) unsafe fn launch(
     shared_mem: u32,
     stream: sys::CUstream,
     params: &mut [*mut std::ffi::c_void],
-    pdl: bool,
-    cluster_x: u32,
 ) -> Result<(), DriverError> {
-    // SAFETY: the attributes are plain data (an id and a union of C scalars); all-zero is valid.
-    let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
-    let mut n = 0;
-    if pdl {
-        attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attrs[n].value.programmaticStreamSerializationAllowed = 1;
-        n += 1;
-    }
-    if cluster_x > 1 {
-        attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attrs[n].value.clusterDim.x = cluster_x;
-        attrs[n].value.clusterDim.y = 1;
-        attrs[n].value.clusterDim.z = 1;
-        n += 1;
-    }
+    // SAFETY: the attribute is plain data (an id and a union of C scalars); all-zero is valid.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
     let config = sys::CUlaunchConfig {
         gridDimX: grid.0,
         gridDimY: grid.1,
@@ -134,10 +118,10 @@ pub(crate) unsafe fn launch(
         blockDimZ: block.2,
         sharedMemBytes: shared_mem,
         hStream: stream,
-        attrs: attrs.as_mut_ptr(),
-        numAttrs: n as u32,
+        attrs: &mut attr,
+        numAttrs: 1,
     };
-    // SAFETY: `config` and `attrs` outlive the call; the rest is the caller's contract.
+    // SAFETY: `config` and `attr` outlive the call; the rest is the caller's contract.
     unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }.result()
 }
 

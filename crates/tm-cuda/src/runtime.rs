@@ -325,32 +325,10 @@ impl Gpu {
     /// With [`Gpu::pdl`] (and a kernel whose module waits for its predecessors) the launch carries
     /// the programmatic-stream-serialization attribute; eager and captured launches alike.
     pub fn launch(&self, name: &str, grid: Dim3, block: Dim3, shared_mem: u32, args: &[KernelArg]) -> Result<()> {
-        self.launch_clustered(name, grid, block, shared_mem, 1, args)
-    }
-
-    /// [`Gpu::launch`] in thread-block clusters of `cluster_x` blocks along x (sm_90+; 1: no
-    /// clusters). `grid.0` must be a multiple of it; above 8 (the portable limit, up to 16 on
-    /// sm_90) the kernel is opted into non-portable cluster sizes first.
-    pub fn launch_clustered(
-        &self,
-        name: &str,
-        grid: Dim3,
-        block: Dim3,
-        shared_mem: u32,
-        cluster_x: u32,
-        args: &[KernelArg],
-    ) -> Result<()> {
-        if cluster_x > 1 && (self.sm() < 90 || grid.0 % cluster_x != 0) {
-            return Err(Error::invalid(format!(
-                "{name}: clusters of {cluster_x} blocks need sm_90 and a grid of whole clusters (sm_{}, grid x {})",
-                self.sm(),
-                grid.0
-            )));
-        }
         if self.mode() == LaunchMode::Record {
             let mut r = self.recorder.lock().map_err(|_| Error::invalid("cuda launch recorder poisoned"))?;
             let mut h = name.bytes().fold(r.signature, |h, b| fnv(h, b as u64));
-            for w in [grid.0, grid.1, grid.2, block.0, block.1, block.2, shared_mem, cluster_x] {
+            for w in [grid.0, grid.1, grid.2, block.0, block.1, block.2, shared_mem] {
                 h = fnv(h, w as u64);
             }
             for a in args {
@@ -376,10 +354,6 @@ impl Gpu {
                 shared_mem as i32,
             )
             .map_err(driver_err("cuFuncSetAttribute"))?;
-        }
-        if cluster_x > 8 {
-            f.set_attribute(sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-                .map_err(driver_err("cuFuncSetAttribute(non-portable cluster size)"))?;
         }
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
@@ -408,11 +382,11 @@ impl Gpu {
         // SAFETY: every parameter points at a little-endian u64 holding the value in its low
         // bytes, which is how 4- and 8-byte kernel parameters are read; the kernel's signature is
         // the launcher's contract (see tm-kernels/cuda/ABI.md). A PDL launch needs the kernel to
-        // wait for its predecessor, which `pdl` says it does; clusters were checked above.
+        // wait for its predecessor, which `pdl` says it does.
         let (func, stream) = (f.cu_function(), self.stream.cu_stream());
         unsafe {
-            if pdl || cluster_x > 1 {
-                crate::pdl::launch(func, grid, block, shared_mem, stream, params, pdl, cluster_x)
+            if pdl {
+                crate::pdl::launch(func, grid, block, shared_mem, stream, params)
             } else {
                 result::launch_kernel(func, grid, block, shared_mem, stream, params)
             }

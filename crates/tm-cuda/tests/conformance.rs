@@ -1906,7 +1906,7 @@ fn decode_splits(
 /// running meanwhile may take either path (both are correct).
 #[test]
 fn attention_decode_split_merge() {
-    use tm_cuda::kernels::attention::{set_cluster_merge, set_fused_combine};
+    use tm_cuda::kernels::attention::set_fused_combine;
     // (what, heads, kv_heads, head_dim, window, seqs, splits the default plan makes)
     type SplitCase = (&'static str, usize, usize, usize, Option<usize>, Vec<(usize, usize)>, Option<usize>);
     let batch1 = |ctx| vec![(1, ctx)];
@@ -1921,19 +1921,14 @@ fn attention_decode_split_merge() {
         ("GQA 32 (two sub-groups)", 32, 1, 64, None, vec![(1, 1500), (1, 700)], None),
         ("GQA 7 head_dim 64", 14, 2, 64, None, batch1(3000), None),
         ("GQA 4 uneven splits", 32, 8, 128, None, vec![(1, 3000), (1, 1), (1, 200), (1, 1300)], None),
-        // 15 splits (a cluster of 15 on sm_90): sequences using 15, 4 and 2 of them, and two in one
-        ("GQA 4 uneven clustered", 32, 8, 128, None, vec![(1, 900), (1, 1), (1, 200), (1, 64), (1, 65)], Some(15)),
         ("GQA 4 decode + prefill", 32, 8, 128, None, vec![(1, 37), (1, 4000), (40, 90), (1, 650)], None),
     ];
     // the expected counts hold for the default plan (TM_ATTN_MIN_PARTITION / _TARGET_CTAS unset)
     let tuned = ["TM_ATTN_MIN_PARTITION", "TM_ATTN_TARGET_CTAS"].iter().any(|v| std::env::var(v).is_ok());
     run("attention_decode_split_merge", &[DType::F16, DType::BF16], |s| {
-        // cluster: on sm_90 and newer, 2 to 16 splits merge through distributed shared memory
-        // (elsewhere as fused); fused: the last split CTA merges; launch: attn_combine does
-        for mode in ["cluster", "fused", "launch"] {
-            set_cluster_merge(Some(mode == "cluster"));
-            set_fused_combine(Some(mode != "launch"));
-            s.tag = format!("[{mode}] ");
+        for fused in [true, false] {
+            set_fused_combine(Some(fused));
+            s.tag = if fused { "[fused] ".into() } else { "[launch] ".into() };
             for (what, heads, kv_heads, hd, window, seqs, want) in &cases {
                 let splits = decode_splits(*heads, *kv_heads, *hd, *window, seqs);
                 if want.is_some_and(|w| w != splits) && !tuned {
@@ -1958,7 +1953,6 @@ fn attention_decode_split_merge() {
             }
         }
         set_fused_combine(None);
-        set_cluster_merge(None);
         s.tag.clear();
     });
 }

@@ -527,85 +527,6 @@ template <int D> struct DecodeCfg {
     static_assert(NS8 >= 2, "the merge needs 256 * D bytes of the raw ring");
 };
 
-// Thread-block clusters (sm_90+; launched with a cluster dimension, see decode_merge): the number
-// of blocks in this block's cluster (1 when launched without, or before sm_90), this block's rank
-// in it, a barrier of every thread of the cluster (release / acquire: shared-memory writes before
-// it are visible to the other blocks' reads after it; blocks that exited do not hold it up), and a
-// load from the shared memory of block `rank` of the cluster at the address `p` has in this one.
-__device__ __forceinline__ unsigned cluster_blocks() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned n;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-    return n;
-#else
-    return 1;
-#endif
-}
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-}
-#endif
-
-// Most splits merged in a cluster (the launcher mirrors it as MAX_CLUSTER: sm_90's largest,
-// non-portable, cluster size).
-#define TM_ATTN_MAX_CLUSTER 16
-
-// The cluster merge of decode_merge: block k of the cluster (split k < used) holds its normalised
-// partial rows in sP [rows][D] and their (max, sum) in s_cm / s_cl; block `rank` merges its share
-// of the rows * D outputs from every split's shared memory and writes them to `out`. `scratch`
-// (2 * rows * used floats of this block's shared memory, not sP) takes the splits' weights. Every
-// thread of every block with work calls it (it has cluster barriers). Not inlined (as
-// combine_splits: code that runs once should not raise the decode kernels' register counts).
-template <typename T, int D>
-__device__ __noinline__ void cluster_combine(const float* sP, const float* s_cm, const float* s_cl, float* scratch,
-                                             int rows, int h0, int used, int q_row, int heads, T* out) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    cluster_sync();  // every split's partial rows and (max, sum) are in its shared memory
-    const int n = rows * used;
-    float* s_w = scratch;      // [rows][used]: each split's max, then its weight / the row's sum
-    float* s_l = scratch + n;  // [rows][used]: each split's sum
-    for (int t = threadIdx.x; t < n; t += blockDim.x) {
-        const int i = t / used, k = t - i * used;
-        s_w[t] = ld_cluster(s_cm + i, k);
-        s_l[t] = ld_cluster(s_cl + i, k);
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < rows; i += blockDim.x) {
-        float mm = neg_inf();
-        for (int k = 0; k < used; ++k) mm = fmaxf(mm, s_w[i * used + k]);
-        const float mu = mm == neg_inf() ? 0.f : mm;
-        float ll = 0.f;
-        for (int k = 0; k < used; ++k) ll += s_l[i * used + k] * exp2f(s_w[i * used + k] - mu);
-        const float inv = ll > 0.f ? 1.f / ll : 0.f;
-        for (int k = 0; k < used; ++k) s_w[i * used + k] = s_l[i * used + k] * exp2f(s_w[i * used + k] - mu) * inv;
-    }
-    __syncthreads();
-    const int total = rows * D, per = (total + used - 1) / used;
-    const int lo = (int)cluster_rank() * per, hi = min(total, lo + per);
-    for (int c = lo + threadIdx.x; c < hi; c += blockDim.x) {
-        const int i = c / D;
-        float acc = 0.f;
-#pragma unroll 4
-        for (int k = 0; k < used; ++k) acc += s_w[i * used + k] * ld_cluster(sP + c, k);
-        out[((long long)q_row * heads + h0 + i) * D + (c - i * D)] = from_float<T>(acc);
-    }
-    cluster_sync();  // no block leaves while another still reads its shared memory
-#endif
-}
-
 // The split plan of one decode sequence, shared by attn_decode and attn_combine.
 struct DecodeRange {
     int lo, end;  // keys [lo, end)
@@ -708,11 +629,8 @@ __device__ __forceinline__ void decode_merge(float* sO, const float (*s_m)[R], c
                                              int seq, int heads, int num_splits, int split, T* out, float* part_o,
                                              float* part_ml, unsigned* counters) {
     static_assert(2 * R * TM_ATTN_MAX_SPLITS <= 4 * R * D, "the fused combine's (max, sum) pairs fit in sO");
-    static_assert(2 * R * TM_ATTN_MAX_CLUSTER <= R * D, "the cluster merge's weights fit in warp 1's rows of sO");
     __shared__ int s_last;
-    __shared__ float s_cm[R], s_cl[R];  // cluster merge: this split's (max, sum) per row
     const int tid = threadIdx.x;
-    const bool clustered = !rg.direct && cluster_blocks() > 1;
     if (tid < R) {
         float mm = neg_inf();
         for (int w = 0; w < 4; ++w) mm = fmaxf(mm, s_m[w][tid]);
@@ -721,10 +639,7 @@ __device__ __forceinline__ void decode_merge(float* sO, const float (*s_m)[R], c
         for (int w = 0; w < 4; ++w) ll += s_l[w][tid] * exp2f(s_m[w][tid] - mu);
         const float inv = ll > 0.f ? 1.f / ll : 0.f;
         for (int w = 0; w < 4; ++w) s_f[w][tid] = exp2f(s_m[w][tid] - mu) * inv;
-        if (clustered) {
-            s_cm[tid] = mm;
-            s_cl[tid] = ll;
-        } else if (!rg.direct && tid < rows) {
+        if (!rg.direct && tid < rows) {
             const long long idx = ((long long)seq * heads + h0 + tid) * num_splits + split;
             part_ml[2 * idx] = mm;
             part_ml[2 * idx + 1] = ll;
@@ -739,16 +654,9 @@ __device__ __forceinline__ void decode_merge(float* sO, const float (*s_m)[R], c
         const int h = h0 + i;
         if (rg.direct) {
             out[((long long)q_row * heads + h) * D + d] = from_float<T>(v);
-        } else if (clustered) {
-            sO[i * D + d] = v;  // in place: this thread alone reads and writes element (i, d) of warp 0's rows
         } else {
             part_o[(((long long)seq * heads + h) * num_splits + split) * D + d] = v;
         }
-    }
-    if (clustered) {
-        // warp 1's rows of sO are free once the barrier in cluster_combine has passed
-        cluster_combine<T, D>(sO, s_cm, s_cl, sO + R * D, rows, h0, rg.used, q_row, heads, out);
-        return;
     }
     if (rg.direct || counters == nullptr) return;
     // Release: each thread's partials reach device scope before the barrier, the barrier before

@@ -329,42 +329,6 @@ pub fn fused_combine() -> bool {
     }
 }
 
-/// Most decode splits merged in a thread-block cluster (`TM_ATTN_MAX_CLUSTER` in attention.cu:
-/// sm_90's largest, non-portable, cluster size).
-const MAX_CLUSTER: usize = 16;
-
-/// [`set_cluster_merge`]'s override: 0 = none (the environment decides), 1 = off, 2 = on.
-static CLUSTER_OVERRIDE: AtomicU8 = AtomicU8::new(0);
-
-/// Forces the cluster merge of split decode on or off for the whole process, over
-/// `TM_ATTN_CLUSTER` (`None`: back to the environment). For tests and benchmarks.
-pub fn set_cluster_merge(on: Option<bool>) {
-    CLUSTER_OVERRIDE.store(on.map_or(0, |on| 1 + u8::from(on)), Ordering::Relaxed);
-}
-
-/// Whether split decode may merge its partials through distributed shared memory: the splits of
-/// each (sequence, head group) launched as one thread-block cluster, each block merging a share of
-/// the outputs from every split's shared memory, with no partials in global memory, no counters
-/// and no second launch. [`set_cluster_merge`]'s choice, else `TM_ATTN_CLUSTER` not `0` (read
-/// once). Taken on sm_90 and newer for 2 to [`MAX_CLUSTER`] splits.
-pub fn cluster_merge() -> bool {
-    static ENV: OnceLock<bool> = OnceLock::new();
-    match CLUSTER_OVERRIDE.load(Ordering::Relaxed) {
-        1 => false,
-        2 => true,
-        _ => *ENV.get_or_init(|| std::env::var("TM_ATTN_CLUSTER").map_or(true, |v| v.trim() != "0")),
-    }
-}
-
-/// The cluster size of a decode launch of `splits` splits on compute capability `sm` (1: none).
-fn decode_cluster(sm: u32, splits: usize) -> u32 {
-    if sm >= 90 && (2..=MAX_CLUSTER).contains(&splits) && cluster_merge() {
-        splits as u32
-    } else {
-        1
-    }
-}
-
 /// `TM_ATTENTION=simple` forces the CUDA-core kernel (read once).
 fn force_simple() -> bool {
     static FORCE: OnceLock<bool> = OnceLock::new();
@@ -508,10 +472,8 @@ pub fn attention(
         let (gs, n_sub) = sub_groups(group, DECODE_ROWS);
         let part_o = work.scratch;
         let part_ml = work.scratch + (batch.num_seqs * heads * plan.splits * head_dim * 4) as u64;
-        // A cluster per (sequence, head group) merges through shared memory; otherwise null
-        // counters leave the partials to attn_combine.
-        let cluster = decode_cluster(gpu.sm(), plan.splits);
-        let fused = plan.splits > 1 && (cluster > 1 || fused_combine());
+        // Null counters: the kernel leaves the partials to attn_combine.
+        let fused = plan.splits > 1 && fused_combine();
         let counters = if fused { work.counters } else { 0 };
         let mut args = vec![
             KernelArg::Ptr(q),
@@ -544,7 +506,7 @@ pub fn attention(
         } else {
             format!("attn_decode_d{head_dim}_{sfx}{ksfx}")
         };
-        gpu.launch_clustered(&name, grid, (THREADS, 1, 1), decode_smem as u32, cluster, &args)?;
+        gpu.launch(&name, grid, (THREADS, 1, 1), decode_smem as u32, &args)?;
         if plan.splits > 1 && !fused {
             let args = [
                 KernelArg::Ptr(out),
