@@ -251,14 +251,17 @@ fn lean_columns(cols: usize, group: usize) -> bool {
     group == 128 && cols > 0 && cols.is_multiple_of(1024)
 }
 
-/// [`set_tiling`]'s override: 0 = none (the environment decides), 1 = off, 2 = on.
-static TILING: AtomicU8 = AtomicU8::new(0);
+thread_local! {
+    /// [`set_tiling`]'s override for this thread: 0 = none (the environment decides), 1 = off, 2 = on.
+    static TILING: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
+}
 
 /// Makes [`preferred_layout`] store new int4 weights tile-major (`Some(true)`), row-major
-/// (`Some(false)`), or as `TM_Q4_TILED` says (`None`), for the whole process: for tests and
-/// benchmarks that compare the layouts. Weights already uploaded keep theirs.
+/// (`Some(false)`), or as `TM_Q4_TILED` says (`None`), for the weights the calling thread uploads:
+/// for tests and benchmarks that compare the layouts (thread by thread, so tests running in
+/// parallel do not change each other's uploads). Weights already uploaded keep theirs.
 pub fn set_tiling(on: Option<bool>) {
-    TILING.store(on.map_or(0, |b| 1 + u8::from(b)), Ordering::Relaxed);
+    TILING.with(|t| t.set(on.map_or(0, |b| 1 + u8::from(b))));
 }
 
 /// The layout the CUDA backend stores a `[rows, cols]` int4 weight of `group` in, for activations
@@ -270,7 +273,7 @@ pub fn set_tiling(on: Option<bool>) {
 /// tile-major weights only with the lean kernels.
 pub fn preferred_layout(dt: DType, rows: usize, cols: usize, group: usize) -> Int4Layout {
     static ENV: OnceLock<bool> = OnceLock::new();
-    let on = match TILING.load(Ordering::Relaxed) {
+    let on = match TILING.with(std::cell::Cell::get) {
         0 => *ENV.get_or_init(|| std::env::var("TM_Q4_TILED").map_or(true, |v| v.trim() != "0")) && lean_enabled(),
         c => c == 2,
     };

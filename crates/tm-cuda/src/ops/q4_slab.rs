@@ -2,7 +2,8 @@
 //! above the policy's threshold, each slab of weight rows `[r0, r0 + R)` is dequantized into the
 //! backend's fixed slab buffer and multiplied by cuBLASLt straight into `out[:, r0..r0 + R]`
 //! ([`crate::kernels::q4_slab`]); slabs run one after the other on the stream, so one buffer
-//! serves them all. The buffer is reserved once with the workspace ([`CudaBackend::reserve_slab`]);
+//! serves them all, and a product queues all its slabs under the backend's state lock, so threads
+//! sharing the backend cannot interleave theirs in it. The buffer is reserved once with the workspace ([`CudaBackend::reserve_slab`]);
 //! without it the fused int4 kernels run instead, so nothing is ever allocated here.
 //!
 //! Everything is ordinary stream work on fixed addresses, so it records and captures into CUDA
@@ -106,6 +107,9 @@ impl CudaBackend {
         if q4_slab::rows_per_slab(self.dtype, &w, budget).is_none() || !w.cols.is_multiple_of(32) {
             return Ok(false);
         }
+        // One product's slabs at a time: two threads sharing this backend would otherwise queue
+        // their dequantizations and products into the one buffer interleaved on the stream.
+        let _serial = self.state()?;
         q4_slab::matmul_q4_slabs(&self.gpu, &self.blas, self.dtype, ptr(out), ptr(x), &w, n, slab.addr(), budget)?;
         PRODUCTS.fetch_add(1, Ordering::Relaxed);
         Ok(true)
