@@ -570,6 +570,9 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
     }
 }
 
+// gate/up with SiLU (the kernels' list above). XPRE: the lean loops load x with the ring's weights
+// (the U = 4 kernels) or at use (U = 2); scripts/gpu/q4_decode_chain.cu `g4` measured U = 3 and 4
+// with x at use at two CTAs per SM (slower).
 template <class T, int U, int PATH, bool XPRE = (U > 2), class Wait>
 __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, int n, int cols, int group,
                                              const Slot<T>& gate, const Slot<T>& up, Wait wait) {
