@@ -733,4 +733,24 @@ mod tests {
         set_unroll(None);
         assert_eq!(forced(), forced_unroll());
     }
+
+    #[test]
+    fn set_tiling_holds_for_the_calling_thread_only() {
+        use tm_core::quant::Int4Layout::{RowMajor, Tiles16x128};
+        let lean = |dt| preferred_layout(dt, 4096, 4096, 128);
+        let unforced = lean(DType::F16);
+        set_tiling(Some(true));
+        assert_eq!(lean(DType::F16), Tiles16x128);
+        assert_eq!(lean(DType::BF16), Tiles16x128);
+        // never for f32, group 64 or shapes the lean kernels do not take
+        assert_eq!(lean(DType::F32), RowMajor);
+        assert_eq!(preferred_layout(DType::F16, 4096, 4096, 64), RowMajor);
+        assert_eq!(preferred_layout(DType::F16, 4096, 1000, 128), RowMajor);
+        // another thread sees the environment's choice
+        assert_eq!(std::thread::spawn(move || lean(DType::F16)).join().ok(), Some(unforced));
+        set_tiling(Some(false));
+        assert_eq!(lean(DType::F16), RowMajor);
+        set_tiling(None);
+        assert_eq!(lean(DType::F16), unforced);
+    }
 }
