@@ -2297,6 +2297,61 @@ fn matmul_q4_slab(s: &mut Suite, n: usize, rows: usize, cols: usize, group: usiz
     });
 }
 
+/// Int4 slab products queued from several threads at once on one backend (as these tests share
+/// one per dtype, and as a library user may): every thread's output must match its own exact host
+/// product. The slabs of one product share the backend's one slab buffer, so products from two
+/// threads must not interleave on the stream (before the fix, ~5% of the outputs were wrong).
+fn matmul_q4_slab_threads(s: &mut Suite, threads: usize, n: usize, rows: usize, cols: usize) {
+    const REPEATS: usize = 4;
+    let label = format!("matmul_q4 slabs from {threads} threads at once, {REPEATS} products each: x[{n}, {cols}] · W[{rows}, {cols}]ᵀ g128");
+    s.case(label, |c| {
+        let w = c.weight(Kind::Int4(128), rows, cols, (3.0 / cols as f32).sqrt())?;
+        let q = w.quant.as_ref().ok_or("int4 weight without its host copy")?;
+        let mut inputs = Vec::new();
+        for _ in 0..threads {
+            let xs = c.activations(n * cols, 1.0);
+            let mut want = vec![0f32; n * rows];
+            tm_cpu::quant_matmul::matmul_int4_exact(&xs, n, &q.view(), &mut want).ctx("host exact int4 matmul")?;
+            inputs.push((c.act(&[n, cols], &xs)?, c.output(&[n, rows])?, want));
+        }
+        let on = tm_core::q4_slab::SlabPolicy { enabled: true, min_tokens: 1 };
+        let _serial = prefill_policy_lock();
+        // a small budget: several slabs per product, so interleaved products would overwrite
+        // each other's slab between its dequantization and its product
+        tm_cuda::set_slab_policy(Some((on, 1 << 20)));
+        let before = tm_cuda::slab_products();
+        let gpu = c.gpu;
+        let ran: Vec<tm_core::Result<()>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = inputs
+                .iter_mut()
+                .map(|(x, out, _)| {
+                    let (x, out, w) = (&x.gpu, &mut out.gpu, &w.gpu);
+                    scope.spawn(move || {
+                        gpu.reserve_matmul_scratch(n)?;
+                        (0..REPEATS).try_for_each(|_| gpu.matmul(x, w, None, out))
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err(tm_core::Error::invalid("thread panicked"))))
+                .collect()
+        });
+        let products = tm_cuda::slab_products() - before;
+        tm_cuda::set_slab_policy(None);
+        for r in ran {
+            r.ctx("cuda matmul from a thread")?;
+        }
+        if products < (threads * REPEATS) as u64 {
+            c.problems.push(format!("{products} slab products counted, {} expected", threads * REPEATS));
+        }
+        for (t, (_, out, want)) in inputs.iter().enumerate() {
+            c.check(&format!("out of thread {t}"), &out.gpu, want, rows, 1.0)?;
+        }
+        Ok(())
+    });
+}
+
 /// The large-batch int4 slab path (f16/bf16; f32 never takes it): 512, 1500 and 2048 tokens,
 /// groups 64/128, one whole-matrix slab, Llama-3-8B's down projection in two default-budget
 /// slabs, and small budgets whose row counts do not divide the matrix (short last slab, a
@@ -2327,6 +2382,7 @@ fn matmul_int4_slab() {
         gate_up_silu(s, Kind::Int4(128), 512, 1000, 1024);
         tm_cuda::set_slab_policy(None);
         drop(serial);
+        matmul_q4_slab_threads(s, 4, 512, 2048, 4096);
     });
 }
 
