@@ -42,16 +42,16 @@
 // 2148 -> 2155; attention copying its first K/V tile before its wait (all but the newest key):
 // harness none, engine 2142 -> 2148; the splits merged through distributed shared memory in a
 // thread-block cluster (committed and reverted, see `git log -S cluster_combine`: attn_decode_bench 11.3 -> 9.6 us at 550
-// keys, engine 2172 -> 2247 us). `nf`: the RMSNorm folded into q/k/v and gate/up (x = the
-// residual times the norm weight per step, squares summed on the side, the sums scaled by the
-// CTA's rsqrt at the end; no add_rms_norm kernels): 1846-1856 us against 1728-1734 with the
-// joins and 1608-1615 without them: the norm weight's load and the multiply sit on the at-use x
-// path of every step. This harness's q/k/v is `lnt` at three CTAs per SM, the engine's
+// keys, engine 2172 -> 2247 us). The RMSNorm folded into q/k/v and gate/up (x = the residual
+// times the norm weight per step, squares summed on the side, the sums scaled by the CTA's rsqrt
+// at the end; no add_rms_norm kernels; mode `nf` of commit 78579e0, removed since: a copy of the
+// lean loop): 1846-1856 us against 1728-1734 with the joins and 1608-1615 without them: the norm
+// weight's load and the multiply sit on the at-use x path of every step. This harness's q/k/v is `lnt` at three CTAs per SM, the engine's
 // `lnt_rope` at two, so attention's start is not modelled exactly.
 //
 // Arguments: none (the forms above), `tl` (the lean kernels against their tile-major forms, `lnt`,
 // `ln4t`, `silu_lnt`, the weights read as if stored tile-major: the layout's speed is the same for
-// random nibbles), `g4`, `at`, `nf` (above), `pf` (the attention stand-in issuing `cp.async.bulk.prefetch.L2` of the first
+// random nibbles), `g4`, `at` (above), `pf` (the attention stand-in issuing `cp.async.bulk.prefetch.L2` of the first
 // MiBs of the next gate and up weights). Measured 2026-12-01 (f16; bf16 within 1%): tile-major
 // 1567 -> 1438 us per step without joins, 1814 -> 1698 us early with the stand-in (now the CUDA
 // backend's layout for these shapes); L2 prefetch of 4 / 8 / 12 / 16 MiB of each: 1820 -> 1790 /
@@ -104,7 +104,7 @@ static W make_w(int rows, int cols, unsigned seed) {
     fill_sm<<<256, 256>>>(w.s, w.m, ng, seed * 7 + 1);
     return w;
 }
-struct Layer { W q, k, v, o, gate, up, down, qkv; };
+struct Layer { W q, k, v, o, gate, up, down; };
 
 template <class... A> static void launch(void (*f)(A...), dim3 grid, int threads, size_t smem, cudaStream_t st, A... args) {
     cudaLaunchConfig_t cfg = {};
@@ -130,140 +130,6 @@ SILU_X(silu_t3a_f16, __half, 3, false)
 SILU_X(silu_t4a_f16, __half, 4, false)
 SILU_X(silu_t3a_bf16, __nv_bfloat16, 3, false)
 SILU_X(silu_t4a_bf16, __nv_bfloat16, 4, false)
-
-// Mode `nf` (prototype): the RMSNorm folded into the next product instead of add_rms_norm. x is
-// the residual h; each lane multiplies its x words by the norm weight (rounded to T) before the
-// mma and sums the squares of an eighth of them in f32 (lane (g, t) takes uint4 g / 2, halves
-// 4 (g % 2) ..), so the warp covers every column once; the CTA scales its sums by
-// rsqrt(mean(h^2) + eps) at the end. Tile-major weights, n = 1, U = 2, x at use (silu_lnt's loop).
-template <class T, int U, int NT, class Wait>
-__device__ __forceinline__ void lean_norm(const tmq4::Tile* tiles, const T* __restrict__ x, const T* __restrict__ gm,
-                                          int cols, float acc[NT][4], float& ss, Wait wait) {
-    using namespace tmq4;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int J = cols >> 10, groups = cols >> 7;
-    const uint4* wp[NT][2];
-    const __half* sp[NT][2];
-    const __half* mp[NT][2];
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = tiles[i].row0 + g + 8 * h;
-            wp[i][h] = reinterpret_cast<const uint4*>(tiles[i].packed + (i64)(tiles[i].row0 >> 4) * 8 * cols) +
-                       64 * warp + 32 * h + lane;
-            sp[i][h] = tiles[i].scales + (i64)r * groups + warp;
-            mp[i][h] = tiles[i].mins + (i64)r * groups + warp;
-        }
-    const uint4* xp = reinterpret_cast<const uint4*>(x) + 16 * warp + 4 * t;
-    const uint4* gp = reinterpret_cast<const uint4*>(gm) + 16 * warp + 4 * t;
-    struct Buf { uint4 w[NT][2]; __half s[NT][2], m[NT][2]; uint4 x[4]; };
-    auto loadw = [&](Buf& B, int j) {
-#pragma unroll
-        for (int i = 0; i < NT; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                B.w[i][h] = __ldcs(wp[i][h] + 512 * j);
-                B.s[i][h] = sp[i][h][8 * j];
-                B.m[i][h] = mp[i][h][8 * j];
-            }
-    };
-    typedef typename tmq4::Q4<T>::V2 V2;
-    auto loadx = [&](Buf& B, int j) {
-        uint4 gw[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) { B.x[q] = __ldg(xp + 128 * j + q); gw[q] = __ldg(gp + 128 * j + q); }
-        const int gq = g >> 1;  // constant indices only (a runtime index would put B.x in local memory)
-        const uint4 mine = gq == 0 ? B.x[0] : gq == 1 ? B.x[1] : gq == 2 ? B.x[2] : B.x[3];
-        const unsigned hw[2] = {(g & 1) ? mine.z : mine.x, (g & 1) ? mine.w : mine.y};
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const V2 v = *reinterpret_cast<const V2*>(&hw[k]);
-            const float a = tmk::to_float(v.x), b = tmk::to_float(v.y);
-            ss = fmaf(a, a, fmaf(b, b, ss));
-        }
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            unsigned* xw = reinterpret_cast<unsigned*>(&B.x[q]);
-            const unsigned* gg = reinterpret_cast<const unsigned*>(&gw[q]);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const V2 r = __hmul2(*reinterpret_cast<const V2*>(&xw[k]), *reinterpret_cast<const V2*>(&gg[k]));
-                xw[k] = *reinterpret_cast<const unsigned*>(&r);
-            }
-        }
-    };
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
-    Buf buf[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) if (u < J) loadw(buf[u], u);
-    wait();
-    for (int j0 = 0; j0 < J; j0 += U) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int j = j0 + u;
-            if (j >= J) break;
-            loadx(buf[u], j);
-            step_math_lean<T, NT>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc);
-            if (j + U < J) loadw(buf[u], j + U);
-        }
-    }
-}
-// The CTA's sum of squares (every thread calls it after reduce_warps' barrier use is over).
-__device__ __forceinline__ float cta_sum(float v) {
-    __shared__ float part[8];
-#pragma unroll
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float s = 0.f;
-#pragma unroll
-    for (int w = 0; w < 8; ++w) s += part[w];
-    return s;
-}
-// q/k/v as one weight of `rows` rows (tile-major), x = h, normed on the fly; out[row].
-template <class T>
-__global__ void __launch_bounds__(256, 3) nf_qkv(T* out, const T* x, const T* gm, int cols, const unsigned char* w,
-                                                 const __half* sc, const __half* mn, int rows) {
-    const tmq4::Tile tile{w, sc, mn, (int)blockIdx.x * 16, rows};
-    float acc[1][4], ss = 0.f;
-    lean_norm<T, 2, 1>(&tile, x, gm, cols, acc, ss, [] { tmk::pdl_wait(); });
-    tmq4::trigger_after_loop();
-    const float inv = rsqrtf(cta_sum(ss) / cols + 1e-5f);
-    const float v = tmq4::reduce_warps<1>(acc);
-    if (threadIdx.x < 128) {
-        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        if ((lane & 3) == 0 && (e & 1) == 0) out[blockIdx.x * 16 + (lane >> 2) + 8 * (e >> 1)] = tmk::from_float<T>(v * inv);
-    }
-}
-template <class T>
-__global__ void __launch_bounds__(256, 2) nf_silu(T* out, const T* x, const T* gm, int cols, const unsigned char* wg,
-                                                  const __half* sg, const __half* mg, const unsigned char* wu,
-                                                  const __half* su, const __half* mu, int rows) {
-    const int row0 = blockIdx.x * 16;
-    const tmq4::Tile tiles[2] = {tmq4::Tile{wg, sg, mg, row0, rows}, tmq4::Tile{wu, su, mu, row0, rows}};
-    float acc[2][4], ss = 0.f;
-    lean_norm<T, 2, 2>(tiles, x, gm, cols, acc, ss, [] { tmk::pdl_wait(); });
-    tmq4::trigger_after_loop();
-    const float inv = rsqrtf(cta_sum(ss) / cols + 1e-5f);
-    __shared__ float upv[128];
-    const float v = tmq4::reduce_warps<2>(acc) * inv;
-    if (threadIdx.x >= 128) upv[threadIdx.x - 128] = v;
-    __syncthreads();
-    if (threadIdx.x < 128) {
-        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        if ((lane & 3) == 0 && (e & 1) == 0) {
-            const float gv = tmk::round_to<T>(v), uv = tmk::round_to<T>(upv[threadIdx.x]);
-            out[row0 + (lane >> 2) + 8 * (e >> 1)] = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
-        }
-    }
-}
-bool g_nf_only = false;
-int g_nf = 0;  // 1: the norm folded into q/k/v and gate/up (no joins)
 
 template <class T> struct Ks;
 #define KS(SUF, TY) template <> struct Ks<TY> { \
@@ -344,27 +210,6 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
     const int H = 4096, F = 14336;
     const T* nul = nullptr;
     for (const Layer& L : Ls) {
-        if (g_nf) {
-            // the norm folded into q/k/v and gate/up: x = the residual, no joins (o and down would
-            // add into the residual in their epilogues; not modelled)
-            launch(nf_qkv<T>, 384, 256, 0, st, b.q, (const T*)b.resid, (const T*)b.gamma, H, (const unsigned char*)L.qkv.p,
-                   (const __half*)L.qkv.s, (const __half*)L.qkv.m, 6144);
-            if (g_att && g_att < 3)
-                launch(att_standin, 72, 256, 0, st, g_att == 2 ? 1 : 0, 6000LL, b.sink, (const char*)L.gate.p,
-                       (const char*)L.up.p, 0LL);
-            launch(Ks<T>::tl4, 256, 256, 0, st, (const T*)b.q, 1, H, 128, b.delta, (T*)nullptr, (T*)nullptr,
-                   (const unsigned char*)L.o.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
-                   (const __half*)L.o.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.o.m,
-                   (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
-            launch(nf_silu<T>, 896, 256, 0, st, b.act, (const T*)b.resid, (const T*)b.gamma, H, (const unsigned char*)L.gate.p,
-                   (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p, (const __half*)L.up.s,
-                   (const __half*)L.up.m, F);
-            launch(Ks<T>::tl4, 256, 256, 0, st, (const T*)b.act, 1, F, 128, b.delta, (T*)nullptr, (T*)nullptr,
-                   (const unsigned char*)L.down.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
-                   (const __half*)L.down.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.down.m,
-                   (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
-            continue;
-        }
         join(form, b, st);
         launch(g_tl ? Ks<T>::tl : Ks<T>::ln, 384, 256, 0, st, (const T*)b.normed, 1, H, 128, b.q, b.k, b.v, (const unsigned char*)L.q.p,
                (const unsigned char*)L.k.p, (const unsigned char*)L.v.p, (const __half*)L.q.s, (const __half*)L.k.s,
@@ -420,7 +265,7 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         CK(cudaMemset(b.delta, 0, H * sizeof(T)));
         CK(cudaDeviceSynchronize());
     };
-    struct Case { Form form; int att; int rope; int pf_mb; int pf_off_rows; int tl; int silu; int nf; };
+    struct Case { Form form; int att; int rope; int pf_mb; int pf_off_rows; int tl; int silu; };
     const Case all[] = {{LATE, 0, 0}, {EARLY, 0, 0}, {NONE, 0, 0}, {LATE, 1, 0}, {EARLY, 2, 0}, {NONE, 2, 0},
                         {EARLY, 2, 1}, {LATE, 0, 0}, {EARLY, 0, 0}, {LATE, 1, 0}, {EARLY, 2, 0}, {EARLY, 2, 1}};
     // L2 prefetch of gate/up rows during the attention stand-in: MiB of each weight, first row.
@@ -437,9 +282,6 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
     if (g_g4_only) cases.assign(std::begin(g4c), std::end(g4c));
     const Case atc[] = {{EARLY, 2, 0, 0, 0, 1, 0}, {EARLY, 3, 0, 0, 0, 1, 0}, {EARLY, 0, 0, 0, 0, 1, 0},
                         {EARLY, 2, 0, 0, 0, 1, 0}, {EARLY, 3, 0, 0, 0, 1, 0}, {EARLY, 0, 0, 0, 0, 1, 0}};
-    const Case nfc[] = {{EARLY, 2, 0, 0, 0, 1, 0, 0}, {NONE, 2, 0, 0, 0, 1, 0, 0}, {EARLY, 2, 0, 0, 0, 1, 0, 1},
-                        {EARLY, 2, 0, 0, 0, 1, 0, 0}, {NONE, 2, 0, 0, 0, 1, 0, 0}, {EARLY, 2, 0, 0, 0, 1, 0, 1}};
-    if (g_nf_only) cases.assign(std::begin(nfc), std::end(nfc));
     if (g_at_only) {
         cases.assign(std::begin(atc), std::end(atc));
         AttnBufs& a = g_ab;
@@ -469,7 +311,6 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         g_pf = (long long)c.pf_mb << 20;
         g_tl = c.tl;
         g_silu = c.silu;
-        g_nf = c.nf;
         g_pf_off = (long long)c.pf_off_rows * 2048;
         reset();
         cudaGraph_t g; cudaGraphExec_t ge;
@@ -490,7 +331,6 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
                att[g_att]);
         if (g_tl) printf(" [tile-major]");
         if (g_silu) printf(" [gate/up U = %d, x at use, 2 CTAs/SM]", g_silu + 2);
-        if (g_nf) printf(" [norm folded into q/k/v and gate/up, no joins]");
         if (g_pf) printf(", L2 prefetch of %lld MiB of gate and of up from row %d", g_pf >> 20, c.pf_off_rows);
         printf("\n");
         CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
@@ -502,14 +342,13 @@ int main(int argc, char** argv) {
     g_tl_only = argc > 1 && std::string(argv[1]) == "tl";
     g_g4_only = argc > 1 && std::string(argv[1]) == "g4";
     g_at_only = argc > 1 && std::string(argv[1]) == "at";
-    g_nf_only = argc > 1 && std::string(argv[1]) == "nf";
     setvbuf(stdout, nullptr, _IONBF, 0);
     std::vector<Layer> Ls;
     for (int l = 0; l < 32; ++l) {
         unsigned s = 100 * l;
         Ls.push_back(Layer{make_w(4096, 4096, s + 1), make_w(1024, 4096, s + 2), make_w(1024, 4096, s + 3),
                            make_w(4096, 4096, s + 4), make_w(14336, 4096, s + 5), make_w(14336, 4096, s + 6),
-                           make_w(4096, 14336, s + 7), make_w(6144, 4096, s + 8)});
+                           make_w(4096, 14336, s + 7)});
     }
     CK(cudaDeviceSynchronize());
     run<__half>("f16", Ls);

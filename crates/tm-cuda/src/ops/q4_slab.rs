@@ -3,8 +3,9 @@
 //! backend's fixed slab buffer and multiplied by cuBLASLt straight into `out[:, r0..r0 + R]`
 //! ([`crate::kernels::q4_slab`]); slabs run one after the other on the stream, so one buffer
 //! serves them all, and a product queues all its slabs under the backend's state lock, so threads
-//! sharing the backend cannot interleave theirs in it. The buffer is reserved once with the workspace ([`CudaBackend::reserve_slab`]);
-//! without it the fused int4 kernels run instead, so nothing is ever allocated here.
+//! sharing the backend cannot interleave theirs in it. The buffer is reserved once with the
+//! workspace ([`CudaBackend::reserve_slab`]); without it the fused int4 kernels run instead, so
+//! nothing is ever allocated here.
 //!
 //! Everything is ordinary stream work on fixed addresses, so it records and captures into CUDA
 //! graphs like the rest of a step, and under tensor parallelism each rank slabs its own shard.
