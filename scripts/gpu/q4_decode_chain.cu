@@ -49,25 +49,6 @@
 // weight's load and the multiply sit on the at-use x path of every step. This harness's q/k/v is `lnt` at three CTAs per SM, the engine's
 // `lnt_rope` at two, so attention's start is not modelled exactly.
 //
-// `dn` (commit "deferred RMSNorm prototype", reverted after it; 2026-12-01, H200, f16, the chain
-// as the engine runs it: lnt_rope, attn_decode, ln4t, silu_lnt, ln4t): the RMSNorm deferred into
-// the products. The producer (o, down: `q4_gemv_ln4t_join`) ends with the join's elementwise part,
-// residual = T(residual + T(y)), x = T(residual * gamma), and per CTA the sum of squares of its
-// rows; the consumers (lnt_rope, silu_lnt) read x as usual and multiply their sums by the row's
-// 1 / rms before their epilogue; no add_rms_norm kernels. Joins 1825-1845 us, no norm at all
-// 1732-1775. The producer's part costs ~5 us in all (joins off, producers joining: 1741-1784); the
-// consumers' part is what decides, because every cycle added to a consumer's epilogue is paid
-// per CTA wave (silu_lnt: 896 CTAs, 3.4 waves) with the next kernel waiting: scaling by a constant
-// +0 us; one L2 load in the epilogue +49-70 us (the weight stream makes L2 latency long); the
-// partial sums staged by cp.async after the wait and reduced in shared memory +145 us (two extra
-// barriers +150); a float2 of partials per thread loaded after the wait and warp-reduced +62-86;
-// thread 0's load only (a stand-in for one pre-reduced sum per batch row) +40, which would make the
-// deferred chain 1759-1786 us against 1831 with joins (-45..-72). So the design that pays needs the
-// producers to leave one finished sum per batch row (atomicAdd per CTA into a slot the previous
-// producer zeroed; not bit-reproducible) and the consumers to load it right after their wait.
-// Also: `__ldg` of data a previous kernel wrote was hoisted above `griddepcontrol.wait` by nvcc
-// (ld.global.nc counts as read-only): such loads must be `__ldcg`/plain. The SiLU epilogue's IEEE
-// division against `__fdividef`: -3 us (noise).
 // Arguments: none (the forms above), `tl` (the lean kernels against their tile-major forms, `lnt`,
 // `ln4t`, `silu_lnt`, the weights read as if stored tile-major: the layout's speed is the same for
 // random nibbles), `g4`, `at` (above), `pf` (the attention stand-in issuing `cp.async.bulk.prefetch.L2` of the first
@@ -140,12 +121,10 @@ template <class... A> static void launch(void (*f)(A...), dim3 grid, int threads
 #define SILU_X(NAME, T, U, XPRE)                                                                                        \
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, 2)                                                      \
         NAME(T* out, const T* __restrict__ x, int n, int cols, int group, const unsigned char* wg, const __half* sg,     \
-             const __half* mg, const unsigned char* wu, const __half* su, const __half* mu, int rows,                   \
-             const float* norm_sums, int norm_parts, int norm_cols, float norm_eps) {                                   \
+             const __half* mg, const unsigned char* wu, const __half* su, const __half* mu, int rows) {                 \
         const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                    \
         const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                      \
-        const tmq4::NormScale ns = {norm_sums, norm_parts, norm_cols, norm_eps};                                        \
-        tmq4::q4_gemv_silu<T, U, tmq4::LEAN_TILED, XPRE>(out, x, n, cols, group, gate, up, ns, [] { tmk::pdl_wait(); }); \
+        tmq4::q4_gemv_silu<T, U, tmq4::LEAN_TILED, XPRE>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });    \
     }
 SILU_X(silu_t3a_f16, __half, 3, false)
 SILU_X(silu_t4a_f16, __half, 4, false)
@@ -160,13 +139,12 @@ template <class T> struct Ks;
     static constexpr auto silu_tl = q4_gemv_silu_lnt_##SUF; \
     static constexpr auto silu_t3a = silu_t3a_##SUF; static constexpr auto silu_t4a = silu_t4a_##SUF; \
     static constexpr auto attn = attn_decode_d128_##SUF; \
-    static constexpr auto tl_rope = q4_gemv_lnt_rope_##SUF; static constexpr auto tl4_join = q4_gemv_ln4t_join_##SUF; \
     static constexpr auto rope = tm_kernel_rope_write_kv_##SUF::rope_write_kv_##SUF; static constexpr auto arn = tm_kernel_add_rms_norm_##SUF::add_rms_norm_##SUF; };
 KS(f16, __half)
 KS(bf16, __nv_bfloat16)
 
-enum Form { EARLY, LATE, NONE, DEFER, DEFER_P, DEFER_C, DEFER_CR, DEFER_CS };
-const char* form_names[] = {"early", "late", "none", "deferred", "def-prod", "def-cons", "def-cons-qkv", "def-cons-silu"};
+enum Form { EARLY, LATE, NONE };
+const char* form_names[] = {"early", "late", "none"};
 
 // add_rms_norm with the ordinary (late) trigger.
 template <class T> __global__ void __launch_bounds__(512) arn_late(T* out, T* resid, const T* x, const T* w, float eps, int rows, int cols) {
@@ -195,8 +173,6 @@ __global__ void __launch_bounds__(256) att_standin(int early, long long ns, floa
 int g_rope = 0;  // 1: rope_write_kv after q/k/v (as the engine runs it)
 int g_att = 0;  // 0: no stand-in, 1: stand-in, 2: stand-in with an early trigger, 3: attn_decode itself
 bool g_at_only = false;
-bool g_dn_only = false;
-int g_qkv_rope = 0;  // 1: q/k/v as the engine runs it (lnt_rope: RoPE and the cache write in the epilogue)
 // Decode attention itself (g_att = 3): per layer a paged cache of ACTX keys of 8 KV heads of 128
 // in blocks of 64 (one shuffled block table), one sequence, split as the CUDA backend splits it at
 // batch 1 (one 64-key tile per split CTA, the last CTA of each head group merging).
@@ -219,7 +195,7 @@ int g_tl = 0;  // 1: the tile-major kernels (lnt, ln4t, silu_lnt: the weights re
 
 template <class T> struct Bufs {
     T *resid, *delta, *normed, *q, *k, *v, *act, *gamma, *kc, *vc;
-    float *sink, *inv_freq, *sums;
+    float *sink, *inv_freq;
     unsigned *pos, *slot;
 };
 
@@ -233,19 +209,8 @@ template <class T> static void join(Form form, Bufs<T>& b, cudaStream_t st) {
 template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Form form, cudaStream_t st) {
     const int H = 4096, F = 14336;
     const T* nul = nullptr;
-    const float* dsum = form == DEFER || form == DEFER_C ? b.sums : nullptr;
-    const float* dsum_qkv = form == DEFER_CR ? b.sums : dsum;
-    const float* dsum_silu = form == DEFER_CS ? b.sums : dsum;
-    const bool djoin = form == DEFER || form == DEFER_P;  // the deferred norm's sums of squares
     for (const Layer& L : Ls) {
         join(form, b, st);
-        if (g_qkv_rope)
-            launch(Ks<T>::tl_rope, 192, 256, 0, st, (const T*)b.normed, 1, H, 128, b.q, b.k, b.v, (const unsigned char*)L.q.p,
-                   (const unsigned char*)L.k.p, (const unsigned char*)L.v.p, (const __half*)L.q.s, (const __half*)L.k.s,
-                   (const __half*)L.v.s, (const __half*)L.q.m, (const __half*)L.k.m, (const __half*)L.v.m, nul, nul, nul,
-                   4096, 1024, 1024, b.kc, b.vc, (const unsigned*)b.pos, (const unsigned*)b.slot, (const float*)b.inv_freq,
-                   1.0f, 128, 0, dsum_qkv, 256, H, 1e-5f);
-        else
         launch(g_tl ? Ks<T>::tl : Ks<T>::ln, 384, 256, 0, st, (const T*)b.normed, 1, H, 128, b.q, b.k, b.v, (const unsigned char*)L.q.p,
                (const unsigned char*)L.k.p, (const unsigned char*)L.v.p, (const __half*)L.q.s, (const __half*)L.k.s,
                (const __half*)L.v.s, (const __half*)L.q.m, (const __half*)L.k.m, (const __half*)L.v.m, nul, nul, nul,
@@ -266,10 +231,6 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
                    (const unsigned*)a.bt, 32, 8, 4, ABLK, 1.4426950f / sqrtf(128.f), 0, ASPLITS, APART);
             ox = (const T*)a.out;
         }
-        if (djoin)
-            launch(Ks<T>::tl4_join, 256, 256, 0, st, ox, 1, H, 128, (const unsigned char*)L.o.p, (const __half*)L.o.s,
-                   (const __half*)L.o.m, 4096, b.resid, b.normed, (const T*)b.gamma, b.sums);
-        else
         launch(g_tl ? Ks<T>::tl4 : Ks<T>::ln4, 256, 256, 0, st, ox, 1, H, 128, b.delta, (T*)nullptr, (T*)nullptr,
                (const unsigned char*)L.o.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
                (const __half*)L.o.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.o.m,
@@ -278,11 +239,7 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
         auto silu = !g_tl ? Ks<T>::silu : g_silu == 1 ? Ks<T>::silu_t3a : g_silu == 2 ? Ks<T>::silu_t4a : Ks<T>::silu_tl;
         launch(silu, 896, 256, 0, st, b.act, (const T*)b.normed, 1, H, 128, (const unsigned char*)L.gate.p,
                (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p, (const __half*)L.up.s,
-               (const __half*)L.up.m, F, dsum_silu, 256, H, 1e-5f);
-        if (djoin)
-            launch(Ks<T>::tl4_join, 256, 256, 0, st, (const T*)b.act, 1, F, 128, (const unsigned char*)L.down.p,
-                   (const __half*)L.down.s, (const __half*)L.down.m, 4096, b.resid, b.normed, (const T*)b.gamma, b.sums);
-        else
+               (const __half*)L.up.m, F);
         launch(g_tl ? Ks<T>::tl4 : Ks<T>::ln4, 256, 256, 0, st, (const T*)b.act, 1, F, 128, b.delta, (T*)nullptr, (T*)nullptr,
                (const unsigned char*)L.down.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
                (const __half*)L.down.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.down.m,
@@ -295,11 +252,6 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
     Bufs<T> b;
     for (T** p : {&b.resid, &b.delta, &b.normed, &b.q, &b.act, &b.gamma}) CK(cudaMalloc(p, F * sizeof(T)));
     CK(cudaMalloc(&b.sink, 1024 * sizeof(float)));
-    CK(cudaMalloc(&b.sums, 8 * 1024 * sizeof(float)));
-    {  // sums that give the row scale 1 (def-cons reads them as they are)
-        std::vector<float> ones(8 * 1024, 4096.f / 256.f);
-        CK(cudaMemcpy(b.sums, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
-    }
     CK(cudaMalloc(&b.inv_freq, 64 * sizeof(float)));
     CK(cudaMemset(b.inv_freq, 0, 64 * sizeof(float)));
     CK(cudaMalloc(&b.pos, 4)); CK(cudaMemset(b.pos, 0, 4));
@@ -313,7 +265,7 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         CK(cudaMemset(b.delta, 0, H * sizeof(T)));
         CK(cudaDeviceSynchronize());
     };
-    struct Case { Form form; int att; int rope; int pf_mb; int pf_off_rows; int tl; int silu; int qkv_rope; };
+    struct Case { Form form; int att; int rope; int pf_mb; int pf_off_rows; int tl; int silu; };
     const Case all[] = {{LATE, 0, 0}, {EARLY, 0, 0}, {NONE, 0, 0}, {LATE, 1, 0}, {EARLY, 2, 0}, {NONE, 2, 0},
                         {EARLY, 2, 1}, {LATE, 0, 0}, {EARLY, 0, 0}, {LATE, 1, 0}, {EARLY, 2, 0}, {EARLY, 2, 1}};
     // L2 prefetch of gate/up rows during the attention stand-in: MiB of each weight, first row.
@@ -330,17 +282,8 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
     if (g_g4_only) cases.assign(std::begin(g4c), std::end(g4c));
     const Case atc[] = {{EARLY, 2, 0, 0, 0, 1, 0}, {EARLY, 3, 0, 0, 0, 1, 0}, {EARLY, 0, 0, 0, 0, 1, 0},
                         {EARLY, 2, 0, 0, 0, 1, 0}, {EARLY, 3, 0, 0, 0, 1, 0}, {EARLY, 0, 0, 0, 0, 1, 0}};
-    // The deferred norm against the joins and against no norm at all, as the engine chains them
-    // (lnt_rope, attn_decode, ln4t, silu_lnt, ln4t).
-    const Case dnc[] = {{EARLY, 3, 0, 0, 0, 1, 0, 1}, {DEFER, 3, 0, 0, 0, 1, 0, 1}, {NONE, 3, 0, 0, 0, 1, 0, 1},
-                        {DEFER_P, 3, 0, 0, 0, 1, 0, 1}, {DEFER_C, 3, 0, 0, 0, 1, 0, 1},
-                        {DEFER_CR, 3, 0, 0, 0, 1, 0, 1}, {DEFER_CS, 3, 0, 0, 0, 1, 0, 1}, {NONE, 0, 0, 0, 0, 1, 0, 1},
-                        {DEFER_CR, 0, 0, 0, 0, 1, 0, 1}, {DEFER_CS, 0, 0, 0, 0, 1, 0, 1},
-                        {EARLY, 3, 0, 0, 0, 1, 0, 1}, {DEFER, 3, 0, 0, 0, 1, 0, 1}, {NONE, 3, 0, 0, 0, 1, 0, 1},
-                        {DEFER_P, 3, 0, 0, 0, 1, 0, 1}, {DEFER_C, 3, 0, 0, 0, 1, 0, 1}};
-    if (g_dn_only) cases.assign(std::begin(dnc), std::end(dnc));
-    if (g_at_only || g_dn_only) {
-        if (g_at_only) cases.assign(std::begin(atc), std::end(atc));
+    if (g_at_only) {
+        cases.assign(std::begin(atc), std::end(atc));
         AttnBufs& a = g_ab;
         const size_t per = (size_t)ASPLITS * ABLK * 8 * 128;  // elements of one layer's K (or V) cache
         a.kc.clear(); a.vc.clear();
@@ -368,7 +311,6 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         g_pf = (long long)c.pf_mb << 20;
         g_tl = c.tl;
         g_silu = c.silu;
-        g_qkv_rope = c.qkv_rope;
         g_pf_off = (long long)c.pf_off_rows * 2048;
         reset();
         cudaGraph_t g; cudaGraphExec_t ge;
@@ -388,7 +330,6 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         printf("%s %-9s: %7.1f us per step%s%s", dt, form_names[form], 1000.f * ms / iters, g_rope ? " + rope_write_kv" : "",
                att[g_att]);
         if (g_tl) printf(" [tile-major]");
-        if (g_qkv_rope) printf(" [q/k/v lnt_rope]");
         if (g_silu) printf(" [gate/up U = %d, x at use, 2 CTAs/SM]", g_silu + 2);
         if (g_pf) printf(", L2 prefetch of %lld MiB of gate and of up from row %d", g_pf >> 20, c.pf_off_rows);
         printf("\n");
@@ -401,7 +342,6 @@ int main(int argc, char** argv) {
     g_tl_only = argc > 1 && std::string(argv[1]) == "tl";
     g_g4_only = argc > 1 && std::string(argv[1]) == "g4";
     g_at_only = argc > 1 && std::string(argv[1]) == "at";
-    g_dn_only = argc > 1 && std::string(argv[1]) == "dn";
     setvbuf(stdout, nullptr, _IONBF, 0);
     std::vector<Layer> Ls;
     for (int l = 0; l < 32; ++l) {

@@ -525,64 +525,6 @@ template <int NT> __device__ __forceinline__ float reduce_warps(const float acc[
     return v;
 }
 
-// Deferred RMSNorm. A residual join `residual += y; x = rms_norm(residual) * gamma` between a
-// decode product y (o or down) and the next layer's products (q/k/v, gate/up) costs a kernel of its
-// own between two GEMVs. Instead the producer (`q4_gemv_join`) ends with the join's elementwise
-// part: per row, residual = T(residual + T(y)) (written back), x = T(residual * gamma) and, per
-// CTA c and batch row j, the sum of the squares of its rows of residual, sums[j * parts + c]
-// (parts = the producer's CTAs; plain stores, so nothing needs resetting). The consumers read x as
-// any input and multiply each sum by the row's scale 1 / sqrt(sum / cols + eps) before their
-// epilogue (bias, RoPE, SiLU): the same product up to where x is rounded. The consumers stage the
-// sums into shared memory with cp.async right after their `pdl_wait`, so the copy lands while the
-// main loop runs. f16 caveat: x is residual * gamma before the scale, so |residual * gamma| must
-// stay below 65504 (as |residual| itself must).
-struct NormScale {
-    const float* sums;  // [n, parts] partial sums of squares; null: the input is already normalized
-    int parts;          // the producer's CTAs: a multiple of 64, n * parts <= NORM_SUMS_MAX
-    int cols;           // features the norm is over
-    float eps;
-};
-constexpr int NORM_SUMS_MAX = 2 * THREADS;
-
-// After `pdl_wait`: this thread's two of the n * parts sums (elements 2 tid, 2 tid + 1, zeros past
-// the end), loaded now so that they have long arrived when the epilogue needs them (a load issued
-// there would cost its whole L2 latency, which the weight stream makes long, in every CTA).
-#ifndef TM_NS_V
-#define TM_NS_V 1
-#endif
-__device__ __forceinline__ float2 load_norm_sums(const NormScale& ns, int n) {
-    if (!ns.sums || (int)(2 * threadIdx.x) >= n * ns.parts) return make_float2(0.f, 0.f);
-    if (TM_NS_V == 3) return make_float2(ns.eps, ns.eps);
-    return __ldcg(reinterpret_cast<const float2*>(ns.sums) + threadIdx.x);
-}
-
-// Every thread, before the block's next barrier (`reduce_warps`'s): each warp's 64 sums (all of
-// one batch row, as parts % 64 == 0) summed into shared memory.
-__device__ __forceinline__ float* norm_warp_sums() {
-    __shared__ float w[WARPS];
-    return w;
-}
-__device__ __forceinline__ void reduce_norm_sums(const NormScale& ns, float2 mine) {
-    if (!ns.sums) return;  // uniform per CTA
-    if (TM_NS_V == 4) {
-        if (threadIdx.x == 0) norm_warp_sums()[0] = mine.x + mine.y;
-        return;
-    }
-    const float v = tmk::warp_sum(mine.x + mine.y);
-    if ((threadIdx.x & 31) == 0) norm_warp_sums()[threadIdx.x >> 5] = v;
-}
-
-// After that barrier: the row scale of batch row j (1 when ns.sums is null).
-__device__ __forceinline__ float norm_scale_of(const NormScale& ns, int n, int j) {
-    if (!ns.sums) return 1.f;
-    if (TM_NS_V == 4) return rsqrtf(norm_warp_sums()[0] * 8.f / (float)ns.cols + ns.eps);
-    const int per = ns.parts >> 6;  // warps per batch row
-    const float* w = norm_warp_sums() + (j < n ? j : 0) * per;
-    float v = 0.f;
-    for (int i = 0; i < per; ++i) v += w[i];
-    return rsqrtf(v / (float)ns.cols + ns.eps);
-}
-
 // Which tile loop a kernel runs: `q4_tiles`, `q4_tiles_lean`, or `q4_tiles_lean` on tile-major
 // weights.
 enum Path { GENERIC = 0, LEAN = 1, LEAN_TILED = 2 };
@@ -628,94 +570,36 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
     }
 }
 
-// The producer of a deferred RMSNorm (see `NormScale`): y = x · W^T for one weight of `s.rows`
-// rows (the hidden size; 16 rows per CTA), then per row and batch row j: residual = T(residual +
-// T(y)) (written back; what the product stored then `add_rms_norm` would leave), s.out = T(residual
-// * gamma), and the CTA's sum of the squares of its rows of the new residual into
-// sums[j * gridDim.x + blockIdx.x].
-template <class T, int U, int PATH, class Wait>
-__device__ __forceinline__ void q4_gemv_join(const T* __restrict__ x, int n, int cols, int group, const Slot<T>& s,
-                                             T* resid, const T* gamma, float* sums, Wait wait) {
-    const Tile tile{s.packed, s.scales, s.mins, (int)blockIdx.x * 16, s.rows};
-    float acc[1][4];
-    if constexpr (PATH == LEAN_TILED)
-        q4_tiles_lean<T, U, 1, false, true>(&tile, x, n, cols, acc, wait);
-    else if constexpr (PATH == LEAN)
-        q4_tiles_lean<T, U, 1, false>(&tile, x, n, cols, acc, wait);
-    else
-        q4_tiles<T, U, 1, false>(&tile, x, n, cols, group, acc, wait);
-    trigger_after_loop();
-    // Thread tid < 128 holds fragment element e = tid / 32 of lane tid % 32 (`q4_gemv`'s order).
-    const int e = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    const int row = tile.row0 + (lane >> 2) + 8 * (e >> 1);
-    const int j = 2 * (lane & 3) + (e & 1);
-    const bool mine = threadIdx.x < 128 && j < n && row < s.rows;
-    const i64 at = (i64)j * s.rows + row;
-    // Issued before the warps' reduction, which hides their latency.
-    const float r0 = mine ? tmk::to_float(resid[at]) : 0.f;
-    const float gm = mine ? tmk::to_float(gamma[row]) : 0.f;
-    const float v = reduce_warps<1>(acc);
-    float sq = 0.f;
-    if (mine) {
-        const T r = tmk::from_float<T>(r0 + tmk::round_to<T>(v));
-        resid[at] = r;
-        const float rf = tmk::to_float(r);
-        s.out[at] = tmk::from_float<T>(rf * gm);
-        sq = rf * rf;
-    }
-    // The 8 lanes of a warp with the same lane % 4 hold rows g (or g + 8) of one batch row.
-    sq += __shfl_xor_sync(0xffffffffu, sq, 4);
-    sq += __shfl_xor_sync(0xffffffffu, sq, 8);
-    sq += __shfl_xor_sync(0xffffffffu, sq, 16);
-    __shared__ float part[4][4];  // [e][lane % 4]
-    if (threadIdx.x < 128 && lane < 4) part[e][lane] = sq;
-    __syncthreads();
-    if ((int)threadIdx.x < n) {  // batch row j: e = j % 2 (rows g) and 2 + j % 2 (rows g + 8), lane % 4 = j / 2
-        const int jj = threadIdx.x;
-        sums[(i64)jj * gridDim.x + blockIdx.x] = part[jj & 1][jj >> 1] + part[2 + (jj & 1)][jj >> 1];
-    }
-}
-
 // gate/up with SiLU (the kernels' list above). XPRE: the lean loops load x with the ring's weights
 // (the U = 4 kernels) or at use (U = 2); scripts/gpu/q4_decode_chain.cu `g4` measured U = 3 and 4
 // with x at use at two CTAs per SM (slower).
 template <class T, int U, int PATH, bool XPRE = (U > 2), class Wait>
 __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, int n, int cols, int group,
-                                             const Slot<T>& gate, const Slot<T>& up, const NormScale& ns, Wait wait) {
+                                             const Slot<T>& gate, const Slot<T>& up, Wait wait) {
     const int row0 = blockIdx.x * 16, rows = gate.rows;
-    float2 nsv;
-    const auto wait_stage = [&] {
-        wait();
-        nsv = load_norm_sums(ns, n);
-    };
     const Tile tiles[2] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
                            Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[2][4];
     if constexpr (PATH == LEAN_TILED)
-        q4_tiles_lean<T, U, 2, XPRE, true>(tiles, x, n, cols, acc, wait_stage);
+        q4_tiles_lean<T, U, 2, XPRE, true>(tiles, x, n, cols, acc, wait);
     else if constexpr (PATH == LEAN)
-        q4_tiles_lean<T, U, 2, XPRE>(tiles, x, n, cols, acc, wait_stage);
+        q4_tiles_lean<T, U, 2, XPRE>(tiles, x, n, cols, acc, wait);
     else
-        q4_tiles<T, U, 2, true>(tiles, x, n, cols, group, acc, wait_stage);
+        q4_tiles<T, U, 2, true>(tiles, x, n, cols, group, acc, wait);
     // Gate sums land in threads 0..127, up sums in 128..255 (same fragment order).
     __shared__ float upv[128];
     trigger_after_loop();
-    const int e = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    const int j = 2 * (lane & 3) + (e & 1);
-    reduce_norm_sums(ns, nsv);
-    const float v = reduce_warps<2>(acc) * norm_scale_of(ns, n, j);
+    const float v = reduce_warps<2>(acc);
     if (threadIdx.x >= 128) upv[threadIdx.x - 128] = v;
     __syncthreads();
     if (threadIdx.x < 128) {
+        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int row = row0 + (lane >> 2) + 8 * (e >> 1);
+        const int j = 2 * (lane & 3) + (e & 1);
         if (j < n && row < rows) {
             const float gv = tmk::round_to<T>(v);
             const float uv = tmk::round_to<T>(upv[threadIdx.x]);
-#ifdef TM_SILU_FASTDIV
-            out[(i64)j * rows + row] = tmk::from_float<T>(__fdividef(gv, 1.f + __expf(-gv)) * uv);
-#else
             out[(i64)j * rows + row] = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
-#endif
         }
     }
 }
@@ -781,12 +665,7 @@ __device__ __forceinline__ void rope_pair(const Slot<T>& s, const RopeKv<T>& rk,
 // RoPE pair land in one thread's fragment rows g and g + 8; a v CTA takes 16 consecutive rows.
 template <class T, class Wait>
 __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int cols, const Slot<T>* slots,
-                                             const RopeKv<T>& rk, const NormScale& ns, Wait wait) {
-    float2 nsv;
-    const auto wait_stage = [&] {
-        wait();
-        nsv = load_norm_sums(ns, n);
-    };
+                                             const RopeKv<T>& rk, Wait wait) {
     int cta;
     const int si = slot_of_cta(slots, 4, cta);
     const Slot<T> s = si == 0 ? slots[0] : si == 1 ? slots[1] : slots[2];  // constant indices: no local memory
@@ -799,10 +678,9 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
         tile.hs = rk.interleaved ? 1 : D >> 1;
     }
     float acc[1][4];
-    q4_tiles_lean<T, 2, 1, false>(&tile, x, n, cols, acc, wait_stage);
+    q4_tiles_lean<T, 2, 1, false>(&tile, x, n, cols, acc, wait);
     trigger_after_loop();
-    reduce_norm_sums(ns, nsv);
-    const float v = reduce_warps<1>(acc) * norm_scale_of(ns, n, 2 * (threadIdx.x & 3) + ((threadIdx.x >> 5) & 1));
+    const float v = reduce_warps<1>(acc);
     // Thread tid < 128 holds fragment element e = tid / 32 of lane tid % 32: fragment row
     // g + 8 (e / 2), batch column 2 (lane % 4) + e % 2; rounded to T with the bias, as stored.
     __shared__ float fin[128];
@@ -837,12 +715,7 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
 // `rope_write_kv`, bit for bit, as `q4_gemv_rope`'s do.
 template <class T, class Wait>
 __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int n, int cols, const Slot<T>* slots,
-                                                   const RopeKv<T>& rk, const NormScale& ns, Wait wait) {
-    float2 nsv;
-    const auto wait_stage = [&] {
-        wait();
-        nsv = load_norm_sums(ns, n);
-    };
+                                                   const RopeKv<T>& rk, Wait wait) {
     int cta;
     const int si = slot_of_cta(slots, 5, cta);
     const Slot<T> s = si == 0 ? slots[0] : si == 1 ? slots[1] : slots[2];  // constant indices: no local memory
@@ -853,8 +726,9 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     const int row_b = si < 2 ? row_a + (D >> 1) : row_a + 16;
     const Tile tiles[2] = {Tile{s.packed, s.scales, s.mins, row_a, s.rows}, Tile{s.packed, s.scales, s.mins, row_b, s.rows}};
     float acc[2][4];
-    q4_tiles_lean<T, 2, 2, false, true>(tiles, x, n, cols, acc, wait_stage);
+    q4_tiles_lean<T, 2, 2, false, true>(tiles, x, n, cols, acc, wait);
     trigger_after_loop();
+    const float v = reduce_warps<2>(acc);
     // Thread tid holds fragment element e = tid / 32 (tile e / 4) of lane tid % 32: row g + 8 (e / 2
     // % 2) of its tile, batch column 2 (lane % 4) + e % 2; rounded to T with the bias, as stored.
     __shared__ float fin[256];
@@ -862,8 +736,6 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     const int e = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
     const int row = (e < 4 ? row_a : row_b) + g + 8 * ((e >> 1) & 1);
     const int j = 2 * (lane & 3) + (e & 1);
-    reduce_norm_sums(ns, nsv);
-    const float v = reduce_warps<2>(acc) * norm_scale_of(ns, n, j);
     {
         const float b = s.bias ? tmk::to_float(s.bias[row]) : 0.f;
         fin[threadIdx.x] = tmk::round_to<T>(v + b);
@@ -900,23 +772,11 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
         NAME(T* out, const T* __restrict__ x, int n, int cols, int group,                                               \
                                   const unsigned char* wg, const __half* sg, const __half* mg,                          \
-                                  const unsigned char* wu, const __half* su, const __half* mu, int rows,                \
-                                  const float* norm_sums, int norm_parts, int norm_cols, float norm_eps) {              \
+                                  const unsigned char* wu, const __half* su, const __half* mu, int rows) {              \
         tmk::pdl_launch_dependents();                                                                                   \
         const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                    \
         const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                      \
-        const tmq4::NormScale ns = {norm_sums, norm_parts, norm_cols, norm_eps};                                        \
-        tmq4::q4_gemv_silu<T, U, tmq4::PATH>(out, x, n, cols, group, gate, up, ns, [] { tmk::pdl_wait(); });            \
-    }
-// The join's producer (`q4_gemv_join`): one weight of `rows` rows, the residual, the norm weight
-// and the sums of squares [n, ceil(rows / 16)].
-#define TM_Q4_GEMV_JOIN(NAME, T, U, MIN_CTAS, PATH)                                                                     \
-    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
-        NAME(const T* __restrict__ x, int n, int cols, int group, const unsigned char* w, const __half* sc,             \
-             const __half* mn, int rows, T* resid, T* normed, const T* gamma, float* sums) {                            \
-        tmk::pdl_launch_dependents();                                                                                   \
-        const tmq4::Slot<T> s = {normed, w, sc, mn, nullptr, rows};                                                     \
-        tmq4::q4_gemv_join<T, U, tmq4::PATH>(x, n, cols, group, s, resid, gamma, sums, [] { tmk::pdl_wait(); });        \
+        tmq4::q4_gemv_silu<T, U, tmq4::PATH>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });                      \
     }
 // q/k/v with RoPE and the KV-cache write (`q4_gemv_rope`): the plain parameters (without
 // `accumulate`), then the caches, positions, slots, inv_freq, attention_factor, head_dim and
@@ -927,13 +787,12 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
              const unsigned char* w1, const unsigned char* w2, const __half* s0, const __half* s1,                      \
              const __half* s2, const __half* m0, const __half* m1, const __half* m2, const T* b0, const T* b1,          \
              const T* b2, int r0, int r1, int r2, T* k_cache, T* v_cache, const unsigned* positions,                   \
-             const unsigned* kv_slots, const float* inv_freq, float attention_factor, int head_dim, int interleaved,    \
-             const float* norm_sums, int norm_parts, int norm_cols, float norm_eps) {                                   \
+             const unsigned* kv_slots, const float* inv_freq, float attention_factor, int head_dim,                     \
+             int interleaved) {                                                                                         \
         const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}};  \
         const tmq4::RopeKv<T> rk = {k_cache, v_cache, positions, kv_slots, inv_freq, attention_factor, head_dim,         \
                                     interleaved};                                                                       \
-        const tmq4::NormScale ns = {norm_sums, norm_parts, norm_cols, norm_eps};                                        \
-        tmq4::FN<T>(x, n, cols, slots, rk, ns, [] { tmk::pdl_wait(); });                                                \
+        tmq4::FN<T>(x, n, cols, slots, rk, [] { tmk::pdl_wait(); });                                                    \
     }
 #define TM_Q4_GEMV(SUF, T)                                                                                              \
     TM_Q4_GEMV_ROPE(q4_gemv_ln_rope_##SUF, T, q4_gemv_rope, 3)                                                          \
@@ -948,12 +807,7 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     TM_Q4_GEMV_SILU(q4_gemv_silu_ln_##SUF, T, 2, 2, LEAN)                                                               \
     TM_Q4_GEMV_SILU(q4_gemv_silu_ln4_##SUF, T, 4, 1, LEAN)                                                              \
     TM_Q4_GEMV_SILU(q4_gemv_silu_lnt_##SUF, T, 2, 2, LEAN_TILED)                                                        \
-    TM_Q4_GEMV_SILU(q4_gemv_silu_ln4t_##SUF, T, 4, 1, LEAN_TILED)                                                        \
-    TM_Q4_GEMV_JOIN(q4_gemv_n16_join_##SUF, T, 2, 3, GENERIC)                                                           \
-    TM_Q4_GEMV_JOIN(q4_gemv_ln_join_##SUF, T, 2, 3, LEAN)                                                               \
-    TM_Q4_GEMV_JOIN(q4_gemv_ln4_join_##SUF, T, 4, 2, LEAN)                                                              \
-    TM_Q4_GEMV_JOIN(q4_gemv_lnt_join_##SUF, T, 2, 3, LEAN_TILED)                                                        \
-    TM_Q4_GEMV_JOIN(q4_gemv_ln4t_join_##SUF, T, 4, 2, LEAN_TILED)
+    TM_Q4_GEMV_SILU(q4_gemv_silu_ln4t_##SUF, T, 4, 1, LEAN_TILED)
 
 TM_Q4_GEMV(f16, __half)
 TM_Q4_GEMV(bf16, __nv_bfloat16)
