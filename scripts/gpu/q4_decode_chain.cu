@@ -49,6 +49,26 @@
 // weight's load and the multiply sit on the at-use x path of every step. This harness's q/k/v is `lnt` at three CTAs per SM, the engine's
 // `lnt_rope` at two, so attention's start is not modelled exactly.
 //
+// Mode `dn` of commit 7feb5e9 (reverted after it; 2026-12-01, H200, f16, the chain
+// as the engine runs it: lnt_rope, attn_decode, ln4t, silu_lnt, ln4t): the RMSNorm deferred into
+// the products. The producer (o, down: `q4_gemv_ln4t_join`) ends with the join's elementwise part,
+// residual = T(residual + T(y)), x = T(residual * gamma), and per CTA the sum of squares of its
+// rows; the consumers (lnt_rope, silu_lnt) read x as usual and multiply their sums by the row's
+// 1 / rms before their epilogue; no add_rms_norm kernels. Joins 1825-1845 us, no norm at all
+// 1732-1775. The producer's part costs ~5 us in all (joins off, producers joining: 1741-1784); the
+// consumers' part is what decides, because every cycle added to a consumer's epilogue is paid
+// per CTA wave (silu_lnt: 896 CTAs, 3.4 waves) with the next kernel waiting: scaling by a constant
+// +0 us; one L2 load in the epilogue +49-70 us (the weight stream makes L2 latency long); the
+// partial sums staged by cp.async after the wait and reduced in shared memory +145 us (two extra
+// barriers +150); a float2 of partials per thread loaded after the wait and warp-reduced +62-86;
+// thread 0's load only (a stand-in for one pre-reduced sum per batch row) +40, which would make the
+// deferred chain 1759-1786 us against 1831 with joins (-45..-72). So the design that pays needs the
+// producers to leave one finished sum per batch row (atomicAdd per CTA into a slot the previous
+// producer zeroed; not bit-reproducible) and the consumers to load it right after their wait.
+// Also: ptxas hoisted an `__ldg` of the sums above `griddepcontrol.wait` (ld.global.nc promises the
+// data does not change while the kernel runs), which is how the same hoisting of q4_gemv.cu's x
+// loads was found (ABI.md, PDL). The SiLU epilogue's IEEE division against `__fdividef`: -3 us.
+//
 // Arguments: none (the forms above), `tl` (the lean kernels against their tile-major forms, `lnt`,
 // `ln4t`, `silu_lnt`, the weights read as if stored tile-major: the layout's speed is the same for
 // random nibbles), `g4`, `at` (above), `pf` (the attention stand-in issuing `cp.async.bulk.prefetch.L2` of the first
