@@ -2232,6 +2232,73 @@ fn matmul_int4_gemm() {
     });
 }
 
+/// Every int4 decode variant right after a kernel that writes its input, under programmatic
+/// dependent launch (sm_90): `add_rms_norm`, which lets its dependents launch first thing, writes
+/// x, then the product reads it; 32 rounds, each from its own residual and delta, queued without a
+/// sync. A kernel that loaded x above its `pdl_wait` could read an earlier round's x: ptxas had
+/// hoisted the `__ldg` x loads of q4_gemv.cu's u2 and x-prefetching kernels there (they are `__ldca`
+/// now). On the H200 this test passed with those kernels too (the norm is done before the product's
+/// first blocks run), so the guard against the hoisting itself is `scripts/check_pdl_order.py` on
+/// the SASS; this test checks the variants' results behind a kernel-written input.
+#[test]
+fn matmul_int4_reads_x_after_the_wait() {
+    use tm_cuda::kernels::q4_gemv::{set_unroll, Unroll};
+    let _serial = decode_variant_lock();
+    run("matmul_int4_reads_x_after_the_wait", &[DType::F16, DType::BF16], |s| {
+        for u in Unroll::ALL {
+            set_unroll(Some(u));
+            s.tag = format!("[{}] ", u.name());
+            for (rows, cols, silu) in [(4096, 4096, false), (1024, 4096, true), (200, 640, false), (1000, 640, true)] {
+                if !silu || u.has_silu_form() {
+                    product_after_norm(s, rows, cols, silu);
+                }
+            }
+        }
+        set_unroll(None);
+        s.tag.clear();
+    });
+}
+
+/// One case of [`matmul_int4_reads_x_after_the_wait`]: `add_rms_norm` then the int4 product (or
+/// `gate_up_silu` of two int4 weights) of its output, round after round, against the CPU.
+fn product_after_norm(s: &mut Suite, rows: usize, cols: usize, silu: bool) {
+    const ROUNDS: usize = 32;
+    let what = if silu { "gate_up_silu" } else { "matmul" };
+    s.case(format!("{what} of add_rms_norm's output, {ROUNDS} rounds, W[{rows}, {cols}]"), |c| {
+        let scale = (3.0 / cols as f32).sqrt();
+        let g = c.weight(Kind::Int4(128), rows, cols, scale)?;
+        let u = c.weight(Kind::Int4(128), rows, cols, scale)?;
+        let nw = c.activations(cols, 1.0);
+        let norm = c.dense(&[cols], &nw)?;
+        let mut x = c.output(&[1, cols])?;
+        let (mut gs, mut us) = (c.output(&[1, rows])?, c.output(&[1, rows])?);
+        let mut rounds = Vec::with_capacity(ROUNDS);
+        for _ in 0..ROUNDS {
+            let (r, d) = (c.activations(cols, 1.0), c.activations(cols, 1.0));
+            rounds.push((c.act(&[1, cols], &r)?, c.act(&[1, cols], &d)?, c.output(&[1, rows])?));
+        }
+        for (resid, delta, out) in &mut rounds {
+            c.gpu.add_rms_norm(&delta.gpu, &mut resid.gpu, &norm.gpu, 1e-5, &mut x.gpu).ctx("cuda add_rms_norm")?;
+            c.cpu.add_rms_norm(&delta.cpu, &mut resid.cpu, &norm.cpu, 1e-5, &mut x.cpu).ctx("cpu add_rms_norm")?;
+            if silu {
+                c.gpu.gate_up_silu(&x.gpu, &g.gpu, &u.gpu, &mut gs.gpu, &mut us.gpu, &mut out.gpu).ctx("cuda silu")?;
+                c.cpu.matmul(&x.cpu, &g.cpu, None, &mut gs.cpu).ctx("cpu gate")?;
+                c.cpu.matmul(&x.cpu, &u.cpu, None, &mut us.cpu).ctx("cpu up")?;
+                c.cpu.silu_mul(&gs.cpu, &us.cpu, &mut out.cpu).ctx("cpu silu_mul")?;
+            } else {
+                c.gpu.matmul(&x.gpu, &g.gpu, None, &mut out.gpu).ctx("cuda matmul")?;
+                c.cpu.matmul(&x.cpu, &g.cpu, None, &mut out.cpu).ctx("cpu matmul")?;
+            }
+        }
+        for (i, (_, _, out)) in rounds.iter().enumerate() {
+            let want = c.cpu.download_f32(&out.cpu).ctx("cpu download")?;
+            // x is rounded to the dtype on the GPU only; the SiLU form rounds its two products too.
+            c.check(&format!("round {i}"), &out.gpu, &want, rows, if silu { 3.0 } else { 2.0 })?;
+        }
+        Ok(())
+    });
+}
+
 /// Held while a test forces an int4 decode kernel (`q4_gemv::set_unroll`, process-wide) and by
 /// tests that expect the automatic choice.
 fn decode_variant_lock() -> std::sync::MutexGuard<'static, ()> {

@@ -45,7 +45,7 @@ __device__ __forceinline__ void fma_chunk(const Vec16<T>& w, const T* __restrict
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
         if (j < n) {
-            const uint4 u = __ldg(reinterpret_cast<const uint4*>(x + (i64)j * cols + off));
+            const uint4 u = __ldca(reinterpret_cast<const uint4*>(x + (i64)j * cols + off));
             const Vec16<T> xv = *reinterpret_cast<const Vec16<T>*>(&u);
             float a = 0.f;
 #pragma unroll

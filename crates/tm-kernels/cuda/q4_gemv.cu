@@ -339,7 +339,7 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
     auto loadx = [&](StepBuf<NT>& B, int s) {
         const bool xl = s * BLOCKS_PER_STEP + t < nblk && xok;
 #pragma unroll
-        for (int q = 0; q < 4; ++q) B.x[q] = xl ? __ldg(xp + 4 * s * BLOCKS_PER_STEP + q) : make_uint4(0, 0, 0, 0);
+        for (int q = 0; q < 4; ++q) B.x[q] = xl ? __ldca(xp + 4 * s * BLOCKS_PER_STEP + q) : make_uint4(0, 0, 0, 0);
     };
     // Issues the weight loads of step s into B: packed nibbles, scales and mins, zeros past the
     // end of K or the rows. No earlier kernel writes weights, so these may precede the wait for
@@ -461,7 +461,7 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
     };
     auto loadx = [&](Buf& B, int j) {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) B.x[q] = __ldg(xp + 128 * j + q);
+        for (int q = 0; q < 4; ++q) B.x[q] = __ldca(xp + 128 * j + q);
     };
 
 #pragma unroll

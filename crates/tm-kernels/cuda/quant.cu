@@ -74,12 +74,12 @@ __device__ __forceinline__ float byte_biased(unsigned word, unsigned k) {
 }
 
 // 16 consecutive elements of T at p (an element offset that is a multiple of 16 from a row start)
-// as floats; `vec` says p is 16-byte aligned.
+// as floats; `vec` says p is 16-byte aligned. Activations: `__ldca`, not `__ldg` (common.cuh).
 __device__ __forceinline__ void load16(const float* __restrict__ p, bool vec, float* v) {
     if (vec) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            float4 f = __ldg(reinterpret_cast<const float4*>(p) + i);
+            float4 f = __ldca(reinterpret_cast<const float4*>(p) + i);
             v[4 * i] = f.x;
             v[4 * i + 1] = f.y;
             v[4 * i + 2] = f.z;
@@ -94,7 +94,7 @@ template <class T> __device__ __forceinline__ void load16(const T* __restrict__ 
     if (vec) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            uint4 u = __ldg(reinterpret_cast<const uint4*>(p) + i);
+            uint4 u = __ldca(reinterpret_cast<const uint4*>(p) + i);
             unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
@@ -277,10 +277,10 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, const unsi
 template <class T>
 __device__ __forceinline__ uint4 load8(const T* __restrict__ x, long long off, bool ok, bool vec) {
     if (!ok) return make_uint4(0, 0, 0, 0);
-    if (vec) return __ldg(reinterpret_cast<const uint4*>(x + off));
+    if (vec) return __ldca(reinterpret_cast<const uint4*>(x + off));
     unsigned short h[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) h[i] = __ldg(reinterpret_cast<const unsigned short*>(x + off) + i);
+    for (int i = 0; i < 8; ++i) h[i] = __ldca(reinterpret_cast<const unsigned short*>(x + off) + i);
     return make_uint4(h[0] | ((unsigned)h[1] << 16), h[2] | ((unsigned)h[3] << 16), h[4] | ((unsigned)h[5] << 16),
                       h[6] | ((unsigned)h[7] << 16));
 }
