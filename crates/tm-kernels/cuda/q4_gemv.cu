@@ -630,6 +630,24 @@ template <class T> __device__ __forceinline__ int slot_of_cta(const Slot<T>* slo
     return 2;
 }
 
+// Where a CTA of a RoPE launch (2^shift rows per CTA of q, k, then v) works: its weight slot
+// si (0 q, 1 k, 2 v) and that weight, its index `cta` within the weight, and for q and k the head
+// and the CTA's index tt within the head (head_dim >> shift CTAs per head).
+template <class T> struct RopeCta {
+    int si;
+    Slot<T> s;
+    int cta, head, tt;
+};
+template <class T> __device__ __forceinline__ RopeCta<T> rope_cta(const Slot<T>* slots, int head_dim, int shift) {
+    RopeCta<T> c;
+    c.si = slot_of_cta(slots, shift, c.cta);
+    c.s = c.si == 0 ? slots[0] : c.si == 1 ? slots[1] : slots[2];  // constant indices: no local memory
+    const int per_head = head_dim >> shift;
+    c.head = c.cta / per_head;
+    c.tt = c.cta - c.head * per_head;
+    return c;
+}
+
 // The RoPE epilogue's stores for batch row j: v (`si` 2) stores `y` at `row` of the output and,
 // unless the token is padding, of the value cache; q and k (`rope_pair`) rotate the pair (x1, x2)
 // of rows ra, rb (pair index i of the head) exactly as `rope_write_kv` does and store it, k also
@@ -666,11 +684,9 @@ __device__ __forceinline__ void rope_pair(const Slot<T>& s, const RopeKv<T>& rk,
 template <class T, class Wait>
 __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int cols, const Slot<T>* slots,
                                              const RopeKv<T>& rk, Wait wait) {
-    int cta;
-    const int si = slot_of_cta(slots, 4, cta);
-    const Slot<T> s = si == 0 ? slots[0] : si == 1 ? slots[1] : slots[2];  // constant indices: no local memory
-    const int D = rk.head_dim, per_head = D >> 4;
-    const int head = cta / per_head, tt = cta - head * per_head;
+    const RopeCta<T> c = rope_cta(slots, rk.head_dim, 4);
+    const int si = c.si, cta = c.cta, head = c.head, tt = c.tt, D = rk.head_dim;
+    const Slot<T>& s = c.s;
     Tile tile{s.packed, s.scales, s.mins, cta * 16, s.rows};
     if (si < 2) {
         tile.row0 = head * D + (rk.interleaved ? 16 * tt : 8 * tt);
@@ -716,11 +732,9 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
 template <class T, class Wait>
 __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int n, int cols, const Slot<T>* slots,
                                                    const RopeKv<T>& rk, Wait wait) {
-    int cta;
-    const int si = slot_of_cta(slots, 5, cta);
-    const Slot<T> s = si == 0 ? slots[0] : si == 1 ? slots[1] : slots[2];  // constant indices: no local memory
-    const int D = rk.head_dim, per_head = D >> 5;
-    const int head = cta / per_head, tt = cta - head * per_head;
+    const RopeCta<T> c = rope_cta(slots, rk.head_dim, 5);
+    const int si = c.si, cta = c.cta, head = c.head, tt = c.tt, D = rk.head_dim;
+    const Slot<T>& s = c.s;
     // First rows of the two tiles: a head's 16 tt and 16 tt + D / 2 (q, k), or 32 cta and + 16 (v).
     const int row_a = si < 2 ? head * D + 16 * tt : 32 * cta;
     const int row_b = si < 2 ? row_a + (D >> 1) : row_a + 16;
