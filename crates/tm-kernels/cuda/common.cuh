@@ -85,12 +85,13 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-/// Loads of what an earlier kernel wrote, in kernels that use programmatic dependent launch: never
-/// `__ldg` (ld.global.nc). The non-coherent path requires the data to be read-only for the whole
-/// life of the kernel, which under PDL overlaps the previous kernel's writes, and ptxas does hoist
-/// such loads above `griddepcontrol.wait` (q4_gemv.cu's x loads were: they read x before the
-/// previous kernel had written it). `__ldca` keeps the L1 caching and stays after the wait;
-/// `scripts/check_pdl_order.py` checks the built SASS for non-coherent loads above a wait.
+// Loads of what an earlier kernel wrote, in kernels that use programmatic dependent launch: never
+// `__ldg` (ld.global.nc). The non-coherent path requires the data to be read-only for the whole
+// life of the kernel, which under PDL overlaps the previous kernel's writes, and ptxas does hoist
+// such loads above `griddepcontrol.wait` (q4_gemv.cu's x loads were: they read x before the
+// previous kernel had written it). `__ldca` keeps the L1 caching and stays after the wait;
+// `scripts/check_pdl_order.py` checks the built SASS for non-coherent loads above a wait.
+
 /// Byte offset of the 16-byte chunk `blk` (columns 32 blk .. 32 blk + 31) of row `r` of an int4
 /// weight of `cols` columns: row-major (`tiled` = 0), or tile-major (`tiled` = 1: tm-core's
 /// `Int4Layout::Tiles16x128` and `int4_chunk_offset`, ABI.md "int4 layouts"; rows % 16 == 0,
