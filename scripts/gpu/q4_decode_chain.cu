@@ -62,9 +62,12 @@
 // partial sums staged by cp.async after the wait and reduced in shared memory +145 us (two extra
 // barriers +150); a float2 of partials per thread loaded after the wait and warp-reduced +62-86;
 // thread 0's load only (a stand-in for one pre-reduced sum per batch row) +40, which would make the
-// deferred chain 1759-1786 us against 1831 with joins (-45..-72). So the design that pays needs the
-// producers to leave one finished sum per batch row (atomicAdd per CTA into a slot the previous
-// producer zeroed; not bit-reproducible) and the consumers to load it right after their wait.
+// deferred chain 1759-1786 us against 1831 with joins (-45..-72). That design, built (a scratch copy
+// of 7feb5e9: each producer CTA atomicAdds its sum into one float per batch row of its slot, o's
+// slot A and down's B, and zeroes the other slot; the consumers __ldcg their row's sum right
+// after the wait and scale by rsqrtf at the end): 1792-1798 us against 1822-1832 with joins, four
+// alternations, i.e. -30..-38 us per step (1.6-2%); not bit-reproducible (float atomics), and the
+// slot protocol needs every step's producers all deferred or none (a last down deferred too).
 // Also: ptxas hoisted an `__ldg` of the sums above `griddepcontrol.wait` (ld.global.nc promises the
 // data does not change while the kernel runs), which is how the same hoisting of q4_gemv.cu's x
 // loads was found (ABI.md, PDL). The SiLU epilogue's IEEE division against `__fdividef`: -3 us.
