@@ -501,7 +501,7 @@ __device__ __forceinline__ void tiled_simt(float* __restrict__ out, const float*
             if (gm >= n) {
                 xr[i] = make_float4(0.f, 0.f, 0.f, 0.f);
             } else if (xvec) {
-                xr[i] = __ldg(reinterpret_cast<const float4*>(x + off));
+                xr[i] = __ldca(reinterpret_cast<const float4*>(x + off));
             } else {
                 xr[i] = make_float4(x[off], x[off + 1], x[off + 2], x[off + 3]);
             }

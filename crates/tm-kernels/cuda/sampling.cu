@@ -677,7 +677,7 @@ template <class T> __device__ void argmax_row(const T* __restrict__ logits, int 
         for (int c0 = threadIdx.x; c0 < nv; c0 += 4 * NT) {
             uint4 u[4];
 #pragma unroll
-            for (int k = 0; k < 4; ++k) u[k] = c0 + k * NT < nv ? __ldg(lv + c0 + k * NT) : make_uint4(0, 0, 0, 0);
+            for (int k = 0; k < 4; ++k) u[k] = c0 + k * NT < nv ? __ldca(lv + c0 + k * NT) : make_uint4(0, 0, 0, 0);
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 if (c0 + k * NT >= nv) break;
