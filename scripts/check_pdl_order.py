@@ -10,7 +10,7 @@ earlier kernel wrote with `__ldca` (common.cuh), which stays below the wait; wei
 kernel writes, may use any load.
 
 Usage: check_pdl_order.py CUBIN_OR_DIR... (needs `cuobjdump` and `nvdisasm` on PATH or in the
-directory of $CUOBJDUMP). Exits 1, naming the kernels, when any function that waits has a
+directory of $CUOBJDUMP), or `check_pdl_order.py --self-test` (the SASS scan on a built-in sample). Exits 1, naming the kernels, when any function that waits has a
 non-coherent load before its first wait.
 """
 import os
@@ -51,10 +51,38 @@ def hoisted(sass):
     return out
 
 
+# Two functions as cuobjdump prints them: `late` waits before its activation load, `early` has a
+# non-coherent load above its wait (the q4_gemv hoisting), `nowait` never waits (not checked).
+SELF_TEST_SASS = """
+        Function : late
+        /*0000*/                   LDG.E.EF.128 R4, desc[UR6][R2.64] ;
+        /*0010*/                   ACQBULK ;
+        /*0020*/                   LDG.E.128.CONSTANT R8, desc[UR6][R6.64] ;
+        Function : early
+        /*0000*/               @P0 LDG.E.128.CONSTANT R28, desc[UR6][R4.64] ;
+        /*0010*/                   ACQBULK ;
+        Function : nowait
+        /*0000*/                   LDG.E.64.CONSTANT R2, desc[UR4][R2.64] ;
+"""
+
+
+def self_test():
+    """Checks `hoisted` on SELF_TEST_SASS: only `early` is flagged, with its load."""
+    got = hoisted(SELF_TEST_SASS)
+    want = [("early", ["@P0 LDG.E.128.CONSTANT R28, desc[UR6][R4.64]"])]
+    if got != want:
+        print(f"check_pdl_order: self-test failed: {got} != {want}", file=sys.stderr)
+        return 1
+    print("check_pdl_order: self-test passed")
+    return 0
+
+
 def main():
     if len(sys.argv) < 2:
         print(__doc__)
         return 2
+    if sys.argv[1] == "--self-test":
+        return self_test()
     tool = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
     if not tool:
         print("check_pdl_order: cuobjdump not found (set CUOBJDUMP)", file=sys.stderr)
