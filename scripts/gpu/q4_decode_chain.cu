@@ -141,14 +141,7 @@ template <class... A> static void launch(void (*f)(A...), dim3 grid, int threads
 
 // gate/up+SiLU on tile-major weights with U steps in flight per warp and x loaded at use, two
 // CTAs per SM (mode `g4`; silu_lnt is U = 2, silu_ln4t U = 4 with x buffered at one CTA per SM).
-#define SILU_X(NAME, T, U, XPRE)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, 2)                                                      \
-        NAME(T* out, const T* __restrict__ x, int n, int cols, int group, const unsigned char* wg, const __half* sg,     \
-             const __half* mg, const unsigned char* wu, const __half* su, const __half* mu, int rows) {                 \
-        const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                    \
-        const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                      \
-        tmq4::q4_gemv_silu<T, U, tmq4::LEAN_TILED, XPRE>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });    \
-    }
+#define SILU_X(NAME, T, U, XPRE) TM_Q4_GEMV_SILU_X(NAME, T, U, 2, LEAN_TILED, XPRE)
 SILU_X(silu_t3a_f16, __half, 3, false)
 SILU_X(silu_t4a_f16, __half, 4, false)
 SILU_X(silu_t3a_bf16, __nv_bfloat16, 3, false)

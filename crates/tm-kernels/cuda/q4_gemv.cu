@@ -782,7 +782,9 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
         const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}};  \
         tmq4::q4_gemv<T, U, NT, tmq4::PATH>(x, n, cols, group, slots, [] { tmk::pdl_wait(); });                               \
     }
-#define TM_Q4_GEMV_SILU(NAME, T, U, MIN_CTAS, PATH)                                                                     \
+// XPRE: x loaded with the ring's weights or at use (`q4_gemv_silu`); the shipped kernels take the
+// default (`TM_Q4_GEMV_SILU`), scripts/gpu/q4_decode_chain.cu builds other combinations.
+#define TM_Q4_GEMV_SILU_X(NAME, T, U, MIN_CTAS, PATH, XPRE)                                                             \
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
         NAME(T* out, const T* __restrict__ x, int n, int cols, int group,                                               \
                                   const unsigned char* wg, const __half* sg, const __half* mg,                          \
@@ -790,8 +792,9 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
         tmk::pdl_launch_dependents();                                                                                   \
         const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                    \
         const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                      \
-        tmq4::q4_gemv_silu<T, U, tmq4::PATH>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });                      \
+        tmq4::q4_gemv_silu<T, U, tmq4::PATH, XPRE>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });          \
     }
+#define TM_Q4_GEMV_SILU(NAME, T, U, MIN_CTAS, PATH) TM_Q4_GEMV_SILU_X(NAME, T, U, MIN_CTAS, PATH, (U > 2))
 // q/k/v with RoPE and the KV-cache write (`q4_gemv_rope`): the plain parameters (without
 // `accumulate`), then the caches, positions, slots, inv_freq, attention_factor, head_dim and
 // interleaved of `rope_write_kv`.
