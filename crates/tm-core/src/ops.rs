@@ -42,6 +42,23 @@ pub struct AttentionMeta<'a> {
     pub sliding_window: Option<usize>,
 }
 
+/// A residual join whose RMSNorm scale was left to the ops that read its output (see
+/// [`Ops::matmul_add_rms_norm_deferred`]): that output holds `residual * weight` (rounded to the
+/// activation dtype) and slot `slot` of `sums` the sums of squares of its rows of `residual`.
+#[derive(Clone, Copy, Debug)]
+pub struct DeferredNorm<'a> {
+    /// The sums: f32 `[slots, 2 * DEFERRED_NORM_ROWS]`, each slot `DEFERRED_NORM_ROWS` f64 sums
+    /// (one per batch row), zeroed by [`Ops::fill_zero`] before the step's first join.
+    pub sums: &'a Tensor,
+    /// The join's slot (each join of a step has its own).
+    pub slot: usize,
+    /// The norm's epsilon.
+    pub eps: f32,
+}
+
+/// The most batch rows a deferred join handles (a slot's sums).
+pub const DEFERRED_NORM_ROWS: usize = 8;
+
 /// What the sampler needs for one sequence.
 #[derive(Debug)]
 pub struct SampleRequest<'a> {
@@ -167,6 +184,73 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
     ) -> Result<()>;
     /// `out = x W^T (+ bias)` for `x: [n, cols]`, `W: [rows, cols]`, `out: [n, rows]`.
     fn matmul(&self, x: &Tensor, w: &Weight, bias: Option<&Tensor>, out: &mut Tensor) -> Result<()>;
+    /// Zeroes `t`. The default uploads zeros.
+    fn fill_zero(&self, t: &mut Tensor) -> Result<()> {
+        let zeros = vec![0u8; t.desc().bytes()];
+        self.upload(t, &zeros)
+    }
+    /// [`Ops::matmul`] then [`Ops::add_rms_norm`] (`residual += x W^T; out = rms_norm(residual) *
+    /// norm`) with the norm's per-row scale left to the ops that read `out`, which then get a
+    /// [`DeferredNorm`] of `sums` and `slot` ([`Ops::gate_up_silu_deferred`],
+    /// [`Ops::qkv_rope_write_kv_deferred`]); it saves the norm's kernel between two decode
+    /// products. Returns `false` having done nothing when the backend does not defer this join
+    /// (the default; the CUDA backend defers int4 decode products): the caller then runs the two
+    /// ops. `slot` must be zero (see [`DeferredNorm::sums`]) and used by no other join of the step.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_add_rms_norm_deferred(
+        &self,
+        _x: &Tensor,
+        _w: &Weight,
+        _residual: &mut Tensor,
+        _norm: &Tensor,
+        _eps: f32,
+        _out: &mut Tensor,
+        _sums: &mut Tensor,
+        _slot: usize,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+    /// Applies a deferred join's row scale to its output `x` in place (what the folding ops do
+    /// inside their products). Only a backend that defers joins has such outputs; the default
+    /// refuses.
+    fn finish_deferred_norm(&self, _x: &mut Tensor, _norm: &DeferredNorm<'_>) -> Result<()> {
+        Err(Error::invalid("this backend defers no RMSNorm, so it has none to finish"))
+    }
+    /// [`Ops::gate_up_silu`] of a deferred join's output `x`: the backend folds the row scale into
+    /// the products where it can, else finishes the norm in `x` first (the default).
+    #[allow(clippy::too_many_arguments)]
+    fn gate_up_silu_deferred(
+        &self,
+        x: &mut Tensor,
+        norm: &DeferredNorm<'_>,
+        gate: &Weight,
+        up: &Weight,
+        gate_out: &mut Tensor,
+        up_out: &mut Tensor,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        self.finish_deferred_norm(x, norm)?;
+        self.gate_up_silu(x, gate, up, gate_out, up_out, out)
+    }
+    /// [`Ops::qkv_rope_write_kv`] of a deferred join's output `x`, as
+    /// [`Ops::gate_up_silu_deferred`].
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_rope_write_kv_deferred(
+        &self,
+        x: &mut Tensor,
+        norm: &DeferredNorm<'_>,
+        weights: [&Weight; 3],
+        biases: [Option<&Tensor>; 3],
+        qkv: [&mut Tensor; 3],
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+        positions: &[u32],
+        freqs: &RopeFreqs,
+        slot_mapping: &[u32],
+    ) -> Result<()> {
+        self.finish_deferred_norm(x, norm)?;
+        self.qkv_rope_write_kv(x, weights, biases, qkv, k_cache, v_cache, positions, freqs, slot_mapping)
+    }
     /// Products of one input with several weights of the same `cols` (a layer's q, k and v):
     /// `outs[i] = x W_i^T (+ biases[i])`. Backends may run them as one launch; the default calls
     /// [`Ops::matmul`] for each.

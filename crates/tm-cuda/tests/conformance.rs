@@ -54,7 +54,7 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 use rayon::prelude::*;
-use tm_core::ops::{AttentionMeta, SampleRequest, SeqAttention};
+use tm_core::ops::{AttentionMeta, DeferredNorm, SampleRequest, SeqAttention};
 use tm_core::quant::Weight;
 use tm_core::rope::{RopeConfig, RopeScaling, RopeStyle};
 use tm_core::sampling::{apply_penalties, Rng, SamplingParams};
@@ -2296,6 +2296,177 @@ fn product_after_norm(s: &mut Suite, rows: usize, cols: usize, silu: bool) {
             c.check(&format!("round {i}"), &out.gpu, &want, rows, if silu { 3.0 } else { 2.0 })?;
         }
         Ok(())
+    });
+}
+
+/// Deferred residual joins (`matmul_add_rms_norm_deferred` and the ops that fold the row scale),
+/// against the CPU's product, `add_rms_norm` and plain ops: o (int4) with its join into
+/// gate/up/SiLU (int4 weights: the scale folded into the kernel; dense ones: the norm finished in
+/// place first, after which the join's output must equal the CPU's `add_rms_norm`), and down with
+/// its join into q/k/v with RoPE and the cache write (folded). The CUDA backend must defer both
+/// joins and fold into the fused q/k/v kernel (int4 decode shapes).
+#[test]
+fn deferred_rms_norm() {
+    let _serial = decode_variant_lock(); // the automatic kernel choice (fused q/k/v + RoPE)
+    run("deferred_rms_norm", &[DType::F16, DType::BF16], |s| {
+        for n in [1, 3, 8] {
+            deferred_joins(s, n);
+        }
+    });
+}
+
+/// One case of [`deferred_rms_norm`] with `n` decode rows.
+fn deferred_joins(s: &mut Suite, n: usize) {
+    const EPS: f32 = 1e-5;
+    let (hidden, inter, heads, kv_heads, hd) = (1024, 2048, 8, 2, 128);
+    s.case(format!("deferred joins x[{n}, {hidden}]: o -> gate/up/SiLU, down -> q/k/v + RoPE"), |c| {
+        let sc = |cols: usize| (3.0 / cols as f32).sqrt();
+        let o = c.weight(Kind::Int4(128), hidden, hidden, sc(hidden))?;
+        let down = c.weight(Kind::Int4(128), hidden, inter, sc(inter))?;
+        let g = c.weight(Kind::Int4(128), inter, hidden, 3.0 * sc(hidden))?;
+        let u = c.weight(Kind::Int4(128), inter, hidden, sc(hidden))?;
+        let gd = c.weight(Kind::Dense, inter, hidden, 3.0 * sc(hidden))?;
+        let ud = c.weight(Kind::Dense, inter, hidden, sc(hidden))?;
+        let rows = [heads * hd, kv_heads * hd, kv_heads * hd];
+        let mut qkv_w = Vec::new();
+        for &r in &rows {
+            qkv_w.push(c.weight(Kind::Int4(128), r, hidden, sc(hidden))?);
+        }
+        let (nm, na) = (c.activations(hidden, 1.0), c.activations(hidden, 1.0));
+        let (mlp_norm, attn_norm) = (c.dense(&[hidden], &nm)?, c.dense(&[hidden], &na)?);
+        let (r0, x_o, x_d) =
+            (c.activations(n * hidden, 1.0), c.activations(n * hidden, 1.0), c.activations(n * inter, 1.0));
+        let mut resid = c.act(&[n, hidden], &r0)?;
+        let (x_o, x_d) = (c.act(&[n, hidden], &x_o)?, c.act(&[n, inter], &x_d)?);
+        let (mut normed, mut normed2, mut delta) =
+            (c.output(&[n, hidden])?, c.output(&[n, hidden])?, c.output(&[n, hidden])?);
+        let mut sums = c.gpu.zeros(TensorDesc::new(DType::F32, &[2, 16]), "test").ctx("cuda zeros")?;
+        c.gpu.fill_zero(&mut sums).ctx("cuda fill_zero")?;
+
+        // o and its join into the MLP (slot 0).
+        let deferred = c
+            .gpu
+            .matmul_add_rms_norm_deferred(
+                &x_o.gpu,
+                &o.gpu,
+                &mut resid.gpu,
+                &mlp_norm.gpu,
+                EPS,
+                &mut normed.gpu,
+                &mut sums,
+                0,
+            )
+            .ctx("cuda deferred join (o)")?;
+        c.cpu.matmul(&x_o.cpu, &o.cpu, None, &mut delta.cpu).ctx("cpu o")?;
+        c.cpu.add_rms_norm(&delta.cpu, &mut resid.cpu, &mlp_norm.cpu, EPS, &mut normed.cpu).ctx("cpu join")?;
+        if !deferred {
+            c.problems.push("the CUDA backend did not defer o's join".into());
+            return Ok(());
+        }
+        let want = c.cpu.download_f32(&resid.cpu).ctx("cpu download")?;
+        c.check("residual after o's join", &resid.gpu, &want, hidden, 2.0)?;
+        let (mut gs, mut us) = (c.output(&[n, inter])?, c.output(&[n, inter])?);
+        let (mut act, mut act_d) = (c.output(&[n, inter])?, c.output(&[n, inter])?);
+        {
+            let d = DeferredNorm { sums: &sums, slot: 0, eps: EPS };
+            c.gpu
+                .gate_up_silu_deferred(&mut normed.gpu, &d, &g.gpu, &u.gpu, &mut gs.gpu, &mut us.gpu, &mut act.gpu)
+                .ctx("cuda gate/up (int4, folded)")?;
+            c.gpu
+                .gate_up_silu_deferred(&mut normed.gpu, &d, &gd.gpu, &ud.gpu, &mut gs.gpu, &mut us.gpu, &mut act_d.gpu)
+                .ctx("cuda gate/up (dense: finished first)")?;
+        }
+        for (w_g, w_u, out, what) in
+            [(&g, &u, &mut act, "gate/up/SiLU int4 (folded)"), (&gd, &ud, &mut act_d, "gate/up/SiLU dense")]
+        {
+            c.cpu.matmul(&normed.cpu, &w_g.cpu, None, &mut gs.cpu).ctx("cpu gate")?;
+            c.cpu.matmul(&normed.cpu, &w_u.cpu, None, &mut us.cpu).ctx("cpu up")?;
+            c.cpu.silu_mul(&gs.cpu, &us.cpu, &mut out.cpu).ctx("cpu silu_mul")?;
+            let want = c.cpu.download_f32(&out.cpu).ctx("cpu download")?;
+            c.check(what, &out.gpu, &want, inter, 3.0)?;
+        }
+        let want = c.cpu.download_f32(&normed.cpu).ctx("cpu download")?;
+        c.check("the join's output finished in place", &normed.gpu, &want, hidden, 2.0)?;
+
+        // down and its join into the next layer's attention (slot 1), then q/k/v with RoPE.
+        let deferred = c
+            .gpu
+            .matmul_add_rms_norm_deferred(
+                &x_d.gpu,
+                &down.gpu,
+                &mut resid.gpu,
+                &attn_norm.gpu,
+                EPS,
+                &mut normed2.gpu,
+                &mut sums,
+                1,
+            )
+            .ctx("cuda deferred join (down)")?;
+        c.cpu.matmul(&x_d.cpu, &down.cpu, None, &mut delta.cpu).ctx("cpu down")?;
+        c.cpu.add_rms_norm(&delta.cpu, &mut resid.cpu, &attn_norm.cpu, EPS, &mut normed2.cpu).ctx("cpu join")?;
+        if !deferred {
+            c.problems.push("the CUDA backend did not defer down's join".into());
+            return Ok(());
+        }
+        let freqs = rope_configs(hd)[0].cfg.freqs(20_000);
+        let positions: Vec<u32> = (0..n).map(|_| c.gen.below(20_001) as u32).collect();
+        let (bs, blocks) = (16, n + 2);
+        let slots: Vec<u32> = c.gen.permutation(blocks * bs)[..n].to_vec();
+        let kv_dim = kv_heads * hd;
+        let shape = [blocks, bs, kv_heads, hd];
+        let (k_img, v_img) = (vec![JUNK_K; blocks * bs * kv_dim], vec![JUNK_V; blocks * bs * kv_dim]);
+        let (mut kc, mut vc) = (c.act(&shape, &k_img)?, c.act(&shape, &v_img)?);
+        let mut outs = Vec::new();
+        for &r in &rows {
+            outs.push(c.output(&[n, r])?);
+        }
+        let before = tm_cuda::kernels::q4_gemv::rope_launches();
+        {
+            let d = DeferredNorm { sums: &sums, slot: 1, eps: EPS };
+            let gw = [&qkv_w[0].gpu, &qkv_w[1].gpu, &qkv_w[2].gpu];
+            let [o0, o1, o2] = &mut outs[..] else { unreachable!() };
+            let qkv = [&mut o0.gpu, &mut o1.gpu, &mut o2.gpu];
+            c.gpu
+                .qkv_rope_write_kv_deferred(
+                    &mut normed2.gpu,
+                    &d,
+                    gw,
+                    [None; 3],
+                    qkv,
+                    &mut kc.gpu,
+                    &mut vc.gpu,
+                    &positions,
+                    &freqs,
+                    &slots,
+                )
+                .ctx("cuda q/k/v + RoPE (folded)")?;
+            let cw = [&qkv_w[0].cpu, &qkv_w[1].cpu, &qkv_w[2].cpu];
+            let qkv = [&mut o0.cpu, &mut o1.cpu, &mut o2.cpu];
+            c.cpu
+                .qkv_rope_write_kv(
+                    &normed2.cpu,
+                    cw,
+                    [None; 3],
+                    qkv,
+                    &mut kc.cpu,
+                    &mut vc.cpu,
+                    &positions,
+                    &freqs,
+                    &slots,
+                )
+                .ctx("cpu qkv_rope_write_kv")?;
+        }
+        if tm_cuda::kernels::q4_gemv::rope_launches() == before {
+            c.problems.push("the q/k/v of a deferred join did not run the fused RoPE kernel".into());
+        }
+        for (i, what) in ["q", "k", "v"].iter().enumerate() {
+            let want = c.cpu.download_f32(&outs[i].cpu).ctx("cpu download")?;
+            c.check(what, &outs[i].gpu, &want, hd, 3.0)?;
+        }
+        let want = c.cpu.download_f32(&kc.cpu).ctx("cpu download")?;
+        c.check("k cache", &kc.gpu, &want, hd, 3.0)?;
+        let want = c.cpu.download_f32(&vc.cpu).ctx("cpu download")?;
+        c.check("v cache", &vc.gpu, &want, hd, 3.0)
     });
 }
 

@@ -328,3 +328,22 @@ __device__ __forceinline__ void add_bias_impl(T* x, const T* bias, int rows, int
     }
 }
 TM_KERNEL(add_bias, (T * x, const T* bias, int rows, int cols), (x, bias, rows, cols))
+
+/// A deferred RMSNorm finished in place (q4_gemv.cu, "Deferred RMSNorm"): `x[r, c] = T(x[r, c] *
+/// rsqrt(sums[r] / cols + eps))`, the scale the products would have applied. Grid-stride.
+template <typename T>
+__device__ __forceinline__ void norm_finish_impl(T* x, const double* sums, int rows, int cols, float eps) {
+    const i64 n = (i64)rows * cols;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const float s = rsqrtf((float)sums[i / cols] / (float)cols + eps);
+        x[i] = from_float<T>(to_float(x[i]) * s);
+    }
+}
+/// `x[i] = 0` for i < n (grid-stride; a kernel so that CUDA graphs record it like the others).
+template <typename T>
+__device__ __forceinline__ void fill_zero_impl(T* x, long long n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        x[i] = from_float<T>(0.f);
+}
+TM_KERNEL(fill_zero, (T * x, long long n), (x, n))
+TM_KERNEL(norm_finish, (T * x, const double* sums, int rows, int cols, float eps), (x, sums, rows, cols, eps))

@@ -525,6 +525,41 @@ template <int NT> __device__ __forceinline__ float reduce_warps(const float acc[
     return v;
 }
 
+// Deferred RMSNorm (tm-core's `DeferredNorm`). Between a decode product y (o, down) and the next
+// layer's products (gate/up, q/k/v) sits the residual join `residual += y; x = rms_norm(residual) *
+// gamma`, a kernel of its own. Deferred, the producer (`q4_gemv_join`) ends with the join's
+// elementwise part: per row, residual = T(residual + T(y)) (written back), x = T(residual * gamma),
+// and each CTA adds its rows' sum of squares of the new residual into one f64 per batch row of its
+// slot (atomicAdd; the f32 partials' sum is exact in f64 unless their magnitudes spread over 2^29,
+// so the order does not show). The consumers read x as any input, load their batch row's sum right
+// after `pdl_wait` (an `__ldcg`: coherent, never hoisted above the wait; it has arrived long before
+// the epilogue, where a load would cost its whole L2 latency in every CTA) and multiply their sums
+// by rsqrt(sum / cols + eps) before their epilogue (bias, RoPE, SiLU). The slots are zeroed once
+// per step (the engine's `fill_zero`), each used by one producer. f16: x is residual * gamma before
+// the scale, so |residual * gamma| must stay below 65504 (as |residual| itself must).
+// scripts/gpu/q4_decode_chain.cu: -30..-38 us per batch-1 step of the 8B chain.
+struct NormScale {
+    const double* sums;  // the slot: one sum per batch row; null: the input is already normalized
+    int cols;            // features the norm is over
+    float eps;
+};
+
+// After `pdl_wait`: the sum of batch row j (< n) of the slot, or 0.
+__device__ __forceinline__ double load_norm_sum(const NormScale& ns, int n, int j) {
+    return ns.sums && j < n ? __ldcg(ns.sums + j) : 0.0;
+}
+
+// The row scale from that sum (1 when ns.sums is null).
+__device__ __forceinline__ float norm_scale(const NormScale& ns, double sum) {
+    return ns.sums ? rsqrtf((float)sum / (float)ns.cols + ns.eps) : 1.f;
+}
+
+// The batch row of thread tid's fragment element in the epilogues (`reduce_warps`' order): element
+// e = tid / 32 % 4 of lane tid % 32 is batch column 2 (lane % 4) + e % 2.
+__device__ __forceinline__ int epilogue_batch_row() {
+    return 2 * (threadIdx.x & 3) + ((threadIdx.x >> 5) & 1);
+}
+
 // Which tile loop a kernel runs: `q4_tiles`, `q4_tiles_lean`, or `q4_tiles_lean` on tile-major
 // weights.
 enum Path { GENERIC = 0, LEAN = 1, LEAN_TILED = 2 };
@@ -570,26 +605,78 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
     }
 }
 
+// The producer of a deferred RMSNorm (see `NormScale`): y = x · W^T for one weight of `s.rows`
+// rows (the hidden size; 16 rows per CTA), then per row and batch row j: residual = T(residual +
+// T(y)) (written back: what the product then `add_rms_norm` leave), s.out = T(residual * gamma),
+// and the CTA's sum of the squares of its rows of the new residual added into sums[j].
+template <class T, int U, int PATH, class Wait>
+__device__ __forceinline__ void q4_gemv_join(const T* __restrict__ x, int n, int cols, int group, const Slot<T>& s,
+                                             T* resid, const T* gamma, double* sums, Wait wait) {
+    const Tile tile{s.packed, s.scales, s.mins, (int)blockIdx.x * 16, s.rows};
+    float acc[1][4];
+    if constexpr (PATH == LEAN_TILED)
+        q4_tiles_lean<T, U, 1, false, true>(&tile, x, n, cols, acc, wait);
+    else if constexpr (PATH == LEAN)
+        q4_tiles_lean<T, U, 1, false>(&tile, x, n, cols, acc, wait);
+    else
+        q4_tiles<T, U, 1, false>(&tile, x, n, cols, group, acc, wait);
+    trigger_after_loop();
+    // Thread tid < 128 holds fragment element e = tid / 32 of lane tid % 32 (`q4_gemv`'s order).
+    const int e = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const int row = tile.row0 + (lane >> 2) + 8 * (e >> 1);
+    const int j = epilogue_batch_row();
+    const bool mine = threadIdx.x < 128 && j < n && row < s.rows;
+    const i64 at = (i64)j * s.rows + row;
+    // Issued before the warps' reduction, which hides their latency.
+    const float r0 = mine ? tmk::to_float(resid[at]) : 0.f;
+    const float gm = mine ? tmk::to_float(gamma[row]) : 0.f;
+    const float v = reduce_warps<1>(acc);
+    float sq = 0.f;
+    if (mine) {
+        const T r = tmk::from_float<T>(r0 + tmk::round_to<T>(v));
+        resid[at] = r;
+        const float rf = tmk::to_float(r);
+        s.out[at] = tmk::from_float<T>(rf * gm);
+        sq = rf * rf;
+    }
+    // The 8 lanes of a warp with the same lane % 4 hold rows g (or g + 8) of one batch row.
+    sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+    __shared__ float part[4][4];  // [e][lane % 4]
+    if (threadIdx.x < 128 && lane < 4) part[e][lane] = sq;
+    __syncthreads();
+    if ((int)threadIdx.x < n) {  // batch row jj: e = jj % 2 (rows g) and 2 + jj % 2 (rows g + 8), lane = jj / 2
+        const int jj = threadIdx.x;
+        atomicAdd(sums + jj, (double)part[jj & 1][jj >> 1] + (double)part[2 + (jj & 1)][jj >> 1]);
+    }
+}
+
 // gate/up with SiLU (the kernels' list above). XPRE: the lean loops load x with the ring's weights
 // (the U = 4 kernels) or at use (U = 2); scripts/gpu/q4_decode_chain.cu `g4` measured U = 3 and 4
 // with x at use at two CTAs per SM (slower).
 template <class T, int U, int PATH, bool XPRE = (U > 2), class Wait>
 __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, int n, int cols, int group,
-                                             const Slot<T>& gate, const Slot<T>& up, Wait wait) {
+                                             const Slot<T>& gate, const Slot<T>& up, const NormScale& ns, Wait wait) {
     const int row0 = blockIdx.x * 16, rows = gate.rows;
+    double nsum = 0.0;
+    const auto wait_sum = [&] {
+        wait();
+        nsum = load_norm_sum(ns, n, epilogue_batch_row());
+    };
     const Tile tiles[2] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
                            Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[2][4];
     if constexpr (PATH == LEAN_TILED)
-        q4_tiles_lean<T, U, 2, XPRE, true>(tiles, x, n, cols, acc, wait);
+        q4_tiles_lean<T, U, 2, XPRE, true>(tiles, x, n, cols, acc, wait_sum);
     else if constexpr (PATH == LEAN)
-        q4_tiles_lean<T, U, 2, XPRE>(tiles, x, n, cols, acc, wait);
+        q4_tiles_lean<T, U, 2, XPRE>(tiles, x, n, cols, acc, wait_sum);
     else
-        q4_tiles<T, U, 2, true>(tiles, x, n, cols, group, acc, wait);
+        q4_tiles<T, U, 2, true>(tiles, x, n, cols, group, acc, wait_sum);
     // Gate sums land in threads 0..127, up sums in 128..255 (same fragment order).
     __shared__ float upv[128];
     trigger_after_loop();
-    const float v = reduce_warps<2>(acc);
+    const float v = reduce_warps<2>(acc) * norm_scale(ns, nsum);
     if (threadIdx.x >= 128) upv[threadIdx.x - 128] = v;
     __syncthreads();
     if (threadIdx.x < 128) {
@@ -683,7 +770,12 @@ __device__ __forceinline__ void rope_pair(const Slot<T>& s, const RopeKv<T>& rk,
 // RoPE pair land in one thread's fragment rows g and g + 8; a v CTA takes 16 consecutive rows.
 template <class T, class Wait>
 __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int cols, const Slot<T>* slots,
-                                             const RopeKv<T>& rk, Wait wait) {
+                                             const RopeKv<T>& rk, const NormScale& ns, Wait wait) {
+    double nsum = 0.0;
+    const auto wait_sum = [&] {
+        wait();
+        nsum = load_norm_sum(ns, n, epilogue_batch_row());
+    };
     const RopeCta<T> c = rope_cta(slots, rk.head_dim, 4);
     const int si = c.si, cta = c.cta, head = c.head, tt = c.tt, D = rk.head_dim;
     const Slot<T>& s = c.s;
@@ -694,9 +786,9 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
         tile.hs = rk.interleaved ? 1 : D >> 1;
     }
     float acc[1][4];
-    q4_tiles_lean<T, 2, 1, false>(&tile, x, n, cols, acc, wait);
+    q4_tiles_lean<T, 2, 1, false>(&tile, x, n, cols, acc, wait_sum);
     trigger_after_loop();
-    const float v = reduce_warps<1>(acc);
+    const float v = reduce_warps<1>(acc) * norm_scale(ns, nsum);
     // Thread tid < 128 holds fragment element e = tid / 32 of lane tid % 32: fragment row
     // g + 8 (e / 2), batch column 2 (lane % 4) + e % 2; rounded to T with the bias, as stored.
     __shared__ float fin[128];
@@ -731,7 +823,12 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
 // `rope_write_kv`, bit for bit, as `q4_gemv_rope`'s do.
 template <class T, class Wait>
 __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int n, int cols, const Slot<T>* slots,
-                                                   const RopeKv<T>& rk, Wait wait) {
+                                                   const RopeKv<T>& rk, const NormScale& ns, Wait wait) {
+    double nsum = 0.0;
+    const auto wait_sum = [&] {
+        wait();
+        nsum = load_norm_sum(ns, n, epilogue_batch_row());
+    };
     const RopeCta<T> c = rope_cta(slots, rk.head_dim, 5);
     const int si = c.si, cta = c.cta, head = c.head, tt = c.tt, D = rk.head_dim;
     const Slot<T>& s = c.s;
@@ -740,9 +837,9 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     const int row_b = si < 2 ? row_a + (D >> 1) : row_a + 16;
     const Tile tiles[2] = {Tile{s.packed, s.scales, s.mins, row_a, s.rows}, Tile{s.packed, s.scales, s.mins, row_b, s.rows}};
     float acc[2][4];
-    q4_tiles_lean<T, 2, 2, false, true>(tiles, x, n, cols, acc, wait);
+    q4_tiles_lean<T, 2, 2, false, true>(tiles, x, n, cols, acc, wait_sum);
     trigger_after_loop();
-    const float v = reduce_warps<2>(acc);
+    const float v = reduce_warps<2>(acc) * norm_scale(ns, nsum);
     // Thread tid holds fragment element e = tid / 32 (tile e / 4) of lane tid % 32: row g + 8 (e / 2
     // % 2) of its tile, batch column 2 (lane % 4) + e % 2; rounded to T with the bias, as stored.
     __shared__ float fin[256];
@@ -788,11 +885,23 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
         NAME(T* out, const T* __restrict__ x, int n, int cols, int group,                                               \
                                   const unsigned char* wg, const __half* sg, const __half* mg,                          \
-                                  const unsigned char* wu, const __half* su, const __half* mu, int rows) {              \
+                                  const unsigned char* wu, const __half* su, const __half* mu, int rows,                \
+                                  const double* norm_sums, float norm_eps) {                                            \
         tmk::pdl_launch_dependents();                                                                                   \
         const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                    \
         const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                      \
-        tmq4::q4_gemv_silu<T, U, tmq4::PATH, XPRE>(out, x, n, cols, group, gate, up, [] { tmk::pdl_wait(); });          \
+        const tmq4::NormScale ns = {norm_sums, cols, norm_eps};                                                         \
+        tmq4::q4_gemv_silu<T, U, tmq4::PATH, XPRE>(out, x, n, cols, group, gate, up, ns, [] { tmk::pdl_wait(); });      \
+    }
+// The deferred join's producer (`q4_gemv_join`): one weight of `rows` rows, the residual, the
+// join's output (x), the norm weight and the slot's sums [n] (f64).
+#define TM_Q4_GEMV_JOIN(NAME, T, U, MIN_CTAS, PATH)                                                                     \
+    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
+        NAME(const T* __restrict__ x, int n, int cols, int group, const unsigned char* w, const __half* sc,             \
+             const __half* mn, int rows, T* resid, T* normed, const T* gamma, double* sums) {                           \
+        tmk::pdl_launch_dependents();                                                                                   \
+        const tmq4::Slot<T> s = {normed, w, sc, mn, nullptr, rows};                                                     \
+        tmq4::q4_gemv_join<T, U, tmq4::PATH>(x, n, cols, group, s, resid, gamma, sums, [] { tmk::pdl_wait(); });        \
     }
 #define TM_Q4_GEMV_SILU(NAME, T, U, MIN_CTAS, PATH) TM_Q4_GEMV_SILU_X(NAME, T, U, MIN_CTAS, PATH, (U > 2))
 // q/k/v with RoPE and the KV-cache write (`q4_gemv_rope`): the plain parameters (without
@@ -804,12 +913,13 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
              const unsigned char* w1, const unsigned char* w2, const __half* s0, const __half* s1,                      \
              const __half* s2, const __half* m0, const __half* m1, const __half* m2, const T* b0, const T* b1,          \
              const T* b2, int r0, int r1, int r2, T* k_cache, T* v_cache, const unsigned* positions,                   \
-             const unsigned* kv_slots, const float* inv_freq, float attention_factor, int head_dim,                     \
-             int interleaved) {                                                                                         \
+             const unsigned* kv_slots, const float* inv_freq, float attention_factor, int head_dim, int interleaved,    \
+             const double* norm_sums, float norm_eps) {                                                                 \
         const tmq4::Slot<T> slots[3] = {{o0, w0, s0, m0, b0, r0}, {o1, w1, s1, m1, b1, r1}, {o2, w2, s2, m2, b2, r2}};  \
         const tmq4::RopeKv<T> rk = {k_cache, v_cache, positions, kv_slots, inv_freq, attention_factor, head_dim,         \
                                     interleaved};                                                                       \
-        tmq4::FN<T>(x, n, cols, slots, rk, [] { tmk::pdl_wait(); });                                                    \
+        const tmq4::NormScale ns = {norm_sums, cols, norm_eps};                                                         \
+        tmq4::FN<T>(x, n, cols, slots, rk, ns, [] { tmk::pdl_wait(); });                                                \
     }
 #define TM_Q4_GEMV(SUF, T)                                                                                              \
     TM_Q4_GEMV_ROPE(q4_gemv_ln_rope_##SUF, T, q4_gemv_rope, 3)                                                          \
@@ -824,7 +934,12 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     TM_Q4_GEMV_SILU(q4_gemv_silu_ln_##SUF, T, 2, 2, LEAN)                                                               \
     TM_Q4_GEMV_SILU(q4_gemv_silu_ln4_##SUF, T, 4, 1, LEAN)                                                              \
     TM_Q4_GEMV_SILU(q4_gemv_silu_lnt_##SUF, T, 2, 2, LEAN_TILED)                                                        \
-    TM_Q4_GEMV_SILU(q4_gemv_silu_ln4t_##SUF, T, 4, 1, LEAN_TILED)
+    TM_Q4_GEMV_SILU(q4_gemv_silu_ln4t_##SUF, T, 4, 1, LEAN_TILED)                                                        \
+    TM_Q4_GEMV_JOIN(q4_gemv_n16_join_##SUF, T, 2, 3, GENERIC)                                                           \
+    TM_Q4_GEMV_JOIN(q4_gemv_ln_join_##SUF, T, 2, 2, LEAN)                                                               \
+    TM_Q4_GEMV_JOIN(q4_gemv_ln4_join_##SUF, T, 4, 2, LEAN)                                                              \
+    TM_Q4_GEMV_JOIN(q4_gemv_lnt_join_##SUF, T, 2, 2, LEAN_TILED)                                                        \
+    TM_Q4_GEMV_JOIN(q4_gemv_ln4t_join_##SUF, T, 4, 2, LEAN_TILED)
 
 TM_Q4_GEMV(f16, __half)
 TM_Q4_GEMV(bf16, __nv_bfloat16)

@@ -117,7 +117,7 @@ mod tests {
     #[test]
     fn elementwise_defines_every_abi_kernel() {
         let kernels = abi_kernels("elementwise.cu");
-        assert_eq!(kernels.len(), 13, "{kernels:?}");
+        assert_eq!(kernels.len(), 15, "{kernels:?}");
         let src = modules().iter().find(|s| s.name == "elementwise.cu").expect("elementwise.cu").text;
         for k in &kernels {
             let defined = ["TM_KERNEL", "TM_KERNEL_BOUNDS", "TM_KERNEL_EARLY", "TM_KERNEL_BOUNDS_EARLY"]
@@ -195,7 +195,12 @@ mod tests {
                 "q4_gemv_silu_lnt",
                 "q4_gemv_silu_ln4t",
                 "q4_gemv_ln_rope",
-                "q4_gemv_lnt_rope"
+                "q4_gemv_lnt_rope",
+                "q4_gemv_n16_join",
+                "q4_gemv_ln_join",
+                "q4_gemv_ln4_join",
+                "q4_gemv_lnt_join",
+                "q4_gemv_ln4t_join"
             ]
         );
         for a in artefacts().iter().filter(|a| a.module == "q4_gemv") {

@@ -443,6 +443,33 @@ pub fn add(gpu: &Gpu, dt: DType, x: u64, y: u64, n: usize) -> Result<()> {
     )
 }
 
+/// `x[i] = 0` for the `n` elements of `x`.
+pub fn fill_zero(gpu: &Gpu, dt: DType, x: u64, n: usize) -> Result<()> {
+    let op = "fill_zero";
+    let n64 = i64::try_from(n).map_err(|_| Error::invalid(format!("{op}: n = {n} is too large")))?;
+    if n == 0 {
+        return Ok(());
+    }
+    gpu.launch(&name(op, dt)?, (flat_blocks(n, 1), 1, 1), (THREADS, 1, 1), 0, &[KernelArg::Ptr(x), KernelArg::I64(n64)])
+}
+
+/// A deferred RMSNorm finished in place: `x[r, c] = T(x[r, c] · rsqrt(sums[r] / cols + eps))` for
+/// `rows` rows of `cols` (`sums`: f64 `[rows]`, a `q4_gemv_join` slot).
+pub fn norm_finish(gpu: &Gpu, dt: DType, x: u64, sums: u64, rows: usize, cols: usize, eps: f32) -> Result<()> {
+    let op = "norm_finish";
+    let (r32, c32) = (int(op, "rows", rows)?, int(op, "cols", cols)?);
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    gpu.launch(
+        &name(op, dt)?,
+        (flat_blocks(rows * cols, 1), 1, 1),
+        (THREADS, 1, 1),
+        0,
+        &[KernelArg::Ptr(x), KernelArg::Ptr(sums), KernelArg::I32(r32), KernelArg::I32(c32), KernelArg::F32(eps)],
+    )
+}
+
 /// `x[r, :] += bias` for each of `rows` rows of `cols` (`bias`: `[cols]`).
 pub fn add_bias(gpu: &Gpu, dt: DType, x: u64, bias: u64, rows: usize, cols: usize) -> Result<()> {
     let op = "add_bias";

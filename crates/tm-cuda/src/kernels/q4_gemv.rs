@@ -471,6 +471,25 @@ pub struct RopeKv {
     pub interleaved: bool,
 }
 
+/// A deferred RMSNorm's scale for the products that read its output (q4_gemv.cu, "Deferred
+/// RMSNorm"; tm-core's `DeferredNorm`): the device address of the slot's f64 sums (one per batch
+/// row, written by [`q4_gemv_join`]) and the norm's epsilon (its width is the products' `cols`).
+#[derive(Clone, Copy, Debug)]
+pub struct NormArgs {
+    /// The slot's sums of squares, f64 `[n]`.
+    pub sums: u64,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+}
+
+/// The two kernel arguments of an optional [`NormArgs`] (a null slot: no scale).
+fn norm_args(norm: Option<&NormArgs>) -> [KernelArg; 2] {
+    match norm {
+        Some(a) => [KernelArg::Ptr(a.sums), KernelArg::F32(a.eps)],
+        None => [KernelArg::Ptr(0), KernelArg::F32(0.0)],
+    }
+}
+
 /// [`q4_gemv_rope`] launches in this process (all devices): tests read it to confirm the fused
 /// path ran.
 static ROPE_LAUNCHES: AtomicU64 = AtomicU64::new(0);
@@ -517,7 +536,8 @@ pub fn rope_shape_fits(cols: usize, group: usize, slots: &[Q4Slot; 3], head_dim:
 /// The q/k/v products (`slots` q, k, v, as [`q4_gemv`]) with RoPE of q and k and the cache write
 /// of the rotated k and of v in the epilogue (`q4_gemv_ln_rope_*`, 16 rows per CTA; for tile-major
 /// weights `q4_gemv_lnt_rope_*`, 32 rows per CTA: two tiles): what [`q4_gemv`] then
-/// `rope_write_kv` store, bit for bit. The caller checked [`fits`], [`rope_fits`] and the shapes.
+/// `rope_write_kv` store, bit for bit. With `norm`, x is a deferred RMSNorm's output and the sums
+/// are scaled first. The caller checked [`fits`], [`rope_fits`] and the shapes.
 #[allow(clippy::too_many_arguments)]
 pub fn q4_gemv_rope(
     gpu: &Gpu,
@@ -528,6 +548,7 @@ pub fn q4_gemv_rope(
     group: usize,
     slots: &[Q4Slot; 3],
     rope: &RopeKv,
+    norm: Option<&NormArgs>,
 ) -> Result<()> {
     if n == 0 {
         return Ok(());
@@ -545,6 +566,7 @@ pub fn q4_gemv_rope(
         KernelArg::I32(int("head_dim", rope.head_dim)?),
         KernelArg::I32(i32::from(rope.interleaved)),
     ]);
+    args.extend(norm_args(norm));
     let stem = if tiled { "q4_gemv_lnt_rope" } else { "q4_gemv_ln_rope" };
     gpu.launch(&format!("{stem}_{}", suffix(dt)?), (grid, 1, 1), (THREADS, 1, 1), 0, &args)?;
     ROPE_LAUNCHES.fetch_add(1, Ordering::Relaxed);
@@ -566,6 +588,7 @@ pub fn q4_gemv_silu(
     cols: usize,
     group: usize,
     unroll: Unroll,
+    norm: Option<&NormArgs>,
 ) -> Result<()> {
     if gate.rows != up.rows {
         return Err(Error::invalid(format!("q4_gemv_silu: gate has {} rows, up {}", gate.rows, up.rows)));
@@ -582,7 +605,7 @@ pub fn q4_gemv_silu(
     let u = unroll.resolve_silu_with(forced(), lean);
     let (u, t) = tiled_variant(u, Unroll::Lean, tiled);
     let name = format!("{}{t}_{}", u.silu_stem(), suffix(dt)?);
-    let args = [
+    let mut args = vec![
         KernelArg::Ptr(out),
         KernelArg::Ptr(x),
         KernelArg::I32(int("n", n)?),
@@ -596,7 +619,60 @@ pub fn q4_gemv_silu(
         KernelArg::Ptr(up.mins),
         KernelArg::I32(int("rows", rows)?),
     ];
+    args.extend(norm_args(norm));
     gpu.launch(&name, (grid, 1, 1), (THREADS, 1, 1), 0, &args)
+}
+
+/// The producer of a deferred RMSNorm (q4_gemv.cu, "Deferred RMSNorm"): `y = x · Wᵀ` for the
+/// int4 `weight` (`[rows, cols]`, rows the hidden size; its `out` is the join's output), then per
+/// row `residual = T(residual + T(y))`, `out = T(residual · gamma)`, and each row's sum of squares
+/// of the new residual added into the slot `sums` (f64 `[n]`, zeroed before). 16 rows per CTA:
+/// the lean kernel `unroll` (or its choice) would take, else `n16`'s configuration. The caller
+/// checked [`fits`] and the shapes.
+#[allow(clippy::too_many_arguments)]
+pub fn q4_gemv_join(
+    gpu: &Gpu,
+    dt: DType,
+    x: u64,
+    n: usize,
+    cols: usize,
+    group: usize,
+    weight: &Q4Slot,
+    residual: u64,
+    gamma: u64,
+    sums: u64,
+) -> Result<()> {
+    if n == 0 || weight.rows == 0 {
+        return Ok(());
+    }
+    let slots = [*weight];
+    let tiled = tiled_launch("q4_gemv_join", cols, group, &slots)?;
+    let (grid16, grid32) = (plain_grid(&slots, 16)?, plain_grid(&slots, 32)?);
+    let sms = gpu.info().multiprocessors as usize;
+    let lean = lean_fits(cols, group, &slots);
+    let u = Unroll::Auto.resolve(grid16 as usize, grid32 as usize, sms, lean);
+    let lean_auto = Unroll::Auto.resolve_with(None, grid16 as usize, grid32 as usize, sms, true);
+    let (u, t) = tiled_variant(u, lean_auto, tiled);
+    let stem = match u {
+        Unroll::Lean => "q4_gemv_ln",
+        Unroll::Lean4 => "q4_gemv_ln4",
+        _ => "q4_gemv_n16",
+    };
+    let args = [
+        KernelArg::Ptr(x),
+        KernelArg::I32(int("n", n)?),
+        KernelArg::I32(int("cols", cols)?),
+        KernelArg::I32(int("group", group)?),
+        KernelArg::Ptr(weight.packed),
+        KernelArg::Ptr(weight.scales),
+        KernelArg::Ptr(weight.mins),
+        KernelArg::I32(int("rows", weight.rows)?),
+        KernelArg::Ptr(residual),
+        KernelArg::Ptr(weight.out),
+        KernelArg::Ptr(gamma),
+        KernelArg::Ptr(sums),
+    ];
+    gpu.launch(&format!("{stem}{t}_join_{}", suffix(dt)?), (grid16, 1, 1), (THREADS, 1, 1), 0, &args)
 }
 
 #[cfg(test)]

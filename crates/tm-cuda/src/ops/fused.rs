@@ -14,7 +14,7 @@ use tm_core::{Error, Result, Tensor};
 
 use super::{ptr, CudaBackend};
 use crate::kernels::gemv::{self, GemvSlot};
-use crate::kernels::q4_gemv::{self, Q4Slot, Unroll};
+use crate::kernels::q4_gemv::{self, NormArgs, Q4Slot, Unroll};
 
 /// Whether the GEMV path is on (`TM_CUDA_GEMV` is not `0`).
 fn enabled() -> bool {
@@ -179,7 +179,7 @@ impl CudaBackend {
     /// both int4 with the same group size) and `x` is a decode batch. Shapes are checked.
     pub(super) fn fused_gate_up_silu(&self, x: &Tensor, gate: &Weight, up: &Weight, out: &mut Tensor) -> Result<bool> {
         if let (Some(g), Some(u)) = (int4(gate), int4(up)) {
-            return self.fused_q4_gate_up_silu(x, g, u, out);
+            return self.fused_q4_gate_up_silu(x, g, u, out, None);
         }
         let (Some(g), Some(u)) = (dense(gate), dense(up)) else { return Ok(false) };
         if !enabled() || gate.dims() != up.dims() {
@@ -200,13 +200,15 @@ impl CudaBackend {
         Ok(true)
     }
 
-    /// [`CudaBackend::fused_gate_up_silu`] for int4 weights of the same shape and group size.
-    fn fused_q4_gate_up_silu(
+    /// [`CudaBackend::fused_gate_up_silu`] for int4 weights of the same shape and group size; with
+    /// `norm`, `x` is a deferred join's output whose row scale the kernel applies.
+    pub(super) fn fused_q4_gate_up_silu(
         &self,
         x: &Tensor,
         gate: &QuantWeight,
         up: &QuantWeight,
         out: &mut Tensor,
+        norm: Option<&NormArgs>,
     ) -> Result<bool> {
         let (rows, cols, group) = (gate.rows, gate.cols, gate.group_size);
         if !q4_gemv::enabled() || (up.rows, up.cols, up.group_size) != (rows, cols, group) {
@@ -222,7 +224,7 @@ impl CudaBackend {
         }
         self.check(x, "matmul input")?;
         self.check(out, "gate_up_silu output")?;
-        q4_gemv::q4_gemv_silu(&self.gpu, self.dtype, ptr(out), &g, &u, ptr(x), n, cols, group, Unroll::Auto)?;
+        q4_gemv::q4_gemv_silu(&self.gpu, self.dtype, ptr(out), &g, &u, ptr(x), n, cols, group, Unroll::Auto, norm)?;
         Ok(true)
     }
 }

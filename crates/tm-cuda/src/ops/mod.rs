@@ -6,6 +6,7 @@
 //! kernels, or, for large batches, a slab of rows at a time into a fixed scratch buffer that
 //! cuBLASLt then multiplies ([`q4_slab`]). Dense products go through cuBLASLt.
 
+mod deferred;
 mod fused;
 mod graphs;
 mod meta;
@@ -17,7 +18,7 @@ pub use q4_slab::{set_slab_policy, slab_products};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use tm_core::checks::{self, rows_of, same_numel};
-use tm_core::ops::{AttentionMeta, SampleRequest};
+use tm_core::ops::{AttentionMeta, DeferredNorm, SampleRequest};
 use tm_core::quant::{QuantWeight, Weight};
 use tm_core::rope::{RopeFreqs, RopeStyle};
 use tm_core::{Allocator, Buffer, DType, Device, Error, Ops, Result, Tensor, TensorDesc};
@@ -511,6 +512,74 @@ impl Ops for CudaBackend {
         tm_core::ops::gate_up_silu_unfused(self, x, gate, up, gate_out, up_out, out)
     }
 
+    fn fill_zero(&self, t: &mut Tensor) -> Result<()> {
+        // A kernel (not a memset) so that CUDA graphs record and replay it like the others.
+        let words = t.desc().bytes() / 4;
+        if words * 4 != t.desc().bytes() {
+            return Err(Error::invalid(format!("fill_zero: {} bytes is not whole f32 words", t.desc().bytes())));
+        }
+        ew::fill_zero(&self.gpu, DType::F32, ptr(t), words)
+    }
+
+    fn matmul_add_rms_norm_deferred(
+        &self,
+        x: &Tensor,
+        w: &Weight,
+        residual: &mut Tensor,
+        norm: &Tensor,
+        eps: f32,
+        out: &mut Tensor,
+        sums: &mut Tensor,
+        slot: usize,
+    ) -> Result<bool> {
+        self.join_deferred(x, w, residual, norm, eps, out, sums, slot)
+    }
+
+    fn finish_deferred_norm(&self, x: &mut Tensor, norm: &DeferredNorm<'_>) -> Result<()> {
+        self.finish_norm(x, norm)
+    }
+
+    fn gate_up_silu_deferred(
+        &self,
+        x: &mut Tensor,
+        norm: &DeferredNorm<'_>,
+        gate: &Weight,
+        up: &Weight,
+        gate_out: &mut Tensor,
+        up_out: &mut Tensor,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        if let (Weight::Int4(g), Weight::Int4(u)) = (gate, up) {
+            let args = self.norm_args(norm)?;
+            if self.fused_q4_gate_up_silu(x, g, u, out, Some(&args))? {
+                return Ok(());
+            }
+        }
+        self.finish_norm(x, norm)?;
+        self.gate_up_silu(x, gate, up, gate_out, up_out, out)
+    }
+
+    fn qkv_rope_write_kv_deferred(
+        &self,
+        x: &mut Tensor,
+        norm: &DeferredNorm<'_>,
+        weights: [&Weight; 3],
+        biases: [Option<&Tensor>; 3],
+        mut qkv: [&mut Tensor; 3],
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+        positions: &[u32],
+        freqs: &RopeFreqs,
+        slot_mapping: &[u32],
+    ) -> Result<()> {
+        let (p, f, s) = (positions, freqs, slot_mapping);
+        if self.fused_q4_qkv_rope(x, weights, biases, &mut qkv, k_cache, v_cache, p, f, s, Some(norm))? {
+            return Ok(());
+        }
+        self.finish_norm(x, norm)?;
+        self.qkv_rope_write_kv(x, weights, biases, qkv, k_cache, v_cache, positions, freqs, slot_mapping)
+    }
+
     fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &mut Tensor) -> Result<()> {
         same_numel("silu_mul", gate, up)?;
         same_numel("silu_mul", gate, out)?;
@@ -578,7 +647,18 @@ impl Ops for CudaBackend {
         freqs: &RopeFreqs,
         slot_mapping: &[u32],
     ) -> Result<()> {
-        if self.fused_q4_qkv_rope(x, weights, biases, &mut qkv, k_cache, v_cache, positions, freqs, slot_mapping)? {
+        if self.fused_q4_qkv_rope(
+            x,
+            weights,
+            biases,
+            &mut qkv,
+            k_cache,
+            v_cache,
+            positions,
+            freqs,
+            slot_mapping,
+            None,
+        )? {
             return Ok(());
         }
         tm_core::ops::qkv_rope_write_kv_unfused(

@@ -9,6 +9,7 @@
 use std::sync::OnceLock;
 
 use tm_core::checks::{self, rows_of};
+use tm_core::ops::DeferredNorm;
 use tm_core::quant::Weight;
 use tm_core::rope::{RopeFreqs, RopeStyle};
 use tm_core::{DType, Error, Result, Tensor};
@@ -87,7 +88,8 @@ impl CudaBackend {
 
     /// `Ops::qkv_rope_write_kv` as one `q4_gemv_ln_rope` launch: int4 q, k, v of one shape class
     /// ([`q4_gemv::fits`] and [`q4_gemv::rope_fits`]) and caches in the activation dtype.
-    /// `Ok(false)` (nothing done) sends the caller to the products and `rope_write_kv`.
+    /// `Ok(false)` (nothing done) sends the caller to the products and `rope_write_kv`. With
+    /// `norm`, `x` is a deferred join's output whose row scale the kernel applies.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn fused_q4_qkv_rope(
         &self,
@@ -100,6 +102,7 @@ impl CudaBackend {
         positions: &[u32],
         freqs: &RopeFreqs,
         slot_mapping: &[u32],
+        norm: Option<&DeferredNorm<'_>>,
     ) -> Result<bool> {
         let [Weight::Int4(wq), Weight::Int4(wk), Weight::Int4(wv)] = weights else { return Ok(false) };
         let (cols, group) = (wq.cols, wq.group_size);
@@ -137,7 +140,8 @@ impl CudaBackend {
             head_dim,
             interleaved,
         };
-        q4_gemv::q4_gemv_rope(&self.gpu, self.dtype, ptr(x), n, cols, group, &slots, &rope)?;
+        let norm = norm.map(|d| self.norm_args(d)).transpose()?;
+        q4_gemv::q4_gemv_rope(&self.gpu, self.dtype, ptr(x), n, cols, group, &slots, &rope, norm.as_ref())?;
         Ok(true)
     }
 }

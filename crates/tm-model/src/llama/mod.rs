@@ -27,7 +27,7 @@ use crate::kv_cache::KvCache;
 use crate::weights::TensorSource;
 use shard::Cut;
 use std::time::Duration;
-use tm_core::ops::{AttentionMeta, SeqAttention};
+use tm_core::ops::{AttentionMeta, DeferredNorm, SeqAttention, DEFERRED_NORM_ROWS};
 use tm_core::quant::Weight;
 use tm_core::rope::RopeFreqs;
 use tm_core::{Comm, Ops, SingleRank, Tensor};
@@ -222,6 +222,9 @@ impl LlamaModel {
             return Err(ModelError::InvalidInput("the workspace was made for another shard layout".into()));
         }
         ws.prepare(ops, n, step.logit_rows.len())?;
+        if self.defers_joins(n) {
+            ws.ensure_norm_sums(ops, 2 * self.layers.len())?;
+        }
         let max_pos = step.positions.iter().copied().max().unwrap_or(0) as usize;
         let freqs = c.rope.freqs(max_pos);
         let meta = AttentionMeta {
@@ -235,11 +238,29 @@ impl LlamaModel {
         Ok(&ws.logits)
     }
 
+    /// Whether a step of `n` tokens asks the backend to defer its residual joins
+    /// ([`Ops::matmul_add_rms_norm_deferred`]): int4 models, not sharded, decode-sized steps. The
+    /// backend still decides each join (the CUDA backend takes int4 decode products).
+    fn defers_joins(&self, n: usize) -> bool {
+        self.has_int4() && !self.layout.is_sharded() && n <= DEFERRED_NORM_ROWS
+    }
+
     /// The layers, final norm and LM head of one step (run inside the backend's step context).
+    ///
+    /// With deferred joins (see [`LlamaModel::defers_joins`]) each o and down product may end with
+    /// its residual join, leaving the RMSNorm's row scale to the next products: o's join is slot
+    /// 2i of the step's sums, down's (into layer i + 1) slot 2i + 1; `pending` is the slot of a
+    /// deferred join whose output is `ws.normed`. The last layer's down and the joins into layers
+    /// with q/k norms are never deferred (their readers are not the folding ops).
     fn run_layers(&self, cx: &StepCtx<'_>, kv: &mut KvCache, ws: &mut Workspace) -> Result<(), tm_core::Error> {
         let (ops, step, freqs, meta) = (cx.ops, cx.step, cx.freqs, cx.meta);
         let sharded = self.layout.is_sharded();
         let eps = self.config.rms_norm_eps;
+        let defer = self.defers_joins(step.tokens.len()) && ws.norm_sums.is_some();
+        if let (true, Some(sums)) = (defer, ws.norm_sums.as_mut()) {
+            ops.fill_zero(sums)?;
+        }
+        let mut pending: Option<usize> = None;
         if sharded && self.layout.vocab_parallel {
             ops.embedding_slice(&self.embed, step.tokens, self.layout.vocab.start as u32, &mut ws.residual)?;
             cx.comm.all_reduce_sum(&mut ws.residual, "embedding", cx.timeout)?;
@@ -249,7 +270,7 @@ impl LlamaModel {
         for (i, layer) in self.layers.iter().enumerate() {
             if i == 0 {
                 ops.rms_norm(&ws.residual, &layer.attn_norm, eps, &mut ws.normed)?;
-            } else {
+            } else if pending.is_none() {
                 // The previous layer's down_proj output joins the residual stream.
                 self.join_residual(cx, ws, &layer.attn_norm, &self.step_names[i - 1][1])?;
             }
@@ -268,19 +289,74 @@ impl LlamaModel {
                 ops.rope_write_kv(q, k, &ws.v, k_cache, v_cache, step.positions, freqs, step.slot_mapping)?;
             } else {
                 // The products, RoPE and the cache write (one launch for int4 decode on CUDA).
-                let qkv = [&mut ws.q, &mut ws.k, &mut ws.v];
+                let Workspace { normed, q, k, v, norm_sums, .. } = &mut *ws;
                 let (pos, slots) = (step.positions, step.slot_mapping);
-                ops.qkv_rope_write_kv(&ws.normed, weights, biases, qkv, k_cache, v_cache, pos, freqs, slots)?;
+                match (pending.take(), norm_sums.as_ref()) {
+                    (Some(slot), Some(sums)) => {
+                        let d = DeferredNorm { sums, slot, eps };
+                        let qkv = [q, k, v];
+                        ops.qkv_rope_write_kv_deferred(
+                            normed, &d, weights, biases, qkv, k_cache, v_cache, pos, freqs, slots,
+                        )?
+                    }
+                    _ => {
+                        ops.qkv_rope_write_kv(normed, weights, biases, [q, k, v], k_cache, v_cache, pos, freqs, slots)?
+                    }
+                }
             }
             ops.attention(&ws.q, k_cache, v_cache, meta, &mut ws.attn)?;
             if i == 0 {
                 // Every per-step input is uploaded by now (the later layers upload the same).
                 ops.step_inputs_ready(step.logit_rows)?;
             }
-            ops.matmul(&ws.attn, &layer.o, None, &mut ws.delta)?;
-            self.join_residual(cx, ws, &layer.mlp_norm, &self.step_names[i][0])?;
-            ops.gate_up_silu(&ws.normed, &layer.gate, &layer.up, &mut ws.gate, &mut ws.up, &mut ws.act)?;
-            ops.matmul(&ws.act, &layer.down, None, &mut ws.delta)?;
+            // o_proj and the join into the MLP (slot 2i when deferred), then gate/up.
+            let Workspace { attn, residual, normed, norm_sums, gate, up, act, .. } = &mut *ws;
+            let o_slot = 2 * i;
+            let deferred = match norm_sums.as_mut().filter(|_| defer) {
+                Some(sums) => ops.matmul_add_rms_norm_deferred(
+                    attn,
+                    &layer.o,
+                    residual,
+                    &layer.mlp_norm,
+                    eps,
+                    normed,
+                    sums,
+                    o_slot,
+                )?,
+                None => false,
+            };
+            match norm_sums.as_ref().filter(|_| deferred) {
+                Some(sums) => {
+                    let d = DeferredNorm { sums, slot: o_slot, eps };
+                    ops.gate_up_silu_deferred(normed, &d, &layer.gate, &layer.up, gate, up, act)?;
+                }
+                None => {
+                    ops.matmul(&ws.attn, &layer.o, None, &mut ws.delta)?;
+                    self.join_residual(cx, ws, &layer.mlp_norm, &self.step_names[i][0])?;
+                    ops.gate_up_silu(&ws.normed, &layer.gate, &layer.up, &mut ws.gate, &mut ws.up, &mut ws.act)?;
+                }
+            }
+            // down_proj, and the join into the next layer (slot 2i + 1) when deferred.
+            let next = self.layers.get(i + 1).filter(|l| defer && l.qk_norm.is_none());
+            let Workspace { act, residual, normed, norm_sums, .. } = &mut *ws;
+            let down_slot = o_slot + 1;
+            let deferred = match (next, norm_sums.as_mut()) {
+                (Some(l), Some(sums)) => ops.matmul_add_rms_norm_deferred(
+                    act,
+                    &layer.down,
+                    residual,
+                    &l.attn_norm,
+                    eps,
+                    normed,
+                    sums,
+                    down_slot,
+                )?,
+                _ => false,
+            };
+            pending = deferred.then_some(down_slot);
+            if !deferred {
+                ops.matmul(&ws.act, &layer.down, None, &mut ws.delta)?;
+            }
         }
         match self.step_names.last() {
             Some(names) => self.join_residual(cx, ws, &self.final_norm, &names[1])?,

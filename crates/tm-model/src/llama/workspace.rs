@@ -4,7 +4,7 @@
 use super::shard::ShardLayout;
 use crate::config::ModelConfig;
 use crate::error::Result;
-use tm_core::{Ops, Tensor, TensorDesc};
+use tm_core::{DType, Ops, Tensor, TensorDesc};
 
 /// Activation buffers of the Llama graph (of one tensor-parallel rank: q/k/v and MLP buffers are
 /// this rank's width).
@@ -33,6 +33,10 @@ pub struct Workspace {
     pub(super) gathered: Option<Tensor>,
     /// The row order that puts `gathered` back into `[rows, vocab]`.
     pub(super) perm: Vec<u32>,
+    /// The sums of the deferred residual joins (`tm_core::ops::DeferredNorm`): f32 `[2 × layers,
+    /// 2 × DEFERRED_NORM_ROWS]`, one slot per join of a step; made by the model's first step
+    /// ([`Workspace::ensure_norm_sums`]) when it defers joins.
+    pub(super) norm_sums: Option<Tensor>,
     /// Whether the model has int4 weights: the backend's matmul scratch is reserved for the
     /// workspace's step size, and again when it grows ([`Ops::reserve_matmul_scratch`]).
     int4_scratch: bool,
@@ -84,6 +88,7 @@ impl Workspace {
             logits_local,
             gathered,
             perm: Vec::with_capacity(l.spec.world * logit_rows),
+            norm_sums: None,
             int4_scratch: false,
         })
     }
@@ -102,6 +107,16 @@ impl Workspace {
             ops.reserve_matmul_scratch(self.capacity)?;
         }
         Ok(self)
+    }
+
+    /// Makes the deferred joins' sums for `joins` joins per step, once (a few KiB; zeroed by each
+    /// step that uses them).
+    pub(super) fn ensure_norm_sums(&mut self, ops: &dyn Ops, joins: usize) -> Result<()> {
+        if self.norm_sums.as_ref().is_none_or(|t| t.shape()[0] < joins) {
+            let desc = TensorDesc::new(DType::F32, &[joins, 2 * tm_core::ops::DEFERRED_NORM_ROWS]);
+            self.norm_sums = Some(ops.zeros(desc, "workspace")?);
+        }
+        Ok(())
     }
 
     /// Shapes every buffer for a step of `tokens` tokens and `logit_rows` logit rows, growing
