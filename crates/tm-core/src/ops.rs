@@ -189,6 +189,11 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
         let zeros = vec![0u8; t.desc().bytes()];
         self.upload(t, &zeros)
     }
+    /// Whether [`Ops::matmul_add_rms_norm_deferred`] may defer joins at all (default `false`):
+    /// models ask before they allocate and zero the sums it needs.
+    fn defers_norm_joins(&self) -> bool {
+        false
+    }
     /// [`Ops::matmul`] then [`Ops::add_rms_norm`] (`residual += x W^T; out = rms_norm(residual) *
     /// norm`) with the norm's per-row scale left to the ops that read `out`, which then get a
     /// [`DeferredNorm`] of `sums` and `slot` ([`Ops::gate_up_silu_deferred`],

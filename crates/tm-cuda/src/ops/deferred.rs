@@ -16,7 +16,7 @@ use crate::kernels::elementwise as ew;
 use crate::kernels::q4_gemv::{self, NormArgs, Q4Slot};
 
 /// Whether joins may be deferred (`TM_DEFER_NORM` is not `0`).
-fn enabled() -> bool {
+pub(super) fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("TM_DEFER_NORM").map_or(true, |v| v.trim() != "0"))
 }

@@ -521,6 +521,10 @@ impl Ops for CudaBackend {
         ew::fill_zero(&self.gpu, DType::F32, ptr(t), words)
     }
 
+    fn defers_norm_joins(&self) -> bool {
+        deferred::enabled()
+    }
+
     fn matmul_add_rms_norm_deferred(
         &self,
         x: &Tensor,

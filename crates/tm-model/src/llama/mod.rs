@@ -222,7 +222,7 @@ impl LlamaModel {
             return Err(ModelError::InvalidInput("the workspace was made for another shard layout".into()));
         }
         ws.prepare(ops, n, step.logit_rows.len())?;
-        if self.defers_joins(n) {
+        if self.defers_joins(ops, n) {
             ws.ensure_norm_sums(ops, 2 * self.layers.len())?;
         }
         let max_pos = step.positions.iter().copied().max().unwrap_or(0) as usize;
@@ -239,10 +239,11 @@ impl LlamaModel {
     }
 
     /// Whether a step of `n` tokens asks the backend to defer its residual joins
-    /// ([`Ops::matmul_add_rms_norm_deferred`]): int4 models, not sharded, decode-sized steps. The
-    /// backend still decides each join (the CUDA backend takes int4 decode products).
-    fn defers_joins(&self, n: usize) -> bool {
-        self.has_int4() && !self.layout.is_sharded() && n <= DEFERRED_NORM_ROWS
+    /// ([`Ops::matmul_add_rms_norm_deferred`]): int4 models, not sharded, decode-sized steps, on a
+    /// backend that defers ([`Ops::defers_norm_joins`]). The backend still decides each join (the
+    /// CUDA backend takes int4 decode products).
+    fn defers_joins(&self, ops: &dyn Ops, n: usize) -> bool {
+        self.has_int4() && !self.layout.is_sharded() && n <= DEFERRED_NORM_ROWS && ops.defers_norm_joins()
     }
 
     /// The layers, final norm and LM head of one step (run inside the backend's step context).
@@ -256,7 +257,7 @@ impl LlamaModel {
         let (ops, step, freqs, meta) = (cx.ops, cx.step, cx.freqs, cx.meta);
         let sharded = self.layout.is_sharded();
         let eps = self.config.rms_norm_eps;
-        let defer = self.defers_joins(step.tokens.len()) && ws.norm_sums.is_some();
+        let defer = self.defers_joins(ops, step.tokens.len()) && ws.norm_sums.is_some();
         if let (true, Some(sums)) = (defer, ws.norm_sums.as_mut()) {
             ops.fill_zero(sums)?;
         }
