@@ -53,7 +53,10 @@
 //   per gate/up step: 246 instructions against `u2`'s 413.
 // - `q4_gemv_lnt_T`, `q4_gemv_ln4t_T`, `q4_gemv_silu_lnt_T`, `q4_gemv_silu_ln4t_T`: the lean
 //   kernels for weights stored tile-major (`q4_tiles_lean`'s TILED; the launcher takes them for
-//   every weight of that layout, which the CUDA backend gives exactly the lean shapes).
+//   every weight of that layout, which the CUDA backend gives exactly the lean shapes), except
+//   that `silu_lnt` runs U = 1 with x loaded with the weights at three CTAs per SM (79 registers
+//   against 123 at U = 2: 24 warps per SM to hide the step math's latency, which bounds gate/up;
+//   AWQ 8B batch-1 step on the H200 2080 us against 2126-2130 at U = 2, two per SM).
 //
 // Requirements checked by the launcher: 1 <= n <= 8, cols % 32 == 0, group % 32 == 0,
 // cols % group == 0, packed weights and x 16-byte aligned, scales and mins 2-byte aligned.
@@ -509,8 +512,7 @@ __device__ __forceinline__ void trigger_after_loop() {
 
 // Sums the warps' fragments: thread `tid` (< NT * 128) gets element e = tid / 32 (tile e / 4,
 // fragment element e % 4) of lane tid % 32, summed over the warps. Every thread must call it.
-template <int NT> __device__ __forceinline__ float reduce_warps(const float acc[NT][4]) {
-    __shared__ float red[WARPS * NT * 4 * 32];
+template <int NT> __device__ __forceinline__ float reduce_warps_in(float* red, const float acc[NT][4]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int i = 0; i < NT; ++i)
@@ -523,6 +525,10 @@ template <int NT> __device__ __forceinline__ float reduce_warps(const float acc[
         for (int w = 0; w < WARPS; ++w) v += red[w * NT * 4 * 32 + threadIdx.x];
     }
     return v;
+}
+template <int NT> __device__ __forceinline__ float reduce_warps(const float acc[NT][4]) {
+    __shared__ float red[WARPS * NT * 4 * 32];
+    return reduce_warps_in<NT>(red, acc);
 }
 
 // Deferred RMSNorm (tm-core's `DeferredNorm`). Between a decode product y (o, down) and the next
@@ -653,8 +659,8 @@ __device__ __forceinline__ void q4_gemv_join(const T* __restrict__ x, int n, int
 }
 
 // gate/up with SiLU (the kernels' list above). XPRE: the lean loops load x with the ring's weights
-// (the U = 4 kernels) or at use (U = 2); scripts/gpu/q4_decode_chain.cu `g4` measured U = 3 and 4
-// with x at use at two CTAs per SM (slower).
+// (the U = 4 kernels and `silu_lnt`'s U = 1) or at use (U = 2); scripts/gpu/q4_decode_chain.cu `g4`
+// measured U = 3 and 4 with x at use at two CTAs per SM (slower), `sm` the CTAs per SM.
 template <class T, int U, int PATH, bool XPRE = (U > 2), class Wait>
 __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, int n, int cols, int group,
                                              const Slot<T>& gate, const Slot<T>& up, const NormScale& ns, Wait wait) {
@@ -817,7 +823,7 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
 // `q4_gemv_rope` for tile-major weights (the tiles as stored are 16 consecutive rows, so the
 // RoPE pair of a row is in another tile): rotate-half only, `head_dim % 32 == 0`. A q or k CTA
 // takes two tiles of one head, rows 16 t .. 16 t + 15 and the same + head_dim / 2 (t < head_dim /
-// 32), with `silu_lnt`'s loop (U = 2, two tiles): the RoPE pair of fragment element e of the first
+// 32), with the lean loop at U = 2 over two tiles: the RoPE pair of fragment element e of the first
 // tile is element e of the second. A v CTA takes 32 consecutive rows. Each tile's sums are those
 // of `q4_gemv`'s `lnt` (same steps, same warp reduction), so the results equal `q4_gemv` then
 // `rope_write_kv`, bit for bit, as `q4_gemv_rope`'s do.
@@ -933,7 +939,7 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     TM_Q4_GEMV_SILU(q4_gemv_silu_u2_##SUF, T, 2, 2, GENERIC)                                                            \
     TM_Q4_GEMV_SILU(q4_gemv_silu_ln_##SUF, T, 2, 2, LEAN)                                                               \
     TM_Q4_GEMV_SILU(q4_gemv_silu_ln4_##SUF, T, 4, 1, LEAN)                                                              \
-    TM_Q4_GEMV_SILU(q4_gemv_silu_lnt_##SUF, T, 2, 2, LEAN_TILED)                                                        \
+    TM_Q4_GEMV_SILU_X(q4_gemv_silu_lnt_##SUF, T, 1, 3, LEAN_TILED, true)                                                \
     TM_Q4_GEMV_SILU(q4_gemv_silu_ln4t_##SUF, T, 4, 1, LEAN_TILED)                                                        \
     TM_Q4_GEMV_JOIN(q4_gemv_n16_join_##SUF, T, 2, 3, GENERIC)                                                           \
     TM_Q4_GEMV_JOIN(q4_gemv_ln_join_##SUF, T, 2, 2, LEAN)                                                               \

@@ -31,8 +31,9 @@
 //! CUDA backend stores for the lean shapes, [`preferred_layout`]) take the lean kernels' `*t`
 //! forms (`lnt`, `ln4t`, `silu_lnt`, `silu_ln4t`, `lnt_rope`), which read each warp step's 1 KiB
 //! in two 512-byte loads: H200, f16, n = 1, in a graph, gate/up 21.1 µs, q/k/v 6.2, o 5.1 against
-//! 23.1, 6.9, 5.3 row-major (same call). A forced non-lean variant means `Auto`'s lean choice for
-//! them.
+//! 23.1, 6.9, 5.3 row-major (same call); `silu_lnt` has since kept one step in flight per warp at
+//! three CTAs per SM (AWQ 8B batch-1 step 2126-2130 -> 2080 us). A forced non-lean variant means
+//! `Auto`'s lean choice for them.
 //!
 //! Programmatic dependent launch (sm_90+): every variant lets the next kernel start once its main
 //! loop is done (`trigger_after_loop`, q4_gemv.cu) and issues the weight loads of its first U steps before
