@@ -72,7 +72,7 @@
 // data does not change while the kernel runs), which is how the same hoisting of q4_gemv.cu's x
 // loads was found (ABI.md, PDL). The SiLU epilogue's IEEE division against `__fdividef`: -3 us.
 //
-// Arguments: none (the forms above), `tl` (the lean kernels against their tile-major forms, `lnt`,
+// Arguments: none (the forms above), `iso`, `bk`, `sm` (session 13, below), `tl` (the lean kernels against their tile-major forms, `lnt`,
 // `ln4t`, `silu_lnt`, the weights read as if stored tile-major: the layout's speed is the same for
 // random nibbles), `g4`, `at` (above), `pf` (the attention stand-in issuing `cp.async.bulk.prefetch.L2` of the first
 // MiBs of the next gate and up weights). Measured 2026-12-01 (f16; bf16 within 1%): tile-major
@@ -83,13 +83,281 @@
 // no PRMT, ones-mma or high-nibble shifts: 25-31% fewer SASS instructions per step) was slower,
 // 1572 -> 1635 us without joins: the staging adds a dependent load, reduction and barrier before
 // each CTA's first step, and the loop is bound by the weights' DRAM pattern, not by issue.
+//
+// Session 13 (2026-12-01, H200, f16; bf16 within 1%; modes `iso`, `bk`, `sm`; the chain as the CUDA
+// backend runs it: lnt, attn_decode, ln4t, silu_lnt, ln4t, early joins):
+// - `iso` (each product alone, 32 launches over the 32 layers' weights in one graph, PDL): gate/up
+//   silu_lnt at U = 2, two CTAs per SM, 21.9 us = 2.85 TB/s; down ln4t 11.9 us = 2.62 TB/s; a
+//   plain streaming read of the gate and up bytes 12.6 us = 4.68 TB/s; the lean loop with its math
+//   replaced by an XOR of the loaded words (a hook in q4_tiles_lean, not kept) 14.2 us (U = 2) /
+//   14.6 (U = 4): the access pattern reaches 4.4 TB/s, the step math is what bounds gate/up. ncu
+//   (silu_lnt): 1.6 IPC per SM, 3.6 warps active per scheduler and 0.79 eligible, 9 cycles per
+//   issued instruction (3.3 of them on L1TEX), 7.9 M instructions per launch.
+// - More warps per SM (`sm`): gate/up at U = 1 with x loaded with the weights, three CTAs per SM
+//   (79 registers, no spills): iso 21.5 us, chain 1766 against 1786 us; in the engine (AWQ 8B b1
+//   replay) 2080 us against 2126-2130, so it is `silu_lnt` now. U = 2 at three or four CTAs per
+//   SM spills (260-350 B): 35-41 us; U = 1 at four per SM (64 registers, 68-112 B spilled) 22.9 /
+//   29.7 us. The same for o and down in the engine (their deferred joins): a 512-thread join (16
+//   warps splitting K, U = 1 with x, 60 registers; two CTAs and 32 warps per SM) 2102-2105 us
+//   against 2096-2097 for ln4t_join: dropped (their 256-CTA grids, not registers, cap the warps).
+// - Weights staged in shared memory (`bk`, `iso`; every form bitwise equal to the lean kernels):
+//   TMA bulk copies (`q4_tiles_bulk` below: 8 KiB per tile and 1024-column chunk on an mbarrier,
+//   S stages) and a per-lane cp.async ring (`q4_tiles_async`): gate/up 21.2 / 23.5 us (bulk S = 2
+//   / 4), 26.5-28.6 (cp.async U = 4-6); down 13.3-14.5 (bulk) and 12.0-13.9 (cp.async) against
+//   11.9; the chain +65..+260 us. With the math replaced, bulk staging reads at 3.8 TB/s. A
+//   persistent gate/up whose TMA ring runs on across its tiles (grids 264 / 299 / 448): 22.4-30.9
+//   us, chain +110..+290 us.
+// - Also not kept (hooks in q4_gemv.cu): the step math with low and high nibbles in separate
+//   accumulators (mma chains of 4 instead of 8) and with f16's high nibbles unshifted (two shifts
+//   fewer per word): gate/up 21.9 us either way, chain within +-15 us; each CTA's tiles prefetched
+//   into L2 up front (`cp.async.bulk.prefetch.L2`, whole or past the first U steps): gate/up 25.2
+//   us, down 14.3-14.5, chain +230..+260 us.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 #include <string>
+#include <cstring>
+#include <cmath>
 #include <cuda_runtime.h>
 #include "q4_gemv.cu"
 #include "elementwise.cu"
+// Experiments of 2026-12-01 (session 13; header): the weights staged in shared memory by TMA bulk
+// copies or by cp.async, tile loops over tq4's step math.
+namespace tmq4 {
+// Consumes the loaded words with a few instructions instead of the math (what the access
+// pattern alone costs).
+template <int NT> __device__ __forceinline__ void fake_math(const uint4 (&w)[NT][2], const uint4 (&xv)[4], float (*acc)[4]) {
+    unsigned v = xv[0].x ^ xv[3].w;
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) v ^= w[i][h].x ^ w[i][h].y ^ w[i][h].z ^ w[i][h].w;
+    acc[0][0] += __uint_as_float(v & 0x3FFFFFu);
+}
+// Staged form of `q4_tiles_lean` TILED (sm_90): one thread of the CTA copies the tiles' weights
+// into shared memory with TMA bulk copies (`cp.async.bulk`, one per tile and 1024-column chunk,
+// 8 KiB each; the tiles' scales and mins, 16 rows x groups each, with chunk 0), so a CTA keeps
+// S chunks of every tile in flight without a register per byte; the warps compute from shared
+// memory. Chunk c holds steps 8 c .. 8 c + 7, i.e. step c of each warp. With more chunks than
+// stages (J > S) the stages are a ring: each warp releases a stage after its step (mbarrier
+// `empty`), and thread 0 refills it with chunk c + S once all eight have. The weights of the
+// first S chunks are issued before `wait()`. x is loaded at use (L1-cached), before the stage's
+// wait. `smem`: `bulk_smem_bytes(NT, S, cols)` bytes of dynamic shared memory, 128-byte aligned.
+namespace bulk {
+__device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void init(u64* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fence_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void expect_tx(u64* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(bar)) : "memory");
+}
+__device__ __forceinline__ void wait(u64* bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(saddr(bar)), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ u64 evict_first() {
+    u64 p;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+// `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned), completing
+// on `bar`'s transaction count.
+__device__ __forceinline__ void copy(void* dst, const void* src, unsigned bytes, u64* bar, u64 policy) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+            saddr(dst)),
+        "l"(src), "r"(bytes), "r"(saddr(bar)), "l"(policy)
+        : "memory");
+}
+}  // namespace bulk
+
+constexpr int BULK_CHUNK = 8192;  // bytes of one tile's 1024-column chunk
+__host__ __device__ constexpr int bulk_smem_bytes(int nt, int stages, int cols) {
+    return 128 + stages * nt * BULK_CHUNK + nt * 2 * 32 * (cols >> 7);
+}
+
+template <class T, int NT, int S, bool MATH = true, class Wait>
+__device__ __forceinline__ void q4_tiles_bulk(const Tile* tiles, const T* __restrict__ x, int n, int cols,
+                                              float acc[NT][4], unsigned char* smem, Wait wait) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int J = cols >> 10;      // chunks (steps per warp)
+    const int groups = cols >> 7;  // group 128
+    u64* full = reinterpret_cast<u64*>(smem);
+    u64* empty = full + S;
+    uint4* stage = reinterpret_cast<uint4*>(smem + 128);
+    __half* ssc = reinterpret_cast<__half*>(smem + 128 + S * NT * BULK_CHUNK);  // [NT][16 rows][groups]
+    __half* smn = ssc + NT * 16 * groups;
+    auto chunk_src = [&](int i, int c) {
+        return tiles[i].packed + (i64)(tiles[i].row0 >> 4) * 8 * cols + (i64)c * BULK_CHUNK;
+    };
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            bulk::init(full + s, 1);
+            bulk::init(empty + s, WARPS);
+        }
+        bulk::fence_init();
+        const u64 pol = bulk::evict_first();
+        const unsigned sb = 32 * groups;  // one tile's scales (or mins)
+        for (int c = 0; c < S && c < J; ++c) {
+            bulk::expect_tx(full + c, NT * (BULK_CHUNK + (c == 0 ? 2 * sb : 0)));
+#pragma unroll
+            for (int i = 0; i < NT; ++i) {
+                if (c == 0) {
+                    bulk::copy(ssc + i * 16 * groups, tiles[i].scales + (i64)tiles[i].row0 * groups, sb, full, pol);
+                    bulk::copy(smn + i * 16 * groups, tiles[i].mins + (i64)tiles[i].row0 * groups, sb, full, pol);
+                }
+                bulk::copy(stage + (c * NT + i) * (BULK_CHUNK / 16), chunk_src(i, c), BULK_CHUNK, full + c, pol);
+            }
+        }
+    }
+    __syncthreads();  // the barriers are initialized
+    wait();
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+    const uint4* xp = reinterpret_cast<const uint4*>(x + (i64)(g < n ? g : 0) * cols) + 16 * warp + 4 * t;
+    for (int c = 0; c < J; ++c) {
+        const int st = c % S;
+        const unsigned par = (c / S) & 1;
+        uint4 xv[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xv[q] = __ldca(xp + 128 * c + q);
+        bulk::wait(full + st, par);
+        const uint4* sp = stage + st * NT * (BULK_CHUNK / 16) + 64 * warp + lane;
+        uint4 w[NT][2];
+        __half sh[NT][2], mh[NT][2];
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                w[i][h] = sp[i * (BULK_CHUNK / 16) + 32 * h];
+                sh[i][h] = ssc[(i * 16 + g + 8 * h) * groups + warp + 8 * c];
+                mh[i][h] = smn[(i * 16 + g + 8 * h) * groups + warp + 8 * c];
+            }
+        if constexpr (MATH)
+            step_math_lean<T, NT>(w, sh, mh, xv, acc);
+        else
+            fake_math<NT>(w, xv, acc);
+        if (c + S < J) {  // the whole CTA: release the stage, thread 0 refills it
+            __syncwarp();
+            if (lane == 0) bulk::arrive(empty + st);
+            if (threadIdx.x == 0) {
+                bulk::wait(empty + st, par);
+                const u64 pol = bulk::evict_first();
+                bulk::expect_tx(full + st, NT * BULK_CHUNK);
+#pragma unroll
+                for (int i = 0; i < NT; ++i)
+                    bulk::copy(stage + (st * NT + i) * (BULK_CHUNK / 16), chunk_src(i, c + S), BULK_CHUNK, full + st,
+                               pol);
+            }
+        }
+    }
+    __syncthreads();  // shared memory free for the reduction
+#else
+    __trap();
+#endif
+}
+
+// EXPERIMENT: `q4_tiles_lean` TILED with the ring in shared memory, filled by cp.async (16 bytes
+// per lane and chunk, each lane reading back only what it copied: no barrier), so U steps stay in
+// flight through the math without a register per byte. The tiles' scales and mins are staged
+// once per CTA (one barrier before the first step). `smem`: `async_smem_bytes(NT, U, cols)`.
+namespace acp {
+__device__ __forceinline__ void copy16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+}  // namespace acp
+__host__ __device__ constexpr int async_scale_bytes(int nt, int cols) { return (nt * 2 * 32 * (cols >> 7) + 127) / 128 * 128; }
+__host__ __device__ constexpr int async_smem_bytes(int nt, int u, int cols) {
+    return async_scale_bytes(nt, cols) + WARPS * u * nt * 2 * 512;
+}
+template <class T, int U, int NT, class Wait>
+__device__ __forceinline__ void q4_tiles_async(const Tile* tiles, const T* __restrict__ x, int n, int cols,
+                                               float acc[NT][4], unsigned char* smem, Wait wait) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int J = cols >> 10, groups = cols >> 7;
+    __half* ssm = reinterpret_cast<__half*>(smem);  // [NT][scales, mins][16 rows][groups]
+    uint4* ring = reinterpret_cast<uint4*>(smem + async_scale_bytes(NT, cols)) + warp * U * NT * 2 * 32 + lane;
+    const int per = 2 * groups;  // 16-byte chunks of one tile's scales (or mins)
+    for (int q = threadIdx.x; q < NT * 2 * per; q += THREADS) {
+        const int a = q / per, c = q - a * per, i = a >> 1;
+        const __half* src = ((a & 1) ? tiles[i].mins : tiles[i].scales) + (i64)tiles[i].row0 * groups;
+        acp::copy16(ssm + a * 16 * groups + c * 8, src + c * 8);
+    }
+    acp::commit();
+    const uint4* wp[NT];
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+        wp[i] = reinterpret_cast<const uint4*>(tiles[i].packed + (i64)(tiles[i].row0 >> 4) * 8 * cols) + 64 * warp + lane;
+    auto issue = [&](int j, int slot) {
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) acp::copy16(ring + (slot * NT * 2 + i * 2 + h) * 32, wp[i] + 32 * h + 512 * j);
+        acp::commit();
+    };
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (u < J)
+            issue(u, u);
+        else
+            acp::commit();
+    }
+    wait();
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+    const uint4* xp = reinterpret_cast<const uint4*>(x + (i64)(g < n ? g : 0) * cols) + 16 * warp + 4 * t;
+    acp::wait<U>();  // the scales' group
+    __syncthreads();
+    for (int j = 0; j < J; ++j) {
+        const int slot = j % U;
+        uint4 xv[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xv[q] = __ldca(xp + 128 * j + q);
+        acp::wait<U - 1>();  // step j's group
+        uint4 w[NT][2];
+        __half sh[NT][2], mh[NT][2];
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                w[i][h] = ring[(slot * NT * 2 + i * 2 + h) * 32];
+                sh[i][h] = ssm[(i * 2 * 16 + g + 8 * h) * groups + warp + 8 * j];
+                mh[i][h] = ssm[((i * 2 + 1) * 16 + g + 8 * h) * groups + warp + 8 * j];
+            }
+        if (j + U < J)
+            issue(j + U, slot);
+        else
+            acp::commit();
+        step_math_lean<T, NT>(w, sh, mh, xv, acc);
+    }
+    __syncthreads();  // shared memory free for the reduction
+}
+
+}  // namespace tmq4
+
 // attention.cu is a second translation unit (its helpers clash with elementwise.cu's in one):
 //   nvcc ... -o /tmp/q4c scripts/gpu/q4_decode_chain.cu crates/tm-kernels/cuda/attention.cu
 #define TM_ATTN_DECL(SUF, T)                                                                                            \
@@ -147,6 +415,229 @@ SILU_X(silu_t4a_f16, __half, 4, false)
 SILU_X(silu_t3a_bf16, __nv_bfloat16, 3, false)
 SILU_X(silu_t4a_bf16, __nv_bfloat16, 4, false)
 
+// Mode `bk`: the products with their weights staged in shared memory by TMA bulk copies
+// (`tmq4::q4_tiles_bulk`, sm_90): gate/up+SiLU (16-row CTAs, all four 1024-column chunks of both
+// tiles in flight, 3 CTAs per SM) and plain products of one weight (16-row CTAs, an S-stage ring).
+template <class T, int S>
+__global__ void __launch_bounds__(256, 3) silu_bulk(T* out, const T* __restrict__ x, int n, int cols,
+                                                   const unsigned char* wg, const __half* sg, const __half* mg,
+                                                   const unsigned char* wu, const __half* su, const __half* mu, int rows) {
+    extern __shared__ __align__(128) unsigned char sm[];
+    const int row0 = blockIdx.x * 16;
+    const tmq4::Tile tiles[2] = {tmq4::Tile{wg, sg, mg, row0, rows}, tmq4::Tile{wu, su, mu, row0, rows}};
+    float acc[2][4];
+    tmq4::q4_tiles_bulk<T, 2, S>(tiles, x, n, cols, acc, sm, [] { tmk::pdl_wait(); });
+    tmq4::trigger_after_loop();
+    float* red = reinterpret_cast<float*>(sm + 128);
+    float* upv = red + tmq4::WARPS * 2 * 4 * 32;
+    const float v = tmq4::reduce_warps_in<2>(red, acc);
+    if (threadIdx.x >= 128) upv[threadIdx.x - 128] = v;
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int row = row0 + (lane >> 2) + 8 * (e >> 1);
+        const int j = 2 * (lane & 3) + (e & 1);
+        if (j < n && row < rows) {
+            const float gv = tmk::round_to<T>(v);
+            const float uv = tmk::round_to<T>(upv[threadIdx.x]);
+            out[(i64)j * rows + row] = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
+        }
+    }
+}
+template <class T, int S>
+__global__ void __launch_bounds__(256, 3) plain_bulk(const T* __restrict__ x, int n, int cols, T* out,
+                                                    const unsigned char* w, const __half* sc, const __half* mn, int rows) {
+    extern __shared__ __align__(128) unsigned char sm[];
+    const tmq4::Tile tile{w, sc, mn, (int)blockIdx.x * 16, rows};
+    float acc[1][4];
+    tmq4::q4_tiles_bulk<T, 1, S>(&tile, x, n, cols, acc, sm, [] { tmk::pdl_wait(); });
+    tmq4::trigger_after_loop();
+    const float v = tmq4::reduce_warps_in<1>(reinterpret_cast<float*>(sm + 128), acc);
+    if (threadIdx.x < 128) {
+        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int row = tile.row0 + (lane >> 2) + 8 * (e >> 1);
+        const int j = 2 * (lane & 3) + (e & 1);
+        if (j < n) out[(i64)j * rows + row] = tmk::from_float<T>(v);
+    }
+}
+// `iso` experiment: the loops' loads with the math replaced by an XOR (what the access pattern alone costs).
+template <class T, int S, bool BULK>
+__global__ void __launch_bounds__(256, BULK ? 3 : 2) silu_nomath(T* out, const T* __restrict__ x, int n, int cols,
+                                                   const unsigned char* wg, const __half* sg, const __half* mg,
+                                                   const unsigned char* wu, const __half* su, const __half* mu, int rows) {
+    extern __shared__ __align__(128) unsigned char sm[];
+    const int row0 = blockIdx.x * 16;
+    const tmq4::Tile tiles[2] = {tmq4::Tile{wg, sg, mg, row0, rows}, tmq4::Tile{wu, su, mu, row0, rows}};
+    float acc[2][4];
+    static_assert(BULK, "the lean loop's no-math form needed a hook in q4_tiles_lean (commit of session 13's experiments)");
+    tmq4::q4_tiles_bulk<T, 2, S, false>(tiles, x, n, cols, acc, sm, [] { tmk::pdl_wait(); });
+    tmq4::trigger_after_loop();
+    if (acc[0][0] == 1.2345f) out[blockIdx.x] = tmk::from_float<T>(acc[0][0]);
+}
+// Persistent gate/up+SiLU: CTA b computes the 16-row tile pairs b, b + G, ... (G = the grid), its
+// weights streamed through one S-stage TMA ring that runs on across the tiles (so DRAM stays busy
+// through each tile's reduction and epilogue); scales and mins per tile in two slots.
+__host__ __device__ constexpr int pers_smem(int S, int cols) {
+    return 128 + S * 2 * tmq4::BULK_CHUNK + 2 * 2 * 2 * 32 * (cols >> 7) + (8 * 2 * 4 * 32 + 128) * 4;
+}
+template <class T, int S, bool EARLY>
+__global__ void __launch_bounds__(256, 2) silu_pers(T* out, const T* __restrict__ x, int n, int cols,
+                                                   const unsigned char* wg, const __half* sg, const __half* mg,
+                                                   const unsigned char* wu, const __half* su, const __half* mu, int rows) {
+    using namespace tmq4;
+    extern __shared__ __align__(128) unsigned char sm[];
+    if (EARLY) tmk::pdl_launch_dependents_early();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int J = cols >> 10, groups = cols >> 7;
+    const int sets = rows >> 4;
+    const int mine = (sets - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
+    const int C = mine * J;
+    u64* full = reinterpret_cast<u64*>(sm);
+    u64* empty = full + S;
+    uint4* stage = reinterpret_cast<uint4*>(sm + 128);
+    __half* ssc = reinterpret_cast<__half*>(sm + 128 + S * 2 * BULK_CHUNK);  // [slot][tile][16][groups]
+    __half* smn = ssc + 2 * 2 * 16 * groups;
+    float* red = reinterpret_cast<float*>(smn + 2 * 2 * 16 * groups);
+    float* upv = red + WARPS * 2 * 4 * 32;
+    const unsigned char* wp[2] = {wg, wu};
+    const __half* sp[2] = {sg, su};
+    const __half* mp[2] = {mg, mu};
+    auto issue = [&](int c, u64 pol) {
+        const int p = c / J, j = c - p * J, st = c % S, set = blockIdx.x + p * gridDim.x;
+        const unsigned sb = 32 * groups;
+        bulk::expect_tx(full + st, 2 * (BULK_CHUNK + (j == 0 ? 2 * sb : 0)));
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            if (j == 0) {
+                bulk::copy(ssc + ((p & 1) * 2 + i) * 16 * groups, sp[i] + (i64)set * 16 * groups, sb, full + st, pol);
+                bulk::copy(smn + ((p & 1) * 2 + i) * 16 * groups, mp[i] + (i64)set * 16 * groups, sb, full + st, pol);
+            }
+            bulk::copy(stage + (st * 2 + i) * (BULK_CHUNK / 16), wp[i] + (i64)set * 8 * cols + (i64)j * BULK_CHUNK,
+                       BULK_CHUNK, full + st, pol);
+        }
+    };
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; ++s) {
+            bulk::init(full + s, 1);
+            bulk::init(empty + s, WARPS);
+        }
+        bulk::fence_init();
+        const u64 pol = bulk::evict_first();
+        for (int c = 0; c < S && c < C; ++c) issue(c, pol);
+    }
+    __syncthreads();
+    tmk::pdl_wait();
+    const uint4* xp = reinterpret_cast<const uint4*>(x + (i64)(g < n ? g : 0) * cols) + 16 * warp + 4 * t;
+    float acc[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+    for (int c = 0; c < C; ++c) {
+        const int p = c / J, j = c - p * J, st = c % S;
+        const unsigned par = (c / S) & 1;
+        uint4 xv[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xv[q] = __ldca(xp + 128 * j + q);
+        bulk::wait(full + st, par);
+        const uint4* wsp = stage + st * 2 * (BULK_CHUNK / 16) + 64 * warp + lane;
+        uint4 w[2][2];
+        __half sh[2][2], mh[2][2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                w[i][h] = wsp[i * (BULK_CHUNK / 16) + 32 * h];
+                const int at = (((p & 1) * 2 + i) * 16 + g + 8 * h) * groups + warp + 8 * j;
+                sh[i][h] = ssc[at];
+                mh[i][h] = smn[at];
+            }
+        step_math_lean<T, 2>(w, sh, mh, xv, acc);
+        __syncwarp();
+        if (lane == 0) bulk::arrive(empty + st);
+        if (threadIdx.x == 0 && c + S < C) {
+            bulk::wait(empty + st, par);
+            issue(c + S, bulk::evict_first());
+        }
+        if (j == J - 1) {  // tile pair p done: reduce and store
+            if (!EARLY && c == C - 1) trigger_after_loop();
+            const int row0 = (blockIdx.x + p * gridDim.x) * 16;
+            const float v = reduce_warps_in<2>(red, acc);
+            if (threadIdx.x >= 128) upv[threadIdx.x - 128] = v;
+            __syncthreads();
+            if (threadIdx.x < 128) {
+                const int e = threadIdx.x >> 5;
+                const int row = row0 + (lane >> 2) + 8 * (e >> 1);
+                const int jj = 2 * (lane & 3) + (e & 1);
+                if (jj < n) {
+                    const float gv = tmk::round_to<T>(v);
+                    const float uv = tmk::round_to<T>(upv[threadIdx.x]);
+                    out[(i64)jj * rows + row] = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+        }
+    }
+}
+// cp.async-ring forms (tmq4::q4_tiles_async): gate/up+SiLU and plain products of one weight.
+template <class T, int U, int MINB>
+__global__ void __launch_bounds__(256, MINB) silu_async(T* out, const T* __restrict__ x, int n, int cols,
+                                                   const unsigned char* wg, const __half* sg, const __half* mg,
+                                                   const unsigned char* wu, const __half* su, const __half* mu, int rows) {
+    extern __shared__ __align__(128) unsigned char sm[];
+    const int row0 = blockIdx.x * 16;
+    const tmq4::Tile tiles[2] = {tmq4::Tile{wg, sg, mg, row0, rows}, tmq4::Tile{wu, su, mu, row0, rows}};
+    float acc[2][4];
+    tmq4::q4_tiles_async<T, U, 2>(tiles, x, n, cols, acc, sm, [] { tmk::pdl_wait(); });
+    tmq4::trigger_after_loop();
+    float* red = reinterpret_cast<float*>(sm);
+    float* upv = red + tmq4::WARPS * 2 * 4 * 32;
+    const float v = tmq4::reduce_warps_in<2>(red, acc);
+    if (threadIdx.x >= 128) upv[threadIdx.x - 128] = v;
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int row = row0 + (lane >> 2) + 8 * (e >> 1);
+        const int j = 2 * (lane & 3) + (e & 1);
+        if (j < n && row < rows) {
+            const float gv = tmk::round_to<T>(v);
+            const float uv = tmk::round_to<T>(upv[threadIdx.x]);
+            out[(i64)j * rows + row] = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
+        }
+    }
+}
+template <class T, int U, int MINB>
+__global__ void __launch_bounds__(256, MINB) plain_async(const T* __restrict__ x, int n, int cols, T* out,
+                                                    const unsigned char* w, const __half* sc, const __half* mn, int rows) {
+    extern __shared__ __align__(128) unsigned char sm[];
+    const tmq4::Tile tile{w, sc, mn, (int)blockIdx.x * 16, rows};
+    float acc[1][4];
+    tmq4::q4_tiles_async<T, U, 1>(&tile, x, n, cols, acc, sm, [] { tmk::pdl_wait(); });
+    tmq4::trigger_after_loop();
+    const float v = tmq4::reduce_warps_in<1>(reinterpret_cast<float*>(sm), acc);
+    if (threadIdx.x < 128) {
+        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int row = tile.row0 + (lane >> 2) + 8 * (e >> 1);
+        const int j = 2 * (lane & 3) + (e & 1);
+        if (j < n) out[(i64)j * rows + row] = tmk::from_float<T>(v);
+    }
+}
+int g_pers = 264;  // grid of the persistent gate/up in the chain (g_bk & 16)
+int g_bk = 0;  // bulk-staged kernels: 1 gate/up, 2 down (S = 8), 4 o (S = 4), 8 down with S = 4
+
+// gate/up+SiLU (tile-major, lean) at more CTAs per SM (fewer registers: more warps to hide the
+// math's latency): NAME_U<u>m<ctas>[x: x buffered with the weights].
+#define SILU_M(NAME, U, MINB, XPRE) TM_Q4_GEMV_SILU_X(NAME##_f16, __half, U, MINB, LEAN_TILED, XPRE) \
+    TM_Q4_GEMV_SILU_X(NAME##_bf16, __nv_bfloat16, U, MINB, LEAN_TILED, XPRE)
+SILU_M(silu_u2m3, 2, 3, false)
+SILU_M(silu_u2m4, 2, 4, false)
+SILU_M(silu_u1m4, 1, 4, false)
+SILU_M(silu_u1m4x, 1, 4, true)
+SILU_M(silu_u3m3, 3, 3, false)
+SILU_M(silu_u1m3x, 1, 3, true)
 template <class T> struct Ks;
 #define KS(SUF, TY) template <> struct Ks<TY> { \
     static constexpr auto ln = q4_gemv_ln_##SUF; static constexpr auto ln4 = q4_gemv_ln4_##SUF; \
@@ -155,6 +646,7 @@ template <class T> struct Ks;
     static constexpr auto silu_tl = q4_gemv_silu_lnt_##SUF; \
     static constexpr auto silu_t3a = silu_t3a_##SUF; static constexpr auto silu_t4a = silu_t4a_##SUF; \
     static constexpr auto attn = attn_decode_d128_##SUF; \
+    static constexpr decltype(&silu_u2m3_##SUF) sm[6] = {silu_u2m3_##SUF, silu_u2m4_##SUF, silu_u1m4_##SUF, silu_u1m4x_##SUF, silu_u3m3_##SUF, silu_u1m3x_##SUF}; \
     static constexpr auto rope = tm_kernel_rope_write_kv_##SUF::rope_write_kv_##SUF; static constexpr auto arn = tm_kernel_add_rms_norm_##SUF::add_rms_norm_##SUF; };
 KS(f16, __half)
 KS(bf16, __nv_bfloat16)
@@ -185,6 +677,17 @@ __global__ void __launch_bounds__(256) att_standin(int early, long long ns, floa
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
     if (threadIdx.x == 0 && t == 0) sink[blockIdx.x] = 1.f;
+}
+// Reads two arrays of `n` uint4 each (streaming) and sums their words: the read roofline.
+__global__ void __launch_bounds__(256) read_sum(const uint4* a, const uint4* b, long long n, float* sink) {
+    tmk::pdl_launch_dependents_early();
+    unsigned acc = 0;
+    for (long long i = blockIdx.x * 256LL + threadIdx.x; i < n; i += gridDim.x * 256LL) {
+        const uint4 u = __ldcs(a + i), v = __ldcs(b + i);
+        acc += u.x ^ u.y ^ u.z ^ u.w ^ v.x ^ v.y ^ v.z ^ v.w;
+    }
+    tmk::pdl_wait();
+    if (acc == 0x12345678u) sink[0] = 1.f;
 }
 int g_rope = 0;  // 1: rope_write_kv after q/k/v (as the engine runs it)
 int g_att = 0;  // 0: no stand-in, 1: stand-in, 2: stand-in with an early trigger, 3: attn_decode itself
@@ -247,20 +750,278 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
                    (const unsigned*)a.bt, 32, 8, 4, ABLK, 1.4426950f / sqrtf(128.f), 0, ASPLITS, APART);
             ox = (const T*)a.out;
         }
+        if (g_bk & 128)
+            launch(plain_async<T, 4, 2>, 256, 256, tmq4::async_smem_bytes(1, 4, H), st, ox, 1, H, b.delta,
+                   (const unsigned char*)L.o.p, (const __half*)L.o.s, (const __half*)L.o.m, 4096);
+        else if (g_bk & 4)
+            launch(plain_bulk<T, 4>, 256, 256, tmq4::bulk_smem_bytes(1, 4, H), st, ox, 1, H, b.delta,
+                   (const unsigned char*)L.o.p, (const __half*)L.o.s, (const __half*)L.o.m, 4096);
+        else
         launch(g_tl ? Ks<T>::tl4 : Ks<T>::ln4, 256, 256, 0, st, ox, 1, H, 128, b.delta, (T*)nullptr, (T*)nullptr,
                (const unsigned char*)L.o.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
                (const __half*)L.o.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.o.m,
                (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
         join(form, b, st);
-        auto silu = !g_tl ? Ks<T>::silu : g_silu == 1 ? Ks<T>::silu_t3a : g_silu == 2 ? Ks<T>::silu_t4a : Ks<T>::silu_tl;
+        auto silu = !g_tl ? Ks<T>::silu : g_silu >= 3 ? Ks<T>::sm[g_silu - 3] : g_silu == 1 ? Ks<T>::silu_t3a : g_silu == 2 ? Ks<T>::silu_t4a : Ks<T>::silu_tl;
+        if (g_bk & 32)
+            launch(silu_async<T, 4, 2>, 896, 256, tmq4::async_smem_bytes(2, 4, H), st, b.act, (const T*)b.normed, 1, H,
+                   (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
+                   (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F);
+        else if (g_bk & 16)
+            launch(silu_pers<T, 4, false>, g_pers, 256, pers_smem(4, H), st, b.act, (const T*)b.normed, 1, H,
+                   (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
+                   (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F);
+        else if (g_bk & 1)
+            launch(silu_bulk<T, 4>, 896, 256, tmq4::bulk_smem_bytes(2, 4, H), st, b.act, (const T*)b.normed, 1, H,
+                   (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
+                   (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F);
+        else
         launch(silu, 896, 256, 0, st, b.act, (const T*)b.normed, 1, H, 128, (const unsigned char*)L.gate.p,
                (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p, (const __half*)L.up.s,
-               (const __half*)L.up.m, F);
+               (const __half*)L.up.m, F, (const double*)nullptr, 0.f);
+        if (g_bk & 64)
+            launch(plain_async<T, 4, 2>, 256, 256, tmq4::async_smem_bytes(1, 4, F), st, (const T*)b.act, 1, F, b.delta,
+                   (const unsigned char*)L.down.p, (const __half*)L.down.s, (const __half*)L.down.m, 4096);
+        else if (g_bk & 10)
+            launch(g_bk & 8 ? plain_bulk<T, 4> : plain_bulk<T, 8>, 256, 256, tmq4::bulk_smem_bytes(1, g_bk & 8 ? 4 : 8, F),
+                   st, (const T*)b.act, 1, F, b.delta, (const unsigned char*)L.down.p, (const __half*)L.down.s,
+                   (const __half*)L.down.m, 4096);
+        else
         launch(g_tl ? Ks<T>::tl4 : Ks<T>::ln4, 256, 256, 0, st, (const T*)b.act, 1, F, 128, b.delta, (T*)nullptr, (T*)nullptr,
                (const unsigned char*)L.down.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
                (const __half*)L.down.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.down.m,
                (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
     }
+}
+
+// Reference for the checks: one thread per row, f32, tile-major weights dequantized as stored.
+template <class T>
+__global__ void ref_gemv(const T* x, int cols, const unsigned char* w, const __half* sc, const __half* mn, int rows, float* out) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    float acc = 0.f;
+    for (int blk = 0; blk < cols / 32; ++blk) {
+        const unsigned char* p = w + tmk::q4_chunk_offset(r, blk, cols, 1);
+        const float s = __half2float(sc[(long long)r * (cols / 128) + blk / 4]), m = __half2float(mn[(long long)r * (cols / 128) + blk / 4]);
+        for (int b = 0; b < 16; ++b) {
+            acc += ((p[b] & 15) * s + m) * tmk::to_float(x[32 * blk + b]);
+            acc += ((p[b] >> 4) * s + m) * tmk::to_float(x[32 * blk + 16 + b]);
+        }
+    }
+    out[r] = acc;
+}
+bool g_bk_only = false;
+bool g_sm_only = false;  // mode sm: the gate/up variants of SILU_M in the chain
+// The bulk kernels against the lean ones on layer 0's gate/up and down (x random): same math and
+// order, so the outputs must be bitwise equal. Also sets the kernels' shared-memory limits.
+template <class T> static void check_bulk(const Layer& L, Bufs<T>&) {
+    const int H = 4096, F = 14336;
+    CK(cudaFuncSetAttribute(silu_bulk<T, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::bulk_smem_bytes(2, 4, H)));
+    CK(cudaFuncSetAttribute(plain_bulk<T, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::bulk_smem_bytes(1, 4, F)));
+    CK(cudaFuncSetAttribute(plain_bulk<T, 8>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::bulk_smem_bytes(1, 8, F)));
+    CK(cudaFuncSetAttribute(plain_bulk<T, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::bulk_smem_bytes(1, 2, F)));
+    CK(cudaFuncSetAttribute(silu_bulk<T, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::bulk_smem_bytes(2, 2, H)));
+    T *x, *a0, *a1, *d0, *d1;
+    for (T** p : {&x, &a0, &a1, &d0, &d1}) CK(cudaMalloc(p, F * sizeof(T)));
+    fill_x<T><<<64, 256>>>(x, H, 77, 1.0f);
+    cudaStream_t st = 0;
+    const T* nul = nullptr;
+    launch(Ks<T>::silu_tl, 896, 256, 0, st, a0, (const T*)x, 1, H, 128, (const unsigned char*)L.gate.p,
+           (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p, (const __half*)L.up.s,
+           (const __half*)L.up.m, F, (const double*)nullptr, 0.f);
+    launch(silu_bulk<T, 4>, 896, 256, tmq4::bulk_smem_bytes(2, 4, H), st, a1, (const T*)x, 1, H,
+           (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
+           (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F);
+    launch(Ks<T>::tl4, 256, 256, 0, st, (const T*)a0, 1, F, 128, d0, (T*)nullptr, (T*)nullptr,
+           (const unsigned char*)L.down.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
+           (const __half*)L.down.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.down.m,
+           (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
+    CK(cudaDeviceSynchronize());
+    std::vector<T> h0(F), h1(F);
+    auto cmp = [&](const char* what, T* p0, T* p1, int cnt) {
+        CK(cudaMemcpy(h0.data(), p0, cnt * sizeof(T), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(h1.data(), p1, cnt * sizeof(T), cudaMemcpyDeviceToHost));
+        int bad = 0; double mx = 0;
+        for (int i = 0; i < cnt; ++i) {
+            const float u = (float)h0[i], v = (float)h1[i];
+            if (memcmp(&h0[i], &h1[i], sizeof(T)) != 0) ++bad;
+            mx = fmax(mx, fabs(u - v));
+            if (bad == 1 && memcmp(&h0[i], &h1[i], sizeof(T)) != 0) printf("  first mismatch at %d: %g vs %g\n", i, u, v);
+        }
+        printf("check %s: %d of %d differ (max |diff| %g), sample %g %g\n", what, bad, cnt, mx, (float)h0[7], (float)h0[cnt - 1]);
+    };
+    cmp("gate/up bulk vs silu_lnt", a0, a1, F);
+    CK(cudaFuncSetAttribute(silu_pers<T, 4, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, pers_smem(4, H)));
+    CK(cudaFuncSetAttribute(silu_pers<T, 4, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, pers_smem(4, H)));
+    CK(cudaFuncSetAttribute(silu_async<T, 4, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::async_smem_bytes(2, 4, H)));
+    CK(cudaFuncSetAttribute(silu_async<T, 4, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::async_smem_bytes(2, 4, H)));
+    CK(cudaFuncSetAttribute(silu_async<T, 6, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::async_smem_bytes(2, 6, H)));
+    CK(cudaFuncSetAttribute(plain_async<T, 4, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::async_smem_bytes(1, 4, F)));
+    CK(cudaFuncSetAttribute(plain_async<T, 8, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::async_smem_bytes(1, 8, F)));
+    CK(cudaFuncSetAttribute(plain_async<T, 4, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::async_smem_bytes(1, 4, F)));
+    CK(cudaMemset(a1, 0, F * sizeof(T)));
+    launch(silu_async<T, 4, 2>, 896, 256, tmq4::async_smem_bytes(2, 4, H), st, a1, (const T*)x, 1, H,
+           (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
+           (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F);
+    CK(cudaDeviceSynchronize());
+    cmp("gate/up cp.async U=4 vs silu_lnt", a0, a1, F);
+    for (int G : {264, 299, 448}) {
+        CK(cudaMemset(a1, 0, F * sizeof(T)));
+        launch(silu_pers<T, 4, false>, G, 256, pers_smem(4, H), st, a1, (const T*)x, 1, H,
+               (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
+               (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F);
+        CK(cudaDeviceSynchronize());
+        cmp(G == 264 ? "gate/up persistent G=264 vs silu_lnt" : G == 299 ? "gate/up persistent G=299 vs silu_lnt" : "gate/up persistent G=448 vs silu_lnt", a0, a1, F);
+    }
+    {  // silu_lnt against the f32 reference (rounded as the kernel rounds)
+        float *rg, *ru;
+        CK(cudaMalloc(&rg, F * 4)); CK(cudaMalloc(&ru, F * 4));
+        ref_gemv<T><<<F / 128, 128>>>(x, H, (const unsigned char*)L.gate.p, L.gate.s, L.gate.m, F, rg);
+        ref_gemv<T><<<F / 128, 128>>>(x, H, (const unsigned char*)L.up.p, L.up.s, L.up.m, F, ru);
+        CK(cudaDeviceSynchronize());
+        std::vector<float> g(F), u(F);
+        CK(cudaMemcpy(g.data(), rg, F * 4, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(u.data(), ru, F * 4, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(h0.data(), a0, F * sizeof(T), cudaMemcpyDeviceToHost));
+        double mx = 0, mref = 0;
+        for (int i = 0; i < F; ++i) {
+            const float gv = (float)(T)g[i], uv = (float)(T)u[i];
+            const float ref = gv / (1.f + expf(-gv)) * uv;
+            mx = fmax(mx, fabs((float)h0[i] - ref)); mref = fmax(mref, fabs(ref));
+        }
+        printf("check silu_lnt vs f32 reference: max |diff| %g (max |ref| %g)\n", mx, mref);
+        CK(cudaFree(rg)); CK(cudaFree(ru));
+    }
+    for (int s : {4, 8}) {
+        CK(cudaMemset(d1, 0, H * sizeof(T)));
+        launch(s == 4 ? plain_bulk<T, 4> : plain_bulk<T, 8>, 256, 256, tmq4::bulk_smem_bytes(1, s, F), st, (const T*)a0, 1, F, d1,
+               (const unsigned char*)L.down.p, (const __half*)L.down.s, (const __half*)L.down.m, 4096);
+        CK(cudaDeviceSynchronize());
+        cmp(s == 4 ? "down bulk S=4 vs ln4t" : "down bulk S=8 vs ln4t", d0, d1, H);
+    }
+    CK(cudaMemset(d1, 0, H * sizeof(T)));
+    launch(plain_async<T, 4, 2>, 256, 256, tmq4::async_smem_bytes(1, 4, F), st, (const T*)a0, 1, F, d1,
+           (const unsigned char*)L.down.p, (const __half*)L.down.s, (const __half*)L.down.m, 4096);
+    CK(cudaDeviceSynchronize());
+    cmp("down cp.async U=4 vs ln4t", d0, d1, H);
+    for (T* p : {x, a0, a1, d0, d1}) CK(cudaFree(p));
+}
+
+// Mode `iso`: each product alone, 32 launches (layers 0..31, so nothing stays in L2) in one
+// graph, PDL as in the chain: us per launch and the weights' bytes over that.
+template <class T> static void iso(const char* dt, const std::vector<Layer>& Ls) {
+    const int H = 4096, F = 14336;
+    Bufs<T> unused{};
+    check_bulk<T>(Ls[0], unused);
+    T *x, *y;
+    CK(cudaMalloc(&x, F * sizeof(T))); CK(cudaMalloc(&y, F * sizeof(T)));
+    fill_x<T><<<64, 256>>>(x, F, 5, 0.5f);
+    cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    const T* nul = nullptr;
+    const double gu = 2.0 * F * H * (0.5 + 4.0 / 128), dn = (double)F * H * (0.5 + 4.0 / 128);
+    auto time = [&](const char* what, double bytes, auto body) {
+        cudaGraph_t g; cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        for (const Layer& L : Ls) body(L);
+        CK(cudaStreamEndCapture(st, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, st));
+        cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+        CK(cudaEventRecord(e0, st));
+        for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, st));
+        CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
+        float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+        const double us = 1000.0 * ms / 20 / Ls.size();
+        printf("%s iso %-28s %6.2f us  %5.2f TB/s\n", dt, what, us, bytes / us / 1e6);
+        CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
+    };
+    time("gate/up silu_lnt", gu, [&](const Layer& L) {
+        launch(Ks<T>::silu_tl, 896, 256, 0, st, y, (const T*)x, 1, H, 128, (const unsigned char*)L.gate.p,
+               (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p, (const __half*)L.up.s,
+               (const __half*)L.up.m, F, (const double*)nullptr, 0.f);
+    });
+    time("gate/up bulk S=4", gu, [&](const Layer& L) {
+        launch(silu_bulk<T, 4>, 896, 256, tmq4::bulk_smem_bytes(2, 4, H), st, y, (const T*)x, 1, H,
+               (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
+               (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F);
+    });
+    time("gate/up bulk S=2", gu, [&](const Layer& L) {
+        launch(silu_bulk<T, 2>, 896, 256, tmq4::bulk_smem_bytes(2, 2, H), st, y, (const T*)x, 1, H,
+               (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
+               (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F);
+    });
+    CK(cudaFuncSetAttribute(silu_nomath<T, 2, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::bulk_smem_bytes(2, 2, H)));
+    CK(cudaFuncSetAttribute(silu_nomath<T, 4, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::bulk_smem_bytes(2, 4, H)));
+    time("gate/up bulk S=2, no math", gu, [&](const Layer& L) {
+        launch(silu_nomath<T, 2, true>, 896, 256, tmq4::bulk_smem_bytes(2, 2, H), st, y, (const T*)x, 1, H,
+               (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
+               (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F);
+    });
+    time("gate/up bulk S=4, no math", gu, [&](const Layer& L) {
+        launch(silu_nomath<T, 4, true>, 896, 256, tmq4::bulk_smem_bytes(2, 4, H), st, y, (const T*)x, 1, H,
+               (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
+               (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F);
+    });
+    const char* smn[6] = {"gate/up lean U=2 3/SM", "gate/up lean U=2 4/SM", "gate/up lean U=1 4/SM", "gate/up lean U=1 4/SM x buf", "gate/up lean U=3 3/SM", "gate/up lean U=1 3/SM x buf"};
+    for (int k = 0; k < 6; ++k)
+        time(smn[k], gu, [&](const Layer& L) {
+            launch(Ks<T>::sm[k], 896, 256, 0, st, y, (const T*)x, 1, H, 128, (const unsigned char*)L.gate.p,
+                   (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p, (const __half*)L.up.s,
+                   (const __half*)L.up.m, F, (const double*)nullptr, 0.f);
+        });
+    time("down lnt (U=2, 3/SM)", dn, [&](const Layer& L) {
+        launch(Ks<T>::tl, 256, 256, 0, st, (const T*)x, 1, F, 128, y, (T*)nullptr, (T*)nullptr,
+               (const unsigned char*)L.down.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
+               (const __half*)L.down.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.down.m,
+               (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
+    });
+    auto gu_async = [&](const char* name, auto kern, int U) {
+        time(name, gu, [&](const Layer& L) {
+            launch(kern, 896, 256, tmq4::async_smem_bytes(2, U, H), st, y, (const T*)x, 1, H,
+                   (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
+                   (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F);
+        });
+    };
+    gu_async("gate/up cp.async U=4 2/SM", silu_async<T, 4, 2>, 4);
+    gu_async("gate/up cp.async U=4 3/SM", silu_async<T, 4, 3>, 4);
+    gu_async("gate/up cp.async U=6 2/SM", silu_async<T, 6, 2>, 6);
+    auto dn_async = [&](const char* name, auto kern, int U) {
+        time(name, dn, [&](const Layer& L) {
+            launch(kern, 256, 256, tmq4::async_smem_bytes(1, U, F), st, (const T*)x, 1, F, y,
+                   (const unsigned char*)L.down.p, (const __half*)L.down.s, (const __half*)L.down.m, 4096);
+        });
+    };
+    dn_async("down cp.async U=4 2/SM", plain_async<T, 4, 2>, 4);
+    dn_async("down cp.async U=4 3/SM", plain_async<T, 4, 3>, 4);
+    dn_async("down cp.async U=8 2/SM", plain_async<T, 8, 2>, 8);
+    if (false)
+    for (int G : {264, 299, 448})
+        for (int early = 0; early < 2; ++early) {
+            char name[64];
+            snprintf(name, sizeof name, "gate/up persistent G=%d%s", G, early ? " early" : "");
+            time(name, gu, [&](const Layer& L) {
+                launch(early ? silu_pers<T, 4, true> : silu_pers<T, 4, false>, G, 256, pers_smem(4, H), st, y,
+                       (const T*)x, 1, H, (const unsigned char*)L.gate.p, (const __half*)L.gate.s,
+                       (const __half*)L.gate.m, (const unsigned char*)L.up.p, (const __half*)L.up.s,
+                       (const __half*)L.up.m, F);
+            });
+        }
+    time("down ln4t", dn, [&](const Layer& L) {
+        launch(Ks<T>::tl4, 256, 256, 0, st, (const T*)x, 1, F, 128, y, (T*)nullptr, (T*)nullptr,
+               (const unsigned char*)L.down.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
+               (const __half*)L.down.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.down.m,
+               (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
+    });
+    for (int S : {2, 4, 8})
+        time(S == 2 ? "down bulk S=2" : S == 4 ? "down bulk S=4" : "down bulk S=8", dn, [&](const Layer& L) {
+            launch(S == 2 ? plain_bulk<T, 2> : S == 4 ? plain_bulk<T, 4> : plain_bulk<T, 8>, 256, 256,
+                   tmq4::bulk_smem_bytes(1, S, F), st, (const T*)x, 1, F, y, (const unsigned char*)L.down.p,
+                   (const __half*)L.down.s, (const __half*)L.down.m, 4096);
+        });
+    // plain streaming read of the same bytes (the gate and up weights), for the roofline
+    time("read-only (gate+up bytes)", 2.0 * F * H * 0.5, [&](const Layer& L) {
+        launch(read_sum, 132 * 8, 256, 0, st, (const uint4*)L.gate.p, (const uint4*)L.up.p, (long long)F * H / 32, (float*)y);
+    });
+    CK(cudaFree(x)); CK(cudaFree(y));
 }
 
 template <class T> static void run(const char* dt, const std::vector<Layer>& Ls) {
@@ -298,8 +1059,8 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
     if (g_g4_only) cases.assign(std::begin(g4c), std::end(g4c));
     const Case atc[] = {{EARLY, 2, 0, 0, 0, 1, 0}, {EARLY, 3, 0, 0, 0, 1, 0}, {EARLY, 0, 0, 0, 0, 1, 0},
                         {EARLY, 2, 0, 0, 0, 1, 0}, {EARLY, 3, 0, 0, 0, 1, 0}, {EARLY, 0, 0, 0, 0, 1, 0}};
-    if (g_at_only) {
-        cases.assign(std::begin(atc), std::end(atc));
+    if (g_at_only || g_bk_only) {
+        if (g_at_only) cases.assign(std::begin(atc), std::end(atc));
         AttnBufs& a = g_ab;
         const size_t per = (size_t)ASPLITS * ABLK * 8 * 128;  // elements of one layer's K (or V) cache
         a.kc.clear(); a.vc.clear();
@@ -319,6 +1080,21 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         CK(cudaMalloc(&a.po, 32 * ASPLITS * 128 * 4)); CK(cudaMalloc(&a.pml, 32 * ASPLITS * 2 * 4));
         CK(cudaMalloc(&a.out, 4096 * sizeof(T)));
     }
+    // Mode bk: Case.silu carries g_bk; attention itself in the chain (needs the `at` buffers).
+    // pf_off_rows carries the persistent grid (g_bk & 16).
+    const Case bkc[] = {{EARLY, 3, 0, 0, 0, 1, 0},  {EARLY, 3, 0, 0, 0, 1, 32}, {EARLY, 3, 0, 0, 0, 1, 96},
+                        {EARLY, 3, 0, 0, 0, 1, 224}, {NONE, 0, 0, 0, 0, 1, 0},   {NONE, 0, 0, 0, 0, 1, 224},
+                        {EARLY, 3, 0, 0, 0, 1, 0},  {EARLY, 3, 0, 0, 0, 1, 32}, {EARLY, 3, 0, 0, 0, 1, 96},
+                        {EARLY, 3, 0, 0, 0, 1, 224}};
+    const Case smc[] = {{EARLY, 3, 0, 0, 0, 1, 0}, {EARLY, 3, 0, 0, 0, 1, 3}, {EARLY, 3, 0, 0, 0, 1, 4},
+                        {EARLY, 3, 0, 0, 0, 1, 5}, {EARLY, 3, 0, 0, 0, 1, 6}, {EARLY, 3, 0, 0, 0, 1, 7},
+                        {EARLY, 3, 0, 0, 0, 1, 8}, {EARLY, 3, 0, 0, 0, 1, 0}, {EARLY, 3, 0, 0, 0, 1, 3},
+                        {EARLY, 3, 0, 0, 0, 1, 5}, {EARLY, 3, 0, 0, 0, 1, 6}};
+    if (g_sm_only) cases.assign(std::begin(smc), std::end(smc));
+    if (g_bk_only && !g_sm_only) {
+        cases.assign(std::begin(bkc), std::end(bkc));
+        check_bulk<T>(Ls[0], b);
+    }
     printf("GEMVs trigger after their loops: %d\n", TM_Q4_GEMV_EARLY_TRIGGER);
     for (const Case& c : cases) {
         const Form form = c.form;
@@ -326,8 +1102,10 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         g_rope = c.rope;
         g_pf = (long long)c.pf_mb << 20;
         g_tl = c.tl;
-        g_silu = c.silu;
-        g_pf_off = (long long)c.pf_off_rows * 2048;
+        g_silu = g_bk_only && !g_sm_only ? 0 : c.silu;
+        g_bk = g_bk_only && !g_sm_only ? c.silu : 0;
+        g_pf_off = g_bk_only ? 0 : (long long)c.pf_off_rows * 2048;
+        if (g_bk_only && c.pf_off_rows) g_pers = c.pf_off_rows;
         reset();
         cudaGraph_t g; cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
@@ -346,7 +1124,12 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         printf("%s %-9s: %7.1f us per step%s%s", dt, form_names[form], 1000.f * ms / iters, g_rope ? " + rope_write_kv" : "",
                att[g_att]);
         if (g_tl) printf(" [tile-major]");
-        if (g_silu) printf(" [gate/up U = %d, x at use, 2 CTAs/SM]", g_silu + 2);
+        if (g_silu >= 3) printf(" [gate/up variant %d]", g_silu - 3);
+        else if (g_silu) printf(" [gate/up U = %d, x at use, 2 CTAs/SM]", g_silu + 2);
+        if (g_bk & 16) printf(" [gate/up persistent, grid %d]", g_pers);
+        if (g_bk & 224) printf(" [cp.async ring U=4:%s%s%s]", g_bk & 32 ? " gate/up" : "", g_bk & 64 ? " down" : "", g_bk & 128 ? " o" : "");
+        if (g_bk_only) printf(" [bulk-staged:%s%s%s%s]", g_bk & 1 ? " gate/up" : "", g_bk & 2 ? " down (S = 8)" : "",
+                              g_bk & 8 ? " down (S = 4)" : "", g_bk & 4 ? " o" : "");
         if (g_pf) printf(", L2 prefetch of %lld MiB of gate and of up from row %d", g_pf >> 20, c.pf_off_rows);
         printf("\n");
         CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
@@ -358,6 +1141,8 @@ int main(int argc, char** argv) {
     g_tl_only = argc > 1 && std::string(argv[1]) == "tl";
     g_g4_only = argc > 1 && std::string(argv[1]) == "g4";
     g_at_only = argc > 1 && std::string(argv[1]) == "at";
+    g_bk_only = argc > 1 && (std::string(argv[1]) == "bk" || std::string(argv[1]) == "sm");
+    g_sm_only = argc > 1 && std::string(argv[1]) == "sm";
     setvbuf(stdout, nullptr, _IONBF, 0);
     std::vector<Layer> Ls;
     for (int l = 0; l < 32; ++l) {
@@ -367,6 +1152,11 @@ int main(int argc, char** argv) {
                            make_w(4096, 14336, s + 7)});
     }
     CK(cudaDeviceSynchronize());
+    if (argc > 1 && std::string(argv[1]) == "iso") {
+        iso<__half>("f16", Ls);
+        iso<__nv_bfloat16>("bf16", Ls);
+        return 0;
+    }
     run<__half>("f16", Ls);
     run<__nv_bfloat16>("bf16", Ls);
     return 0;
