@@ -112,6 +112,10 @@
 //   fewer per word): gate/up 21.9 us either way, chain within +-15 us; each CTA's tiles prefetched
 //   into L2 up front (`cp.async.bulk.prefetch.L2`, whole or past the first U steps): gate/up 25.2
 //   us, down 14.3-14.5, chain +230..+260 us.
+// - The lean loop with fewer live pointers (one per tile and array, row g + 8 by an offset): the
+//   80-register silu_lnt still recomputes its load addresses every step (about 60 of the loop's
+//   287 SASS instructions; 304 before), and the engine's step is unchanged (2078-2079 us against
+//   2075-2080): not kept.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
