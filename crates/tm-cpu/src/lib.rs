@@ -17,9 +17,10 @@ pub mod rope;
 pub use allocator::CpuAllocator;
 pub use device::CpuDevice;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use tm_core::fp8::{self, E4M3};
-use tm_core::ops::{sample_rows, to_f32, AttentionMeta, SampleRequest};
+use tm_core::ops::{sample_rows, to_f32, AttentionMeta, DeferredNorm, SampleRequest, DEFERRED_NORM_ROWS};
 use tm_core::quant::Weight;
 use tm_core::rope::RopeFreqs;
 
@@ -31,17 +32,20 @@ use tm_core::{Allocator, DType, Device, Error, Ops, Result, Tensor};
 pub struct CpuBackend {
     allocator: Arc<dyn Allocator>,
     step_in_pool: bool,
+    /// Whether residual joins are deferred (`with_deferred_norms`), and how many were.
+    defer_norms: bool,
+    deferred_joins: AtomicUsize,
 }
 
 impl CpuBackend {
     /// A backend with an uncapped allocator.
     pub fn new() -> Self {
-        CpuBackend { allocator: Arc::new(CpuAllocator::new()), step_in_pool: true }
+        CpuBackend::build(CpuAllocator::new(), true)
     }
 
     /// A backend whose allocator refuses to hold more than `cap` bytes.
     pub fn with_memory_cap(cap: u64) -> Self {
-        CpuBackend { allocator: Arc::new(CpuAllocator::with_cap(Some(cap))), step_in_pool: true }
+        CpuBackend::build(CpuAllocator::with_cap(Some(cap)), true)
     }
 
     /// A backend for one rank thread of a tensor-parallel group: `run_step` runs the step on
@@ -50,8 +54,44 @@ impl CpuBackend {
     /// that would hold a worker, and with more ranks than workers the last ranks' steps would
     /// never start.
     pub fn for_rank_thread() -> Self {
-        CpuBackend { allocator: Arc::new(CpuAllocator::new()), step_in_pool: false }
+        CpuBackend::build(CpuAllocator::new(), false)
     }
+
+    fn build(allocator: CpuAllocator, step_in_pool: bool) -> Self {
+        CpuBackend {
+            allocator: Arc::new(allocator),
+            step_in_pool,
+            defer_norms: false,
+            deferred_joins: AtomicUsize::new(0),
+        }
+    }
+
+    /// This backend deferring the models' residual joins the way the CUDA backend defers int4
+    /// decode joins (`Ops::matmul_add_rms_norm_deferred`: the join's output left unscaled, the
+    /// sums of squares in the step's slot, the next ops finishing the norm), for any weight: so
+    /// that the models' deferred path runs, and is tested, without a GPU. Slower than the plain
+    /// path (the scale is applied in a second pass); not for serving.
+    pub fn with_deferred_norms(mut self) -> Self {
+        self.defer_norms = true;
+        self
+    }
+
+    /// How many joins this backend has deferred.
+    pub fn deferred_joins(&self) -> usize {
+        self.deferred_joins.load(Ordering::Relaxed)
+    }
+}
+
+/// The f64 sums of `slot` (`DEFERRED_NORM_ROWS` of them) in a deferred norm's sums tensor (f32
+/// `[slots, 2 * DEFERRED_NORM_ROWS]`, as tm-core's `DeferredNorm` describes it).
+fn norm_slot(sums: &Tensor, slot: usize) -> Result<std::ops::Range<usize>> {
+    sums.expect_dtype("deferred-norm sums", DType::F32)?;
+    let slots = sums.numel() / (2 * DEFERRED_NORM_ROWS);
+    if slot >= slots {
+        return Err(Error::invalid(format!("deferred-norm slot {slot} of a sums tensor with {slots} slots")));
+    }
+    let at = slot * DEFERRED_NORM_ROWS * 8;
+    Ok(at..at + DEFERRED_NORM_ROWS * 8)
 }
 
 impl Default for CpuBackend {
@@ -208,6 +248,73 @@ impl Ops for CpuBackend {
             eps,
             f32s_mut(out, "add_rms_norm output")?,
         );
+        Ok(())
+    }
+
+    fn fill_zero(&self, t: &mut Tensor) -> Result<()> {
+        t.host_mut::<u8>()?.fill(0);
+        Ok(())
+    }
+
+    fn defers_norm_joins(&self) -> bool {
+        self.defer_norms
+    }
+
+    fn matmul_add_rms_norm_deferred(
+        &self,
+        x: &Tensor,
+        w: &Weight,
+        residual: &mut Tensor,
+        norm: &Tensor,
+        _eps: f32,
+        out: &mut Tensor,
+        sums: &mut Tensor,
+        slot: usize,
+    ) -> Result<bool> {
+        let rows = w.dims().0;
+        if !self.defer_norms || residual.numel() != out.numel() || norm.numel() != rows {
+            return Ok(false);
+        }
+        let n = out.numel() / rows;
+        if n > DEFERRED_NORM_ROWS {
+            return Ok(false);
+        }
+        let range = norm_slot(sums, slot)?;
+        // out = x W^T, then the join's elementwise part in place: residual += out, out = residual
+        // * norm, and the rows' sums of squares of the new residual added into the slot.
+        self.matmul(x, w, None, out)?;
+        let (r, o, g) = (f32s_mut(residual, "residual")?, f32s_mut(out, "join output")?, f32s(norm, "norm weight")?);
+        let bytes = &mut sums.host_mut::<u8>()?[range];
+        for (j, (rr, or)) in r.chunks_mut(rows).zip(o.chunks_mut(rows)).enumerate() {
+            let mut ss = 0f64;
+            for ((ri, oi), gi) in rr.iter_mut().zip(or.iter_mut()).zip(g) {
+                *ri += *oi;
+                *oi = *ri * gi;
+                ss += f64::from(*ri) * f64::from(*ri);
+            }
+            let at = &mut bytes[8 * j..8 * j + 8];
+            let prev = f64::from_ne_bytes(at.try_into().map_err(|_| Error::invalid("deferred-norm sums"))?);
+            at.copy_from_slice(&(prev + ss).to_ne_bytes());
+        }
+        self.deferred_joins.fetch_add(1, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    fn finish_deferred_norm(&self, x: &mut Tensor, norm: &DeferredNorm<'_>) -> Result<()> {
+        let range = norm_slot(norm.sums, norm.slot)?;
+        let shape = x.shape().to_vec();
+        let [n, cols] = shape[..] else {
+            return Err(Error::shape("deferred join output", "[n, cols]", &shape[..]));
+        };
+        if n > DEFERRED_NORM_ROWS {
+            return Err(Error::invalid(format!("a deferred join of {n} rows (at most {DEFERRED_NORM_ROWS})")));
+        }
+        let bytes = &norm.sums.host::<u8>()?[range];
+        for (j, row) in f32s_mut(x, "deferred join output")?.chunks_mut(cols).enumerate() {
+            let sum = f64::from_ne_bytes(bytes[8 * j..8 * j + 8].try_into().map_err(|_| Error::invalid("sums"))?);
+            let scale = 1.0 / ((sum / cols as f64) as f32 + norm.eps).sqrt();
+            row.iter_mut().for_each(|v| *v *= scale);
+        }
         Ok(())
     }
 

@@ -139,6 +139,45 @@ fn awq_gemm_logits_match_dequantized_transformers() {
     eprintln!("llama-awq: worst {:.2e} (dequantized) and {:.2e} (tm's weights) of the range", m.exact, m.kernel);
 }
 
+/// The Llama loop's deferred residual joins (the CUDA backend's int4 decode path: o's and down's
+/// joins left unscaled, slots 2i and 2i + 1 of the step's sums, the next ops finishing the norm),
+/// run on the CPU backend's emulation of them: every decode step's logits as the plain path's, up
+/// to f32 rounding (the row scale is applied after `residual * weight` instead of before).
+#[test]
+fn deferred_joins_give_the_plain_paths_logits() {
+    let dir = fixture("llama-awq");
+    let ckpt = SafetensorsCheckpoint::open(&dir).unwrap();
+    let (plain_ops, deferring_ops) = (CpuBackend::new(), CpuBackend::new().with_deferred_norms());
+    let plain = LlamaModel::load(&plain_ops, &ckpt, ModelConfig::from_dir(&dir).unwrap(), &mut |_| {}).unwrap();
+    let deferring = LlamaModel::load(&deferring_ops, &ckpt, ModelConfig::from_dir(&dir).unwrap(), &mut |_| {}).unwrap();
+    let layers = plain.config.num_layers;
+    assert!(layers >= 2, "the fixture needs a join into a later layer");
+    let mut a = Session::new(&plain, &plain_ops, 256, 4).unwrap();
+    let mut b = Session::new(&deferring, &deferring_ops, 256, 4).unwrap();
+    // A 12-token prompt (a prefill step of more than DEFERRED_NORM_ROWS tokens: not deferred),
+    // then decode steps of one token, and one step of three (deferred, n > 1).
+    let prompt: Vec<u32> = (0..12).map(|i| 3 + 7 * i).collect();
+    let (mut la, mut lb) = (a.append(&prompt).unwrap(), b.append(&prompt).unwrap());
+    let mut worst = 0f32;
+    for step in 0..10 {
+        let range = la.iter().fold(f32::MIN, |m, &v| m.max(v)) - la.iter().fold(f32::MAX, |m, &v| m.min(v));
+        let diff = la.iter().zip(&lb).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        worst = worst.max(diff / range);
+        assert!(diff <= 1e-4 * range, "step {step}: max |logit diff| {diff} of a range {range}");
+        let next = if step == 5 { vec![argmax(&la), 11, 13] } else { vec![argmax(&la)] };
+        let vocab = plain.config.vocab_size;
+        la = a.append(&next).unwrap();
+        lb = b.append(&next).unwrap();
+        // Only the last position's logits are compared after a multi-token step.
+        la.drain(..la.len() - vocab);
+        lb.drain(..lb.len() - vocab);
+    }
+    // Two joins per layer and decode step, but the last layer's down: 2 L - 1 per step.
+    assert_eq!(deferring_ops.deferred_joins(), 10 * (2 * layers - 1), "the deferred path did not run");
+    assert_eq!(plain_ops.deferred_joins(), 0);
+    eprintln!("deferred joins: worst logit difference {worst:.2e} of the range");
+}
+
 #[test]
 fn gptq_logits_match_dequantized_transformers() {
     let m = check_fixture("llama-gptq");
