@@ -436,19 +436,7 @@ __global__ void __launch_bounds__(256, 3) silu_bulk(T* out, const T* __restrict_
     tmq4::trigger_after_loop();
     float* red = reinterpret_cast<float*>(sm + 128);
     float* upv = red + tmq4::WARPS * 2 * 4 * 32;
-    const float v = tmq4::reduce_warps_in<2>(red, acc);
-    if (threadIdx.x >= 128) upv[threadIdx.x - 128] = v;
-    __syncthreads();
-    if (threadIdx.x < 128) {
-        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        const int row = row0 + (lane >> 2) + 8 * (e >> 1);
-        const int j = 2 * (lane & 3) + (e & 1);
-        if (j < n && row < rows) {
-            const float gv = tmk::round_to<T>(v);
-            const float uv = tmk::round_to<T>(upv[threadIdx.x]);
-            out[(i64)j * rows + row] = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
-        }
-    }
+    tmq4::silu_store<T>(out, tmq4::reduce_warps_in<2>(red, acc), upv, row0, rows, n);
 }
 template <class T, int S>
 __global__ void __launch_bounds__(256, 3) plain_bulk(const T* __restrict__ x, int n, int cols, T* out,
@@ -568,19 +556,7 @@ __global__ void __launch_bounds__(256, 2) silu_pers(T* out, const T* __restrict_
         if (j == J - 1) {  // tile pair p done: reduce and store
             if (!EARLY && c == C - 1) trigger_after_loop();
             const int row0 = (blockIdx.x + p * gridDim.x) * 16;
-            const float v = reduce_warps_in<2>(red, acc);
-            if (threadIdx.x >= 128) upv[threadIdx.x - 128] = v;
-            __syncthreads();
-            if (threadIdx.x < 128) {
-                const int e = threadIdx.x >> 5;
-                const int row = row0 + (lane >> 2) + 8 * (e >> 1);
-                const int jj = 2 * (lane & 3) + (e & 1);
-                if (jj < n) {
-                    const float gv = tmk::round_to<T>(v);
-                    const float uv = tmk::round_to<T>(upv[threadIdx.x]);
-                    out[(i64)jj * rows + row] = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
-                }
-            }
+            silu_store<T>(out, reduce_warps_in<2>(red, acc), upv, row0, rows, n);
 #pragma unroll
             for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -601,19 +577,7 @@ __global__ void __launch_bounds__(256, MINB) silu_async(T* out, const T* __restr
     tmq4::trigger_after_loop();
     float* red = reinterpret_cast<float*>(sm);
     float* upv = red + tmq4::WARPS * 2 * 4 * 32;
-    const float v = tmq4::reduce_warps_in<2>(red, acc);
-    if (threadIdx.x >= 128) upv[threadIdx.x - 128] = v;
-    __syncthreads();
-    if (threadIdx.x < 128) {
-        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        const int row = row0 + (lane >> 2) + 8 * (e >> 1);
-        const int j = 2 * (lane & 3) + (e & 1);
-        if (j < n && row < rows) {
-            const float gv = tmk::round_to<T>(v);
-            const float uv = tmk::round_to<T>(upv[threadIdx.x]);
-            out[(i64)j * rows + row] = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
-        }
-    }
+    tmq4::silu_store<T>(out, tmq4::reduce_warps_in<2>(red, acc), upv, row0, rows, n);
 }
 template <class T, int U, int MINB>
 __global__ void __launch_bounds__(256, MINB) plain_async(const T* __restrict__ x, int n, int cols, T* out,

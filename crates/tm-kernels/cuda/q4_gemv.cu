@@ -566,6 +566,35 @@ __device__ __forceinline__ int epilogue_batch_row() {
     return 2 * (threadIdx.x & 3) + ((threadIdx.x >> 5) & 1);
 }
 
+// The tile loops' `wait` for a consumer of a deferred norm: `wait()`, then the thread's batch-row
+// sum into `sum` (`load_norm_sum`), so that it has arrived before the epilogue.
+template <class Wait>
+__device__ __forceinline__ auto wait_then_sum(Wait wait, const NormScale& ns, int n, double& sum) {
+    return [=, &ns, &sum] {
+        wait();
+        sum = load_norm_sum(ns, n, epilogue_batch_row());
+    };
+}
+
+// The SiLU epilogue of a 16-row gate/up CTA (rows row0 .. row0 + 15): `v` as `reduce_warps<2>`
+// leaves it (gate sums in threads 0..127, up sums in 128..255, same fragment order), `upv` 128
+// floats of shared memory; out = silu(T(gate)) * T(up), what separate products would store.
+template <class T>
+__device__ __forceinline__ void silu_store(T* out, float v, float* upv, int row0, int rows, int n) {
+    if (threadIdx.x >= 128) upv[threadIdx.x - 128] = v;
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int row = row0 + (lane >> 2) + 8 * (e >> 1);
+        const int j = 2 * (lane & 3) + (e & 1);
+        if (j < n && row < rows) {
+            const float gv = tmk::round_to<T>(v);
+            const float uv = tmk::round_to<T>(upv[threadIdx.x]);
+            out[(i64)j * rows + row] = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
+        }
+    }
+}
+
 // Which tile loop a kernel runs: `q4_tiles`, `q4_tiles_lean`, or `q4_tiles_lean` on tile-major
 // weights.
 enum Path { GENERIC = 0, LEAN = 1, LEAN_TILED = 2 };
@@ -666,10 +695,7 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
                                              const Slot<T>& gate, const Slot<T>& up, const NormScale& ns, Wait wait) {
     const int row0 = blockIdx.x * 16, rows = gate.rows;
     double nsum = 0.0;
-    const auto wait_sum = [&] {
-        wait();
-        nsum = load_norm_sum(ns, n, epilogue_batch_row());
-    };
+    const auto wait_sum = wait_then_sum(wait, ns, n, nsum);
     const Tile tiles[2] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
                            Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[2][4];
@@ -679,22 +705,9 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
         q4_tiles_lean<T, U, 2, XPRE>(tiles, x, n, cols, acc, wait_sum);
     else
         q4_tiles<T, U, 2, true>(tiles, x, n, cols, group, acc, wait_sum);
-    // Gate sums land in threads 0..127, up sums in 128..255 (same fragment order).
     __shared__ float upv[128];
     trigger_after_loop();
-    const float v = reduce_warps<2>(acc) * norm_scale(ns, nsum);
-    if (threadIdx.x >= 128) upv[threadIdx.x - 128] = v;
-    __syncthreads();
-    if (threadIdx.x < 128) {
-        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        const int row = row0 + (lane >> 2) + 8 * (e >> 1);
-        const int j = 2 * (lane & 3) + (e & 1);
-        if (j < n && row < rows) {
-            const float gv = tmk::round_to<T>(v);
-            const float uv = tmk::round_to<T>(upv[threadIdx.x]);
-            out[(i64)j * rows + row] = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
-        }
-    }
+    silu_store<T>(out, reduce_warps<2>(acc) * norm_scale(ns, nsum), upv, row0, rows, n);
 }
 
 // The RoPE arguments of `q4_gemv_rope` (what `rope_write_kv` takes, ABI.md "RoPE"): per batch row
@@ -778,10 +791,7 @@ template <class T, class Wait>
 __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int cols, const Slot<T>* slots,
                                              const RopeKv<T>& rk, const NormScale& ns, Wait wait) {
     double nsum = 0.0;
-    const auto wait_sum = [&] {
-        wait();
-        nsum = load_norm_sum(ns, n, epilogue_batch_row());
-    };
+    const auto wait_sum = wait_then_sum(wait, ns, n, nsum);
     const RopeCta<T> c = rope_cta(slots, rk.head_dim, 4);
     const int si = c.si, cta = c.cta, head = c.head, tt = c.tt, D = rk.head_dim;
     const Slot<T>& s = c.s;
@@ -831,10 +841,7 @@ template <class T, class Wait>
 __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int n, int cols, const Slot<T>* slots,
                                                    const RopeKv<T>& rk, const NormScale& ns, Wait wait) {
     double nsum = 0.0;
-    const auto wait_sum = [&] {
-        wait();
-        nsum = load_norm_sum(ns, n, epilogue_batch_row());
-    };
+    const auto wait_sum = wait_then_sum(wait, ns, n, nsum);
     const RopeCta<T> c = rope_cta(slots, rk.head_dim, 5);
     const int si = c.si, cta = c.cta, head = c.head, tt = c.tt, D = rk.head_dim;
     const Slot<T>& s = c.s;
