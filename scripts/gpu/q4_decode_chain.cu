@@ -72,7 +72,7 @@
 // data does not change while the kernel runs), which is how the same hoisting of q4_gemv.cu's x
 // loads was found (ABI.md, PDL). The SiLU epilogue's IEEE division against `__fdividef`: -3 us.
 //
-// Arguments: none (the forms above), `iso`, `bk`, `sm` (session 13, below), `tl` (the lean kernels against their tile-major forms, `lnt`,
+// Arguments: none (the forms above), `iso`, `bk`, `sm` (session 13, below), `v` (session 14), `tl` (the lean kernels against their tile-major forms, `lnt`,
 // `ln4t`, `silu_lnt`, the weights read as if stored tile-major: the layout's speed is the same for
 // random nibbles), `g4`, `at` (above), `pf` (the attention stand-in issuing `cp.async.bulk.prefetch.L2` of the first
 // MiBs of the next gate and up weights). Measured 2026-12-01 (f16; bf16 within 1%): tile-major
@@ -118,6 +118,19 @@
 //   2075-2080): not kept. Its scales and mins staged per CTA in dynamic shared memory instead (one
 //   16-byte load per thread, a barrier, two LDS per row and step: 80 registers, loop 275
 //   instructions): 2124-2129 us against 2076-2080: not kept.
+//
+// Session 14 (2026-12-01, H200, f16; bf16 alike; mode `v`: the shipped gate/up and down alone,
+// with the bitwise check against the bulk kernel and the f32 reference, built with -D variants):
+// - Lean loops with per-CTA bases and per-lane 32-bit offsets shared by the tiles (shipped since):
+//   silu_lnt 282 SASS instructions per step against 308, iso 21.55 -> 20.96 us; engine AWQ 8B b1
+//   replay 2056-2065 us against 2072-2082 (four alternations).
+// - x staged in shared memory once per CTA (n = 1 only, 8 KiB), read at use: loop 259
+//   instructions, iso 20.66 us, but the engine's step 2072-2077 (no gain); the same staged but
+//   buffered with the weights 21.6 / 2110; at four CTAs per SM (40 B spilled) 21.6 us.
+// - Engine only (kernel builds with -D variants): q/k/v RoPE at U = 1 with x loaded with the
+//   weights at three CTAs per SM 2119-2122 us; the o/down join at U = 6 / 7 (two per SM)
+//   2113-2114 / 2141-2145; attention partitions of at least 128 / 192 keys
+//   (TM_ATTN_MIN_PARTITION) 2115 / 2173-2176: all against 2060-2065, none kept.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -784,6 +797,7 @@ bool g_bk_only = false;
 bool g_sm_only = false;  // mode sm: the gate/up variants of SILU_M in the chain
 // The bulk kernels against the lean ones on layer 0's gate/up and down (x random): same math and
 // order, so the outputs must be bitwise equal. Also sets the kernels' shared-memory limits.
+static bool g_v_only = false;  // mode `v`
 template <class T> static void check_bulk(const Layer& L, Bufs<T>&) {
     const int H = 4096, F = 14336;
     CK(cudaFuncSetAttribute(silu_bulk<T, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::bulk_smem_bytes(2, 4, H)));
@@ -909,6 +923,16 @@ template <class T> static void iso(const char* dt, const std::vector<Layer>& Ls)
                (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p, (const __half*)L.up.s,
                (const __half*)L.up.m, F, (const double*)nullptr, 0.f);
     });
+    if (g_v_only) {  // mode `v`: the shipped gate/up and down alone (a kernel build's variant)
+        time("down ln4t", dn, [&](const Layer& L) {
+            launch(Ks<T>::tl4, 256, 256, 0, st, (const T*)x, 1, F, 128, y, (T*)nullptr, (T*)nullptr,
+                   (const unsigned char*)L.down.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
+                   (const __half*)L.down.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.down.m,
+                   (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
+        });
+        CK(cudaFree(x)); CK(cudaFree(y));
+        return;
+    }
     time("gate/up bulk S=4", gu, [&](const Layer& L) {
         launch(silu_bulk<T, 4>, 896, 256, tmq4::bulk_smem_bytes(2, 4, H), st, y, (const T*)x, 1, H,
                (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
@@ -1107,6 +1131,7 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
 }
 
 int main(int argc, char** argv) {
+    g_v_only = argc > 1 && std::string(argv[1]) == "v";
     g_pf_only = argc > 1 && std::string(argv[1]) == "pf";
     g_tl_only = argc > 1 && std::string(argv[1]) == "tl";
     g_g4_only = argc > 1 && std::string(argv[1]) == "g4";
@@ -1122,7 +1147,7 @@ int main(int argc, char** argv) {
                            make_w(4096, 14336, s + 7)});
     }
     CK(cudaDeviceSynchronize());
-    if (argc > 1 && std::string(argv[1]) == "iso") {
+    if (argc > 1 && (std::string(argv[1]) == "iso" || g_v_only)) {
         iso<__half>("f16", Ls);
         iso<__nv_bfloat16>("bf16", Ls);
         return 0;
