@@ -890,6 +890,144 @@ template <class T> static void check_bulk(const Layer& L, Bufs<T>&) {
     for (T* p : {x, a0, a1, d0, d1}) CK(cudaFree(p));
 }
 
+// Mode `fl` (session 14): gate/up+SiLU then down, 32 layers in one graph, with down waiting for
+// the whole gate/up grid (griddepcontrol.wait, as shipped) or per 128-column group of its input:
+// each gate/up CTA counts itself done in its group's counter (fence, atomicAdd) and each down
+// warp, before the x of its step, spins until the group's 8 producers have counted (ld.acquire),
+// then reads x through L2; down never calls griddepcontrol.wait. The counters are zeroed by a
+// memset at the start of the graph.
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+template <int SLEEP, bool COH = true> struct GroupReady {
+    static constexpr bool COHERENT = COH;
+    const unsigned* ready;
+    unsigned target;
+    __device__ __forceinline__ void operator()(int j) const {
+        const int grp = (threadIdx.x >> 5) + 8 * j;
+        if ((threadIdx.x & 31) == 0)
+            while (ld_acquire(ready + grp) < target) {
+                if (SLEEP) __nanosleep(SLEEP);
+            }
+        __syncwarp();
+    }
+};
+template <class T, int FENCE>
+__global__ void __launch_bounds__(256, 3) silu_flag(T* out, const T* __restrict__ x, int cols, const unsigned char* wg,
+                                                    const __half* sg, const __half* mg, const unsigned char* wu,
+                                                    const __half* su, const __half* mu, int rows, unsigned* ready) {
+    tmk::pdl_launch_dependents();
+    const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};
+    const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};
+    const tmq4::NormScale ns = {nullptr, cols, 0.f};
+    tmq4::q4_gemv_silu<T, 1, tmq4::LEAN_TILED, true>(out, x, 1, cols, 128, gate, up, ns, [] { tmk::pdl_wait(); });
+    if (FENCE == 0) {  // every thread fences, then the count
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) atomicAdd(ready + (blockIdx.x >> 3), 1u);
+    } else if (FENCE == 1) {  // barrier, then thread 0 fences (cumulative) and counts
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(ready + (blockIdx.x >> 3), 1u);
+        }
+    } else {  // barrier, then a release reduction
+        __syncthreads();
+        if (threadIdx.x == 0)
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(ready + (blockIdx.x >> 3)) : "memory");
+    }
+}
+// The grid-wait form with x through L2 (what the counters' coherent loads cost alone).
+struct NoneCoherent {
+    static constexpr bool COHERENT = true;
+    __device__ __forceinline__ void operator()(int) const {}
+};
+template <class T, int SLEEP, int MODE = 0>
+__global__ void __launch_bounds__(256, 2) down_flag(const T* __restrict__ x, int cols, T* out, const unsigned char* w,
+                                                    const __half* sc, const __half* mn, int rows, const unsigned* ready) {
+    tmk::pdl_launch_dependents();
+    const tmq4::Tile tile{w, sc, mn, (int)blockIdx.x * 16, rows};
+    float acc[1][4];
+    if (MODE == 0)  // counters, x through L2
+        tmq4::q4_tiles_lean<T, 4, 1, false, true>(&tile, x, 1, cols, acc, [] {}, GroupReady<SLEEP>{ready, 8u});
+    else if (MODE == 1)  // counters, x through L1 (not guaranteed coherent)
+        tmq4::q4_tiles_lean<T, 4, 1, false, true>(&tile, x, 1, cols, acc, [] {}, GroupReady<SLEEP, false>{ready, 8u});
+    else  // grid wait, x through L2
+        tmq4::q4_tiles_lean<T, 4, 1, false, true>(&tile, x, 1, cols, acc, [] { tmk::pdl_wait(); }, NoneCoherent{});
+    tmq4::trigger_after_loop();
+    const float v = tmq4::reduce_warps<1>(acc);
+    if (threadIdx.x < 128) {
+        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int row = tile.row0 + (lane >> 2) + 8 * (e >> 1);
+        if (2 * (lane & 3) + (e & 1) == 0) out[row] = tmk::from_float<T>(v);
+    }
+}
+template <class T> static void flags(const char* dt, const std::vector<Layer>& Ls) {
+    const int H = 4096, F = 14336, G = F / 128;
+    T *x, *a, *y0, *y1;
+    unsigned* ready;
+    CK(cudaMalloc(&x, H * sizeof(T))); CK(cudaMalloc(&a, F * sizeof(T)));
+    CK(cudaMalloc(&y0, H * sizeof(T))); CK(cudaMalloc(&y1, H * sizeof(T)));
+    CK(cudaMalloc(&ready, Ls.size() * G * sizeof(unsigned)));
+    fill_x<T><<<64, 256>>>(x, H, 5, 0.5f);
+    cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    const T* nul = nullptr;
+    auto time = [&](const char* what, auto body) {
+        cudaGraph_t g; cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        body();
+        CK(cudaStreamEndCapture(st, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, st));
+        cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+        CK(cudaEventRecord(e0, st));
+        for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, st));
+        CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
+        float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+        printf("%s fl %-36s %7.2f us per layer\n", dt, what, 1000.0 * ms / 20 / Ls.size());
+        CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
+    };
+    for (int rep = 0; rep < 2; ++rep) {
+        time("gate/up + down, grid wait", [&] {
+            for (const Layer& L : Ls) {
+                launch(Ks<T>::silu_tl, 896, 256, 0, st, a, (const T*)x, 1, H, 128, (const unsigned char*)L.gate.p,
+                       (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p,
+                       (const __half*)L.up.s, (const __half*)L.up.m, F, (const double*)nullptr, 0.f);
+                launch(Ks<T>::tl4, 256, 256, 0, st, (const T*)a, 1, F, 128, y0, (T*)nullptr, (T*)nullptr,
+                       (const unsigned char*)L.down.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
+                       (const __half*)L.down.s, (const __half*)nullptr, (const __half*)nullptr,
+                       (const __half*)L.down.m, (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
+            }
+        });
+        auto counters = [&](const char* what, auto silu_k, auto down_k) {
+        time(what, [&] {
+            CK(cudaMemsetAsync(ready, 0, Ls.size() * G * sizeof(unsigned), st));
+            for (size_t l = 0; l < Ls.size(); ++l) {
+                const Layer& L = Ls[l];
+                launch(silu_k, 896, 256, 0, st, a, (const T*)x, H, (const unsigned char*)L.gate.p,
+                       (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p,
+                       (const __half*)L.up.s, (const __half*)L.up.m, F, ready + l * G);
+                launch(down_k, 256, 256, 0, st, (const T*)a, F, y1, (const unsigned char*)L.down.p,
+                       (const __half*)L.down.s, (const __half*)L.down.m, H, (const unsigned*)(ready + l * G));
+            }
+        });
+        };
+        counters("counters, red.release, sleep 100", silu_flag<T, 2>, down_flag<T, 100>);
+        counters("counters, x via L1", silu_flag<T, 2>, down_flag<T, 100, 1>);
+        counters("grid wait, x via L2", silu_flag<T, 2>, down_flag<T, 100, 2>);
+    }
+    CK(cudaStreamSynchronize(st));
+    std::vector<T> h0(H), h1(H);
+    CK(cudaMemcpy(h0.data(), y0, H * sizeof(T), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(h1.data(), y1, H * sizeof(T), cudaMemcpyDeviceToHost));
+    int bad = 0;
+    for (int i = 0; i < H; ++i) bad += memcmp(&h0[i], &h1[i], sizeof(T)) != 0;
+    printf("%s fl check: down outputs (last layer) differ in %d of %d (sample %g %g)\n", dt, bad, H, (float)h0[5], (float)h1[5]);
+    for (void* p : {(void*)x, (void*)a, (void*)y0, (void*)y1, (void*)ready}) CK(cudaFree(p));
+}
+
 // Mode `iso`: each product alone, 32 launches (layers 0..31, so nothing stays in L2) in one
 // graph, PDL as in the chain: us per launch and the weights' bytes over that.
 template <class T> static void iso(const char* dt, const std::vector<Layer>& Ls) {
@@ -1147,6 +1285,11 @@ int main(int argc, char** argv) {
                            make_w(4096, 14336, s + 7)});
     }
     CK(cudaDeviceSynchronize());
+    if (argc > 1 && std::string(argv[1]) == "fl") {
+        flags<__half>("f16", Ls);
+        flags<__nv_bfloat16>("bf16", Ls);
+        return 0;
+    }
     if (argc > 1 && (std::string(argv[1]) == "iso" || g_v_only)) {
         iso<__half>("f16", Ls);
         iso<__nv_bfloat16>("bf16", Ls);
