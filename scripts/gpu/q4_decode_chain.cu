@@ -131,6 +131,15 @@
 //   weights at three CTAs per SM 2119-2122 us; the o/down join at U = 6 / 7 (two per SM)
 //   2113-2114 / 2141-2145; attention partitions of at least 128 / 192 keys
 //   (TM_ATTN_MIN_PARTITION) 2115 / 2173-2176: all against 2060-2065, none kept.
+// - Mode `fl` (commit "harness mode fl", reverted after it; see `git log -S GroupReady`): down
+//   waiting per 128-column group of its input on counters that each gate/up CTA bumps when done,
+//   instead of griddepcontrol.wait on the whole gate/up grid (so down's early steps could run
+//   during gate/up's last wave). Bitwise equal, but slower: 32 layers of gate/up + down 32.6 us
+//   per layer with the grid wait against 38.8-39.5 with counters (every fence form: all threads,
+//   thread 0 after the barrier, red.release; spinning or __nanosleep 100 / 500 ns), 36.5 with x
+//   read through L1 (not guaranteed coherent), and 34.9 for the grid wait with gate/up's
+//   red.release and x through L2: the last gate/up wave is not idle, and down's x at use through
+//   L2 costs its latency per step.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
