@@ -420,15 +420,9 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
 // of a tile's 16 rows is 1 KiB of consecutive bytes, lane 4 g + t's chunks of rows g and g + 8 at
 // 16 lane and 512 + 16 lane, so a warp's step reads 1 KiB in two fully used 512-byte loads instead
 // of 64 bytes from each of 16 rows (the tile is then rows row0 .. row0 + 15: gs = 1, hs = 8).
-// No per-step readiness: x is complete once `wait()` returns.
-struct AllReady {
-    static constexpr bool COHERENT = false;
-    __device__ __forceinline__ void operator()(int) const {}
-};
-template <class T, int U, int NT, bool XPRE, bool TILED = false, class Wait, class Ready = AllReady>
+template <class T, int U, int NT, bool XPRE, bool TILED = false, class Wait>
 __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __restrict__ x, int n, int cols,
-                                              float acc[NT][4], Wait wait, Ready ready = Ready()) {
-    static_assert(!XPRE || !Ready::COHERENT, "per-step readiness needs x loaded at use");
+                                              float acc[NT][4], Wait wait) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int J = cols >> 10;      // steps per warp
@@ -484,7 +478,7 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
     };
     auto loadx = [&](Buf& B, int j) {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) B.x[q] = Ready::COHERENT ? __ldcg(xp + 128 * j + q) : __ldca(xp + 128 * j + q);
+        for (int q = 0; q < 4; ++q) B.x[q] = __ldca(xp + 128 * j + q);
     };
 
 #pragma unroll
@@ -507,10 +501,7 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         for (int u = 0; u < U; ++u) {
             const int j = j0 + u;
             if (j >= J) break;  // the whole warp
-            if (!XPRE) {
-                ready(j);
-                loadx(buf[u], j);
-            }
+            if (!XPRE) loadx(buf[u], j);
             step_math_lean<T, NT>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc);
             if (j + U < J) {
                 loadw(buf[u], j + U);
