@@ -131,6 +131,11 @@
 //   weights at three CTAs per SM 2119-2122 us; the o/down join at U = 6 / 7 (two per SM)
 //   2113-2114 / 2141-2145; attention partitions of at least 128 / 192 keys
 //   (TM_ATTN_MIN_PARTITION) 2115 / 2173-2176: all against 2060-2065, none kept.
+// - Engine only: the o/down join (`ln4t_join`) at U = 3 instead of 4, two CTAs per SM (128
+//   registers either way): AWQ 8B b1 replay 2014-2020 us against 2061-2071 (three alternations;
+//   shipped since); U = 2 at three CTAs per SM 2172-2183, U = 1 at four 2307-2312. Dense gemv
+//   (the LM head: 243 us in ncu, 4.32 TB/s) with 8 / 16 chunks in flight per lane instead of 4:
+//   AWQ 2063-2068 against 2063-2070, bf16 4737 / 4631 against 4487: not kept.
 // - Mode `fl` (commit "harness mode fl", reverted after it; see `git log -S GroupReady`): down
 //   waiting per 128-column group of its input on counters that each gate/up CTA bumps when done,
 //   instead of griddepcontrol.wait on the whole gate/up grid (so down's early steps could run

@@ -57,6 +57,11 @@
 //   that `silu_lnt` runs U = 1 with x loaded with the weights at three CTAs per SM (79 registers
 //   against 123 at U = 2: 24 warps per SM to hide the step math's latency, which bounds gate/up;
 //   AWQ 8B batch-1 step on the H200 2080 us against 2126-2130 at U = 2, two per SM).
+// - `q4_gemv_*_join_T` (deferred RMSNorm, below): the plain kernel of the same name's
+//   configuration followed by the residual join, except that `ln4t_join` (a layer's o and down
+//   at batch 1) keeps three steps in flight per warp, not four: AWQ 8B batch-1 step on the H200
+//   2014-2020 us against 2061-2071 at U = 4 (U = 6 / 7: 2113 / 2141; U = 2 at three CTAs per SM
+//   2172-2183; U = 1 at four 2307-2312).
 //
 // Requirements checked by the launcher: 1 <= n <= 8, cols % 32 == 0, group % 32 == 0,
 // cols % group == 0, packed weights and x 16-byte aligned, scales and mins 2-byte aligned.
@@ -966,7 +971,7 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     TM_Q4_GEMV_JOIN(q4_gemv_ln_join_##SUF, T, 2, 2, LEAN)                                                               \
     TM_Q4_GEMV_JOIN(q4_gemv_ln4_join_##SUF, T, 4, 2, LEAN)                                                              \
     TM_Q4_GEMV_JOIN(q4_gemv_lnt_join_##SUF, T, 2, 2, LEAN_TILED)                                                        \
-    TM_Q4_GEMV_JOIN(q4_gemv_ln4t_join_##SUF, T, 4, 2, LEAN_TILED)
+    TM_Q4_GEMV_JOIN(q4_gemv_ln4t_join_##SUF, T, 3, 2, LEAN_TILED)
 
 TM_Q4_GEMV(f16, __half)
 TM_Q4_GEMV(bf16, __nv_bfloat16)
