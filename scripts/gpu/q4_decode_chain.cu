@@ -809,9 +809,9 @@ __global__ void ref_gemv(const T* x, int cols, const unsigned char* w, const __h
 }
 bool g_bk_only = false;
 bool g_sm_only = false;  // mode sm: the gate/up variants of SILU_M in the chain
+static bool g_v_only = false;  // mode `v`: `iso`'s shipped gate/up and down only
 // The bulk kernels against the lean ones on layer 0's gate/up and down (x random): same math and
 // order, so the outputs must be bitwise equal. Also sets the kernels' shared-memory limits.
-static bool g_v_only = false;  // mode `v`
 template <class T> static void check_bulk(const Layer& L, Bufs<T>&) {
     const int H = 4096, F = 14336;
     CK(cudaFuncSetAttribute(silu_bulk<T, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, tmq4::bulk_smem_bytes(2, 4, H)));
