@@ -63,11 +63,21 @@
 //   2014-2020 us against 2061-2071 at U = 4 (U = 6 / 7: 2113 / 2141; U = 2 at three CTAs per SM
 //   2172-2183; U = 1 at four 2307-2312).
 //
+// Tuning knobs (macros; scripts/gpu_kernel_variants.sh builds kernels with other values for an
+// A/B): TM_Q4_JOIN_TILED_U, the steps in flight of `ln4t_join` (3); TM_Q4_ROPE_TILED_U, of
+// `lnt_rope` (2).
+//
 // Requirements checked by the launcher: 1 <= n <= 8, cols % 32 == 0, group % 32 == 0,
 // cols % group == 0, packed weights and x 16-byte aligned, scales and mins 2-byte aligned.
 
 #include "common.cuh"
 
+#ifndef TM_Q4_JOIN_TILED_U
+#define TM_Q4_JOIN_TILED_U 3
+#endif
+#ifndef TM_Q4_ROPE_TILED_U
+#define TM_Q4_ROPE_TILED_U 2
+#endif
 namespace tmq4 {
 
 using tmk::i64;
@@ -869,7 +879,7 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     const int row_b = si < 2 ? row_a + (D >> 1) : row_a + 16;
     const Tile tiles[2] = {Tile{s.packed, s.scales, s.mins, row_a, s.rows}, Tile{s.packed, s.scales, s.mins, row_b, s.rows}};
     float acc[2][4];
-    q4_tiles_lean<T, 2, 2, false, true>(tiles, x, n, cols, acc, wait_sum);
+    q4_tiles_lean<T, TM_Q4_ROPE_TILED_U, 2, false, true>(tiles, x, n, cols, acc, wait_sum);
     trigger_after_loop();
     const float v = reduce_warps<2>(acc) * norm_scale(ns, nsum);
     // Thread tid holds fragment element e = tid / 32 (tile e / 4) of lane tid % 32: row g + 8 (e / 2
@@ -971,7 +981,7 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     TM_Q4_GEMV_JOIN(q4_gemv_ln_join_##SUF, T, 2, 2, LEAN)                                                               \
     TM_Q4_GEMV_JOIN(q4_gemv_ln4_join_##SUF, T, 4, 2, LEAN)                                                              \
     TM_Q4_GEMV_JOIN(q4_gemv_lnt_join_##SUF, T, 2, 2, LEAN_TILED)                                                        \
-    TM_Q4_GEMV_JOIN(q4_gemv_ln4t_join_##SUF, T, 3, 2, LEAN_TILED)
+    TM_Q4_GEMV_JOIN(q4_gemv_ln4t_join_##SUF, T, TM_Q4_JOIN_TILED_U, 2, LEAN_TILED)
 
 TM_Q4_GEMV(f16, __half)
 TM_Q4_GEMV(bf16, __nv_bfloat16)
