@@ -82,16 +82,17 @@ impl CpuBackend {
     }
 }
 
-/// The f64 sums of `slot` (`DEFERRED_NORM_ROWS` of them) in a deferred norm's sums tensor (f32
-/// `[slots, 2 * DEFERRED_NORM_ROWS]`, as tm-core's `DeferredNorm` describes it).
+/// The f64 sums of `slot` (`DEFERRED_NORM_ROWS` of them), as indices into the f64 view of a
+/// deferred norm's sums tensor (f32 `[slots, 2 * DEFERRED_NORM_ROWS]`, as tm-core's
+/// `DeferredNorm` describes it).
 fn norm_slot(sums: &Tensor, slot: usize) -> Result<std::ops::Range<usize>> {
     sums.expect_dtype("deferred-norm sums", DType::F32)?;
     let slots = sums.numel() / (2 * DEFERRED_NORM_ROWS);
     if slot >= slots {
         return Err(Error::invalid(format!("deferred-norm slot {slot} of a sums tensor with {slots} slots")));
     }
-    let at = slot * DEFERRED_NORM_ROWS * 8;
-    Ok(at..at + DEFERRED_NORM_ROWS * 8)
+    let at = slot * DEFERRED_NORM_ROWS;
+    Ok(at..at + DEFERRED_NORM_ROWS)
 }
 
 impl Default for CpuBackend {
@@ -284,17 +285,15 @@ impl Ops for CpuBackend {
         // * norm, and the rows' sums of squares of the new residual added into the slot.
         self.matmul(x, w, None, out)?;
         let (r, o, g) = (f32s_mut(residual, "residual")?, f32s_mut(out, "join output")?, f32s(norm, "norm weight")?);
-        let bytes = &mut sums.host_mut::<u8>()?[range];
-        for (j, (rr, or)) in r.chunks_mut(rows).zip(o.chunks_mut(rows)).enumerate() {
+        let slot_sums = &mut sums.host_mut::<f64>()?[range];
+        for ((rr, or), sum) in r.chunks_mut(rows).zip(o.chunks_mut(rows)).zip(slot_sums) {
             let mut ss = 0f64;
             for ((ri, oi), gi) in rr.iter_mut().zip(or.iter_mut()).zip(g) {
                 *ri += *oi;
                 *oi = *ri * gi;
                 ss += f64::from(*ri) * f64::from(*ri);
             }
-            let at = &mut bytes[8 * j..8 * j + 8];
-            let prev = f64::from_ne_bytes(at.try_into().map_err(|_| Error::invalid("deferred-norm sums"))?);
-            at.copy_from_slice(&(prev + ss).to_ne_bytes());
+            *sum += ss;
         }
         self.deferred_joins.fetch_add(1, Ordering::Relaxed);
         Ok(true)
@@ -309,9 +308,8 @@ impl Ops for CpuBackend {
         if n > DEFERRED_NORM_ROWS {
             return Err(Error::invalid(format!("a deferred join of {n} rows (at most {DEFERRED_NORM_ROWS})")));
         }
-        let bytes = &norm.sums.host::<u8>()?[range];
-        for (j, row) in f32s_mut(x, "deferred join output")?.chunks_mut(cols).enumerate() {
-            let sum = f64::from_ne_bytes(bytes[8 * j..8 * j + 8].try_into().map_err(|_| Error::invalid("sums"))?);
+        let slot_sums = &norm.sums.host::<f64>()?[range];
+        for (row, &sum) in f32s_mut(x, "deferred join output")?.chunks_mut(cols).zip(slot_sums) {
             let scale = 1.0 / ((sum / cols as f64) as f32 + norm.eps).sqrt();
             row.iter_mut().for_each(|v| *v *= scale);
         }
