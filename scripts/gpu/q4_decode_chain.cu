@@ -260,17 +260,13 @@ __device__ __forceinline__ void q4_tiles_bulk(const Tile* tiles, const T* __rest
     }
     __syncthreads();  // the barriers are initialized
     wait();
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
-    const uint4* xp = reinterpret_cast<const uint4*>(x + (i64)(g < n ? g : 0) * cols) + 16 * warp + 4 * t;
+    zero_acc<NT>(acc);
+    const uint4* xp = lean_x_lane(x, n, cols);
     for (int c = 0; c < J; ++c) {
         const int st = c % S;
         const unsigned par = (c / S) & 1;
         uint4 xv[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) xv[q] = __ldca(xp + 128 * c + q);
+        load_step_x(xv, xp, c);
         bulk::wait(full + st, par);
         const uint4* sp = stage + st * NT * (BULK_CHUNK / 16) + 64 * warp + lane;
         uint4 w[NT][2];
@@ -357,18 +353,14 @@ __device__ __forceinline__ void q4_tiles_async(const Tile* tiles, const T* __res
             acp::commit();
     }
     wait();
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
-    const uint4* xp = reinterpret_cast<const uint4*>(x + (i64)(g < n ? g : 0) * cols) + 16 * warp + 4 * t;
+    zero_acc<NT>(acc);
+    const uint4* xp = lean_x_lane(x, n, cols);
     acp::wait<U>();  // the scales' group
     __syncthreads();
     for (int j = 0; j < J; ++j) {
         const int slot = j % U;
         uint4 xv[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) xv[q] = __ldca(xp + 128 * j + q);
+        load_step_x(xv, xp, j);
         acp::wait<U - 1>();  // step j's group
         uint4 w[NT][2];
         __half sh[NT][2], mh[NT][2];
@@ -548,18 +540,14 @@ __global__ void __launch_bounds__(256, 2) silu_pers(T* out, const T* __restrict_
     }
     __syncthreads();
     tmk::pdl_wait();
-    const uint4* xp = reinterpret_cast<const uint4*>(x + (i64)(g < n ? g : 0) * cols) + 16 * warp + 4 * t;
+    const uint4* xp = tmq4::lean_x_lane(x, n, cols);
     float acc[2][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+    tmq4::zero_acc<2>(acc);
     for (int c = 0; c < C; ++c) {
         const int p = c / J, j = c - p * J, st = c % S;
         const unsigned par = (c / S) & 1;
         uint4 xv[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) xv[q] = __ldca(xp + 128 * j + q);
+        tmq4::load_step_x(xv, xp, j);
         bulk::wait(full + st, par);
         const uint4* wsp = stage + st * 2 * (BULK_CHUNK / 16) + 64 * warp + lane;
         uint4 w[2][2];
@@ -584,10 +572,7 @@ __global__ void __launch_bounds__(256, 2) silu_pers(T* out, const T* __restrict_
             if (!EARLY && c == C - 1) trigger_after_loop();
             const int row0 = (blockIdx.x + p * gridDim.x) * 16;
             silu_store<T>(out, reduce_warps_in<2>(red, acc), upv, row0, rows, n);
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+            tmq4::zero_acc<2>(acc);
         }
     }
 }

@@ -278,6 +278,28 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
     }
 }
 
+// acc = 0: the NT tiles' m16n8 C fragments.
+template <int NT> __device__ __forceinline__ void zero_acc(float (*acc)[4]) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+}
+
+// The lean loops' x for this lane (g = lane / 4, t = lane % 4 of warp `warp`): batch row g (row
+// 0 past n: those sums land only in mma columns >= n, which nobody stores), the 32 columns of
+// block 4 warp + t of the warp's first 128-column step; its step j is 128 chunks on.
+template <class T> __device__ __forceinline__ const uint4* lean_x_lane(const T* __restrict__ x, int n, int cols) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+    return reinterpret_cast<const uint4*>(x + (i64)(g < n ? g : 0) * cols) + 16 * warp + 4 * t;
+}
+
+// x[g] of the lane's 32 columns in step j (L1-cached: every CTA reads the same x).
+__device__ __forceinline__ void load_step_x(uint4 (&xv)[4], const uint4* xp, int j) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) xv[q] = __ldca(xp + 128 * j + q);
+}
+
 // One weight as the kernels see it.
 template <class T> struct Slot {
     T* out;
@@ -393,10 +415,7 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
         step_math<T, NT>(B.w, sc, B.x, acc);
     };
 
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+    zero_acc<NT>(acc);
 
     // The ring's first U steps: the weights are issued before `pdl_wait` (they do not depend on
     // the previous kernel, so under programmatic dependent launch their DRAM traffic overlaps that
@@ -466,7 +485,7 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         }
     }
     const unsigned wo = (unsigned)(64 * warp + lane) * 16u;
-    const uint4* xp = reinterpret_cast<const uint4*>(x + (i64)(g < n ? g : 0) * cols) + 16 * warp + 4 * t;
+    const uint4* xp = lean_x_lane(x, n, cols);
 
     struct Buf {
         uint4 w[NT][2];
@@ -491,15 +510,9 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
                 }
             }
     };
-    auto loadx = [&](Buf& B, int j) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) B.x[q] = __ldca(xp + 128 * j + q);
-    };
+    auto loadx = [&](Buf& B, int j) { load_step_x(B.x, xp, j); };
 
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+    zero_acc<NT>(acc);
 
     Buf buf[U];
 #pragma unroll
