@@ -474,17 +474,20 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
     unsigned so[NT][2];
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
-        wb[i] = tiles[i].packed + (i64)(tiles[i].row0 >> 4) * 8 * cols;
+        if (TILED) wb[i] = tiles[i].packed + (i64)(tiles[i].row0 >> 4) * 8 * cols;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = tiles[i].row0 + tiles[i].gs * g + tiles[i].hs * h;
-            so[i][h] = (unsigned)(r * groups + warp);
-            wp[i][h] = reinterpret_cast<const uint4*>(tiles[i].packed + (i64)r * (cols >> 1)) + 4 * warp + t;
-            sp[i][h] = tiles[i].scales + (i64)r * groups + warp;
-            mp[i][h] = tiles[i].mins + (i64)r * groups + warp;
+            if (TILED) {
+                so[i][h] = (unsigned)(r * groups + warp);
+            } else {
+                wp[i][h] = reinterpret_cast<const uint4*>(tiles[i].packed + (i64)r * (cols >> 1)) + 4 * warp + t;
+                sp[i][h] = tiles[i].scales + (i64)r * groups + warp;
+                mp[i][h] = tiles[i].mins + (i64)r * groups + warp;
+            }
         }
     }
-    const unsigned wo = (unsigned)(64 * warp + lane) * 16u;
+    const unsigned wo = (unsigned)(64 * warp + lane) * 16u;  // TILED
     const uint4* xp = lean_x_lane(x, n, cols);
 
     struct Buf {
