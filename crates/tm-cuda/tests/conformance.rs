@@ -1489,8 +1489,8 @@ fn penalized(logits: &[f32], vocab: usize, i: usize, r: &Req) -> Vec<f32> {
 }
 
 /// Greedy sampling of `[n, vocab]` random logits, with rows holding ties (the first maximum
-/// wins), all-equal values, the maximum at the last index, and all-negative values; must equal the
-/// CPU's choice exactly.
+/// wins), all-equal values, the maximum at the last index, all-negative values, a NaN logit 0 and
+/// a run of NaNs after it; must equal the CPU's choice exactly.
 fn sample_greedy(s: &mut Suite, n: usize, vocab: usize) {
     s.case(format!("sample greedy logits [{n}, {vocab}] (ties: first index)"), |c| {
         let mut l = c.normal(n * vocab, 3.0);
@@ -1511,6 +1511,14 @@ fn sample_greedy(s: &mut Suite, n: usize, vocab: usize) {
             for v in &mut l[row(3)] {
                 *v = c.round(*v - 60.0);
             }
+        }
+        if n > 4 {
+            l[4 * vocab] = f32::NAN; // logit 0 NaN: token 0, as on the host
+        }
+        if n > 5 {
+            // NaNs after logit 0 are skipped, here a whole split-argmax block of them.
+            let end = (5 * vocab + 9000).min(6 * vocab);
+            l[5 * vocab + 1..end].fill(f32::NAN);
         }
         let logits = c.act(&[n, vocab], &l)?;
         let reqs: Vec<Req> =

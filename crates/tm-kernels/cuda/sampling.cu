@@ -27,6 +27,8 @@
 // slots whose contents are then sorted.
 //
 // `argmax_T`: one 1024-thread block per row, the host's argmax rule, reading the logits directly.
+// `argmax_part_T` + `argmax_final_T`: the same split over blocks of `chunk` logits per row (large
+// vocabularies at small batch: one block per row reads 256 KiB of f16 logits at 128k vocab).
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -655,25 +657,22 @@ template <class T> __device__ void sample_row(const T* __restrict__ logits, int 
     if (tid == 0) out[row] = sm.bu[1];
 }
 
-template <class T> __device__ void argmax_row(const T* __restrict__ logits, int vocab, unsigned* __restrict__ out) {
-    __shared__ float bufv[NW];
-    __shared__ unsigned bufi[NW];
-    const T* lg = logits + (long long)blockIdx.x * vocab;
-    float m = 0.f;
-    unsigned am = NONE;
+// This thread's (value, index) of the host's argmax over logits [lo, hi) of row `lg`: NaNs
+// skipped, a thread's indices visited in increasing order (so `>` keeps its first maximum); with
+// (lg + lo) 16-byte aligned, 16 bytes of consecutive logits per load, four loads in flight.
+template <class T>
+__device__ void argmax_scan(const T* __restrict__ lg, int lo, int hi, float& m, unsigned& am) {
     auto take = [&](float v, int i) {
         if (!is_nan(v) && (am == NONE || v > m)) {
             m = v;
             am = (unsigned)i;
         }
     };
-    // A thread visits its indices in increasing order (so `>` keeps its first maximum); with a
-    // 16-byte aligned row, 16 bytes of consecutive logits per load, four loads in flight.
     constexpr int E = 16 / sizeof(T);
-    int head = vocab;  // elements before the vector part
-    if ((reinterpret_cast<unsigned long long>(lg) & 15ull) == 0) {
-        const int nv = vocab / E;
-        const uint4* lv = reinterpret_cast<const uint4*>(lg);
+    int head = hi;  // elements from lo before the vector part
+    if ((reinterpret_cast<unsigned long long>(lg + lo) & 15ull) == 0) {
+        const int nv = (hi - lo) / E;
+        const uint4* lv = reinterpret_cast<const uint4*>(lg + lo);
         for (int c0 = threadIdx.x; c0 < nv; c0 += 4 * NT) {
             uint4 u[4];
 #pragma unroll
@@ -683,15 +682,68 @@ template <class T> __device__ void argmax_row(const T* __restrict__ logits, int 
                 if (c0 + k * NT >= nv) break;
                 const T* e = reinterpret_cast<const T*>(&u[k]);
 #pragma unroll
-                for (int j = 0; j < E; ++j) take(to_f(e[j]), (c0 + k * NT) * E + j);
+                for (int j = 0; j < E; ++j) take(to_f(e[j]), lo + (c0 + k * NT) * E + j);
             }
         }
-        head = 0;
-        for (int i = nv * E + threadIdx.x; i < vocab; i += NT) take(to_f(lg[i]), i);
+        head = lo;
+        for (int i = lo + nv * E + threadIdx.x; i < hi; i += NT) take(to_f(lg[i]), i);
     }
-    for (int i = threadIdx.x; i < head; i += NT) take(to_f(lg[i]), i);
+    for (int i = lo + threadIdx.x; i < head; i += NT) take(to_f(lg[i]), i);
+}
+
+template <class T> __device__ void argmax_row(const T* __restrict__ logits, int vocab, unsigned* __restrict__ out) {
+    __shared__ float bufv[NW];
+    __shared__ unsigned bufi[NW];
+    const T* lg = logits + (long long)blockIdx.x * vocab;
+    float m = 0.f;
+    unsigned am = NONE;
+    argmax_scan(lg, 0, vocab, m, am);
     block_argmax(m, am, bufv, bufi);
     if (threadIdx.x == 0) out[blockIdx.x] = (am == NONE || is_nan(to_f(lg[0]))) ? 0u : am;
+}
+
+// Split argmax for large vocabularies (`argmax_part_T` then `argmax_final_T`): block (p, r) takes
+// logits [p * chunk, min(vocab, (p + 1) * chunk)) of row r and writes its (value, index) to
+// parts[r * gridDim.x + p] (index NONE when it saw only NaNs); one warp per row then picks the
+// best of the row's `nparts` pairs by the same rule (larger value, then lower index), which is
+// the host's argmax: the first index of the largest non-NaN value, 0 when logit 0 is NaN.
+template <class T>
+__device__ void argmax_part_row(const T* __restrict__ logits, int vocab, int chunk, float2* __restrict__ parts) {
+    __shared__ float bufv[NW];
+    __shared__ unsigned bufi[NW];
+    const T* lg = logits + (long long)blockIdx.y * vocab;
+    const int lo = blockIdx.x * chunk, hi = min(vocab, lo + chunk);
+    float m = 0.f;
+    unsigned am = NONE;
+    argmax_scan(lg, lo, hi, m, am);
+    block_argmax(m, am, bufv, bufi);
+    if (threadIdx.x == 0) parts[(long long)blockIdx.y * gridDim.x + blockIdx.x] = make_float2(m, __uint_as_float(am));
+}
+
+template <class T>
+__device__ void argmax_final_row(const T* __restrict__ logits, int vocab, const float2* __restrict__ parts, int nparts,
+                                 unsigned* __restrict__ out) {
+    const int row = blockIdx.x, lane = threadIdx.x & 31;
+    float v = 0.f;
+    unsigned i = NONE;
+    for (int p = lane; p < nparts; p += 32) {
+        const float2 q = __ldcg(parts + (long long)row * nparts + p);  // coherent: never above the wait
+        const unsigned qi = __float_as_uint(q.y);
+        if (better(q.x, qi, v, i)) {
+            v = q.x;
+            i = qi;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL, v, o);
+        const unsigned oi = __shfl_xor_sync(FULL, i, o);
+        if (better(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+    if (lane == 0) out[row] = (i == NONE || is_nan(to_f(__ldcg(logits + (long long)row * vocab)))) ? 0u : i;
 }
 
 }  // namespace tms
@@ -710,6 +762,19 @@ template <class T> __device__ void argmax_row(const T* __restrict__ logits, int 
         tmk::pdl_launch_dependents();                                                                            \
         tmk::pdl_wait();                                                                                         \
         tms::argmax_row<T>(logits, vocab, out);                                                                  \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(tms::NT, 1)                                                     \
+        argmax_part_##SUF(const T* __restrict__ logits, int vocab, int chunk, float2* __restrict__ parts) {      \
+        tmk::pdl_launch_dependents();                                                                            \
+        tmk::pdl_wait();                                                                                         \
+        tms::argmax_part_row<T>(logits, vocab, chunk, parts);                                                    \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32, 1)                                                          \
+        argmax_final_##SUF(const T* __restrict__ logits, int vocab, const float2* __restrict__ parts, int nparts, \
+                           unsigned* __restrict__ out) {                                                         \
+        tmk::pdl_launch_dependents();                                                                            \
+        tmk::pdl_wait();                                                                                         \
+        tms::argmax_final_row<T>(logits, vocab, parts, nparts, out);                                             \
     }
 
 TMS_KERNELS(f32, float)

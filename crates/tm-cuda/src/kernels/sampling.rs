@@ -309,6 +309,69 @@ pub fn argmax(gpu: &Gpu, dt: DType, logits: u64, n: usize, vocab: usize, out_tok
     )
 }
 
+/// Logits per block of the split argmax ([`argmax_split`]): 8 per thread of a 1024-thread block,
+/// one 16-byte load each for f16 and bf16.
+pub const ARGMAX_CHUNK: usize = 8192;
+
+/// Blocks per row of [`argmax_split`] for `vocab` logits.
+pub fn argmax_parts(vocab: usize) -> usize {
+    vocab.div_ceil(ARGMAX_CHUNK)
+}
+
+/// Bytes of scratch [`argmax_split`] needs: one (f32 value, u32 index) pair per block and row.
+pub fn argmax_split_bytes(n: usize, vocab: usize) -> usize {
+    n.saturating_mul(argmax_parts(vocab)).saturating_mul(8)
+}
+
+/// [`argmax`] split over blocks of [`ARGMAX_CHUNK`] logits (`argmax_part_T`, then one warp per
+/// row in `argmax_final_T`): the same tokens, with [`argmax_parts`] blocks per row reading the
+/// logits instead of one. `scratch` (8-byte aligned) holds [`argmax_split_bytes`], any contents.
+#[allow(clippy::too_many_arguments)]
+pub fn argmax_split(
+    gpu: &Gpu,
+    dt: DType,
+    logits: u64,
+    n: usize,
+    vocab: usize,
+    out_tokens: u64,
+    scratch: u64,
+    scratch_len: usize,
+) -> Result<()> {
+    let op = "argmax_split";
+    let Some((rows, v32)) = check_rows(op, n, vocab)? else {
+        return Ok(());
+    };
+    let need = argmax_split_bytes(n, vocab);
+    if scratch_len < need {
+        return Err(Error::invalid(format!("{op}: scratch of {scratch_len} bytes, need {need}")));
+    }
+    check_align(op, "logits", logits, (dt.bits() / 8) as u64)?;
+    check_align(op, "out_tokens", out_tokens, 4)?;
+    check_align(op, "scratch", scratch, 8)?;
+    let parts = argmax_parts(vocab) as u32;
+    let sfx = suffix(dt)?;
+    gpu.launch(
+        &format!("argmax_part_{sfx}"),
+        (parts, rows, 1),
+        (THREADS, 1, 1),
+        0,
+        &[KernelArg::Ptr(logits), KernelArg::I32(v32), KernelArg::I32(ARGMAX_CHUNK as i32), KernelArg::Ptr(scratch)],
+    )?;
+    gpu.launch(
+        &format!("argmax_final_{sfx}"),
+        (rows, 1, 1),
+        (32, 1, 1),
+        0,
+        &[
+            KernelArg::Ptr(logits),
+            KernelArg::I32(v32),
+            KernelArg::Ptr(scratch),
+            KernelArg::I32(parts as i32),
+            KernelArg::Ptr(out_tokens),
+        ],
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -794,8 +794,18 @@ impl Ops for CudaBackend {
         // Greedy rows without penalties (every decode step of a greedy benchmark or chat): the
         // argmax kernel reads the logits directly, with no inputs to upload and no f32 copy of the
         // row (128k f16 logits at batch 1, ncu on the H200: 10.5 us against 28.2 us for `sample_T`).
+        // Above one block's worth of logits the split form spreads each row over several blocks
+        // (128k vocab: 16 blocks and a one-warp merge per row instead of one block per row; ncu on
+        // the H200, AWQ 8B b1 greedy: 4.1-4.9 + 2.8 us against 10.6-11.6 us).
         if requests.iter().all(|r| r.params.is_plain_argmax()) {
-            sampling::argmax(&self.gpu, self.dtype, ptr(logits), n, vocab, out)?;
+            if vocab > sampling::ARGMAX_CHUNK && split_argmax_enabled() {
+                let need = sampling::argmax_split_bytes(n, vocab);
+                let scratch = self.scratch(st, need)?;
+                let scratch_len = st.scratch.as_ref().map_or(0, Buffer::len);
+                sampling::argmax_split(&self.gpu, self.dtype, ptr(logits), n, vocab, out, scratch, scratch_len)?;
+            } else {
+                sampling::argmax(&self.gpu, self.dtype, ptr(logits), n, vocab, out)?;
+            }
         } else {
             self.sample_on_device(st, logits, requests, out)?;
         }
@@ -803,6 +813,13 @@ impl Ops for CudaBackend {
         self.staging.download(out, bytemuck::cast_slice_mut(&mut st.tokens_host[..]))?;
         Ok(st.tokens_host.clone())
     }
+}
+
+/// Whether greedy rows of large vocabularies take [`sampling::argmax_split`] (`TM_SPLIT_ARGMAX=0`
+/// keeps the one-block-per-row kernel).
+fn split_argmax_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TM_SPLIT_ARGMAX").map_or(true, |v| v.trim() != "0"))
 }
 
 impl CudaBackend {
