@@ -16,9 +16,9 @@
 //   softmax, and the four warps are merged at the end. A sequence whose keys fit in one
 //   partition is written straight to `out`; otherwise each split writes a normalised partial
 //   output and its (max, sum) to scratch, and either the last split CTA of each (sequence, head
-//   group) to finish merges them (fused combine: a per-group counter in `counters`, threadfence +
-//   atomicAdd, the last CTA merges and zeroes the counter again) or, with `counters` null,
-//   attn_combine_<T> does in a second launch.
+//   group) to finish merges them (fused combine: a per-group counter in `counters`, counted with
+//   an acquire-release atomic, the last CTA merges and zeroes the counter again) or, with
+//   `counters` null, attn_combine_<T> does in a second launch.
 // - attn_prefill_d<D>_<T> (f16, bf16): flash-attention-2 for sequences with q_len > 1. One CTA
 //   (4 warps x 32 rows for D <= 128, 4 x 16 above: BM = 128 or 64 rows) per (query tile, kv head
 //   x head sub-group); rows are token-major over the group's query heads (row r = token r / GS,
@@ -659,19 +659,22 @@ __device__ __forceinline__ void decode_merge(float* sO, const float (*s_m)[R], c
         }
     }
     if (rg.direct || counters == nullptr) return;
-    // Release: each thread's partials reach device scope before the barrier, the barrier before
-    // the count (it also ends every read of sO, which the merge below overwrites).
-    __threadfence();
+    // The barrier orders every thread's partials before thread 0's count (and ends every read of
+    // sO, which the merge below overwrites); the count is an acquire-release atomic at device
+    // scope: release (cumulative through the barrier) publishes this CTA's partials, acquire makes
+    // the earlier splits' visible to the last one, whose barrier below passes them on to its
+    // threads. One atomic in one thread instead of a sequentially consistent fence in every
+    // thread, an atomicAdd, an atomicExch and a second fence: AWQ 8B b1 replay on the H200
+    // 1999.8-2006.6 us against 2011.8-2014.3 (four runs each).
     __syncthreads();
     if (tid == 0) {
         unsigned* counter = counters + ((unsigned)seq * gridDim.y + blockIdx.y);
-        const bool last = atomicAdd(counter, 1u) == (unsigned)(rg.used - 1);
-        if (last) {
-            // every split has counted: leave the counter zero for the next launch (or graph replay)
-            atomicExch(counter, 0u);
-            // acquire: the other splits' partials, which they fenced before counting
-            __threadfence();
-        }
+        unsigned before;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+        const bool last = before == (unsigned)(rg.used - 1);
+        // every split has counted: leave the counter zero for the next launch (or graph replay);
+        // no split of this launch touches it again, and the launch's end publishes the store
+        if (last) asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(counter) : "memory");
         s_last = last;
     }
     __syncthreads();
