@@ -145,6 +145,26 @@
 //   read through L1 (not guaranteed coherent), and 34.9 for the grid wait with gate/up's
 //   red.release and x through L2: the last gate/up wave is not idle, and down's x at use through
 //   L2 costs its latency per step.
+//
+// Session 15 (2026-12-01, H200, engine only, AWQ 8B b1 replay, f16; kernel builds A/B'd through
+// TM_KERNELS_DIR with one binary; base 2000-2013 us):
+// - Decode attention's CTAs issuing `cp.async.bulk.prefetch.L2` of the leading bytes of the
+//   layer's gate and up (and their scales and mins) before their wait (the `pf` experiment above
+//   in the engine; built as a hint in AttentionMeta, then reverted): 24 / ~30 / 40 MiB in all
+//   2094 / 2114-2118 / 2158 us against 2009-2014 without: every MiB pulled while attention runs
+//   costs ~3.5 us (it delays attention's own loads and o's first weights, the critical path).
+// - The o/down join's weight steps issued before `pdl_wait` limited to P of its U (a knob
+//   TM_Q4_PRE_WAIT, not kept): U = 3 with P = 2 / 1 / 0: 2016-2020 / 2031 / 2054 us against
+//   2000-2007; down at U = 4 with P = 1 / 2: 2051-2058. gate/up (U = 1) waiting before its one
+//   step 2007; q/k/v RoPE (U = 2) with P = 1 / 0: 2003 / 2016. So the loads issued under the
+//   predecessor's tail are worth having; deeper rings lose for another reason.
+// - The o/down join at U = 2 (two CTAs per SM, as at U = 3): 1984.5 / 1994.3 against 1999.8-2011.8
+//   (shipped); o at U = 1 2055; q/k/v RoPE at U = 3 (12 B spilled) 2138 against ~2115 (prefetch
+//   build); down alone at U = 4 / 2 (o at 3) 2148 / 2104 against ~2115 (prefetch build).
+// - The fused attention combine counting with one `atom.acq_rel.gpu` after the barrier instead of
+//   a `__threadfence` per thread, atomicAdd, atomicExch and a fence: 1999.8-2006.6 against
+//   2011.8-2014.3 (shipped). Greedy argmax split over 16 blocks per row (ncu: 4.1-4.9 + 2.8 us
+//   against 10.6-11.6; outside the replay: TPOT only; shipped).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

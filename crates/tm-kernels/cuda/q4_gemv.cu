@@ -59,12 +59,14 @@
 //   AWQ 8B batch-1 step on the H200 2080 us against 2126-2130 at U = 2, two per SM).
 // - `q4_gemv_*_join_T` (deferred RMSNorm, below): the plain kernel of the same name's
 //   configuration followed by the residual join, except that `ln4t_join` (a layer's o and down
-//   at batch 1) keeps three steps in flight per warp, not four: AWQ 8B batch-1 step on the H200
-//   2014-2020 us against 2061-2071 at U = 4 (U = 6 / 7: 2113 / 2141; U = 2 at three CTAs per SM
-//   2172-2183; U = 1 at four 2307-2312).
+//   at batch 1) keeps two steps in flight per warp, not four (still two CTAs per SM): AWQ 8B
+//   batch-1 step on the H200 2014-2020 us at U = 3 against 2061-2071 at U = 4, and 1984-1994 at
+//   U = 2 against 2000-2012 at U = 3 (U = 6 / 7: 2113 / 2141; U = 2 at three CTAs per SM
+//   2172-2183; U = 1 at four 2307-2312; o at U = 1: 2055; down alone at U = 4: 2148, at U = 2
+//   with o at 3: 2104, against 2115 (a build with an L2 prefetch that cost ~100 us)).
 //
 // Tuning knobs (macros; scripts/gpu_kernel_variants.sh builds kernels with other values for an
-// A/B): TM_Q4_JOIN_TILED_U, the steps in flight of `ln4t_join` (3); TM_Q4_ROPE_TILED_U, of
+// A/B): TM_Q4_JOIN_TILED_U, the steps in flight of `ln4t_join` (2); TM_Q4_ROPE_TILED_U, of
 // `lnt_rope` (2).
 //
 // Requirements checked by the launcher: 1 <= n <= 8, cols % 32 == 0, group % 32 == 0,
@@ -73,7 +75,7 @@
 #include "common.cuh"
 
 #ifndef TM_Q4_JOIN_TILED_U
-#define TM_Q4_JOIN_TILED_U 3
+#define TM_Q4_JOIN_TILED_U 2
 #endif
 #ifndef TM_Q4_ROPE_TILED_U
 #define TM_Q4_ROPE_TILED_U 2
