@@ -150,8 +150,8 @@ __device__ __forceinline__ bool better(float av, unsigned ai, float bv, unsigned
     return ai != NONE && (bi == NONE || av > bv || (av == bv && ai < bi));
 }
 
-__device__ void block_argmax(float& v, unsigned& i, float* bufv, unsigned* bufi) {
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+// The warp's best (v, i) pair by `better`, in every lane.
+__device__ __forceinline__ void warp_argmax(float& v, unsigned& i) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const float ov = __shfl_xor_sync(FULL, v, o);
@@ -161,6 +161,11 @@ __device__ void block_argmax(float& v, unsigned& i, float* bufv, unsigned* bufi)
             i = oi;
         }
     }
+}
+
+__device__ void block_argmax(float& v, unsigned& i, float* bufv, unsigned* bufi) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    warp_argmax(v, i);
     if (lane == 0) {
         bufv[w] = v;
         bufi[w] = i;
@@ -168,15 +173,7 @@ __device__ void block_argmax(float& v, unsigned& i, float* bufv, unsigned* bufi)
     __syncthreads();
     v = bufv[lane];
     i = bufi[lane];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL, v, o);
-        const unsigned oi = __shfl_xor_sync(FULL, i, o);
-        if (better(ov, oi, v, i)) {
-            v = ov;
-            i = oi;
-        }
-    }
+    warp_argmax(v, i);
     __syncthreads();
 }
 
@@ -734,15 +731,7 @@ __device__ void argmax_final_row(const T* __restrict__ logits, int vocab, const 
             i = qi;
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL, v, o);
-        const unsigned oi = __shfl_xor_sync(FULL, i, o);
-        if (better(ov, oi, v, i)) {
-            v = ov;
-            i = oi;
-        }
-    }
+    warp_argmax(v, i);
     if (lane == 0) out[row] = (i == NONE || is_nan(to_f(__ldcg(logits + (long long)row * vocab)))) ? 0u : i;
 }
 

@@ -237,6 +237,14 @@ fn check_align(op: &str, what: &str, p: u64, align: u64) -> Result<()> {
     Ok(())
 }
 
+/// `scratch_len` bytes of scratch must hold the `need` bytes `op` asks for.
+fn check_scratch(op: &str, scratch_len: usize, need: usize) -> Result<()> {
+    if scratch_len < need {
+        return Err(Error::invalid(format!("{op}: scratch of {scratch_len} bytes, need {need}")));
+    }
+    Ok(())
+}
+
 /// Samples one token per row of `logits` (`dt` `[n, vocab]`) into `out_tokens` (u32 `[n]`).
 /// `params` (`[n]` [`DeviceSampleParams`], 8-byte aligned), `penalty_tokens` and
 /// `penalty_counts` are the uploaded [`SampleInputs`] arrays; `scratch` is at least
@@ -261,10 +269,7 @@ pub fn sample(
     let Some((rows, v32)) = check_rows(op, n, vocab)? else {
         return Ok(());
     };
-    let need = scratch_bytes(n, vocab);
-    if scratch_len < need {
-        return Err(Error::invalid(format!("{op}: scratch of {scratch_len} bytes, need {need}")));
-    }
+    check_scratch(op, scratch_len, scratch_bytes(n, vocab))?;
     check_align(op, "logits", logits, (dt.bits() / 8) as u64)?;
     check_align(op, "params", params, 8)?;
     check_align(op, "penalty_tokens", penalty_tokens, 4)?;
@@ -341,10 +346,7 @@ pub fn argmax_split(
     let Some((rows, v32)) = check_rows(op, n, vocab)? else {
         return Ok(());
     };
-    let need = argmax_split_bytes(n, vocab);
-    if scratch_len < need {
-        return Err(Error::invalid(format!("{op}: scratch of {scratch_len} bytes, need {need}")));
-    }
+    check_scratch(op, scratch_len, argmax_split_bytes(n, vocab))?;
     check_align(op, "logits", logits, (dt.bits() / 8) as u64)?;
     check_align(op, "out_tokens", out_tokens, 4)?;
     check_align(op, "scratch", scratch, 8)?;
