@@ -9,6 +9,13 @@
 # default sm_90, with $NVCC or the nvcc xtask finds, behind a wrapper that appends the flags).
 # Carry OUT_DIR with the bundle; run the binary built without embedded kernels
 # (TM_BUNDLE_KERNELS=separate in scripts/gpu_bundle.sh) with TM_KERNELS_DIR=OUT_DIR/kernels-<name>.
+#
+# With TM_VARIANT_MODULE=<module> (e.g. q4_gemv) only that module's cubin is built, straight with
+# nvcc (~1 min instead of ~1.5 per variant; xtask's flags), into OUT_DIR/kernels-<name>/: overlay
+# it on a copy of the full kernels directory on the GPU machine,
+#   cp -r kernels kernels-<name> && cp OUT_DIR/kernels-<name>/*.cubin kernels-<name>/
+# so that the directory's manifest still names the binary's sources and PDL stays on (a
+# directory whose manifest differs is launched without PDL, which no A/B should compare).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -26,6 +33,19 @@ trap 'rm -rf "$WRAP"' EXIT
 for v in "$@"; do
     name=${v%%:*}
     flags=${v#*:}
+    if [ -n "${TM_VARIANT_MODULE:-}" ]; then
+        sm=${ARCH#sm_}
+        code=$ARCH
+        [ "$sm" = 90 ] && code=sm_90a  # xtask builds sm_90 cubins arch-specific
+        rm -rf "$OUT/kernels-$name"
+        mkdir -p "$OUT/kernels-$name"
+        # shellcheck disable=SC2086  # the flags are words
+        "$NV" -O3 -std=c++17 -cubin -gencode "arch=compute_${code#sm_},code=$code" $flags \
+            -I crates/tm-kernels/cuda -o "$OUT/kernels-$name/$TM_VARIANT_MODULE.$ARCH.cubin" \
+            "crates/tm-kernels/cuda/$TM_VARIANT_MODULE.cu"
+        echo "$OUT/kernels-$name/$TM_VARIANT_MODULE.$ARCH.cubin: $flags"
+        continue
+    fi
     printf '#!/bin/sh\nexec "%s" "$@" %s\n' "$NV" "$flags" > "$WRAP/nvcc-$name"
     chmod +x "$WRAP/nvcc-$name"
     rm -rf "$OUT/kernels-$name"
