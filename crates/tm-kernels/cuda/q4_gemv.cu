@@ -62,8 +62,8 @@
 //   at batch 1) keeps two steps in flight per warp, not four (still two CTAs per SM): AWQ 8B
 //   batch-1 step on the H200 2014-2020 us at U = 3 against 2061-2071 at U = 4, and 1984-1994 at
 //   U = 2 against 2000-2012 at U = 3 (U = 6 / 7: 2113 / 2141; U = 2 at three CTAs per SM
-//   2172-2183; U = 1 at four 2307-2312; o at U = 1: 2055; down alone at U = 4: 2148, at U = 2
-//   with o at 3: 2104, against 2115 (a build with an L2 prefetch that cost ~100 us)).
+//   2172-2183; U = 1 at four 2307-2312; o alone at U = 1: 2055; more in scripts/gpu/
+//   q4_decode_chain.cu, "Session 15").
 //
 // Tuning knobs (macros; scripts/gpu_kernel_variants.sh builds kernels with other values for an
 // A/B): TM_Q4_JOIN_TILED_U, the steps in flight of `ln4t_join` (2); TM_Q4_ROPE_TILED_U, of

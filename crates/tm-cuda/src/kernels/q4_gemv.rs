@@ -629,7 +629,7 @@ pub fn q4_gemv_silu(
 /// row `residual = T(residual + T(y))`, `out = T(residual · gamma)`, and each row's sum of squares
 /// of the new residual added into the slot `sums` (f64 `[n]`, zeroed before). 16 rows per CTA:
 /// the lean configuration `Unroll::Auto` picks for the shape (except that the tile-major
-/// `Lean4` join, a layer's o and down at batch 1, keeps three steps in flight: q4_gemv.cu), else
+/// `Lean4` join, a layer's o and down at batch 1, keeps two steps in flight: q4_gemv.cu), else
 /// `n16`'s. The caller checked [`fits`] and the shapes.
 #[allow(clippy::too_many_arguments)]
 pub fn q4_gemv_join(
