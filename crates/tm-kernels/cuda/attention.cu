@@ -551,61 +551,75 @@ __device__ __forceinline__ void split_keys(const DecodeRange& r, int split, int 
     k_end = split == r.used - 1 ? r.end : k_begin + partition;
 }
 
-// Most splits of one decode sequence (the launcher mirrors it as MAX_SPLITS): the merge keeps a
-// (max, sum) pair per (head, split) in shared memory.
+// Most splits of one decode sequence (the launcher mirrors it as MAX_SPLITS and sizes the
+// partials' scratch by it).
 #define TM_ATTN_MAX_SPLITS 64
+
+// Splits whose partials `combine_splits` loads at once in a decode kernel of head dim D: as many
+// as its registers allow without lowering the kernel's occupancy (shared memory or the kernel's
+// own body bound it first; ptxas -v for sm_90a, every decode kernel): 12 from D = 96 (one L2 round
+// trip up to 768 keys in 64-key partitions), 4 for D = 64 and 80, 2 below. The register-resident
+// merge costs one L2 round trip per chunk, where the shared-memory one before it took two (the
+// (max, sum) pairs, then the partials) and two barriers in the tail that decode waits for: AWQ 8B
+// batch-1 step on the H200 (9-10 splits) 1972.9-1985.5 us against 1990.6-1991.9 (alternated
+// runs); with 8 splits per chunk (two trips) no gain; concurrency 64: 3305 against 3263 tok/s.
+__host__ __device__ constexpr int combine_chunk(int D) { return D >= 96 ? 12 : D >= 64 ? 4 : 2; }
 
 // Merges the split-K partials of query heads h0 .. h0 + rows - 1 of decode sequence `seq` (their
 // first `used` splits) into row `q_row` of `out`: the partials' average weighted by
-// sum_k * exp2(max_k - max). Shared memory: `s_ml` 2 * rows * used floats, `s_inv` rows floats.
-// Every thread of the CTA calls it (it has barriers); head_dim is a multiple of 4 (the partials
-// are read as float4). The partials are read through L2 (__ldcg): in the fused path other CTAs of
-// the same grid wrote them. Shared by attn_combine (one head per CTA) and the last split CTA of a
-// fused decode (every head of its group). Not inlined: inlined into the decode kernels it raised
-// their register counts (e.g. 96 -> 123 for attn_decode_gqa) for code that runs once at the end.
-template <typename T>
+// sum_k * exp2(max_k - max). Each thread takes 4 consecutive elements of one head and loads, per
+// chunk of CH splits (`combine_chunk`), every split's (max, sum) pair and its 4 partial elements
+// at once, into registers: no shared memory, no barrier. Later chunks rescale what the earlier
+// ones summed (as flash attention does); for used <= CH the sums are those of a one-pass merge.
+// head_dim is a multiple of 4 (the partials are read as float4). The partials are read through L2
+// (__ldcg): in the fused path other CTAs of the same grid wrote them. Shared by attn_combine (one
+// head per CTA) and the last split CTA of a fused decode (every head of its group). Not inlined:
+// inlined into the decode kernels it raised their register counts (e.g. 96 -> 123 for
+// attn_decode_gqa) for code that runs once at the end.
+template <typename T, int CH>
 __device__ __noinline__ void combine_splits(T* out, const float* part_o, const float* part_ml, int seq, int h0,
-                                            int rows, int heads, int head_dim, int num_splits, int used, int q_row,
-                                            float* s_ml, float* s_inv) {
-    const int n = rows * used;
-    float* s_max = s_ml;   // [rows][used]: each split's max (log2 domain)
-    float* s_w = s_ml + n;  // [rows][used]: each split's sum, then its weight
-    // every (head, split) pair at once: one 8-byte load each
-    for (int t = threadIdx.x; t < n; t += blockDim.x) {
-        const int i = t / used, k = t - i * used;
-        const long long pair = ((long long)seq * heads + h0 + i) * num_splits + k;
-        const float2 ml = __ldcg(reinterpret_cast<const float2*>(part_ml) + pair);
-        s_max[t] = ml.x;
-        s_w[t] = ml.y;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < rows; i += blockDim.x) {
-        float mm = neg_inf();
-        for (int k = 0; k < used; ++k) mm = fmaxf(mm, s_max[i * used + k]);
-        const float mu = mm == neg_inf() ? 0.f : mm;
-        float ll = 0.f;
-        for (int k = 0; k < used; ++k) {
-            const float w = s_w[i * used + k] * exp2f(s_max[i * used + k] - mu);
-            s_w[i * used + k] = w;
-            ll += w;
-        }
-        s_inv[i] = ll > 0.f ? 1.f / ll : 0.f;
-    }
-    __syncthreads();
+                                            int rows, int heads, int head_dim, int num_splits, int used, int q_row) {
     const int q4 = head_dim / 4;
     for (int c = threadIdx.x; c < rows * q4; c += blockDim.x) {
         const int i = c / q4, d = 4 * (c - i * q4);
-        const float* src = part_o + ((long long)seq * heads + h0 + i) * num_splits * head_dim + d;
-        const float* w = s_w + i * used;
+        const long long hs = ((long long)seq * heads + h0 + i) * num_splits;  // (head, split 0)
+        const float2* ml = reinterpret_cast<const float2*>(part_ml) + hs;
+        const float* src = part_o + hs * head_dim + d;
+        float mu = neg_inf(), ll = 0.f;  // the running max (log2 domain) and sum of weights
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int k = 0; k < used; ++k) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(src + (long long)k * head_dim));
-            acc.x += w[k] * v.x;
-            acc.y += w[k] * v.y;
-            acc.z += w[k] * v.z;
-            acc.w += w[k] * v.w;
+        for (int k0 = 0; k0 < used; k0 += CH) {
+            float2 p[CH];
+            float4 v[CH];
+#pragma unroll
+            for (int k = 0; k < CH; ++k) {
+                if (k0 + k < used) {
+                    p[k] = __ldcg(ml + k0 + k);
+                    v[k] = __ldcg(reinterpret_cast<const float4*>(src + (long long)(k0 + k) * head_dim));
+                }
+            }
+            float mm = mu;
+#pragma unroll
+            for (int k = 0; k < CH; ++k)
+                if (k0 + k < used) mm = fmaxf(mm, p[k].x);
+            const float base = mm == neg_inf() ? 0.f : mm;
+            // what earlier chunks summed, relative to the new max (nothing before the first)
+            const float r = mu == neg_inf() ? 0.f : exp2f(mu - base);
+            ll *= r;
+            acc.x *= r, acc.y *= r, acc.z *= r, acc.w *= r;
+#pragma unroll
+            for (int k = 0; k < CH; ++k) {
+                if (k0 + k < used) {
+                    const float w = p[k].y * exp2f(p[k].x - base);
+                    ll += w;
+                    acc.x += w * v[k].x;
+                    acc.y += w * v[k].y;
+                    acc.z += w * v[k].z;
+                    acc.w += w * v[k].w;
+                }
+            }
+            mu = mm;
         }
-        const float inv = s_inv[i];
+        const float inv = ll > 0.f ? 1.f / ll : 0.f;
         T* dst = out + ((long long)q_row * heads + h0 + i) * head_dim + d;
         dst[0] = from_float<T>(acc.x * inv);
         dst[1] = from_float<T>(acc.y * inv);
@@ -619,16 +633,15 @@ __device__ __noinline__ void combine_splits(T* out, const float* part_o, const f
 // h0 + i): the output row itself when one partition holds every key (rg.direct), else the split's
 // normalised partial and its (max, sum) in part_o / part_ml. Then, with `counters` (the fused
 // combine), the split counts itself in counters[seq * gridDim.y + blockIdx.y] and the last split
-// of the (sequence, head group) to finish merges all of them into `out` (with sO and s_f as its
-// shared memory) and sets the counter back to 0 for the next launch; without (null),
-// attn_combine merges them in a second launch. Every thread of the CTA calls it after the barrier
-// that follows the writes of sO, s_m and s_l.
-template <typename T, int D, int R>
+// of the (sequence, head group) to finish merges all of them into `out` (`combine_splits`) and
+// sets the counter back to 0 for the next launch; without (null), attn_combine merges them in a
+// second launch. CH: the merge's splits per chunk. Every thread of the CTA calls it after the
+// barrier that follows the writes of sO, s_m and s_l.
+template <typename T, int D, int R, int CH = combine_chunk(D)>
 __device__ __forceinline__ void decode_merge(float* sO, const float (*s_m)[R], const float (*s_l)[R],
                                              float (*s_f)[R], int rows, int h0, const DecodeRange& rg, int q_row,
                                              int seq, int heads, int num_splits, int split, T* out, float* part_o,
                                              float* part_ml, unsigned* counters) {
-    static_assert(2 * R * TM_ATTN_MAX_SPLITS <= 4 * R * D, "the fused combine's (max, sum) pairs fit in sO");
     __shared__ int s_last;
     const int tid = threadIdx.x;
     if (tid < R) {
@@ -679,7 +692,7 @@ __device__ __forceinline__ void decode_merge(float* sO, const float (*s_m)[R], c
     }
     __syncthreads();
     if (!s_last) return;
-    combine_splits<T>(out, part_o, part_ml, seq, h0, rows, heads, D, num_splits, rg.used, q_row, sO, s_f[0]);
+    combine_splits<T, CH>(out, part_o, part_ml, seq, h0, rows, heads, D, num_splits, rg.used, q_row);
 }
 
 template <typename T, typename C, int D>
@@ -1104,7 +1117,8 @@ __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, con
         s_l[warp][2 * tig + 1] = l[1];
     }
     __syncthreads();
-    decode_merge<T, D, 8>(sO, s_m, s_l, s_f, min(gs, group), kvh * group, rg, sq.q_start, seq, heads, num_splits,
+    // two stages: 8 splits per merge chunk (12 would take this kernel's bf16 build from 5 to 4 CTAs per SM)
+    decode_merge<T, D, 8, NS == 2 ? 8 : combine_chunk(D)>(sO, s_m, s_l, s_f, min(gs, group), kvh * group, rg, sq.q_start, seq, heads, num_splits,
                           split, out, part_o, part_ml, counters);
 #endif
 }
@@ -1116,13 +1130,12 @@ __device__ __forceinline__ void attn_combine(T* __restrict__ out, const float* _
                                              const float* __restrict__ part_ml, const int* q_start, const int* q_len,
                                              const int* ctx_len, int heads, int head_dim, int window,
                                              int num_splits, int partition) {
-    __shared__ float s_ml[2 * TM_ATTN_MAX_SPLITS], s_inv[1];
     const int h = blockIdx.x, seq = blockIdx.y;
     if (q_len[seq] != 1) return;
     const DecodeRange rg = decode_range(ctx_len[seq], window, num_splits, partition);
     if (rg.direct) return;
-    combine_splits<T>(out, part_o, part_ml, seq, h, 1, heads, head_dim, num_splits, min(rg.used, TM_ATTN_MAX_SPLITS),
-                      q_start[seq], s_ml, s_inv);
+    combine_splits<T, 8>(out, part_o, part_ml, seq, h, 1, heads, head_dim, num_splits, min(rg.used, TM_ATTN_MAX_SPLITS),
+                      q_start[seq]);
 }
 
 // ---------------------------------------------------------------------------------------------

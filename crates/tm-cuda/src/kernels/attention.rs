@@ -47,8 +47,7 @@ const DECODE_ROWS: usize = 16;
 /// Fewest keys a decode split covers: one tile (batch-1 decode on an H200 measured 2% faster
 /// than with 128).
 const MIN_PARTITION: usize = 64;
-/// Most decode splits (`TM_ATTN_MAX_SPLITS` in attention.cu: the merge keeps a (max, sum) pair per
-/// head and split in shared memory).
+/// Most decode splits (`TM_ATTN_MAX_SPLITS` in attention.cu; the partials' scratch is sized by it).
 const MAX_SPLITS: usize = 64;
 /// Decode CTAs to aim for before splitting the context further (several waves on an H200).
 const TARGET_CTAS: usize = 1536;
