@@ -363,12 +363,18 @@ impl LlamaModel {
             Some(names) => self.join_residual(cx, ws, &self.final_norm, &names[1])?,
             None => ops.rms_norm(&ws.residual, &self.final_norm, eps, &mut ws.normed)?,
         }
-        ops.gather_rows(&ws.normed, step.logit_rows, &mut ws.last)?;
+        // A step that wants the logits of all its tokens in order (every decode step) feeds
+        // `normed` to the head as it is: the gather would copy every row (a kernel per step).
+        let every_row = every_row_in_order(step.logit_rows, ws.normed.shape().first().copied().unwrap_or(0));
+        if !every_row {
+            ops.gather_rows(&ws.normed, step.logit_rows, &mut ws.last)?;
+        }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         if !self.layout.gathers_logits() {
-            return ops.matmul(&ws.last, head, None, &mut ws.logits);
+            let Workspace { normed, last, logits, .. } = ws;
+            return ops.matmul(if every_row { normed } else { last }, head, None, logits);
         }
-        self.gather_logits(cx, head, ws)
+        self.gather_logits(cx, head, ws, every_row)
     }
 
     /// A row-parallel projection's output (`ws.delta`, this rank's partial sum when sharded)
@@ -395,15 +401,23 @@ impl LlamaModel {
     /// gather stacks the ranks' `[rows, slice]` blocks; with more than one row they are put back
     /// in `[rows, vocab]` order by one `gather_rows` (row `r` of rank `w` is the `w`-th slice of
     /// logits row `r`).
-    fn gather_logits(&self, cx: &StepCtx<'_>, head: &Weight, ws: &mut Workspace) -> Result<(), tm_core::Error> {
+    /// `every_row`: the head's input is `ws.normed` itself (see [`every_row_in_order`]), else the
+    /// rows gathered into `ws.last`.
+    fn gather_logits(
+        &self,
+        cx: &StepCtx<'_>,
+        head: &Weight,
+        ws: &mut Workspace,
+        every_row: bool,
+    ) -> Result<(), tm_core::Error> {
         let (ops, world) = (cx.ops, self.layout.spec.world);
         let rows = cx.step.logit_rows.len();
         let slice = self.layout.vocab_rows();
-        let Workspace { last, logits, logits_local, gathered, perm, .. } = ws;
+        let Workspace { normed, last, logits, logits_local, gathered, perm, .. } = ws;
         let (Some(local), Some(gathered)) = (logits_local.as_mut(), gathered.as_mut()) else {
             return Err(tm_core::Error::invalid("the workspace has no tensor-parallel logits buffers"));
         };
-        ops.matmul(last, head, None, local)?;
+        ops.matmul(if every_row { normed } else { last }, head, None, local)?;
         if rows == 1 {
             logits.reshape(&[world, slice])?;
             cx.comm.all_gather(local, logits, "lm_head", cx.timeout)?;
@@ -415,5 +429,27 @@ impl LlamaModel {
             ops.gather_rows(gathered, perm, logits)?;
         }
         logits.reshape(&[rows, self.config.vocab_size])
+    }
+}
+
+/// Whether `logit_rows` is `0, 1, .., tokens - 1`: the step wants the logits of every token in
+/// order, so the head can read the normed hidden states without gathering them.
+fn every_row_in_order(logit_rows: &[u32], tokens: usize) -> bool {
+    logit_rows.len() == tokens && logit_rows.iter().enumerate().all(|(i, &r)| r as usize == i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::every_row_in_order;
+
+    #[test]
+    fn only_every_token_in_order_skips_the_gather() {
+        assert!(every_row_in_order(&[0], 1));
+        assert!(every_row_in_order(&[0, 1, 2], 3));
+        assert!(!every_row_in_order(&[0, 1], 3), "a prefill chunk samples some of its tokens");
+        assert!(!every_row_in_order(&[2], 3));
+        assert!(!every_row_in_order(&[1, 0], 2), "rows out of order");
+        assert!(!every_row_in_order(&[0, 0], 2));
+        assert!(every_row_in_order(&[], 0));
     }
 }
