@@ -165,6 +165,19 @@
 //   a `__threadfence` per thread, atomicAdd, atomicExch and a fence: 1999.8-2006.6 against
 //   2011.8-2014.3 (shipped). Greedy argmax split over 16 blocks per row (ncu: 4.1-4.9 + 2.8 us
 //   against 10.6-11.6; outside the replay: TPOT only; shipped).
+//
+// Session 16 (2026-12-02, H200, engine only, AWQ 8B b1 replay, f16; base 1986-1992 us):
+// - ncu of the shipped step (kernels alone, no PDL overlap; per launch): silu_lnt 23.5 us,
+//   ln4t_join 9.9 (o and down), lnt_rope 9.7, attn_decode 9.6, the LM head's gemv1 238.7, the
+//   last down (ln4t) 14.2, embedding / rms_norm / add_rms_norm / gather_rows / fill_zero 1.9-3.9:
+//   2.26 ms of kernels in a 1.99 ms replay.
+// - The split-K attention combine merging in registers, one L2 round trip for up to 12 splits
+//   (`combine_chunk` in attention.cu; shipped): 1972.9-1985.5 against 1990.6-1991.9; with 8 splits
+//   per chunk (two trips at 10 splits) no gain, so the trip, not the barriers, was the cost.
+// - Decode steps feeding the final norm's output to the LM head without gather_rows (shipped, a
+//   kernel fewer): 1978.3-1982.6, within the noise of the step before it.
+// - The LM head as a persistent streaming GEMV: -8 us alone, +40 us in the engine (see
+//   scripts/gpu/lm_head_gemv.cu); not kept.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

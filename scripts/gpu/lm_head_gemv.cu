@@ -1,0 +1,168 @@
+// Probe for the dense LM-head GEMV (n = 1, f16, a Llama-3-8B head [128256, 4096], 1.05 GB):
+// gemv.cu's design (`cur`: one warp per row, 8 rows per block, U chunks in flight, x via L1) with
+// load hints, persistent warps streaming their rows without a break (`pers16`: x in registers;
+// `pers8`: an 8-chunk ring), a plain read of the bytes and a copy, each timed with events (min and
+// median of 15), outputs checked against `cur`.
+//
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/lmh scripts/gpu/lm_head_gemv.cu && /tmp/lmh
+//
+// H200, 2026-12-02 (session 16), min us: copy kernel 540 (3.90 TB/s r+w; cudaMemcpy D2D 3.98),
+// plain read 231.4 (4.54 TB/s); cur U4 242.7 (4.33), U8 242.8, U16 247.8; the L2::256B prefetch
+// hint 251-253 (slower); L1::no_allocate 242.8; pers16 236.2-236.8; pers8 at 2 / 3 / 4 blocks per
+// SM 237.8 / 241.5 / 234.4 (4.48 TB/s). In the engine, though, the same persistent kernel (built
+// as `gemv_stream` in gemv.cu, 4 blocks per SM, an 8-chunk ring per lane, its first chunks loaded
+// before `pdl_wait`, reverted) made the AWQ 8B batch-1 step 2026.8-2035.2 us against
+// 1986.6-1992.0 with gemv1 (bf16 4542 against 4502): +40 us where the probe promised -8. Not
+// understood; suspects are the static row split of a one-wave grid when some SMs start late (the
+// previous kernels' CTAs still resident under PDL) and the pre-wait loads. A dynamic row queue
+// would test the first.
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <algorithm>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
+typedef __half T;
+__device__ __forceinline__ float wsum(float v) { for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o); return v; }
+__device__ __forceinline__ float dot8(uint4 w, uint4 x) {
+    const __half2* a = (const __half2*)&w; const __half2* b = (const __half2*)&x; float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { float2 fa = __half22float2(a[i]), fb = __half22float2(b[i]); s = fmaf(fa.x, fb.x, s); s = fmaf(fa.y, fb.y, s); }
+    return s;
+}
+template <int LOADHINT> __device__ __forceinline__ uint4 ldw(const uint4* p) {
+    if (LOADHINT == 0) return __ldcs(p);
+    uint4 r;
+    if (LOADHINT == 1) asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    else asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+// Current design: one warp per row, 8 rows per 256-thread block, U chunks in flight, x via L1.
+template <int U, int H>
+__global__ void __launch_bounds__(256) cur(T* out, const uint4* w, const uint4* x, int rows, int cols) {
+    int row = blockIdx.x * 8 + (threadIdx.x >> 5); if (row >= rows) return;
+    const int lane = threadIdx.x & 31, chunks = cols / 8;
+    const uint4* wr = w + (size_t)row * chunks; float acc = 0.f;
+    for (int c = lane; c < chunks; c += 32 * U) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = ldw<H>(wr + c + 32 * u);
+#pragma unroll
+        for (int u = 0; u < U; ++u) acc += dot8(v[u], __ldca(x + c + 32 * u));
+    }
+    acc = wsum(acc); if (lane == 0) out[row] = __float2half(acc);
+}
+// Persistent warps: each warp takes rows gw, gw + W, ...; x of the lane's 16 chunks kept in
+// registers (cols == 4096); the next row's chunk i is loaded as soon as chunk i of this row is used.
+template <int H>
+__global__ void __launch_bounds__(256, 1) pers16(T* out, const uint4* w, const uint4* x, int rows, int cols) {
+    const int lane = threadIdx.x & 31;
+    const int gw = blockIdx.x * 8 + (threadIdx.x >> 5), W = gridDim.x * 8;
+    constexpr int C = 16;  // chunks per lane per row (cols 4096)
+    uint4 xv[C], b[C];
+#pragma unroll
+    for (int i = 0; i < C; ++i) xv[i] = x[lane + 32 * i];
+    int row = gw;
+    if (row < rows) {
+#pragma unroll
+        for (int i = 0; i < C; ++i) b[i] = ldw<H>(w + (size_t)row * 512 + lane + 32 * i);
+    }
+    for (; row < rows; row += W) {
+        const int nx = row + W < rows ? row + W : row;  // reload same row at the end (harmless)
+        const uint4* wn = w + (size_t)nx * 512 + lane;
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < C; ++i) { acc += dot8(b[i], xv[i]); b[i] = ldw<H>(wn + 32 * i); }
+        acc = wsum(acc); if (lane == 0) out[row] = __float2half(acc);
+    }
+}
+// Persistent, 8 in flight per lane: half-row ring.
+template <int H>
+__global__ void __launch_bounds__(256, 2) pers8(T* out, const uint4* w, const uint4* x, int rows, int cols) {
+    const int lane = threadIdx.x & 31;
+    const int gw = blockIdx.x * 8 + (threadIdx.x >> 5), W = gridDim.x * 8;
+    uint4 b[8];
+    int row = gw;
+    if (row >= rows) return;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) b[i] = ldw<H>(w + (size_t)row * 512 + lane + 32 * i);
+    for (; row < rows; row += W) {
+        const int nx = row + W < rows ? row + W : row;
+        const uint4* wc = w + (size_t)row * 512 + lane;
+        const uint4* wn = w + (size_t)nx * 512 + lane;
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { acc += dot8(b[i], __ldca(x + lane + 32 * i)); b[i] = ldw<H>(wc + 256 + 32 * i); }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { acc += dot8(b[i], __ldca(x + lane + 256 + 32 * i)); b[i] = ldw<H>(wn + 32 * i); }
+        acc = wsum(acc); if (lane == 0) out[row] = __float2half(acc);
+    }
+}
+// Pure read of the same bytes (grid-stride, U in flight).
+template <int U>
+__global__ void __launch_bounds__(256) readall(const uint4* w, size_t n, unsigned* sink) {
+    size_t i = (size_t)blockIdx.x * 256 + threadIdx.x, s = (size_t)gridDim.x * 256; unsigned a = 0;
+    for (; i + s * (U - 1) < n; i += s * U) {
+        uint4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) v[u] = __ldcs(w + i + s * u);
+#pragma unroll
+        for (int u = 0; u < U; ++u) a ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    if (a == 0x1234567u) sink[0] = a;
+}
+__global__ void copyk(uint4* d, const uint4* s, size_t n) { for (size_t i = (size_t)blockIdx.x * 256 + threadIdx.x; i < n; i += (size_t)gridDim.x * 256) d[i] = s[i]; }
+__global__ void fill(uint4* p, size_t n, unsigned seed) {
+    for (size_t i = (size_t)blockIdx.x * 256 + threadIdx.x; i < n; i += (size_t)gridDim.x * 256) {
+        unsigned h = (unsigned)i * 2654435761u ^ seed; uint4 v; unsigned* q = (unsigned*)&v;
+        for (int k = 0; k < 4; ++k) { h ^= h >> 13; h *= 0x5bd1e995u; h ^= h >> 15;
+            // two f16 in [-0.5, 0.5)
+            unsigned lo = 0x3000u | (h & 0x3ffu) | ((h >> 10) & 1u) << 15, hi = 0x3000u | ((h >> 11) & 0x3ffu) | ((h >> 21) & 1u) << 15; q[k] = lo | hi << 16; }
+        p[i] = v;
+    }
+}
+int main() {
+    const int rows = 128256, cols = 4096; const size_t nw = (size_t)rows * cols / 8; const double bytes = nw * 16.0;
+    uint4 *w, *x, *w2; T* out; T* ref; unsigned* sink; int sms;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    CK(cudaMalloc(&w, nw * 16)); CK(cudaMalloc(&w2, nw * 16)); CK(cudaMalloc(&x, cols * 2)); CK(cudaMalloc(&out, rows * 2)); CK(cudaMalloc(&ref, rows * 2)); CK(cudaMalloc(&sink, 4));
+    fill<<<2048, 256>>>(w, nw, 1); fill<<<4, 256>>>(x, cols / 8, 7); CK(cudaDeviceSynchronize());
+    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+    std::vector<T> h(rows), hr(rows);
+    auto run = [&](const char* name, auto launch, bool check) {
+        for (int i = 0; i < 3; ++i) launch();
+        CK(cudaDeviceSynchronize());
+        std::vector<float> ts;
+        for (int i = 0; i < 15; ++i) { cudaEventRecord(e0); launch(); cudaEventRecord(e1); CK(cudaEventSynchronize(e1)); float ms; cudaEventElapsedTime(&ms, e0, e1); ts.push_back(ms * 1e3f); }
+        std::sort(ts.begin(), ts.end());
+        double maxd = 0;
+        if (check) { CK(cudaMemcpy(h.data(), out, rows * 2, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(hr.data(), ref, rows * 2, cudaMemcpyDeviceToHost));
+            for (int r = 0; r < rows; ++r) maxd = std::max(maxd, (double)fabsf(__half2float(h[r]) - __half2float(hr[r]))); }
+        printf("%-22s min %7.1f us  med %7.1f us  %5.2f TB/s (min)  maxdiff %.3g\n", name, ts[0], ts[7], bytes / ts[0] / 1e6, maxd);
+    };
+    cur<4, 0><<<(rows + 7) / 8, 256>>>(ref, w, x, rows, cols); CK(cudaDeviceSynchronize());
+    run("copy (r+w, 2x bytes)", [&] { copyk<<<sms * 8, 256>>>(w2, w, nw); }, false);
+    CK(cudaEventRecord(e0)); CK(cudaMemcpyAsync(w2, w, nw * 16, cudaMemcpyDeviceToDevice)); CK(cudaEventRecord(e1)); CK(cudaEventSynchronize(e1));
+    { float ms; cudaEventElapsedTime(&ms, e0, e1); printf("cudaMemcpy D2D %.1f us = %.2f TB/s r+w\n", ms * 1e3, 2 * bytes / ms / 1e9); }
+    run("readall U4 x8", [&] { readall<4><<<sms * 8, 256>>>(w, nw, sink); }, false);
+    run("readall U8 x4", [&] { readall<8><<<sms * 4, 256>>>(w, nw, sink); }, false);
+    run("cur U4 ldcs", [&] { cur<4, 0><<<(rows + 7) / 8, 256>>>(out, w, x, rows, cols); }, true);
+    run("cur U4 L2::256B", [&] { cur<4, 1><<<(rows + 7) / 8, 256>>>(out, w, x, rows, cols); }, true);
+    run("cur U4 noalloc", [&] { cur<4, 2><<<(rows + 7) / 8, 256>>>(out, w, x, rows, cols); }, true);
+    run("cur U8 ldcs", [&] { cur<8, 0><<<(rows + 7) / 8, 256>>>(out, w, x, rows, cols); }, true);
+    run("cur U16 ldcs", [&] { cur<16, 0><<<(rows + 7) / 8, 256>>>(out, w, x, rows, cols); }, true);
+    run("cur U8 L2::256B", [&] { cur<8, 1><<<(rows + 7) / 8, 256>>>(out, w, x, rows, cols); }, true);
+    for (int b : {1, 2}) {
+        char nm[64];
+        snprintf(nm, 64, "pers16 x%d ldcs", b); run(nm, [&] { pers16<0><<<sms * b, 256>>>(out, w, x, rows, cols); }, true);
+        snprintf(nm, 64, "pers16 x%d 256B", b); run(nm, [&] { pers16<1><<<sms * b, 256>>>(out, w, x, rows, cols); }, true);
+    }
+    for (int b : {2, 3, 4}) {
+        char nm[64];
+        snprintf(nm, 64, "pers8 x%d ldcs", b); run(nm, [&] { pers8<0><<<sms * b, 256>>>(out, w, x, rows, cols); }, true);
+        snprintf(nm, 64, "pers8 x%d 256B", b); run(nm, [&] { pers8<1><<<sms * b, 256>>>(out, w, x, rows, cols); }, true);
+    }
+    CK(cudaGetLastError());
+    return 0;
+}
