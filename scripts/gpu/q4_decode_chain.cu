@@ -177,7 +177,10 @@
 // - Decode steps feeding the final norm's output to the LM head without gather_rows (shipped, a
 //   kernel fewer): 1978.3-1982.6, within the noise of the step before it.
 // - The LM head as a persistent streaming GEMV: -8 us alone, +40 us in the engine (see
-//   scripts/gpu/lm_head_gemv.cu); not kept.
+//   scripts/gpu/lm_head_gemv.cu); not kept. gemv.cu's dense kernels issuing their first chunk
+//   batch before `pdl_wait` (a hand-written entry; overlay cubin): AWQ 1973.7 / 1977.0 against
+//   1974.3 / 1975.2, bf16 4485.6 / 4489.1 against 4465.6 / 4470.3: not kept either (so the pre-wait
+//   loads alone do not explain the streaming kernel's loss).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
