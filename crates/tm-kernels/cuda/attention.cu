@@ -1117,9 +1117,10 @@ __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, con
         s_l[warp][2 * tig + 1] = l[1];
     }
     __syncthreads();
-    // two stages: 8 splits per merge chunk (12 would take this kernel's bf16 build from 5 to 4 CTAs per SM)
-    decode_merge<T, D, 8, NS == 2 ? 8 : combine_chunk(D)>(sO, s_m, s_l, s_f, min(gs, group), kvh * group, rg, sq.q_start, seq, heads, num_splits,
-                          split, out, part_o, part_ml, counters);
+    // two stages: 8 splits per merge chunk (12 would take the bf16 build from 5 to 4 CTAs per SM)
+    constexpr int MERGE_CH = NS == 2 ? 8 : combine_chunk(D);
+    decode_merge<T, D, 8, MERGE_CH>(sO, s_m, s_l, s_f, min(gs, group), kvh * group, rg, sq.q_start, seq, heads,
+                                    num_splits, split, out, part_o, part_ml, counters);
 #endif
 }
 
@@ -1134,8 +1135,9 @@ __device__ __forceinline__ void attn_combine(T* __restrict__ out, const float* _
     if (q_len[seq] != 1) return;
     const DecodeRange rg = decode_range(ctx_len[seq], window, num_splits, partition);
     if (rg.direct) return;
-    combine_splits<T, 8>(out, part_o, part_ml, seq, h, 1, heads, head_dim, num_splits, min(rg.used, TM_ATTN_MAX_SPLITS),
-                      q_start[seq]);
+    // head_dim is a runtime value here; 8 splits per chunk (96 registers in this small kernel)
+    combine_splits<T, 8>(out, part_o, part_ml, seq, h, 1, heads, head_dim, num_splits,
+                         min(rg.used, TM_ATTN_MAX_SPLITS), q_start[seq]);
 }
 
 // ---------------------------------------------------------------------------------------------
