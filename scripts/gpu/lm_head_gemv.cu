@@ -13,9 +13,17 @@
 // as `gemv_stream` in gemv.cu, 4 blocks per SM, an 8-chunk ring per lane, its first chunks loaded
 // before `pdl_wait`, reverted) made the AWQ 8B batch-1 step 2026.8-2035.2 us against
 // 1986.6-1992.0 with gemv1 (bf16 4542 against 4502): +40 us where the probe promised -8. Not
-// understood; suspects are the static row split of a one-wave grid when some SMs start late (the
-// previous kernels' CTAs still resident under PDL) and the pre-wait loads. A dynamic row queue
-// would test the first.
+// understood. Loading the first chunks before the wait is not the cause by itself (gemv.cu's
+// kernels doing so: AWQ unchanged, bf16 +20 us); the other suspect is the static row split of a
+// one-wave grid when some SMs start late (the previous kernels' CTAs still resident under PDL).
+//
+// Chain mode (after the table above; written in session 16, not yet run: the session's device
+// time was spent): each head after a stand-in for the last down product (2 CTAs per SM streaming
+// 29 MB, triggering after its loop) and the final norm (one block, triggering first thing), every
+// launch with programmatic stream serialization; it prints what the head adds to the pair, for
+// `cur` waiting first and the persistent kernel at 2 and 4 blocks per SM with its first ring
+// loaded before the wait (`pre`), after it (`post`), and with rows taken from a queue in runs of
+// four (`dyn`), outputs checked.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -122,6 +130,93 @@ __global__ void fill(uint4* p, size_t n, unsigned seed) {
         p[i] = v;
     }
 }
+// ---- chain mode: the head after a stand-in for the last down product and the final norm, every
+// launch with programmatic stream serialization (as tm launches them), to see what the engine sees.
+__device__ __forceinline__ void gdc_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void gdc_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// Two CTAs per SM streaming `per` uint4 each (a down product's 29 MB over 264 CTAs), triggering
+// after the loop as q4_gemv.cu's kernels do.
+__global__ void __launch_bounds__(256, 2) busy(const uint4* p, size_t per, unsigned* sink) {
+    gdc_wait();
+    const uint4* q = p + blockIdx.x * per; unsigned a = 0;
+    for (size_t i = threadIdx.x; i < per; i += 1024) {
+        uint4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) if (i + 256 * u < per) v[u] = __ldcs(q + i + 256 * u);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) if (i + 256 * u < per) a ^= v[u].x ^ v[u].w;
+    }
+    gdc_launch();
+    __syncthreads();
+    if (a == 0x1234567u) sink[0] = a;
+}
+// The final norm's stand-in: one block, triggering first thing, rewrites x, zeroes the row queue.
+__global__ void norm_like(uint4* x, int n16, unsigned* queue) {
+    gdc_launch(); gdc_wait();
+    for (int i = threadIdx.x; i < n16; i += blockDim.x) { uint4 v = __ldcg(x + i); v.x ^= 0; x[i] = v; }
+    if (threadIdx.x == 0) *queue = 0;
+}
+// `cur` waiting first (the TM_KERNEL wrapper).
+__global__ void __launch_bounds__(256) cur_pdl(T* out, const uint4* w, const uint4* x, int rows, int cols) {
+    gdc_wait();
+    int row = blockIdx.x * 8 + (threadIdx.x >> 5); if (row >= rows) return;
+    const int lane = threadIdx.x & 31, chunks = cols / 8;
+    const uint4* wr = w + (size_t)row * chunks; float acc = 0.f;
+    for (int c = lane; c < chunks; c += 128) {
+        uint4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = __ldcs(wr + c + 32 * u);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) acc += dot8(v[u], __ldca(x + c + 32 * u));
+    }
+    acc = wsum(acc); if (lane == 0) out[row] = __float2half(acc);
+}
+// pers8 (cols 4096) under PDL: PRE loads the first ring before the wait (gemv_stream did);
+// DYN takes rows from a queue in runs of 4 (one atomic per run) instead of v, v + W, ...
+template <bool PRE, bool DYN>
+__global__ void __launch_bounds__(256, 4) pers_pdl(T* out, const uint4* w, const uint4* x, int rows, int cols, unsigned* queue) {
+    const int lane = threadIdx.x & 31;
+    const int gw = blockIdx.x * 8 + (threadIdx.x >> 5), W = gridDim.x * 8;
+    constexpr int RUN = 4;
+    auto grab = [&]() { unsigned r = 0; if (lane == 0) r = atomicAdd(queue, RUN); return (int)__shfl_sync(0xffffffffu, r, 0); };
+    uint4 b[8];
+    int row = DYN ? -1 : gw, left = 0;
+    if (!DYN && PRE && row < rows) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) b[i] = __ldcs(w + (size_t)row * 512 + lane + 32 * i);
+    }
+    gdc_wait();
+    int next_run = 0;
+    if (DYN) { row = grab(); left = RUN; next_run = grab(); }
+    if (row >= rows) return;
+    if (DYN || !PRE) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) b[i] = __ldcs(w + (size_t)row * 512 + lane + 32 * i);
+    }
+    while (row < rows) {
+        int nx;
+        if (DYN) {
+            if (--left > 0 && row + 1 < rows) nx = row + 1;
+            else { nx = next_run; left = RUN; next_run = nx < rows ? grab() : rows; }
+        } else nx = row + W;
+        const bool more = nx < rows;
+        const uint4* wc = w + (size_t)row * 512 + lane;
+        const uint4* wn = w + (size_t)(more ? nx : row) * 512 + lane;
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { acc += dot8(b[i], __ldca(x + lane + 32 * i)); b[i] = __ldcs(wc + 256 + 32 * i); }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { acc += dot8(b[i], __ldca(x + lane + 256 + 32 * i)); if (more) b[i] = __ldcs(wn + 32 * i); }
+        acc = wsum(acc); if (lane == 0) out[row] = __float2half(acc);
+        row = nx;
+    }
+}
+template <class K, class... A> void pdl_launch(K k, int grid, int block, cudaStream_t st, A... a) {
+    cudaLaunchConfig_t c = {}; cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization; at[0].val.programmaticStreamSerializationAllowed = 1;
+    c.gridDim = dim3(grid); c.blockDim = dim3(block); c.stream = st; c.attrs = at; c.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&c, k, a...));
+}
 int main() {
     const int rows = 128256, cols = 4096; const size_t nw = (size_t)rows * cols / 8; const double bytes = nw * 16.0;
     uint4 *w, *x, *w2; T* out; T* ref; unsigned* sink; int sms;
@@ -162,6 +257,43 @@ int main() {
         char nm[64];
         snprintf(nm, 64, "pers8 x%d ldcs", b); run(nm, [&] { pers8<0><<<sms * b, 256>>>(out, w, x, rows, cols); }, true);
         snprintf(nm, 64, "pers8 x%d 256B", b); run(nm, [&] { pers8<1><<<sms * b, 256>>>(out, w, x, rows, cols); }, true);
+    }
+    // chain: [busy, norm_like, head] x 20 minus [busy, norm_like] x 20, in one stream
+    {
+        unsigned* queue; CK(cudaMalloc(&queue, 4)); CK(cudaMemset(queue, 0, 4));
+        const size_t per = (size_t)(29360128 / 16) / (sms * 2);
+        cudaStream_t st; CK(cudaStreamCreate(&st));
+        auto chain = [&](const char* name, auto head) {
+            auto once = [&](bool with) {
+                pdl_launch(busy, sms * 2, 256, st, (const uint4*)w2, per, sink);
+                pdl_launch(norm_like, 1, 256, st, x, cols / 8, queue);
+                if (with) head();
+            };
+            CK(cudaMemset(out, 0, rows * 2));
+            float ms[2][5];
+            for (int rep = 0; rep < 5; ++rep)
+                for (int with = 0; with < 2; ++with) {
+                    for (int i = 0; i < 3; ++i) once(with);
+                    CK(cudaEventRecord(e0, st));
+                    for (int i = 0; i < 20; ++i) once(with);
+                    CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
+                    CK(cudaEventElapsedTime(&ms[with][rep], e0, e1));
+                }
+            std::sort(ms[0], ms[0] + 5); std::sort(ms[1], ms[1] + 5);
+            double maxd = 0;
+            CK(cudaMemcpy(h.data(), out, rows * 2, cudaMemcpyDeviceToHost)); CK(cudaMemcpy(hr.data(), ref, rows * 2, cudaMemcpyDeviceToHost));
+            for (int r = 0; r < rows; ++r) maxd = std::max(maxd, (double)fabsf(__half2float(h[r]) - __half2float(hr[r])));
+            printf("chain %-18s head adds %7.1f us (median of 5; min %7.1f); busy+norm %6.1f us  maxdiff %.3g\n", name,
+                   (ms[1][2] - ms[0][2]) * 1e3 / 20, (ms[1][0] - ms[0][0]) * 1e3 / 20, ms[0][2] * 1e3 / 20, maxd);
+        };
+        CK(cudaMemset(out, 0, rows * 2));
+        chain("cur (wait first)", [&] { pdl_launch(cur_pdl, (rows + 7) / 8, 256, st, out, (const uint4*)w, (const uint4*)x, rows, cols); });
+        for (int b : {2, 4}) {
+            char nm[3][64]; snprintf(nm[0], 64, "pers8 x%d pre", b); snprintf(nm[1], 64, "pers8 x%d post", b); snprintf(nm[2], 64, "pers8 x%d dyn", b);
+            chain(nm[0], [&] { pdl_launch(pers_pdl<true, false>, sms * b, 256, st, out, (const uint4*)w, (const uint4*)x, rows, cols, queue); });
+            chain(nm[1], [&] { pdl_launch(pers_pdl<false, false>, sms * b, 256, st, out, (const uint4*)w, (const uint4*)x, rows, cols, queue); });
+            chain(nm[2], [&] { pdl_launch(pers_pdl<false, true>, sms * b, 256, st, out, (const uint4*)w, (const uint4*)x, rows, cols, queue); });
+        }
     }
     CK(cudaGetLastError());
     return 0;
