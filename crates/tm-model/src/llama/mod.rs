@@ -363,18 +363,12 @@ impl LlamaModel {
             Some(names) => self.join_residual(cx, ws, &self.final_norm, &names[1])?,
             None => ops.rms_norm(&ws.residual, &self.final_norm, eps, &mut ws.normed)?,
         }
-        // A step that wants the logits of all its tokens in order (every decode step) feeds
-        // `normed` to the head as it is: the gather would copy every row (a kernel per step).
-        let every_row = every_row_in_order(step.logit_rows, ws.normed.shape().first().copied().unwrap_or(0));
-        if !every_row {
-            ops.gather_rows(&ws.normed, step.logit_rows, &mut ws.last)?;
-        }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         if !self.layout.gathers_logits() {
             let Workspace { normed, last, logits, .. } = ws;
-            return ops.matmul(if every_row { normed } else { last }, head, None, logits);
+            return ops.matmul(head_input(ops, step.logit_rows, normed, last)?, head, None, logits);
         }
-        self.gather_logits(cx, head, ws, every_row)
+        self.gather_logits(cx, head, ws)
     }
 
     /// A row-parallel projection's output (`ws.delta`, this rank's partial sum when sharded)
@@ -401,15 +395,7 @@ impl LlamaModel {
     /// gather stacks the ranks' `[rows, slice]` blocks; with more than one row they are put back
     /// in `[rows, vocab]` order by one `gather_rows` (row `r` of rank `w` is the `w`-th slice of
     /// logits row `r`).
-    /// `every_row`: the head's input is `ws.normed` itself (see [`every_row_in_order`]), else the
-    /// rows gathered into `ws.last`.
-    fn gather_logits(
-        &self,
-        cx: &StepCtx<'_>,
-        head: &Weight,
-        ws: &mut Workspace,
-        every_row: bool,
-    ) -> Result<(), tm_core::Error> {
+    fn gather_logits(&self, cx: &StepCtx<'_>, head: &Weight, ws: &mut Workspace) -> Result<(), tm_core::Error> {
         let (ops, world) = (cx.ops, self.layout.spec.world);
         let rows = cx.step.logit_rows.len();
         let slice = self.layout.vocab_rows();
@@ -417,7 +403,7 @@ impl LlamaModel {
         let (Some(local), Some(gathered)) = (logits_local.as_mut(), gathered.as_mut()) else {
             return Err(tm_core::Error::invalid("the workspace has no tensor-parallel logits buffers"));
         };
-        ops.matmul(if every_row { normed } else { last }, head, None, local)?;
+        ops.matmul(head_input(ops, cx.step.logit_rows, normed, last)?, head, None, local)?;
         if rows == 1 {
             logits.reshape(&[world, slice])?;
             cx.comm.all_gather(local, logits, "lm_head", cx.timeout)?;
@@ -430,6 +416,22 @@ impl LlamaModel {
         }
         logits.reshape(&[rows, self.config.vocab_size])
     }
+}
+
+/// The LM head's input: `normed` itself when the step wants the logits of all its tokens in order
+/// (every decode step: a gather would copy every row, a kernel per step), else the step's logit
+/// rows of it gathered into `last`.
+fn head_input<'w>(
+    ops: &dyn Ops,
+    logit_rows: &[u32],
+    normed: &'w Tensor,
+    last: &'w mut Tensor,
+) -> Result<&'w Tensor, tm_core::Error> {
+    if every_row_in_order(logit_rows, normed.shape().first().copied().unwrap_or(0)) {
+        return Ok(normed);
+    }
+    ops.gather_rows(normed, logit_rows, last)?;
+    Ok(last)
 }
 
 /// Whether `logit_rows` is `0, 1, .., tokens - 1`: the step wants the logits of every token in
