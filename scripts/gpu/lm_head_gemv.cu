@@ -1,8 +1,8 @@
 // Probe for the dense LM-head GEMV (n = 1, f16, a Llama-3-8B head [128256, 4096], 1.05 GB):
 // gemv.cu's design (`cur`: one warp per row, 8 rows per block, U chunks in flight, x via L1) with
 // load hints, persistent warps streaming their rows without a break (`pers16`: x in registers;
-// `pers8`: an 8-chunk ring), a plain read of the bytes and a copy, each timed with events (min and
-// median of 15), outputs checked against `cur`.
+// `pers`, printed as pers8: an 8-chunk ring), a plain read of the bytes and a copy, each timed
+// with events (min and median of 15), outputs checked against `cur`.
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/lmh scripts/gpu/lm_head_gemv.cu && /tmp/lmh
 //
@@ -46,9 +46,14 @@ template <int LOADHINT> __device__ __forceinline__ uint4 ldw(const uint4* p) {
     else asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
-// Current design: one warp per row, 8 rows per 256-thread block, U chunks in flight, x via L1.
+// Programmatic dependent launch: both return at once in a grid launched without the attribute.
+__device__ __forceinline__ void gdc_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void gdc_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// Current design: one warp per row, 8 rows per 256-thread block, U chunks in flight, x via L1;
+// waiting first, as the TM_KERNEL wrapper does.
 template <int U, int H>
 __global__ void __launch_bounds__(256) cur(T* out, const uint4* w, const uint4* x, int rows, int cols) {
+    gdc_wait();
     int row = blockIdx.x * 8 + (threadIdx.x >> 5); if (row >= rows) return;
     const int lane = threadIdx.x & 31, chunks = cols / 8;
     const uint4* wr = w + (size_t)row * chunks; float acc = 0.f;
@@ -85,28 +90,6 @@ __global__ void __launch_bounds__(256, 1) pers16(T* out, const uint4* w, const u
         acc = wsum(acc); if (lane == 0) out[row] = __float2half(acc);
     }
 }
-// Persistent, 8 in flight per lane: half-row ring.
-template <int H>
-__global__ void __launch_bounds__(256, 2) pers8(T* out, const uint4* w, const uint4* x, int rows, int cols) {
-    const int lane = threadIdx.x & 31;
-    const int gw = blockIdx.x * 8 + (threadIdx.x >> 5), W = gridDim.x * 8;
-    uint4 b[8];
-    int row = gw;
-    if (row >= rows) return;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) b[i] = ldw<H>(w + (size_t)row * 512 + lane + 32 * i);
-    for (; row < rows; row += W) {
-        const int nx = row + W < rows ? row + W : row;
-        const uint4* wc = w + (size_t)row * 512 + lane;
-        const uint4* wn = w + (size_t)nx * 512 + lane;
-        float acc = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) { acc += dot8(b[i], __ldca(x + lane + 32 * i)); b[i] = ldw<H>(wc + 256 + 32 * i); }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) { acc += dot8(b[i], __ldca(x + lane + 256 + 32 * i)); b[i] = ldw<H>(wn + 32 * i); }
-        acc = wsum(acc); if (lane == 0) out[row] = __float2half(acc);
-    }
-}
 // Pure read of the same bytes (grid-stride, U in flight).
 template <int U>
 __global__ void __launch_bounds__(256) readall(const uint4* w, size_t n, unsigned* sink) {
@@ -132,8 +115,6 @@ __global__ void fill(uint4* p, size_t n, unsigned seed) {
 }
 // ---- chain mode: the head after a stand-in for the last down product and the final norm, every
 // launch with programmatic stream serialization (as tm launches them), to see what the engine sees.
-__device__ __forceinline__ void gdc_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void gdc_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 // Two CTAs per SM streaming `per` uint4 each (a down product's 29 MB over 264 CTAs), triggering
 // after the loop as q4_gemv.cu's kernels do.
 __global__ void __launch_bounds__(256, 2) busy(const uint4* p, size_t per, unsigned* sink) {
@@ -156,25 +137,12 @@ __global__ void norm_like(uint4* x, int n16, unsigned* queue) {
     for (int i = threadIdx.x; i < n16; i += blockDim.x) { uint4 v = __ldcg(x + i); v.x ^= 0; x[i] = v; }
     if (threadIdx.x == 0) *queue = 0;
 }
-// `cur` waiting first (the TM_KERNEL wrapper).
-__global__ void __launch_bounds__(256) cur_pdl(T* out, const uint4* w, const uint4* x, int rows, int cols) {
-    gdc_wait();
-    int row = blockIdx.x * 8 + (threadIdx.x >> 5); if (row >= rows) return;
-    const int lane = threadIdx.x & 31, chunks = cols / 8;
-    const uint4* wr = w + (size_t)row * chunks; float acc = 0.f;
-    for (int c = lane; c < chunks; c += 128) {
-        uint4 v[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) v[u] = __ldcs(wr + c + 32 * u);
-#pragma unroll
-        for (int u = 0; u < 4; ++u) acc += dot8(v[u], __ldca(x + c + 32 * u));
-    }
-    acc = wsum(acc); if (lane == 0) out[row] = __float2half(acc);
-}
-// pers8 (cols 4096) under PDL: PRE loads the first ring before the wait (gemv_stream did);
-// DYN takes rows from a queue in runs of 4 (one atomic per run) instead of v, v + W, ...
-template <bool PRE, bool DYN>
-__global__ void __launch_bounds__(256, 4) pers_pdl(T* out, const uint4* w, const uint4* x, int rows, int cols, unsigned* queue) {
+// Persistent warps (cols 4096), 8 chunks in flight per lane (a half-row ring): warp v takes rows
+// v, v + W, ...; PRE loads the first ring before the wait (gemv_stream did); DYN takes rows from
+// `queue` in runs of 4 (one atomic per run) instead; H the load hint, MINB the blocks per SM the
+// registers are sized for.
+template <bool PRE, bool DYN, int H = 0, int MINB = 4>
+__global__ void __launch_bounds__(256, MINB) pers(T* out, const uint4* w, const uint4* x, int rows, int cols, unsigned* queue) {
     const int lane = threadIdx.x & 31;
     const int gw = blockIdx.x * 8 + (threadIdx.x >> 5), W = gridDim.x * 8;
     constexpr int RUN = 4;
@@ -183,7 +151,7 @@ __global__ void __launch_bounds__(256, 4) pers_pdl(T* out, const uint4* w, const
     int row = DYN ? -1 : gw, left = 0;
     if (!DYN && PRE && row < rows) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) b[i] = __ldcs(w + (size_t)row * 512 + lane + 32 * i);
+        for (int i = 0; i < 8; ++i) b[i] = ldw<H>(w + (size_t)row * 512 + lane + 32 * i);
     }
     gdc_wait();
     int next_run = 0;
@@ -191,7 +159,7 @@ __global__ void __launch_bounds__(256, 4) pers_pdl(T* out, const uint4* w, const
     if (row >= rows) return;
     if (DYN || !PRE) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) b[i] = __ldcs(w + (size_t)row * 512 + lane + 32 * i);
+        for (int i = 0; i < 8; ++i) b[i] = ldw<H>(w + (size_t)row * 512 + lane + 32 * i);
     }
     while (row < rows) {
         int nx;
@@ -204,9 +172,9 @@ __global__ void __launch_bounds__(256, 4) pers_pdl(T* out, const uint4* w, const
         const uint4* wn = w + (size_t)(more ? nx : row) * 512 + lane;
         float acc = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) { acc += dot8(b[i], __ldca(x + lane + 32 * i)); b[i] = __ldcs(wc + 256 + 32 * i); }
+        for (int i = 0; i < 8; ++i) { acc += dot8(b[i], __ldca(x + lane + 32 * i)); b[i] = ldw<H>(wc + 256 + 32 * i); }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) { acc += dot8(b[i], __ldca(x + lane + 256 + 32 * i)); if (more) b[i] = __ldcs(wn + 32 * i); }
+        for (int i = 0; i < 8; ++i) { acc += dot8(b[i], __ldca(x + lane + 256 + 32 * i)); if (more) b[i] = ldw<H>(wn + 32 * i); }
         acc = wsum(acc); if (lane == 0) out[row] = __float2half(acc);
         row = nx;
     }
@@ -255,8 +223,8 @@ int main() {
     }
     for (int b : {2, 3, 4}) {
         char nm[64];
-        snprintf(nm, 64, "pers8 x%d ldcs", b); run(nm, [&] { pers8<0><<<sms * b, 256>>>(out, w, x, rows, cols); }, true);
-        snprintf(nm, 64, "pers8 x%d 256B", b); run(nm, [&] { pers8<1><<<sms * b, 256>>>(out, w, x, rows, cols); }, true);
+        snprintf(nm, 64, "pers8 x%d ldcs", b); run(nm, [&] { pers<true, false, 0, 2><<<sms * b, 256>>>(out, w, x, rows, cols, nullptr); }, true);
+        snprintf(nm, 64, "pers8 x%d 256B", b); run(nm, [&] { pers<true, false, 1, 2><<<sms * b, 256>>>(out, w, x, rows, cols, nullptr); }, true);
     }
     // chain: [busy, norm_like, head] x 20 minus [busy, norm_like] x 20, in one stream
     {
@@ -287,12 +255,12 @@ int main() {
                    (ms[1][2] - ms[0][2]) * 1e3 / 20, (ms[1][0] - ms[0][0]) * 1e3 / 20, ms[0][2] * 1e3 / 20, maxd);
         };
         CK(cudaMemset(out, 0, rows * 2));
-        chain("cur (wait first)", [&] { pdl_launch(cur_pdl, (rows + 7) / 8, 256, st, out, (const uint4*)w, (const uint4*)x, rows, cols); });
+        chain("cur (wait first)", [&] { pdl_launch(cur<4, 0>, (rows + 7) / 8, 256, st, out, (const uint4*)w, (const uint4*)x, rows, cols); });
         for (int b : {2, 4}) {
             char nm[3][64]; snprintf(nm[0], 64, "pers8 x%d pre", b); snprintf(nm[1], 64, "pers8 x%d post", b); snprintf(nm[2], 64, "pers8 x%d dyn", b);
-            chain(nm[0], [&] { pdl_launch(pers_pdl<true, false>, sms * b, 256, st, out, (const uint4*)w, (const uint4*)x, rows, cols, queue); });
-            chain(nm[1], [&] { pdl_launch(pers_pdl<false, false>, sms * b, 256, st, out, (const uint4*)w, (const uint4*)x, rows, cols, queue); });
-            chain(nm[2], [&] { pdl_launch(pers_pdl<false, true>, sms * b, 256, st, out, (const uint4*)w, (const uint4*)x, rows, cols, queue); });
+            chain(nm[0], [&] { pdl_launch(pers<true, false>, sms * b, 256, st, out, (const uint4*)w, (const uint4*)x, rows, cols, queue); });
+            chain(nm[1], [&] { pdl_launch(pers<false, false>, sms * b, 256, st, out, (const uint4*)w, (const uint4*)x, rows, cols, queue); });
+            chain(nm[2], [&] { pdl_launch(pers<false, true>, sms * b, 256, st, out, (const uint4*)w, (const uint4*)x, rows, cols, queue); });
         }
     }
     CK(cudaGetLastError());
