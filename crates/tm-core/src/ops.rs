@@ -48,8 +48,7 @@ pub struct AttentionMeta<'a> {
 #[derive(Clone, Copy, Debug)]
 pub struct DeferredNorm<'a> {
     /// The sums: f32 `[slots, 2 * DEFERRED_NORM_ROWS]`, each slot `DEFERRED_NORM_ROWS` f64 sums
-    /// (one per batch row), zeroed before the step's first join (by [`Ops::fill_zero`], or by
-    /// [`Ops::embedding_deferred`], the step's first join itself).
+    /// (one per batch row), zeroed by [`Ops::fill_zero`] before the step's first join.
     pub sums: &'a Tensor,
     /// The join's slot (each join of a step has its own).
     pub slot: usize,
@@ -216,27 +215,6 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
     ) -> Result<bool> {
         Ok(false)
     }
-    /// The step's first join, deferred: the embedding `residual = table[ids]` ([`Ops::embedding`])
-    /// with its RMSNorm `out = rms_norm(residual) * norm` left to the readers of `out` as
-    /// [`Ops::matmul_add_rms_norm_deferred`] leaves it (the sums of squares stored in slot `slot`
-    /// of `sums`), and every other slot of `sums` zeroed for these rows, so that the step needs
-    /// no [`Ops::fill_zero`]: one launch instead of three on the CUDA backend. Returns `false`
-    /// having done nothing when the backend does not (the default): the caller then zeroes the
-    /// sums and runs the embedding and the norm.
-    #[allow(clippy::too_many_arguments)]
-    fn embedding_deferred(
-        &self,
-        _table: &Weight,
-        _ids: &[u32],
-        _residual: &mut Tensor,
-        _norm: &Tensor,
-        _eps: f32,
-        _out: &mut Tensor,
-        _sums: &mut Tensor,
-        _slot: usize,
-    ) -> Result<bool> {
-        Ok(false)
-    }
     /// Applies a deferred join's row scale to its output `x` in place (what the folding ops do
     /// inside their products). Only a backend that defers joins has such outputs; the default
     /// refuses.
@@ -258,12 +236,6 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
     ) -> Result<()> {
         self.finish_deferred_norm(x, norm)?;
         self.gate_up_silu(x, gate, up, gate_out, up_out, out)
-    }
-    /// [`Ops::matmul`] (no bias) of a deferred join's output `x` (the LM head after the last
-    /// layer's join), as [`Ops::gate_up_silu_deferred`].
-    fn matmul_deferred(&self, x: &mut Tensor, norm: &DeferredNorm<'_>, w: &Weight, out: &mut Tensor) -> Result<()> {
-        self.finish_deferred_norm(x, norm)?;
-        self.matmul(x, w, None, out)
     }
     /// [`Ops::qkv_rope_write_kv`] of a deferred join's output `x`, as
     /// [`Ops::gate_up_silu_deferred`].

@@ -299,43 +299,6 @@ impl Ops for CpuBackend {
         Ok(true)
     }
 
-    fn embedding_deferred(
-        &self,
-        table: &Weight,
-        ids: &[u32],
-        residual: &mut Tensor,
-        norm: &Tensor,
-        _eps: f32,
-        out: &mut Tensor,
-        sums: &mut Tensor,
-        slot: usize,
-    ) -> Result<bool> {
-        let n = ids.len();
-        if !self.defer_norms
-            || n > DEFERRED_NORM_ROWS
-            || residual.numel() != n * norm.numel()
-            || out.numel() != residual.numel()
-        {
-            return Ok(false);
-        }
-        let own = norm_slot(sums, slot)?;
-        self.embedding(table, ids, residual)?;
-        let (r, o, g) = (f32s(residual, "residual")?, f32s_mut(out, "join output")?, f32s(norm, "norm weight")?);
-        let all = sums.host_mut::<f64>()?;
-        // Every slot's rows of this step zeroed (the later joins add into theirs), then this one's.
-        for at in (0..all.len()).step_by(DEFERRED_NORM_ROWS) {
-            all[at..at + n].fill(0.0);
-        }
-        for ((rr, or), sum) in r.chunks(g.len()).zip(o.chunks_mut(g.len())).zip(&mut all[own]) {
-            for ((ri, oi), gi) in rr.iter().zip(or.iter_mut()).zip(g) {
-                *oi = ri * gi;
-                *sum += f64::from(*ri) * f64::from(*ri);
-            }
-        }
-        self.deferred_joins.fetch_add(1, Ordering::Relaxed);
-        Ok(true)
-    }
-
     fn finish_deferred_norm(&self, x: &mut Tensor, norm: &DeferredNorm<'_>) -> Result<()> {
         let range = norm_slot(norm.sums, norm.slot)?;
         let shape = x.shape().to_vec();

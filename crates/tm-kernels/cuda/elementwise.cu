@@ -45,56 +45,6 @@ __device__ __forceinline__ void embedding_impl(T* out, const T* table, const uns
 }
 TM_KERNEL(embedding, (T * out, const T* table, const unsigned* ids, int n, int hidden), (out, table, ids, n, hidden))
 
-/// Batch rows per slot of a deferred norm's sums (tm-core's `DEFERRED_NORM_ROWS`).
-constexpr int DEFERRED_NORM_ROWS = 8;
-
-/// The step's first join with its RMSNorm deferred (tm-core's `Ops::embedding_deferred`;
-/// q4_gemv.cu, "Deferred RMSNorm"): `residual[r] = table[ids[r]]`, `out[r] = T(residual[r] * w)`,
-/// the row's sum of squares stored in slot `slot` of `sums` (`slots` slots of
-/// `DEFERRED_NORM_ROWS` f64) and its entry of every other slot zeroed, so that the step's later
-/// joins (which add into their slots) need no separate zeroing. One block per row; `n` at most
-/// `DEFERRED_NORM_ROWS`. Triggers its dependents first thing: its grid is `n` blocks, and the
-/// first product's weight loads overlap it.
-template <typename T>
-__device__ __forceinline__ void embedding_join_impl(T* residual, T* out, const T* table, const unsigned* ids,
-                                                    const T* w, double* sums, int slot, int slots, int n, int hidden) {
-    constexpr int N = Vec16<T>::N;
-    for (int r = blockIdx.x; r < n; r += gridDim.x) {  // uniform per block (block_sum below)
-        const T* src = table + (u64)ids[r] * (u64)hidden;
-        T* res = residual + (i64)r * hidden;
-        T* o = out + (i64)r * hidden;
-        float ss = 0.f;
-        if (tmk::aligned16(src) && tmk::aligned16(res) && tmk::aligned16(o) && tmk::aligned16(w) && hidden % N == 0) {
-            for (int i = threadIdx.x; i < hidden / N; i += blockDim.x) {
-                const Vec16<T> v = tmk::load16(src + (i64)i * N);
-                const Vec16<T> g = tmk::load16(w + (i64)i * N);
-                Vec16<T> y;
-#pragma unroll
-                for (int j = 0; j < N; ++j) {
-                    const float f = to_float(v.v[j]);
-                    ss += f * f;
-                    y.v[j] = from_float<T>(f * to_float(g.v[j]));
-                }
-                tmk::store16(res + (i64)i * N, v);
-                tmk::store16(o + (i64)i * N, y);
-            }
-        } else {
-            for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-                const float f = to_float(src[i]);
-                ss += f * f;
-                res[i] = src[i];
-                o[i] = from_float<T>(f * to_float(w[i]));
-            }
-        }
-        ss = tmk::block_sum(ss);
-        for (int s = threadIdx.x; s < slots; s += blockDim.x) sums[(i64)s * DEFERRED_NORM_ROWS + r] = s == slot ? (double)ss : 0.0;
-    }
-}
-TM_KERNEL_EARLY(embedding_join,
-                (T * residual, T* out, const T* table, const unsigned* ids, const T* w, double* sums, int slot, int slots,
-                 int n, int hidden),
-                (residual, out, table, ids, w, sums, slot, slots, n, hidden))
-
 template <typename T>
 __device__ __forceinline__ void gather_rows_impl(T* out, const T* x, const unsigned* rows, int n, int cols) {
     for (int r = blockIdx.x; r < n; r += gridDim.x) {

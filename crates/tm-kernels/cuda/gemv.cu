@@ -9,10 +9,6 @@
 // - `gemv{NB}_T`: up to three weights sharing the input x (a layer's q, k and v) in one launch.
 //   Their rows are numbered one after the other (rows0, then rows1, then rows2); each warp finds
 //   its weight from its row. Optional biases (null when absent) are added before rounding.
-//   With `norm_sums` (not null) the input is a deferred RMSNorm's output (q4_gemv.cu, "Deferred
-//   RMSNorm": residual * gamma, the row scale left to its readers): each sum is multiplied by its
-//   batch row's rsqrt(sums[j] / cols + eps) before the bias (the LM head after the last layer's
-//   deferred join). The sums are loaded right after `pdl_wait`, their latency hidden by the loop.
 // - `gemv_silu{NB}_T`: the gated MLP input in one launch: out = silu(x·G^T) * (x·U^T) for the
 //   gate G and up U [rows, cols]. Each warp computes row r of both, rounds each to T (what the
 //   separate products would store) and writes silu(g) * u.
@@ -80,8 +76,7 @@ __device__ __forceinline__ void dot_row(const T* __restrict__ w, const T* __rest
 template <typename T, int NB>
 __device__ __forceinline__ void gemv_impl(T* o0, T* o1, T* o2, const T* __restrict__ w0, const T* __restrict__ w1,
                                           const T* __restrict__ w2, const T* b0, const T* b1, const T* b2,
-                                          const T* __restrict__ x, int rows0, int rows1, int rows2, int n, int cols,
-                                          const double* norm_sums, float norm_eps) {
+                                          const T* __restrict__ x, int rows0, int rows1, int rows2, int n, int cols) {
     int row = blockIdx.x * ROWS + (threadIdx.x >> 5);
     // The warp's weight (uniform per warp).
     T* out = o0;
@@ -97,13 +92,6 @@ __device__ __forceinline__ void gemv_impl(T* o0, T* o1, T* o2, const T* __restri
             if (row >= rows2) return;
         }
     }
-    // The deferred norm's sums (coherent loads: an earlier kernel of the step wrote them). Up to
-    // NB = 4 loaded before the loop, lane j holding batch row j's, so that their latency hides
-    // behind it (the LM head: one row per warp); gemv8 loads them in the epilogue instead, where
-    // they do not hold the registers that would cost it a CTA per SM (64 -> 70).
-    constexpr bool EARLY_SUMS = NB <= 4;
-    const int lane = threadIdx.x & 31;
-    const double lane_sum = EARLY_SUMS && norm_sums && lane < n ? __ldcg(norm_sums + lane) : 0.0;
     float acc[NB];
 #pragma unroll
     for (int j = 0; j < NB; ++j) acc[j] = 0.f;
@@ -112,13 +100,8 @@ __device__ __forceinline__ void gemv_impl(T* o0, T* o1, T* o2, const T* __restri
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
         if (j < n) {
-            float scale = 1.f;
-            if (norm_sums) {
-                const double sum = EARLY_SUMS ? __shfl_sync(0xffffffffu, lane_sum, j) : __ldcg(norm_sums + j);
-                scale = rsqrtf((float)sum / (float)cols + norm_eps);
-            }
-            const float v = tmk::warp_sum(acc[j]) * scale;
-            if (lane == 0) out[(i64)j * rows + row] = tmk::from_float<T>(v + b);
+            const float v = tmk::warp_sum(acc[j]);
+            if ((threadIdx.x & 31) == 0) out[(i64)j * rows + row] = tmk::from_float<T>(v + b);
         }
     }
 }
@@ -149,15 +132,13 @@ __device__ __forceinline__ void gemv_silu_impl(T* out, const T* __restrict__ wg,
     template <typename T>                                                                                       \
     __device__ __forceinline__ void gemv##NB##_impl(T* o0, T* o1, T* o2, const T* w0, const T* w1, const T* w2, \
                                                     const T* b0, const T* b1, const T* b2, const T* x, int r0,   \
-                                                    int r1, int r2, int n, int cols, const double* norm_sums,    \
-                                                    float norm_eps) {                                           \
-        tmg::gemv_impl<T, NB>(o0, o1, o2, w0, w1, w2, b0, b1, b2, x, r0, r1, r2, n, cols, norm_sums, norm_eps); \
+                                                    int r1, int r2, int n, int cols) {                           \
+        tmg::gemv_impl<T, NB>(o0, o1, o2, w0, w1, w2, b0, b1, b2, x, r0, r1, r2, n, cols);                     \
     }                                                                                                           \
     TM_KERNEL_BOUNDS(gemv##NB, tmg::THREADS,                                                                    \
                      (T * o0, T * o1, T * o2, const T* w0, const T* w1, const T* w2, const T* b0, const T* b1,  \
-                      const T* b2, const T* x, int r0, int r1, int r2, int n, int cols,                         \
-                      const double* norm_sums, float norm_eps),                                                 \
-                     (o0, o1, o2, w0, w1, w2, b0, b1, b2, x, r0, r1, r2, n, cols, norm_sums, norm_eps))         \
+                      const T* b2, const T* x, int r0, int r1, int r2, int n, int cols),                        \
+                     (o0, o1, o2, w0, w1, w2, b0, b1, b2, x, r0, r1, r2, n, cols))                              \
     template <typename T>                                                                                       \
     __device__ __forceinline__ void gemv_silu##NB##_impl(T* out, const T* wg, const T* wu, const T* x, int rows, \
                                                          int n, int cols) {                                     \

@@ -587,10 +587,8 @@ template <int NT> __device__ __forceinline__ float reduce_warps(const float acc[
 // so the order does not show). The consumers read x as any input, load their batch row's sum right
 // after `pdl_wait` (an `__ldcg`: coherent, never hoisted above the wait; it has arrived long before
 // the epilogue, where a load would cost its whole L2 latency in every CTA) and multiply their sums
-// by rsqrt(sum / cols + eps) before their epilogue (bias, RoPE, SiLU; gemv.cu's dense products
-// alike: the LM head after the last down's join). The slots are zeroed once per step (the engine's
-// `fill_zero`, or elementwise.cu's `embedding_join`, the step's first join, which also stores its
-// own slot), each used by one producer. f16: x is residual * gamma before
+// by rsqrt(sum / cols + eps) before their epilogue (bias, RoPE, SiLU). The slots are zeroed once
+// per step (the engine's `fill_zero`), each used by one producer. f16: x is residual * gamma before
 // the scale, so |residual * gamma| must stay below 65504 (as |residual| itself must).
 // scripts/gpu/q4_decode_chain.cu: -30..-38 us per batch-1 step of the 8B chain.
 struct NormScale {

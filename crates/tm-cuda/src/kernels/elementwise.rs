@@ -88,46 +88,6 @@ pub fn embedding(gpu: &Gpu, dt: DType, out: u64, table: u64, ids: u64, n: usize,
     )
 }
 
-/// The step's first deferred join (`embedding_join`, tm-core's `Ops::embedding_deferred`):
-/// `residual[i, :]` = row `ids[i]` of the dense `table [vocab, hidden]`, `out = residual * norm`
-/// (the RMSNorm's row scale left to the readers), row i's sum of squares stored in slot `slot` of
-/// `sums` (f64 `[slots, DEFERRED_NORM_ROWS]`) and its entries of the other slots zeroed.
-#[allow(clippy::too_many_arguments)]
-pub fn embedding_join(
-    gpu: &Gpu,
-    dt: DType,
-    residual: u64,
-    out: u64,
-    table: u64,
-    ids: u64,
-    norm: u64,
-    sums: u64,
-    (slot, slots): (usize, usize),
-    n: usize,
-    hidden: usize,
-) -> Result<()> {
-    let op = "embedding_join";
-    let (n32, h32) = (int(op, "n", n)?, int(op, "hidden", hidden)?);
-    let (slot32, slots32) = (int(op, "slot", slot)?, int(op, "slots", slots)?);
-    if n == 0 || hidden == 0 {
-        return Ok(());
-    }
-    let threads = threads_for(hidden.div_ceil(vec_width(dt)), THREADS);
-    let args = [
-        KernelArg::Ptr(residual),
-        KernelArg::Ptr(out),
-        KernelArg::Ptr(table),
-        KernelArg::Ptr(ids),
-        KernelArg::Ptr(norm),
-        KernelArg::Ptr(sums),
-        KernelArg::I32(slot32),
-        KernelArg::I32(slots32),
-        KernelArg::I32(n32),
-        KernelArg::I32(h32),
-    ];
-    gpu.launch(&name(op, dt)?, row_grid(n32), (threads, 1, 1), 0, &args)
-}
-
 /// `out[i, :]` = row `ids[i]` of an int8 table (`q`: i8 `[vocab, hidden]`, `scales`: f16
 /// `[vocab, hidden / group]`), dequantized to `dt`.
 #[allow(clippy::too_many_arguments)]

@@ -1,8 +1,7 @@
 //! Launchers for `gemv.cu`: dense `out[n, rows] = x[n, cols] · Wᵀ` for decode batches
 //! (`n <= GEMV_MAX_N`), f16 or bf16, f32 sums.
 //!
-//! - [`gemv`]: up to three weights that share the input (a layer's q, k and v) in one launch,
-//!   optionally folding a deferred RMSNorm's row scale ([`NormArgs`]) into the sums.
+//! - [`gemv`]: up to three weights that share the input (a layer's q, k and v) in one launch.
 //! - [`gemv_silu`]: `out = silu(x·Gᵀ) * (x·Uᵀ)` (the gated MLP input) in one launch.
 //!
 //! [`fits`] says whether a product can take this path (dtype, `n`, `cols`, alignment); the caller
@@ -10,7 +9,6 @@
 
 use tm_core::{DType, Error, Result};
 
-use super::q4_gemv::NormArgs;
 use super::suffix;
 use crate::runtime::{Gpu, KernelArg};
 
@@ -61,18 +59,9 @@ fn grid(rows: usize) -> Result<(u32, u32, u32)> {
     Ok((blocks, 1, 1))
 }
 
-/// `slot.out = x · slot.wᵀ (+ slot.bias)` for each of up to three slots, in one launch; with
-/// `norm`, `x` is a deferred join's output and each sum is scaled by its row's RMSNorm scale
-/// before the bias. The caller checked [`fits`] (with every address) and the shapes.
-pub fn gemv(
-    gpu: &Gpu,
-    dt: DType,
-    x: u64,
-    n: usize,
-    cols: usize,
-    slots: &[GemvSlot],
-    norm: Option<&NormArgs>,
-) -> Result<()> {
+/// `slot.out = x · slot.wᵀ (+ slot.bias)` for each of up to three slots, in one launch.
+/// The caller checked [`fits`] (with every address) and the shapes.
+pub fn gemv(gpu: &Gpu, dt: DType, x: u64, n: usize, cols: usize, slots: &[GemvSlot]) -> Result<()> {
     if slots.is_empty() || slots.len() > 3 {
         return Err(Error::invalid(format!("gemv: {} weights in one launch (1 to 3)", slots.len())));
     }
@@ -83,7 +72,6 @@ pub fn gemv(
         return Ok(());
     }
     let name = format!("gemv{}_{}", nb(n), suffix(dt)?);
-    let [norm_sums, norm_eps] = NormArgs::kernel_args(norm);
     let args = [
         KernelArg::Ptr(s(0).out),
         KernelArg::Ptr(s(1).out),
@@ -100,8 +88,6 @@ pub fn gemv(
         KernelArg::I32(int("rows", s(2).rows)?),
         KernelArg::I32(int("n", n)?),
         KernelArg::I32(int("cols", cols)?),
-        norm_sums,
-        norm_eps,
     ];
     int("total rows", total)?;
     gpu.launch(&name, grid(total)?, (THREADS, 1, 1), 0, &args)

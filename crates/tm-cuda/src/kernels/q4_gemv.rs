@@ -483,14 +483,11 @@ pub struct NormArgs {
     pub eps: f32,
 }
 
-impl NormArgs {
-    /// The two kernel arguments (`const double* norm_sums, float norm_eps`) of an optional
-    /// [`NormArgs`] (a null slot: no scale).
-    pub fn kernel_args(norm: Option<&NormArgs>) -> [KernelArg; 2] {
-        match norm {
-            Some(a) => [KernelArg::Ptr(a.sums), KernelArg::F32(a.eps)],
-            None => [KernelArg::Ptr(0), KernelArg::F32(0.0)],
-        }
+/// The two kernel arguments of an optional [`NormArgs`] (a null slot: no scale).
+fn norm_args(norm: Option<&NormArgs>) -> [KernelArg; 2] {
+    match norm {
+        Some(a) => [KernelArg::Ptr(a.sums), KernelArg::F32(a.eps)],
+        None => [KernelArg::Ptr(0), KernelArg::F32(0.0)],
     }
 }
 
@@ -570,7 +567,7 @@ pub fn q4_gemv_rope(
         KernelArg::I32(int("head_dim", rope.head_dim)?),
         KernelArg::I32(i32::from(rope.interleaved)),
     ]);
-    args.extend(NormArgs::kernel_args(norm));
+    args.extend(norm_args(norm));
     let stem = if tiled { "q4_gemv_lnt_rope" } else { "q4_gemv_ln_rope" };
     gpu.launch(&format!("{stem}_{}", suffix(dt)?), (grid, 1, 1), (THREADS, 1, 1), 0, &args)?;
     ROPE_LAUNCHES.fetch_add(1, Ordering::Relaxed);
@@ -623,7 +620,7 @@ pub fn q4_gemv_silu(
         KernelArg::Ptr(up.mins),
         KernelArg::I32(int("rows", rows)?),
     ];
-    args.extend(NormArgs::kernel_args(norm));
+    args.extend(norm_args(norm));
     gpu.launch(&name, (grid, 1, 1), (THREADS, 1, 1), 0, &args)
 }
 

@@ -6,12 +6,12 @@
 
 use std::sync::OnceLock;
 
-use tm_core::checks::{self, rows_of};
-use tm_core::ops::{DeferredNorm, Ops, DEFERRED_NORM_ROWS};
+use tm_core::checks::rows_of;
+use tm_core::ops::{DeferredNorm, DEFERRED_NORM_ROWS};
 use tm_core::quant::Weight;
 use tm_core::{DType, Error, Result, Tensor};
 
-use super::{as_bytes, ptr, CudaBackend, Slot};
+use super::{ptr, CudaBackend};
 use crate::kernels::elementwise as ew;
 use crate::kernels::q4_gemv::{self, NormArgs, Q4Slot};
 
@@ -86,78 +86,6 @@ impl CudaBackend {
         let sums = slot_addr(sums, slot)?;
         q4_gemv::q4_gemv_join(&self.gpu, self.dtype, ptr(x), n, cols, group, &weight, ptr(residual), ptr(norm), sums)?;
         Ok(true)
-    }
-
-    /// `Ops::embedding_deferred`: one `embedding_join` launch (the embedding, the deferred norm's
-    /// input and sums, every other slot zeroed) when the table is dense and the step a decode
-    /// batch of at most `DEFERRED_NORM_ROWS` rows.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn embedding_join(
-        &self,
-        table: &Weight,
-        ids: &[u32],
-        residual: &mut Tensor,
-        norm: &Tensor,
-        out: &mut Tensor,
-        sums: &mut Tensor,
-        slot: usize,
-    ) -> Result<bool> {
-        let Weight::Dense(t) = table else { return Ok(false) };
-        if !enabled() || ids.len() > DEFERRED_NORM_ROWS {
-            return Ok(false);
-        }
-        let hidden = checks::embedding(table, ids, residual)?;
-        if norm.numel() != hidden || out.numel() != residual.numel() {
-            return Err(Error::shape("deferred embedding norm and output", [ids.len(), hidden], out.shape()));
-        }
-        for (t, what) in [(t, "embedding table"), (norm, "norm weight"), (&*residual, "residual"), (&*out, "output")] {
-            self.check(t, what)?;
-        }
-        slot_addr(sums, slot)?; // checks the slot
-        let slots = sums.desc().bytes() / SLOT_BYTES;
-        let mut st = self.state()?;
-        let ids_dev = self.put(&mut st, Slot::Ids, as_bytes(ids))?;
-        let (dt, n) = (self.dtype, ids.len());
-        ew::embedding_join(
-            &self.gpu,
-            dt,
-            ptr(residual),
-            ptr(out),
-            ptr(t),
-            ids_dev,
-            ptr(norm),
-            ptr(sums),
-            (slot, slots),
-            n,
-            hidden,
-        )?;
-        Ok(true)
-    }
-
-    /// `Ops::matmul_deferred`: the dense GEMV with the row scale folded in when it fits, else the
-    /// norm finished in `x` and the plain product.
-    pub(super) fn matmul_folding_norm(
-        &self,
-        x: &mut Tensor,
-        norm: &DeferredNorm<'_>,
-        w: &Weight,
-        out: &mut Tensor,
-    ) -> Result<()> {
-        if let Weight::Dense(t) = w {
-            let (rows, cols) = w.dims();
-            let n = rows_of("matmul input", x, cols)?;
-            if out.numel() != n * rows {
-                return Err(Error::shape("matmul output", [n, rows], out.shape()));
-            }
-            for (t, what) in [(&*x, "matmul input"), (t, "matmul weight"), (&*out, "matmul output")] {
-                self.check(t, what)?;
-            }
-            if n <= DEFERRED_NORM_ROWS && self.try_gemv(x, t, n, out, Some(&self.norm_args(norm)?))? {
-                return Ok(());
-            }
-        }
-        self.finish_norm(x, norm)?;
-        self.matmul(x, w, None, out)
     }
 
     /// `Ops::finish_deferred_norm`: `x` (`[n, cols]`) scaled in place by its rows' scales.

@@ -100,7 +100,7 @@ impl CudaBackend {
             return Ok(false);
         }
         self.check(x, "matmul input")?;
-        gemv::gemv(&self.gpu, self.dtype, ptr(x), n, cols, &slots, None)?;
+        gemv::gemv(&self.gpu, self.dtype, ptr(x), n, cols, &slots)?;
         Ok(true)
     }
 
@@ -165,22 +165,13 @@ impl CudaBackend {
         Ok(true)
     }
 
-    /// One dense product through the GEMV kernel, when it fits (shapes already checked); with
-    /// `norm`, `x` is a deferred join's output whose row scale the kernel applies.
-    pub(super) fn try_gemv(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        n: usize,
-        out: &mut Tensor,
-        norm: Option<&NormArgs>,
-    ) -> Result<bool> {
+    /// One dense product through the GEMV kernel, when it fits (shapes already checked).
+    pub(super) fn try_gemv(&self, x: &Tensor, w: &Tensor, n: usize, out: &mut Tensor) -> Result<bool> {
         let (rows, cols) = (w.shape()[0], w.shape()[1]);
         if !enabled() || !gemv::fits(self.dtype, n, cols, &[ptr(x), ptr(w)]) {
             return Ok(false);
         }
-        let slot = GemvSlot { w: ptr(w), bias: 0, out: ptr(out), rows };
-        gemv::gemv(&self.gpu, self.dtype, ptr(x), n, cols, &[slot], norm)?;
+        gemv::gemv(&self.gpu, self.dtype, ptr(x), n, cols, &[GemvSlot { w: ptr(w), bias: 0, out: ptr(out), rows }])?;
         Ok(true)
     }
 

@@ -452,7 +452,7 @@ impl Ops for CudaBackend {
         match w {
             Weight::Dense(t) => {
                 self.check(t, "matmul weight")?;
-                if !self.try_gemv(x, t, n, out, None)? {
+                if !self.try_gemv(x, t, n, out)? {
                     self.blas.gemm(self.dtype, n, rows, cols, ptr(x), ptr(t), ptr(out))?;
                 }
             }
@@ -539,26 +539,8 @@ impl Ops for CudaBackend {
         self.join_deferred(x, w, residual, norm, eps, out, sums, slot)
     }
 
-    fn embedding_deferred(
-        &self,
-        table: &Weight,
-        ids: &[u32],
-        residual: &mut Tensor,
-        norm: &Tensor,
-        _eps: f32, // the readers' (`DeferredNorm::eps`)
-        out: &mut Tensor,
-        sums: &mut Tensor,
-        slot: usize,
-    ) -> Result<bool> {
-        self.embedding_join(table, ids, residual, norm, out, sums, slot)
-    }
-
     fn finish_deferred_norm(&self, x: &mut Tensor, norm: &DeferredNorm<'_>) -> Result<()> {
         self.finish_norm(x, norm)
-    }
-
-    fn matmul_deferred(&self, x: &mut Tensor, norm: &DeferredNorm<'_>, w: &Weight, out: &mut Tensor) -> Result<()> {
-        self.matmul_folding_norm(x, norm, w, out)
     }
 
     fn gate_up_silu_deferred(

@@ -223,7 +223,7 @@ impl LlamaModel {
         }
         ws.prepare(ops, n, step.logit_rows.len())?;
         if self.defers_joins(ops, n) {
-            ws.ensure_norm_sums(ops, 2 * self.layers.len() + 1)?;
+            ws.ensure_norm_sums(ops, 2 * self.layers.len())?;
         }
         let max_pos = step.positions.iter().copied().max().unwrap_or(0) as usize;
         let freqs = c.rope.freqs(max_pos);
@@ -250,23 +250,30 @@ impl LlamaModel {
     ///
     /// With deferred joins (see [`LlamaModel::defers_joins`]) each o and down product may end with
     /// its residual join, leaving the RMSNorm's row scale to the next products: o's join is slot
-    /// 2i of the step's sums, down's (into layer i + 1, or into the final norm and the LM head)
-    /// slot 2i + 1, the embedding's (into layer 0) slot 2 × layers; `pending` is the slot of a
-    /// deferred join whose output is `ws.normed`. The joins into layers with q/k norms are never
-    /// deferred (their readers are not the folding ops), nor the last one under a vocab-parallel
-    /// head.
+    /// 2i of the step's sums, down's (into layer i + 1) slot 2i + 1; `pending` is the slot of a
+    /// deferred join whose output is `ws.normed`. The last layer's down and the joins into layers
+    /// with q/k norms are never deferred (their readers are not the folding ops).
     fn run_layers(&self, cx: &StepCtx<'_>, kv: &mut KvCache, ws: &mut Workspace) -> Result<(), tm_core::Error> {
         let (ops, step, freqs, meta) = (cx.ops, cx.step, cx.freqs, cx.meta);
+        let sharded = self.layout.is_sharded();
         let eps = self.config.rms_norm_eps;
         let defer = self.defers_joins(ops, step.tokens.len()) && ws.norm_sums.is_some();
-        let mut pending = self.embed(cx, ws, defer)?;
+        if let (true, Some(sums)) = (defer, ws.norm_sums.as_mut()) {
+            ops.fill_zero(sums)?;
+        }
+        let mut pending: Option<usize> = None;
+        if sharded && self.layout.vocab_parallel {
+            ops.embedding_slice(&self.embed, step.tokens, self.layout.vocab.start as u32, &mut ws.residual)?;
+            cx.comm.all_reduce_sum(&mut ws.residual, "embedding", cx.timeout)?;
+        } else {
+            ops.embedding(&self.embed, step.tokens, &mut ws.residual)?;
+        }
         for (i, layer) in self.layers.iter().enumerate() {
-            match (pending, i) {
-                // The join into this layer was deferred (the embedding's or down's): q/k/v fold it.
-                (Some(_), _) => {}
-                (None, 0) => ops.rms_norm(&ws.residual, &layer.attn_norm, eps, &mut ws.normed)?,
+            if i == 0 {
+                ops.rms_norm(&ws.residual, &layer.attn_norm, eps, &mut ws.normed)?;
+            } else if pending.is_none() {
                 // The previous layer's down_proj output joins the residual stream.
-                (None, _) => self.join_residual(cx, ws, &layer.attn_norm, &self.step_names[i - 1][1])?,
+                self.join_residual(cx, ws, &layer.attn_norm, &self.step_names[i - 1][1])?;
             }
             let (bq, bk, bv) = &layer.qkv_bias;
             let weights = [&layer.q, &layer.k, &layer.v];
@@ -330,18 +337,21 @@ impl LlamaModel {
                     ops.gate_up_silu(&ws.normed, &layer.gate, &layer.up, &mut ws.gate, &mut ws.up, &mut ws.act)?;
                 }
             }
-            // down_proj, and the join into the next layer or the final norm (slot 2i + 1) when
-            // deferred (the LM head folds the final norm's scale too).
-            let next_norm = match self.layers.get(i + 1) {
-                Some(l) => l.qk_norm.is_none().then_some(&l.attn_norm),
-                None => (!self.layout.gathers_logits()).then_some(&self.final_norm),
-            };
+            // down_proj, and the join into the next layer (slot 2i + 1) when deferred.
+            let next = self.layers.get(i + 1).filter(|l| defer && l.qk_norm.is_none());
             let Workspace { act, residual, normed, norm_sums, .. } = &mut *ws;
             let down_slot = o_slot + 1;
-            let deferred = match (next_norm.filter(|_| defer), norm_sums.as_mut()) {
-                (Some(norm), Some(sums)) => {
-                    ops.matmul_add_rms_norm_deferred(act, &layer.down, residual, norm, eps, normed, sums, down_slot)?
-                }
+            let deferred = match (next, norm_sums.as_mut()) {
+                (Some(l), Some(sums)) => ops.matmul_add_rms_norm_deferred(
+                    act,
+                    &layer.down,
+                    residual,
+                    &l.attn_norm,
+                    eps,
+                    normed,
+                    sums,
+                    down_slot,
+                )?,
                 _ => false,
             };
             pending = deferred.then_some(down_slot);
@@ -349,57 +359,16 @@ impl LlamaModel {
                 ops.matmul(&ws.act, &layer.down, None, &mut ws.delta)?;
             }
         }
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        match (pending, self.step_names.last()) {
-            (Some(slot), _) => {
-                // The last down's join into the final norm was deferred: the head folds its scale
-                // when it reads every row in order (decode), else the norm is finished first.
-                let Workspace { normed, last, logits, norm_sums, .. } = ws;
-                let sums = norm_sums.as_ref().ok_or_else(|| tm_core::Error::invalid("a deferred join without sums"))?;
-                let d = DeferredNorm { sums, slot, eps };
-                if every_row_in_order(step.logit_rows, step.tokens.len()) {
-                    return ops.matmul_deferred(normed, &d, head, logits);
-                }
-                ops.finish_deferred_norm(normed, &d)?;
-                return ops.matmul(head_input(ops, step.logit_rows, normed, last)?, head, None, logits);
-            }
-            (None, Some(names)) => self.join_residual(cx, ws, &self.final_norm, &names[1])?,
-            (None, None) => ops.rms_norm(&ws.residual, &self.final_norm, eps, &mut ws.normed)?,
+        match self.step_names.last() {
+            Some(names) => self.join_residual(cx, ws, &self.final_norm, &names[1])?,
+            None => ops.rms_norm(&ws.residual, &self.final_norm, eps, &mut ws.normed)?,
         }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         if !self.layout.gathers_logits() {
             let Workspace { normed, last, logits, .. } = ws;
             return ops.matmul(head_input(ops, step.logit_rows, normed, last)?, head, None, logits);
         }
         self.gather_logits(cx, head, ws)
-    }
-
-    /// The step's embedding into `ws.residual`: vocab-parallel when sharded (an all-reduce sums
-    /// the ranks' rows). With deferred joins (`defer`) the backend may fold the first layer's
-    /// norm and the zeroing of the step's sums into it ([`Ops::embedding_deferred`], slot
-    /// `2 × layers`): then the slot is returned, as a deferred join's; else the sums are zeroed
-    /// here and the caller runs the norm.
-    fn embed(&self, cx: &StepCtx<'_>, ws: &mut Workspace, defer: bool) -> Result<Option<usize>, tm_core::Error> {
-        let (ops, tokens) = (cx.ops, cx.step.tokens);
-        if self.layout.is_sharded() && self.layout.vocab_parallel {
-            ops.embedding_slice(&self.embed, tokens, self.layout.vocab.start as u32, &mut ws.residual)?;
-            cx.comm.all_reduce_sum(&mut ws.residual, "embedding", cx.timeout)?;
-            return Ok(None);
-        }
-        let Workspace { residual, normed, norm_sums, .. } = ws;
-        let Some(sums) = norm_sums.as_mut().filter(|_| defer) else {
-            ops.embedding(&self.embed, tokens, residual)?;
-            return Ok(None);
-        };
-        let slot = 2 * self.layers.len();
-        let eps = self.config.rms_norm_eps;
-        if let Some(first) = self.layers.first().filter(|l| l.qk_norm.is_none()) {
-            if ops.embedding_deferred(&self.embed, tokens, residual, &first.attn_norm, eps, normed, sums, slot)? {
-                return Ok(Some(slot));
-            }
-        }
-        ops.fill_zero(sums)?;
-        ops.embedding(&self.embed, tokens, residual)?;
-        Ok(None)
     }
 
     /// A row-parallel projection's output (`ws.delta`, this rank's partial sum when sharded)

@@ -33,7 +33,7 @@ pub struct Workspace {
     pub(super) gathered: Option<Tensor>,
     /// The row order that puts `gathered` back into `[rows, vocab]`.
     pub(super) perm: Vec<u32>,
-    /// The sums of the deferred residual joins (`tm_core::ops::DeferredNorm`): f32 `[2 × layers + 1,
+    /// The sums of the deferred residual joins (`tm_core::ops::DeferredNorm`): f32 `[2 × layers,
     /// 2 × DEFERRED_NORM_ROWS]`, one slot per join of a step; made by the model's first step
     /// ([`Workspace::ensure_norm_sums`]) when it defers joins.
     pub(super) norm_sums: Option<Tensor>,
