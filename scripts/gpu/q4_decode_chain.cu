@@ -181,6 +181,27 @@
 //   batch before `pdl_wait` (a hand-written entry; overlay cubin): AWQ 1973.7 / 1977.0 against
 //   1974.3 / 1975.2, bf16 4485.6 / 4489.1 against 4465.6 / 4470.3: not kept either (so the pre-wait
 //   loads alone do not explain the streaming kernel's loss).
+//
+// Session 17 (2026-12-02, H200, engine only, AWQ 8B b1 replay, f16; kernel variants overlaid
+// through TM_KERNELS_DIR on one binary; base 1966-1976 us):
+// - Decode attention (T cache) copying the keys of its first tile that precede the newest one
+//   before `pdl_wait` (shipped: attention.cu's `attn_decode`): 1950.9 / 1950.1 / 1957.4 against
+//   1973.8 / 1975.2 / 1969.9 (alternated). The same idea tried earlier (above: "attention copying
+//   its first K/V tile before its wait", engine 2142 -> 2148) was measured on a slower chain.
+// - q/k/v with RoPE triggering its dependents first thing (so that attention's CTAs start, and
+//   copy their keys, during all of q/k/v): 2046.7-2049.6 alone, 1998.4-2009.5 with the copies:
+//   +75 / +30 us (the cascade also lets o's CTAs take slots early). Not kept.
+// - The step's edges deferred too (branch `defer-edges`, 571e100 and its revert 114eef4): the
+//   embedding as the step's first deferred join (one kernel for fill_zero, embedding and layer 0's
+//   rms_norm) and the last down's join into the final norm folded into the LM head's GEMV:
+//   1971.5 against 1971.9 us (means of six alternations in two calls): three kernels fewer, no
+//   time; not kept.
+// - LM head chain probe (scripts/gpu/lm_head_gemv.cu, chain mode): `cur` adds 242.8 us after the
+//   down and norm stand-ins; the persistent kernel at 4 blocks per SM 239.3 (post-wait) / 239.9
+//   (pre-wait), at 2 per SM 247.5-248.4, with queued rows (`dyn`) 253.1-257.6. At most -3.5 us,
+//   so the engine's +40 us for `gemv_stream` stays unexplained; not pursued.
+// - Decode attention's gqa kernel stages (TM_ATTN_GQA_STAGES, fp8 caches only) 2 / 4: 1970.3 /
+//   1975.8 (f16 cache: not used; noise).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

@@ -294,16 +294,17 @@ __device__ __forceinline__ void flash_step(const T* sQ, const T* sK, const T* sV
     }
 }
 
-// Issues the cp.async copies of keys [k0, k0 + rows) of one KV head into sK/sV (row stride LDS
-// elements of C: D + 8 for a T cache, D for the raw stage of an fp8 cache); rows at or past
-// `k_end` are zero-filled. 16 bytes per copy. All 128 threads take part.
+// Issues the cp.async copies of keys [k0 + first_row, k0 + rows) of one KV head into rows
+// first_row .. rows - 1 of sK/sV (row stride LDS elements of C: D + 8 for a T cache, D for the raw
+// stage of an fp8 cache); rows at or past `k_end` are zero-filled. 16 bytes per copy. All 128
+// threads take part.
 template <typename C, int D, int LDS>
 __device__ __forceinline__ void load_kv_tile(C* sK, C* sV, const C* k_cache, const C* v_cache,
                                              const unsigned* block_tables, int bt_start, int block_size, int kv_heads,
-                                             int kvh, int k0, int k_end, int rows) {
+                                             int kvh, int k0, int k_end, int rows, int first_row = 0) {
     constexpr int EPC = 16 / sizeof(C);  // elements per 16-byte chunk
     constexpr int CH = D / EPC;          // chunks per row
-    for (int c = threadIdx.x; c < rows * CH; c += 128) {
+    for (int c = first_row * CH + threadIdx.x; c < rows * CH; c += 128) {
         const int r = c / CH;
         const int ch = c - r * CH;
         const int key = k0 + r;
@@ -695,7 +696,7 @@ __device__ __forceinline__ void decode_merge(float* sO, const float (*s_m)[R], c
     combine_splits<T, CH>(out, part_o, part_ml, seq, h0, rows, heads, D, num_splits, rg.used, q_row);
 }
 
-template <typename T, typename C, int D>
+template <typename T, typename C, int D, class Wait>
 __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __restrict__ k_cache,
                                             const C* __restrict__ v_cache, T* __restrict__ out,
                                             float* __restrict__ part_o, float* __restrict__ part_ml,
@@ -703,7 +704,15 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
                                             const int* ctx_len, const int* bt_start,
                                             const unsigned* __restrict__ block_tables, int heads, int kv_heads, int gs,
                                             int block_size, float scale_log2, int window, int num_splits,
-                                            int partition) {
+                                            int partition, Wait wait) {
+    // A T cache's CTA copies the keys of its first tile that precede the newest one before `wait`
+    // (programmatic dependent launch: the previous kernel, q/k/v with RoPE, writes only the
+    // newest key and Q; the older keys and the step's metadata were written before any of the
+    // step's kernels could start), then Q and the newest key after it. The copies overlap the
+    // previous kernel's end: AWQ 8B batch-1 decode on the H200, 1950-1957 us per step against
+    // 1970-1975 (scripts/gpu/q4_decode_chain.cu, session 17). fp8 caches wait first.
+    constexpr bool PRE = !IsKv8<C>::value;
+    if (!PRE) wait();
 #if TM_ATTN_TC
     constexpr int BN = DecodeCfg<D>::BN;
     constexpr int LD = DecodeCfg<D>::LD;
@@ -724,10 +733,16 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
 
     const int seq = blockIdx.z;
     const int split = blockIdx.x;
-    if (q_len[seq] != 1) return;
+    if (q_len[seq] != 1) {
+        if (PRE) wait();
+        return;
+    }
     const Seq sq = load_seq(q_start, q_len, ctx_len, bt_start, seq);
     const DecodeRange rg = decode_range(sq.ctx_len, window, num_splits, partition);
-    if (split >= rg.used) return;
+    if (split >= rg.used) {
+        if (PRE) wait();
+        return;
+    }
     int k_begin, k_end;
     split_keys(rg, split, partition, k_begin, k_end);
 
@@ -736,6 +751,16 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
     const int kvh = blockIdx.y / n_sub;
     const int g0 = (blockIdx.y - kvh * n_sub) * gs;  // first group member of this CTA
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int ntiles = k_end > k_begin ? (k_end - k_begin + BN - 1) / BN : 0;
+    int pre_rows = 0;  // rows of the first tile copied before `wait`
+    if constexpr (PRE) {
+        if (ntiles > 0) {
+            pre_rows = max(0, min(BN, min(k_end, sq.ctx_len - 1) - k_begin));
+            load_kv_tile<C, D, LD>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
+                                   k_begin, k_end, pre_rows);
+        }
+        wait();
+    }
 
     // Q rows: row i = group member g0 + i (query head kvh * group + g0 + i).
     for (int c = tid; c < 16 * CH; c += 128) {
@@ -744,7 +769,6 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
         const T* src = valid ? q + ((long long)sq.q_start * heads + kvh * group + g0 + i) * D + ch * 8 : q;
         cp_async16(sQ + i * LD + ch * 8, src, valid ? 16 : 0);
     }
-    const int ntiles = k_end > k_begin ? (k_end - k_begin + BN - 1) / BN : 0;
     if constexpr (KV8) {
         // Q is group 0; tiles 0 .. NS - 2 in flight, one commit group each
         cp_async_commit();
@@ -759,7 +783,7 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
     } else {
         if (ntiles > 0)
             load_kv_tile<C, D, LD>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
-                                   k_begin, k_end, BN);
+                                   k_begin, k_end, BN, pre_rows);
         cp_async_commit();
     }
 
@@ -863,6 +887,8 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
     __syncthreads();
     decode_merge<T, D, 16>(sO, s_m, s_l, s_f, min(gs, group - g0), kvh * group + g0, rg, sq.q_start, seq, heads,
                            num_splits, split, out, part_o, part_ml, counters);
+#else
+    if (PRE) wait();  // no body before sm_80, but the wait stays
 #endif
 }
 
@@ -1531,10 +1557,9 @@ struct CacheE4m3 {
                                  int kv_heads, int gs, int block_size, float scale_log2, int window, int num_splits,  \
                                  int partition) {                                                                      \
         tmk::pdl_launch_dependents_early();                                                                            \
-        tmk::pdl_wait();                                                                                               \
         tm_attn::attn_decode<T, KV, D>(q, k_cache, v_cache, out, part_o, part_ml, counters, q_start, q_len,            \
                                    ctx_len, bt_start, block_tables, heads, kv_heads, gs, block_size, scale_log2,      \
-                                   window, num_splits, partition);                                                     \
+                                   window, num_splits, partition, [] { tmk::pdl_wait(); });                           \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128)                                                                  \
         attn_prefill_d##D##_##SUF##KSUF(const T* q, const KV* k_cache, const KV* v_cache, T* out, const int* q_start,  \
