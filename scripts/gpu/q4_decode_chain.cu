@@ -202,6 +202,14 @@
 //   so the engine's +40 us for `gemv_stream` stays unexplained; not pursued.
 // - Decode attention's gqa kernel stages (TM_ATTN_GQA_STAGES, fp8 caches only) 2 / 4: 1970.3 /
 //   1975.8 (f16 cache: not used; noise).
+// - The o/down joins with 32 rows per CTA (two tiles per warp step, 128 CTAs, 121 registers, so
+//   that attention's or q/k/v's CTAs could sit beside them: with 16 rows, 80 attention CTAs leave
+//   room for only 184 of o's 256 CTAs, the rest start after attention ends): o only 2032-2038 us,
+//   o and down 2243-2249, against 1955-1961 (built as `q4_gemv_ln4t_join32` with a launcher
+//   knob, then dropped): fewer, fatter CTAs lengthen every warp's chain of steps.
+// - Final binary (96dfb74) in two calls: 1955.0-1962.6 us (seven runs, mean 1958.7); bf16
+//   4405.0-4405.1 (its attention copies early too): 2.25x; copy bandwidth (4 GiB, median of 20)
+//   4.238 TB/s -> roofline 1370.8 us -> 70.0% (69.8-70.1).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
