@@ -188,6 +188,8 @@
 //   before `pdl_wait` (shipped: attention.cu's `attn_decode`): 1950.9 / 1950.1 / 1957.4 against
 //   1973.8 / 1975.2 / 1969.9 (alternated). The same idea tried earlier (above: "attention copying
 //   its first K/V tile before its wait", engine 2142 -> 2148) was measured on a slower chain.
+//   The same for fp8 caches (attn_decode's kv8 path, attn_decode_gqa_d128_kv8; shipped):
+//   --kv-cache-dtype fp8 2047.5 / 2048.3 against 2069.8 / 2069.5.
 // - q/k/v with RoPE triggering its dependents first thing (so that attention's CTAs start, and
 //   copy their keys, during all of q/k/v): 2046.7-2049.6 alone, 1998.4-2009.5 with the copies:
 //   +75 / +30 us (the cascade also lets o's CTAs take slots early). Not kept.

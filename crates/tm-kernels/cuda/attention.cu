@@ -705,14 +705,14 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
                                             const unsigned* __restrict__ block_tables, int heads, int kv_heads, int gs,
                                             int block_size, float scale_log2, int window, int num_splits,
                                             int partition, Wait wait) {
-    // A T cache's CTA copies the keys of its first tile that precede the newest one before `wait`
+    // The CTA copies the keys of its first tile that precede the newest one before `wait`
     // (programmatic dependent launch: the previous kernel, q/k/v with RoPE, writes only the
     // newest key and Q; the older keys and the step's metadata were written before any of the
     // step's kernels could start), then Q and the newest key after it. The copies overlap the
     // previous kernel's end: AWQ 8B batch-1 decode on the H200, 1950-1957 us per step against
-    // 1970-1975 (scripts/gpu/q4_decode_chain.cu, session 17). fp8 caches wait first.
-    constexpr bool PRE = !IsKv8<C>::value;
-    if (!PRE) wait();
+    // 1970-1975 with an f16 cache, 2047.5-2048.3 against 2069.5-2069.8 with fp8 (the gqa kernel;
+    // scripts/gpu/q4_decode_chain.cu, session 17).
+    constexpr bool PRE = true;
 #if TM_ATTN_TC
     constexpr int BN = DecodeCfg<D>::BN;
     constexpr int LD = DecodeCfg<D>::LD;
@@ -756,8 +756,13 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
     if constexpr (PRE) {
         if (ntiles > 0) {
             pre_rows = max(0, min(BN, min(k_end, sq.ctx_len - 1) - k_begin));
-            load_kv_tile<C, D, LD>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
-                                   k_begin, k_end, pre_rows);
+            if constexpr (KV8)
+                load_kv_tile<C, D, RS>(reinterpret_cast<C*>(raw), reinterpret_cast<C*>(raw + BN * RS), k_cache,
+                                       v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh, k_begin, k_end,
+                                       pre_rows);
+            else
+                load_kv_tile<C, D, LD>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads,
+                                       kvh, k_begin, k_end, pre_rows);
         }
         wait();
     }
@@ -777,7 +782,7 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
             if (p < ntiles)
                 load_kv_tile<C, D, RS>(reinterpret_cast<C*>(raw + p * SB), reinterpret_cast<C*>(raw + p * SB + BN * RS),
                                        k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
-                                       k_begin + p * BN, k_end, BN);
+                                       k_begin + p * BN, k_end, BN, p == 0 ? pre_rows : 0);
             cp_async_commit();
         }
     } else {
@@ -937,15 +942,17 @@ template <int NS_> struct GqaKv8Cfg {
 __device__ __forceinline__ int gqa_k_chunk(int r, int ch) { return r * 128 + ((ch ^ (r & 7)) << 4); }
 __device__ __forceinline__ int gqa_v_chunk(int r, int ch) { return r * 128 + ((ch ^ ((r & 3) << 1)) << 4); }
 
-// Issues the cp.async copies of keys [k0, k0 + 64) of KV head `kvh` into a stage (K at `st`, V at
-// st + 64 * 128), swizzled as above; keys at or past `k_end` are zero-filled.
+// Issues the cp.async copies of keys [k0 + first_row, k0 + end_row) of KV head `kvh` into a stage
+// (K at `st`, V at st + 64 * 128), swizzled as above; keys at or past `k_end` are zero-filled.
 __device__ __forceinline__ void gqa_load_tile(unsigned char* st, const kv8* k_cache, const kv8* v_cache,
                                               const unsigned* block_tables, int bt_start, int block_size,
-                                              int kv_heads, int kvh, int k0, int k_end) {
+                                              int kv_heads, int kvh, int k0, int k_end, int first_row = 0,
+                                              int end_row = 64) {
     const int ch = threadIdx.x & 7;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int r = (threadIdx.x >> 3) + 16 * i;
+        if (r < first_row || r >= end_row) continue;
         const int key = k0 + r;
         unsigned char* dk = st + gqa_k_chunk(r, ch);
         unsigned char* dv = st + 64 * 128 + gqa_v_chunk(r, ch);
@@ -960,7 +967,7 @@ __device__ __forceinline__ void gqa_load_tile(unsigned char* st, const kv8* k_ca
     }
 }
 
-template <typename T, int NS_>
+template <typename T, int NS_, class Wait>
 __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, const kv8* __restrict__ k_cache,
                                                     const kv8* __restrict__ v_cache, T* __restrict__ out,
                                                     float* __restrict__ part_o, float* __restrict__ part_ml,
@@ -968,7 +975,7 @@ __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, con
                                                     const int* q_len, const int* ctx_len, const int* bt_start,
                                                     const unsigned* __restrict__ block_tables,
                                                     int heads, int kv_heads, int gs, int block_size, float scale_log2,
-                                                    int window, int num_splits, int partition) {
+                                                    int window, int num_splits, int partition, Wait wait) {
 #if TM_ATTN_TC
     typedef GqaKv8Cfg<NS_> G;
     constexpr int D = G::D, BN = G::BN, LD = G::LD, NS = G::NS, SB = G::SB;
@@ -980,15 +987,28 @@ __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, con
 
     const int seq = blockIdx.z;
     const int split = blockIdx.x;
-    if (q_len[seq] != 1) return;
+    if (q_len[seq] != 1) {
+        wait();
+        return;
+    }
     const Seq sq = load_seq(q_start, q_len, ctx_len, bt_start, seq);
     const DecodeRange rg = decode_range(sq.ctx_len, window, num_splits, partition);
-    if (split >= rg.used) return;
+    if (split >= rg.used) {
+        wait();
+        return;
+    }
     int k_begin, k_end;
     split_keys(rg, split, partition, k_begin, k_end);
     const int group = heads / kv_heads;
     const int kvh = blockIdx.y;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
+    const int ntiles = k_end > k_begin ? (k_end - k_begin + BN - 1) / BN : 0;
+    // As attn_decode: the first tile's keys before the newest one are copied before `wait`.
+    const int pre_rows = ntiles > 0 ? max(0, min(BN, min(k_end, sq.ctx_len - 1) - k_begin)) : 0;
+    if (pre_rows > 0)
+        gqa_load_tile(raw, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh, k_begin, k_end, 0,
+                      pre_rows);
+    wait();
 
     // Q rows: row i = query head kvh * group + i (rows i >= gs are zeros).
     for (int c = tid; c < 8 * CH; c += 128) {
@@ -997,13 +1017,12 @@ __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, con
         const T* src = valid ? q + ((long long)sq.q_start * heads + kvh * group + i) * D + ch * 8 : q;
         cp_async16(sQ + i * LD + ch * 8, src, valid ? 16 : 0);
     }
-    const int ntiles = k_end > k_begin ? (k_end - k_begin + BN - 1) / BN : 0;
     cp_async_commit();
 #pragma unroll
     for (int p = 0; p < NS - 1; ++p) {
         if (p < ntiles)
             gqa_load_tile(raw + p * SB, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
-                          k_begin + p * BN, k_end);
+                          k_begin + p * BN, k_end, p == 0 ? pre_rows : 0);
         cp_async_commit();
     }
 
@@ -1147,6 +1166,8 @@ __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, con
     constexpr int MERGE_CH = NS == 2 ? 8 : combine_chunk(D);
     decode_merge<T, D, 8, MERGE_CH>(sO, s_m, s_l, s_f, min(gs, group), kvh * group, rg, sq.q_start, seq, heads,
                                     num_splits, split, out, part_o, part_ml, counters);
+#else
+    wait();  // no body before sm_80, but the wait stays
 #endif
 }
 
@@ -1597,10 +1618,9 @@ TM_ATTN_TC_ALL_D(bf16, __nv_bfloat16, tm_attn::kv8, _kv8)
                                                int kv_heads, int gs, int block_size, float scale_log2, int window,     \
                                                int num_splits, int partition) {                                        \
         tmk::pdl_launch_dependents_early();                                                                            \
-        tmk::pdl_wait();                                                                                               \
         tm_attn::attn_decode_gqa_kv8<T, NS>(q, k_cache, v_cache, out, part_o, part_ml, counters, q_start, q_len,       \
                                             ctx_len, bt_start, block_tables, heads, kv_heads, gs, block_size,          \
-                                            scale_log2, window, num_splits, partition);                                \
+                                            scale_log2, window, num_splits, partition, [] { tmk::pdl_wait(); });       \
     }
 
 TM_ATTN_GQA_KV8_KERNEL(f16, __half, 3, )
