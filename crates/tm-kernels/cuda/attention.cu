@@ -294,6 +294,13 @@ __device__ __forceinline__ void flash_step(const T* sQ, const T* sK, const T* sV
     }
 }
 
+// The rows of a decode CTA's first tile (keys k_begin .. k_end - 1, `tile` rows) that precede the
+// sequence's newest key (ctx_len - 1, written by this step's previous kernel): the decode kernels
+// copy these before their PDL wait.
+__device__ __forceinline__ int rows_before_newest(int k_begin, int k_end, int ctx_len, int tile) {
+    return max(0, min(tile, min(k_end, ctx_len - 1) - k_begin));
+}
+
 // Issues the cp.async copies of keys [k0 + first_row, k0 + rows) of one KV head into rows
 // first_row .. rows - 1 of sK/sV (row stride LDS elements of C: D + 8 for a T cache, D for the raw
 // stage of an fp8 cache); rows at or past `k_end` are zero-filled. 16 bytes per copy. All 128
@@ -712,7 +719,6 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
     // previous kernel's end: AWQ 8B batch-1 decode on the H200, 1950-1957 us per step against
     // 1970-1975 with an f16 cache, 2047.5-2048.3 against 2069.5-2069.8 with fp8 (the gqa kernel;
     // scripts/gpu/q4_decode_chain.cu, session 17).
-    constexpr bool PRE = true;
 #if TM_ATTN_TC
     constexpr int BN = DecodeCfg<D>::BN;
     constexpr int LD = DecodeCfg<D>::LD;
@@ -734,13 +740,13 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
     const int seq = blockIdx.z;
     const int split = blockIdx.x;
     if (q_len[seq] != 1) {
-        if (PRE) wait();
+        wait();
         return;
     }
     const Seq sq = load_seq(q_start, q_len, ctx_len, bt_start, seq);
     const DecodeRange rg = decode_range(sq.ctx_len, window, num_splits, partition);
     if (split >= rg.used) {
-        if (PRE) wait();
+        wait();
         return;
     }
     int k_begin, k_end;
@@ -753,19 +759,16 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int ntiles = k_end > k_begin ? (k_end - k_begin + BN - 1) / BN : 0;
     int pre_rows = 0;  // rows of the first tile copied before `wait`
-    if constexpr (PRE) {
-        if (ntiles > 0) {
-            pre_rows = max(0, min(BN, min(k_end, sq.ctx_len - 1) - k_begin));
-            if constexpr (KV8)
-                load_kv_tile<C, D, RS>(reinterpret_cast<C*>(raw), reinterpret_cast<C*>(raw + BN * RS), k_cache,
-                                       v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh, k_begin, k_end,
-                                       pre_rows);
-            else
-                load_kv_tile<C, D, LD>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads,
-                                       kvh, k_begin, k_end, pre_rows);
-        }
-        wait();
+    if (ntiles > 0) {
+        pre_rows = rows_before_newest(k_begin, k_end, sq.ctx_len, BN);
+        if constexpr (KV8)
+            load_kv_tile<C, D, RS>(reinterpret_cast<C*>(raw), reinterpret_cast<C*>(raw + BN * RS), k_cache, v_cache,
+                                   block_tables, sq.bt_start, block_size, kv_heads, kvh, k_begin, k_end, pre_rows);
+        else
+            load_kv_tile<C, D, LD>(sK, sV, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
+                                   k_begin, k_end, pre_rows);
     }
+    wait();
 
     // Q rows: row i = group member g0 + i (query head kvh * group + g0 + i).
     for (int c = tid; c < 16 * CH; c += 128) {
@@ -893,7 +896,7 @@ __device__ __forceinline__ void attn_decode(const T* __restrict__ q, const C* __
     decode_merge<T, D, 16>(sO, s_m, s_l, s_f, min(gs, group - g0), kvh * group + g0, rg, sq.q_start, seq, heads,
                            num_splits, split, out, part_o, part_ml, counters);
 #else
-    if (PRE) wait();  // no body before sm_80, but the wait stays
+    wait();  // no body before sm_80, but the wait stays
 #endif
 }
 
@@ -1004,7 +1007,7 @@ __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, con
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
     const int ntiles = k_end > k_begin ? (k_end - k_begin + BN - 1) / BN : 0;
     // As attn_decode: the first tile's keys before the newest one are copied before `wait`.
-    const int pre_rows = ntiles > 0 ? max(0, min(BN, min(k_end, sq.ctx_len - 1) - k_begin)) : 0;
+    const int pre_rows = ntiles > 0 ? rows_before_newest(k_begin, k_end, sq.ctx_len, BN) : 0;
     if (pre_rows > 0)
         gqa_load_tile(raw, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh, k_begin, k_end, 0,
                       pre_rows);
