@@ -945,17 +945,18 @@ template <int NS_> struct GqaKv8Cfg {
 __device__ __forceinline__ int gqa_k_chunk(int r, int ch) { return r * 128 + ((ch ^ (r & 7)) << 4); }
 __device__ __forceinline__ int gqa_v_chunk(int r, int ch) { return r * 128 + ((ch ^ ((r & 3) << 1)) << 4); }
 
-// Issues the cp.async copies of keys [k0 + first_row, k0 + end_row) of KV head `kvh` into a stage
-// (K at `st`, V at st + 64 * 128), swizzled as above; keys at or past `k_end` are zero-filled.
+// Issues the cp.async copies of keys [k0 + first_row, k0 + rows) of KV head `kvh` into a stage (K
+// at `st`, V at st + 64 * 128), swizzled as above; keys at or past `k_end` are zero-filled (the
+// row range as `load_kv_tile`'s).
 __device__ __forceinline__ void gqa_load_tile(unsigned char* st, const kv8* k_cache, const kv8* v_cache,
                                               const unsigned* block_tables, int bt_start, int block_size,
-                                              int kv_heads, int kvh, int k0, int k_end, int first_row = 0,
-                                              int end_row = 64) {
+                                              int kv_heads, int kvh, int k0, int k_end, int rows = 64,
+                                              int first_row = 0) {
     const int ch = threadIdx.x & 7;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int r = (threadIdx.x >> 3) + 16 * i;
-        if (r < first_row || r >= end_row) continue;
+        if (r < first_row || r >= rows) continue;
         const int key = k0 + r;
         unsigned char* dk = st + gqa_k_chunk(r, ch);
         unsigned char* dv = st + 64 * 128 + gqa_v_chunk(r, ch);
@@ -1009,7 +1010,7 @@ __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, con
     // As attn_decode: the first tile's keys before the newest one are copied before `wait`.
     const int pre_rows = ntiles > 0 ? rows_before_newest(k_begin, k_end, sq.ctx_len, BN) : 0;
     if (pre_rows > 0)
-        gqa_load_tile(raw, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh, k_begin, k_end, 0,
+        gqa_load_tile(raw, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh, k_begin, k_end,
                       pre_rows);
     wait();
 
@@ -1025,7 +1026,7 @@ __device__ __forceinline__ void attn_decode_gqa_kv8(const T* __restrict__ q, con
     for (int p = 0; p < NS - 1; ++p) {
         if (p < ntiles)
             gqa_load_tile(raw + p * SB, k_cache, v_cache, block_tables, sq.bt_start, block_size, kv_heads, kvh,
-                          k_begin + p * BN, k_end, p == 0 ? pre_rows : 0);
+                          k_begin + p * BN, k_end, 64, p == 0 ? pre_rows : 0);
         cp_async_commit();
     }
 
