@@ -72,7 +72,7 @@
 // data does not change while the kernel runs), which is how the same hoisting of q4_gemv.cu's x
 // loads was found (ABI.md, PDL). The SiLU epilogue's IEEE division against `__fdividef`: -3 us.
 //
-// Arguments: none (the forms above), `iso`, `bk`, `sm` (session 13, below), `v` (session 14), `tl` (the lean kernels against their tile-major forms, `lnt`,
+// Arguments: none (the forms above), `wq`, `pk`, `smi` (session 18, below), `iso`, `bk`, `sm` (session 13, below), `v` (session 14), `tl` (the lean kernels against their tile-major forms, `lnt`,
 // `ln4t`, `silu_lnt`, the weights read as if stored tile-major: the layout's speed is the same for
 // random nibbles), `g4`, `at` (above), `pf` (the attention stand-in issuing `cp.async.bulk.prefetch.L2` of the first
 // MiBs of the next gate and up weights). Measured 2026-12-01 (f16; bf16 within 1%): tile-major
@@ -212,6 +212,42 @@
 // - Final binary (96dfb74) in two calls: 1955.0-1962.6 us (seven runs, mean 1958.7); bf16
 //   4405.0-4405.1 (its attention copies early too): 2.25x; copy bandwidth (4 GiB, median of 20)
 //   4.238 TB/s -> roofline 1370.8 us -> 70.0% (69.8-70.1).
+//
+// Session 18 (2026-12-02, H200, f16; bf16 within 1%):
+// - Mode `wq`, gate/up (silu_lnt, 3 CTAs per SM) on grids of G CTAs (16 G rows), 32 launches:
+//   G = 132 / 264 / 396 (one wave) / 448 / 528 / 660 / 792 (two) / 896: 6.44 / 8.43 / 9.58 / 13.31 /
+//   14.37 / 15.77 / 17.76 / 20.92 us. A wave's few last CTAs cost a whole CTA lifetime (396 -> 448:
+//   +3.7 us); at 792's rate per CTA, 896 CTAs would take ~20.1 us, so the 2.26 waves cost ~0.8 us
+//   per layer. The same layer's weights launched 32 times (L2 can hold up to G = 396's 26 MB, but
+//   the loads are evict-first): 3-5% faster at every G. down (ln4t) 11.94 us, same layer 11.55.
+// - Mode `pk`, an L2 prefetch kernel between q/k/v and attention (with attn_decode): the kernel
+//   alone (no bytes) 1732-1734 us against 1708-1714 without (a PDL hop costs ~0.7 us), o's 8.6 MB
+//   1740, 8 / 12 / 16 MiB of gate and of up 1819 / 1885 / 1951, o and 8 / 12 MiB 1883 / 1952: as in
+//   the engine in session 15, what is pulled while attention runs delays it and o.
+// - Engine (AWQ 8B b1 replay; shipped 1951.7-1955.8 us): ln4t_join at three CTAs per SM (U = 2, 80
+//   registers, no spills) 2127.4-2129.8 (as session 14 found); gate/up triggering its dependents
+//   first thing (so down's CTAs start in gate/up's last wave) 1949.5 / 1957.0 / 1954.9 against
+//   1953.6 / 1955.5 / 1954.9: nothing; decode attention without its combine tail (the partials
+//   written, no count, no merge: garbage out, timing only) 1877.1-1881.6: the fused combine costs
+//   ~76 us per step, the most that merging elsewhere could win.
+// - gate/up in CTAs of 4 warps (8 steps each; a `W` parameter of q4_tiles_lean, removed since) at
+//   7 per SM (72 registers, 40 B spilled), so that all 896 CTAs are resident in one wave: iso 21.28
+//   us against 20.92 for silu_lnt; at 6 per SM 22.75; chain +10 / +57 us. Neither the single wave
+//   nor longer warp streams help: the kernel is bound by its per-SM work, not by waves.
+// - Each warp prefetching its next step's weights into L2 (`prefetch.global.L2`, one line per lane,
+//   a `PF` parameter, removed since): gate/up 21.5 us against 21.5 without (harness kernel), down
+//   13.8 against 10.5; chain +20 (gate/up) / +220 us (all).
+// - Mode `smi`: scales and mins interleaved tile-major (`Tile::smi`, q4_tiles_lean's SMI; one
+//   8-byte load per lane and tile per step, 64 consecutive bytes per warp, instead of four 2-byte
+//   loads each touching 8 rows' sectors). Outputs bitwise equal. gate/up (silu_lnt's loop) iso
+//   20.19-20.30 us against 20.84-20.97 for silu_lnt; down (ln4t_join's loop without the join, U = 2)
+//   11.32-11.39 against 10.50-10.58 (slower: row-major scales of the CTA's 8 warps share L1
+//   sectors); q/k/v as lnt_rope runs it (two tiles per CTA, U = 2, no RoPE: `qkv2`) +6..+13 us per
+//   step. Chain (attn_decode, o/down as plain U = 2 kernels), per step: silu_lnt 1679.2 / 1681.5 /
+//   1682.2 us, the same loop with smi 1660.8 / 1660.7 / 1664.2 (f16; bf16 1672-1673 against
+//   1654-1655): -19 us. Not in the engine yet: it needs the gate and up weights' scales stored so
+//   (their own int4 layout, which the prefill GEMM's scale loads would also have to read, or a
+//   second copy of 117 MB for an 8B model), while q/k/v, o and down keep row-major scales.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -478,7 +514,19 @@ __global__ void fill_sm(__half* s, __half* m, size_t n, unsigned seed) {
     }
 }
 
-struct W { unsigned char* p; __half* s; __half* m; int rows, cols; };
+struct W { unsigned char* p; __half* s; __half* m; int rows, cols; unsigned* smi = nullptr; };
+// Mode `smi`: the scales and mins interleaved tile-major (tmq4::Tile::smi's layout).
+__global__ void make_smi(unsigned* smi, const __half* s, const __half* m, int rows, int groups) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)rows * groups; i += (long long)gridDim.x * blockDim.x) {
+        const int r = (int)(i / groups), gr = (int)(i % groups);
+        const long long at = (((long long)(r >> 4) * groups + gr) * 8 + (r & 7)) * 2 + ((r >> 3) & 1);
+        smi[at] = (unsigned)__half_as_ushort(s[i]) | ((unsigned)__half_as_ushort(m[i]) << 16);
+    }
+}
+static void add_smi(W& w) {
+    CK(cudaMalloc(&w.smi, (size_t)w.rows * (w.cols / 128) * 4));
+    make_smi<<<256, 256>>>(w.smi, w.s, w.m, w.rows, w.cols / 128);
+}
 static W make_w(int rows, int cols, unsigned seed) {
     W w{nullptr, nullptr, nullptr, rows, cols};
     size_t pb = (size_t)rows * cols / 2, ng = (size_t)rows * (cols / 128);
@@ -761,6 +809,111 @@ int g_silu = 0;  // gate/up on tile-major weights: 0 silu_lnt, 1 silu_t3a, 2 sil
 bool g_g4_only = false;
 int g_tl = 0;  // 1: the tile-major kernels (lnt, ln4t, silu_lnt: the weights read as tile-major)
 
+// Mode `pk` (session 18): an L2 prefetch kernel between q/k/v and attention (`at`'s chain): it
+// lets its dependents launch first thing, issues `cp.async.bulk.prefetch.L2` of pk_o bytes of o
+// (packed, then scales and mins) and pk_gu bytes of each of gate and up (64 KiB per instruction,
+// spread over its CTAs), then waits for q/k/v, so attention's wait still covers q/k/v. pk_on = 0:
+// no kernel (the hop's cost is pk_on = 1 with no bytes).
+int g_pk_on = 0;
+long long g_pk_o = 0, g_pk_gu = 0;
+bool g_pk_only = false;
+__device__ __forceinline__ void l2_prefetch_range(const char* p, long long bytes, int part, int parts) {
+    for (long long off = (long long)part * 65536; off < bytes; off += (long long)parts * 65536) {
+        const unsigned n = (unsigned)min(65536LL, bytes - off);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + off), "r"(n) : "memory");
+    }
+}
+__global__ void __launch_bounds__(32) l2_prefetch_kernel(const char* o, long long ob, const char* os, const char* om,
+                                                         long long osb, const char* g, const char* u, long long gub) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (threadIdx.x == 0) {
+        l2_prefetch_range(o, ob, blockIdx.x, gridDim.x);
+        l2_prefetch_range(os, osb, blockIdx.x, gridDim.x);
+        l2_prefetch_range(om, osb, blockIdx.x, gridDim.x);
+        l2_prefetch_range(g, gub, blockIdx.x, gridDim.x);
+        l2_prefetch_range(u, gub, blockIdx.x, gridDim.x);
+    }
+    tmk::pdl_wait();
+}
+
+// Mode `smi` (session 18): gate/up+SiLU as silu_lnt (U = 1, x with the weights, three CTAs per
+// SM), the scales and mins row-major or interleaved (`Tile::smi`); the epilogue written out here.
+template <class T, bool SMI>
+__global__ void __launch_bounds__(256, 3)
+    silu_s(T* out, const T* __restrict__ x, int n, int cols, const unsigned char* wg, const __half* sg,
+           const __half* mg, const unsigned char* wu, const __half* su, const __half* mu, int rows,
+           const unsigned* smig = nullptr, const unsigned* smiu = nullptr) {
+    const int row0 = blockIdx.x * 16;
+    const tmq4::Tile tiles[2] = {tmq4::Tile{wg, sg, mg, row0, rows, 1, 8, smig}, tmq4::Tile{wu, su, mu, row0, rows, 1, 8, smiu}};
+    float acc[2][4];
+    tmq4::q4_tiles_lean<T, 1, 2, true, true, SMI>(tiles, x, n, cols, acc, [] { tmk::pdl_wait(); });
+    tmq4::trigger_after_loop();
+    constexpr int W = 8;
+    __shared__ float red[W * 2 * 4 * 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[(warp * 8 + i * 4 + e) * 32 + lane] = acc[i][e];
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < 128; idx += 32 * W) {
+        float gs = 0.f, us = 0.f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+            gs += red[w * 256 + idx];
+            us += red[w * 256 + 128 + idx];
+        }
+        const int e = idx >> 5, ln = idx & 31;
+        const int row = row0 + (ln >> 2) + 8 * (e >> 1);
+        const int j = 2 * (ln & 3) + (e & 1);
+        if (j < n && row < rows) {
+            const float gv = tmk::round_to<T>(gs), uv = tmk::round_to<T>(us);
+            out[(long long)j * rows + row] = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
+        }
+    }
+}
+// One weight (o, down), 16 rows per CTA, U steps in flight (ln4t_join's loop without the join).
+template <class T, int U, int MINB, bool SMI>
+__global__ void __launch_bounds__(256, MINB) plain_smi(const T* __restrict__ x, int cols, T* out, const unsigned char* w,
+                                                      const __half* s, const __half* m, const unsigned* smi, int rows) {
+    const tmq4::Tile tile{w, s, m, (int)blockIdx.x * 16, rows, 1, 8, smi};
+    float acc[1][4];
+    tmq4::q4_tiles_lean<T, U, 1, false, true, SMI>(&tile, x, 1, cols, acc, [] { tmk::pdl_wait(); });
+    tmq4::trigger_after_loop();
+    const float v = tmq4::reduce_warps<1>(acc);
+    if (threadIdx.x < 128) {
+        const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        const int row = blockIdx.x * 16 + (lane >> 2) + 8 * (e >> 1);
+        if (2 * (lane & 3) + (e & 1) == 0) out[row] = tmk::from_float<T>(v);
+    }
+}
+// Harness gate/up (silu_s) and o/down (plain_smi, U = 2, two per SM) by flags: 1 SMI.
+template <class T> static auto gu_kern(int f) { return f & 1 ? silu_s<T, true> : silu_s<T, false>; }
+template <class T> static auto pl_kern(int f) { return f & 1 ? plain_smi<T, 2, 2, true> : plain_smi<T, 2, 2, false>; }
+// q/k/v as lnt_rope runs it without the RoPE (two 16-row tiles per CTA, U = 2, x at use, two CTAs
+// per SM): CTAs 0..127 q, 128..159 k, 160..191 v (outputs not stored: timing only).
+template <class T, bool SMI>
+__global__ void __launch_bounds__(256, 2) qkv2(const T* __restrict__ x, T* out, const unsigned char* wq, const __half* sq,
+                                              const __half* mq, const unsigned* iq, const unsigned char* wk,
+                                              const __half* sk, const __half* mk, const unsigned* ik,
+                                              const unsigned char* wv, const __half* sv, const __half* mv,
+                                              const unsigned* iv) {
+    int c = blockIdx.x;
+    const unsigned char* w = wq; const __half* sc = sq; const __half* mn = mq; const unsigned* ii = iq; int rows = 4096;
+    if (c >= 128) { c -= 128; w = wk; sc = sk; mn = mk; ii = ik; rows = 1024; }
+    if (c >= 32) { c -= 32; w = wv; sc = sv; mn = mv; ii = iv; }
+    const tmq4::Tile tiles[2] = {tmq4::Tile{w, sc, mn, 32 * c, rows, 1, 8, ii}, tmq4::Tile{w, sc, mn, 32 * c + 16, rows, 1, 8, ii}};
+    float acc[2][4];
+    tmq4::q4_tiles_lean<T, 2, 2, false, true, SMI>(tiles, x, 1, 4096, acc, [] { tmk::pdl_wait(); });
+    tmq4::trigger_after_loop();
+    const float v = tmq4::reduce_warps<2>(acc);
+    if (threadIdx.x < 8 && v == 12345.f) out[blockIdx.x] = tmk::from_float<T>(v);
+}
+// chain: 0 = shipped kernels; else 16 + gate/up flags + 4 * o/down flags (harness kernels); 32:
+// gate/up = silu_lnt; 64: q/k/v = qkv2 (128: with smi)
+int g_smi = 0;
+bool g_smi_only = false;
+
 template <class T> struct Bufs {
     T *resid, *delta, *normed, *q, *k, *v, *act, *gamma, *kc, *vc;
     float *sink, *inv_freq;
@@ -779,6 +932,12 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
     const T* nul = nullptr;
     for (const Layer& L : Ls) {
         join(form, b, st);
+        if (g_smi & 64)
+            launch(g_smi & 128 ? qkv2<T, true> : qkv2<T, false>, 192, 256, 0, st, (const T*)b.normed, b.v,
+                   (const unsigned char*)L.q.p, (const __half*)L.q.s, (const __half*)L.q.m, (const unsigned*)L.q.smi,
+                   (const unsigned char*)L.k.p, (const __half*)L.k.s, (const __half*)L.k.m, (const unsigned*)L.k.smi,
+                   (const unsigned char*)L.v.p, (const __half*)L.v.s, (const __half*)L.v.m, (const unsigned*)L.v.smi);
+        else
         launch(g_tl ? Ks<T>::tl : Ks<T>::ln, 384, 256, 0, st, (const T*)b.normed, 1, H, 128, b.q, b.k, b.v, (const unsigned char*)L.q.p,
                (const unsigned char*)L.k.p, (const unsigned char*)L.v.p, (const __half*)L.q.s, (const __half*)L.k.s,
                (const __half*)L.v.s, (const __half*)L.q.m, (const __half*)L.k.m, (const __half*)L.v.m, nul, nul, nul,
@@ -790,6 +949,10 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
             launch(att_standin, 72, 256, 0, st, g_att == 2 ? 1 : 0, 6000LL, b.sink, (const char*)L.gate.p + g_pf_off,
                    (const char*)L.up.p + g_pf_off, g_pf);
         const T* ox = b.q;  // o's input: attention's output, or q standing in for it
+        if (g_pk_on)
+            launch(l2_prefetch_kernel, 16, 32, 0, st, (const char*)L.o.p, g_pk_o ? 4096LL * 4096 / 2 : 0LL,
+                   (const char*)L.o.s, (const char*)L.o.m, g_pk_o ? 4096LL * 32 * 2 : 0LL, (const char*)L.gate.p,
+                   (const char*)L.up.p, g_pk_gu);
         if (g_att == 3) {
             const size_t li = &L - &Ls[0];
             const AttnBufs& a = g_ab;
@@ -805,6 +968,9 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
         else if (g_bk & 4)
             launch(plain_bulk<T, 4>, 256, 256, tmq4::bulk_smem_bytes(1, 4, H), st, ox, 1, H, b.delta,
                    (const unsigned char*)L.o.p, (const __half*)L.o.s, (const __half*)L.o.m, 4096);
+        else if (g_smi)
+            launch(pl_kern<T>((g_smi >> 2) & 3), 256, 256, 0, st, ox, H, b.delta,
+                   (const unsigned char*)L.o.p, (const __half*)L.o.s, (const __half*)L.o.m, (const unsigned*)L.o.smi, 4096);
         else
         launch(g_tl ? Ks<T>::tl4 : Ks<T>::ln4, 256, 256, 0, st, ox, 1, H, 128, b.delta, (T*)nullptr, (T*)nullptr,
                (const unsigned char*)L.o.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
@@ -824,6 +990,11 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
             launch(silu_bulk<T, 4>, 896, 256, tmq4::bulk_smem_bytes(2, 4, H), st, b.act, (const T*)b.normed, 1, H,
                    (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
                    (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F);
+        else if (g_smi && !(g_smi & 32))
+            launch(gu_kern<T>(g_smi & 3), 896, 256, 0, st, b.act, (const T*)b.normed, 1, H,
+                   (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
+                   (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F, (const unsigned*)L.gate.smi,
+                   (const unsigned*)L.up.smi);
         else
         launch(silu, 896, 256, 0, st, b.act, (const T*)b.normed, 1, H, 128, (const unsigned char*)L.gate.p,
                (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p, (const __half*)L.up.s,
@@ -835,6 +1006,9 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
             launch(g_bk & 8 ? plain_bulk<T, 4> : plain_bulk<T, 8>, 256, 256, tmq4::bulk_smem_bytes(1, g_bk & 8 ? 4 : 8, F),
                    st, (const T*)b.act, 1, F, b.delta, (const unsigned char*)L.down.p, (const __half*)L.down.s,
                    (const __half*)L.down.m, 4096);
+        else if (g_smi)
+            launch(pl_kern<T>((g_smi >> 2) & 3), 256, 256, 0, st, (const T*)b.act, F, b.delta,
+                   (const unsigned char*)L.down.p, (const __half*)L.down.s, (const __half*)L.down.m, (const unsigned*)L.down.smi, 4096);
         else
         launch(g_tl ? Ks<T>::tl4 : Ks<T>::ln4, 256, 256, 0, st, (const T*)b.act, 1, F, 128, b.delta, (T*)nullptr, (T*)nullptr,
                (const unsigned char*)L.down.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
@@ -1084,6 +1258,120 @@ template <class T> static void iso(const char* dt, const std::vector<Layer>& Ls)
     CK(cudaFree(x)); CK(cudaFree(y));
 }
 
+// Mode `wq` (session 18): how gate/up's time depends on its grid (wave quantization: 896 CTAs at
+// three per SM are 2.26 waves) and on where its weights are (the same layer's weights launched 32
+// times, L2-resident when they fit, against 32 layers' weights from DRAM).
+template <class T> static void wq(const char* dt, const std::vector<Layer>& Ls) {
+    const int H = 4096, F = 14336;
+    T *x, *y;
+    CK(cudaMalloc(&x, F * sizeof(T))); CK(cudaMalloc(&y, F * sizeof(T)));
+    fill_x<T><<<64, 256>>>(x, F, 5, 0.5f);
+    cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    const T* nul = nullptr;
+    auto time = [&](auto body) {
+        cudaGraph_t g; cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        for (int l = 0; l < 32; ++l) body(l);
+        CK(cudaStreamEndCapture(st, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, st));
+        cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+        CK(cudaEventRecord(e0, st));
+        for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, st));
+        CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
+        float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+        CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
+        return 1000.0 * ms / 20 / 32;
+    };
+    auto gu = [&](int G, bool same) {
+        return time([&](int l) {
+            const Layer& L = Ls[same ? 0 : l];
+            launch(Ks<T>::silu_tl, G, 256, 0, st, y, (const T*)x, 1, H, 128, (const unsigned char*)L.gate.p,
+                   (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p, (const __half*)L.up.s,
+                   (const __half*)L.up.m, 16 * G, (const double*)nullptr, 0.f);
+        });
+    };
+    for (int G : {132, 264, 396, 448, 528, 660, 792, 896}) {
+        const double bytes = 2.0 * 16 * G * H * (0.5 + 4.0 / 128);
+        const double d = gu(G, false), s = gu(G, true);
+        printf("%s wq gate/up G=%4d (%.2f waves at 3/SM): DRAM %6.2f us %5.2f TB/s, us per 396 CTAs %6.2f | same layer %6.2f us %5.2f TB/s\n",
+               dt, G, G / 396.0, d, bytes / d / 1e6, d * 396.0 / G, s, bytes / s / 1e6);
+    }
+    auto dn = [&](bool same) {
+        return time([&](int l) {
+            const Layer& L = Ls[same ? 0 : l];
+            launch(Ks<T>::tl4, 256, 256, 0, st, (const T*)x, 1, F, 128, y, (T*)nullptr, (T*)nullptr,
+                   (const unsigned char*)L.down.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
+                   (const __half*)L.down.s, (const __half*)nullptr, (const __half*)nullptr, (const __half*)L.down.m,
+                   (const __half*)nullptr, (const __half*)nullptr, nul, nul, nul, 4096, 0, 0);
+        });
+    };
+    const double dbytes = (double)F * H * (0.5 + 4.0 / 128);
+    const double d = dn(false), s = dn(true);
+    printf("%s wq down ln4t: DRAM %6.2f us %5.2f TB/s | same layer %6.2f us %5.2f TB/s\n", dt, d, dbytes / d / 1e6, s, dbytes / s / 1e6);
+    CK(cudaFree(x)); CK(cudaFree(y));
+}
+
+// Mode `smi`: gate/up and down with interleaved tile-major scales against the same kernels with
+// row-major ones (bitwise checked) and the shipped silu_lnt, alone and in the `at` chain.
+template <class T> static void smi_iso(const char* dt, const std::vector<Layer>& Ls) {
+    const int H = 4096, F = 14336;
+    T *x, *y0, *y1;
+    CK(cudaMalloc(&x, F * sizeof(T))); CK(cudaMalloc(&y0, F * sizeof(T))); CK(cudaMalloc(&y1, F * sizeof(T)));
+    fill_x<T><<<64, 256>>>(x, F, 5, 0.5f);
+    cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    auto gu = [&](int v, const Layer& L, T* y) {
+        if (v == 0)
+            launch(Ks<T>::silu_tl, 896, 256, 0, st, y, (const T*)x, 1, H, 128, (const unsigned char*)L.gate.p,
+                   (const __half*)L.gate.s, (const __half*)L.gate.m, (const unsigned char*)L.up.p, (const __half*)L.up.s,
+                   (const __half*)L.up.m, F, (const double*)nullptr, 0.f);
+        else
+            launch(gu_kern<T>(v - 1), 896, 256, 0, st, y, (const T*)x, 1, H,
+                   (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
+                   (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F, (const unsigned*)L.gate.smi,
+                   (const unsigned*)L.up.smi);
+    };
+    auto dn = [&](int v, const Layer& L, T* y) {
+        launch(pl_kern<T>(v - 1), 256, 256, 0, st, (const T*)x, F, y,
+               (const unsigned char*)L.down.p, (const __half*)L.down.s, (const __half*)L.down.m, (const unsigned*)L.down.smi, 4096);
+    };
+    auto cmp = [&](const char* what, int cnt) {
+        CK(cudaStreamSynchronize(st));
+        std::vector<T> a(cnt), b(cnt);
+        CK(cudaMemcpy(a.data(), y0, cnt * sizeof(T), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(b.data(), y1, cnt * sizeof(T), cudaMemcpyDeviceToHost));
+        int bad = 0;
+        for (int i = 0; i < cnt; ++i) bad += memcmp(&a[i], &b[i], sizeof(T)) != 0;
+        printf("%s check %s: %d of %d differ (sample %g)\n", dt, what, bad, cnt, (float)a[cnt / 3]);
+    };
+    CK(cudaMemset(y1, 0, F * sizeof(T))); gu(0, Ls[0], y0); gu(1, Ls[0], y1); cmp("gate/up silu_s (row-major scales) vs silu_lnt", F);
+    CK(cudaMemset(y1, 0, F * sizeof(T))); gu(2, Ls[0], y1); cmp("gate/up silu_s smi vs silu_lnt", F);
+    CK(cudaMemset(y1, 0, F * sizeof(T))); dn(1, Ls[0], y0); dn(2, Ls[0], y1); cmp("down plain_smi smi vs row-major", H);
+    auto time = [&](auto body) {
+        cudaGraph_t g; cudaGraphExec_t ge;
+        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        for (const Layer& L : Ls) body(L);
+        CK(cudaStreamEndCapture(st, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
+        for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, st));
+        cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+        CK(cudaEventRecord(e0, st));
+        for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, st));
+        CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
+        float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+        CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
+        return 1000.0 * ms / 20 / Ls.size();
+    };
+    for (int r = 0; r < 2; ++r) {
+        double t[3], d[2];
+        for (int v = 0; v < 3; ++v) t[v] = time([&](const Layer& L) { gu(v, L, y0); });
+        for (int v = 1; v < 3; ++v) d[v - 1] = time([&](const Layer& L) { dn(v, L, y0); });
+        printf("%s smi iso gate/up: silu_lnt %6.2f | silu_s row-major %6.2f | smi %6.2f us\n", dt, t[0], t[1], t[2]);
+        printf("%s smi iso down (U=2): row-major %6.2f | smi %6.2f us\n", dt, d[0], d[1]);
+    }
+    CK(cudaFree(x)); CK(cudaFree(y0)); CK(cudaFree(y1));
+}
+
 template <class T> static void run(const char* dt, const std::vector<Layer>& Ls) {
     const int H = 4096, F = 14336;
     Bufs<T> b;
@@ -1119,7 +1407,15 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
     if (g_g4_only) cases.assign(std::begin(g4c), std::end(g4c));
     const Case atc[] = {{EARLY, 2, 0, 0, 0, 1, 0}, {EARLY, 3, 0, 0, 0, 1, 0}, {EARLY, 0, 0, 0, 0, 1, 0},
                         {EARLY, 2, 0, 0, 0, 1, 0}, {EARLY, 3, 0, 0, 0, 1, 0}, {EARLY, 0, 0, 0, 0, 1, 0}};
-    if (g_at_only || g_bk_only) {
+    // pk: {on, o, MiB of gate/up}; all with attn_decode, early joins, tile-major.
+    const int pkc[][3] = {{0, 0, 0}, {1, 0, 0}, {1, 1, 0}, {1, 0, 8}, {1, 1, 8}, {1, 0, 12}, {1, 1, 12}, {1, 0, 16},
+                          {0, 0, 0}, {1, 0, 0}, {1, 1, 8}, {1, 0, 12}};
+    if (g_pk_only) cases.assign(sizeof pkc / sizeof pkc[0], Case{EARLY, 3, 0, 0, 0, 1, 0});
+    // 16: harness kernels, row-major; 17: gate/up smi; 19: gate/up smi+pf; 18: gate/up pf;
+    // 16 + 2 + 8 = 26: pf everywhere; 27: gate/up smi+pf, o/down pf
+    const int smc2[] = {48, 17, 112, 81, 209, 48, 17, 112, 81, 209, 48, 17};
+    if (g_smi_only) cases.assign(sizeof smc2 / sizeof smc2[0], Case{EARLY, 3, 0, 0, 0, 1, 0});
+    if (g_at_only || g_bk_only || g_pk_only || g_smi_only) {
         if (g_at_only) cases.assign(std::begin(atc), std::end(atc));
         AttnBufs& a = g_ab;
         const size_t per = (size_t)ASPLITS * ABLK * 8 * 128;  // elements of one layer's K (or V) cache
@@ -1157,6 +1453,13 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
     }
     printf("GEMVs trigger after their loops: %d\n", TM_Q4_GEMV_EARLY_TRIGGER);
     for (const Case& c : cases) {
+        if (g_smi_only) g_smi = smc2[&c - &cases[0]];
+        if (g_pk_only) {
+            const int* k = pkc[&c - &cases[0]];
+            g_pk_on = k[0];
+            g_pk_o = k[1];
+            g_pk_gu = (long long)k[2] << 20;
+        }
         const Form form = c.form;
         g_att = c.att;
         g_rope = c.rope;
@@ -1191,6 +1494,9 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         if (g_bk_only) printf(" [bulk-staged:%s%s%s%s]", g_bk & 1 ? " gate/up" : "", g_bk & 2 ? " down (S = 8)" : "",
                               g_bk & 8 ? " down (S = 4)" : "", g_bk & 4 ? " o" : "");
         if (g_pf) printf(", L2 prefetch of %lld MiB of gate and of up from row %d", g_pf >> 20, c.pf_off_rows);
+        if (g_smi) printf(" [%s%s, o/down plain U=2%s%s]", g_smi & 32 ? "silu_lnt" : "harness gate/up", g_smi & 1 ? " smi" : "", g_smi & 4 ? " smi" : "",
+                          g_smi & 64 ? (g_smi & 128 ? ", q/k/v qkv2 smi" : ", q/k/v qkv2") : "");
+        if (g_pk_on) printf(" [L2 prefetch kernel before attention:%s %lld MiB of gate and of up]", g_pk_o ? " o," : "", g_pk_gu >> 20);
         printf("\n");
         CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
     }
@@ -1204,6 +1510,8 @@ int main(int argc, char** argv) {
     g_at_only = argc > 1 && std::string(argv[1]) == "at";
     g_bk_only = argc > 1 && (std::string(argv[1]) == "bk" || std::string(argv[1]) == "sm");
     g_sm_only = argc > 1 && std::string(argv[1]) == "sm";
+    g_pk_only = argc > 1 && std::string(argv[1]) == "pk";
+    g_smi_only = argc > 1 && std::string(argv[1]) == "smi";
     setvbuf(stdout, nullptr, _IONBF, 0);
     std::vector<Layer> Ls;
     for (int l = 0; l < 32; ++l) {
@@ -1213,6 +1521,18 @@ int main(int argc, char** argv) {
                            make_w(4096, 14336, s + 7)});
     }
     CK(cudaDeviceSynchronize());
+    if (g_smi_only) {
+        for (Layer& L : Ls)
+            for (W* w : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down}) add_smi(*w);
+        CK(cudaDeviceSynchronize());
+        smi_iso<__half>("f16", Ls);
+        smi_iso<__nv_bfloat16>("bf16", Ls);
+    }
+    if (argc > 1 && std::string(argv[1]) == "wq") {
+        wq<__half>("f16", Ls);
+        wq<__nv_bfloat16>("bf16", Ls);
+        return 0;
+    }
     if (argc > 1 && (std::string(argv[1]) == "iso" || g_v_only)) {
         iso<__half>("f16", Ls);
         iso<__nv_bfloat16>("bf16", Ls);

@@ -323,6 +323,12 @@ struct Tile {
     int rows;
     int gs = 1;
     int hs = 8;
+    // Scales and mins interleaved tile-major, for `q4_tiles_lean`'s SMI: one 32-bit word (scale |
+    // min << 16) per row and group at word ((row / 16 * groups + group) * 8 + row % 8) * 2 + row / 8
+    // % 2, so a warp step's 16 rows of a tile are 64 consecutive bytes (one 8-byte load per lane).
+    // No weight is stored so yet: scripts/gpu/q4_decode_chain.cu mode `smi` measured it (gate/up
+    // -19 us per 8B step; q/k/v and down slower).
+    const unsigned* smi = nullptr;
 };
 
 // One warp step's operands as loaded: per tile, the lane's 16-byte chunks of rows g and g + 8
@@ -456,7 +462,8 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
 // of a tile's 16 rows is 1 KiB of consecutive bytes, lane 4 g + t's chunks of rows g and g + 8 at
 // 16 lane and 512 + 16 lane, so a warp's step reads 1 KiB in two fully used 512-byte loads instead
 // of 64 bytes from each of 16 rows (the tile is then rows row0 .. row0 + 15: gs = 1, hs = 8).
-template <class T, int U, int NT, bool XPRE, bool TILED = false, class Wait>
+// SMI (with TILED): the scales and mins come from `Tile::smi` instead of `scales` and `mins`.
+template <class T, int U, int NT, bool XPRE, bool TILED = false, bool SMI = false, class Wait>
 __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __restrict__ x, int n, int cols,
                                               float acc[NT][4], Wait wait) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -490,6 +497,9 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         }
     }
     const unsigned wo = (unsigned)(64 * warp + lane) * 16u;  // TILED
+    unsigned smo[NT];                                         // SMI: the lane's word pair at step 0
+#pragma unroll
+    for (int i = 0; i < NT; ++i) smo[i] = ((unsigned)(tiles[i].row0 >> 4) * groups + warp) * 16u + 2u * g;
     const uint4* xp = lean_x_lane(x, n, cols);
 
     struct Buf {
@@ -503,7 +513,16 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         for (int i = 0; i < NT; ++i)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                if (TILED) {
+                if (TILED && SMI) {
+                    B.w[i][h] = __ldcs(reinterpret_cast<const uint4*>(wb[i] + o) + 32 * h);
+                    if (h == 0) {
+                        const uint2 v = *reinterpret_cast<const uint2*>(tiles[i].smi + smo[i] + 128u * (unsigned)j);
+                        B.s[i][0] = __ushort_as_half((unsigned short)(v.x & 0xffffu));
+                        B.m[i][0] = __ushort_as_half((unsigned short)(v.x >> 16));
+                        B.s[i][1] = __ushort_as_half((unsigned short)(v.y & 0xffffu));
+                        B.m[i][1] = __ushort_as_half((unsigned short)(v.y >> 16));
+                    }
+                } else if (TILED) {
                     B.w[i][h] = __ldcs(reinterpret_cast<const uint4*>(wb[i] + o) + 32 * h);
                     const unsigned si = so[i][h] + 8u * (unsigned)j;
                     B.s[i][h] = tiles[i].scales[si];
