@@ -245,9 +245,13 @@
 //   sectors); q/k/v as lnt_rope runs it (two tiles per CTA, U = 2, no RoPE: `qkv2`) +6..+13 us per
 //   step. Chain (attn_decode, o/down as plain U = 2 kernels), per step: silu_lnt 1679.2 / 1681.5 /
 //   1682.2 us, the same loop with smi 1660.8 / 1660.7 / 1664.2 (f16; bf16 1672-1673 against
-//   1654-1655): -19 us. Not in the engine yet: it needs the gate and up weights' scales stored so
-//   (their own int4 layout, which the prefill GEMM's scale loads would also have to read, or a
-//   second copy of 117 MB for an 8B model), while q/k/v, o and down keep row-major scales.
+//   1654-1655): -19 us. The scales and mins kept as two f16 arrays but each in that tile order
+//   (SMI = 2: two 4-byte loads per lane and tile per step; flag 2 of the mode's kernels): gate/up
+//   iso 20.46 us, chain 1659.0-1661.4 against silu_lnt's 1671.9-1680.1 (bf16 1655.6-1658.8
+//   against 1671.4-1674.9): -15 us, nearly smi's gain with no new tensor, so the engine took it
+//   (tm-core `Int4Layout::TilesAndScales16x128`, gate and up only; o/down with it: +40 us). In the
+//   engine (AWQ 8B b1 replay, `TM_GATE_UP_TILED_SCALES=0` against the default, five
+//   alternations in two calls): 1942.7-1949.7 us against 1951.9-1962.2, -10 us.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -514,7 +518,7 @@ __global__ void fill_sm(__half* s, __half* m, size_t n, unsigned seed) {
     }
 }
 
-struct W { unsigned char* p; __half* s; __half* m; int rows, cols; unsigned* smi = nullptr; };
+struct W { unsigned char* p; __half* s; __half* m; int rows, cols; unsigned* smi = nullptr; __half* ts = nullptr; __half* tm = nullptr; };
 // Mode `smi`: the scales and mins interleaved tile-major (tmq4::Tile::smi's layout).
 __global__ void make_smi(unsigned* smi, const __half* s, const __half* m, int rows, int groups) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)rows * groups; i += (long long)gridDim.x * blockDim.x) {
@@ -523,9 +527,21 @@ __global__ void make_smi(unsigned* smi, const __half* s, const __half* m, int ro
         smi[at] = (unsigned)__half_as_ushort(s[i]) | ((unsigned)__half_as_ushort(m[i]) << 16);
     }
 }
+// The scales and mins each in tile-major order (q4_tiles_lean's SMI = 2).
+__global__ void make_tm(__half* ts, __half* tm, const __half* s, const __half* m, int rows, int groups) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (long long)rows * groups; i += (long long)gridDim.x * blockDim.x) {
+        const int r = (int)(i / groups), gr = (int)(i % groups);
+        const long long at = (((long long)(r >> 4) * groups + gr) * 8 + (r & 7)) * 2 + ((r >> 3) & 1);
+        ts[at] = s[i];
+        tm[at] = m[i];
+    }
+}
 static void add_smi(W& w) {
     CK(cudaMalloc(&w.smi, (size_t)w.rows * (w.cols / 128) * 4));
     make_smi<<<256, 256>>>(w.smi, w.s, w.m, w.rows, w.cols / 128);
+    CK(cudaMalloc(&w.ts, (size_t)w.rows * (w.cols / 128) * 2));
+    CK(cudaMalloc(&w.tm, (size_t)w.rows * (w.cols / 128) * 2));
+    make_tm<<<256, 256>>>(w.ts, w.tm, w.s, w.m, w.rows, w.cols / 128);
 }
 static W make_w(int rows, int cols, unsigned seed) {
     W w{nullptr, nullptr, nullptr, rows, cols};
@@ -838,7 +854,7 @@ __global__ void __launch_bounds__(32) l2_prefetch_kernel(const char* o, long lon
 
 // Mode `smi` (session 18): gate/up+SiLU as silu_lnt (U = 1, x with the weights, three CTAs per
 // SM), the scales and mins row-major or interleaved (`Tile::smi`); the epilogue written out here.
-template <class T, bool SMI>
+template <class T, int SMI>
 __global__ void __launch_bounds__(256, 3)
     silu_s(T* out, const T* __restrict__ x, int n, int cols, const unsigned char* wg, const __half* sg,
            const __half* mg, const unsigned char* wu, const __half* su, const __half* mu, int rows,
@@ -873,7 +889,7 @@ __global__ void __launch_bounds__(256, 3)
     }
 }
 // One weight (o, down), 16 rows per CTA, U steps in flight (ln4t_join's loop without the join).
-template <class T, int U, int MINB, bool SMI>
+template <class T, int U, int MINB, int SMI>
 __global__ void __launch_bounds__(256, MINB) plain_smi(const T* __restrict__ x, int cols, T* out, const unsigned char* w,
                                                       const __half* s, const __half* m, const unsigned* smi, int rows) {
     const tmq4::Tile tile{w, s, m, (int)blockIdx.x * 16, rows, 1, 8, smi};
@@ -888,8 +904,11 @@ __global__ void __launch_bounds__(256, MINB) plain_smi(const T* __restrict__ x, 
     }
 }
 // Harness gate/up (silu_s) and o/down (plain_smi, U = 2, two per SM) by flags: 1 SMI.
-template <class T> static auto gu_kern(int f) { return f & 1 ? silu_s<T, true> : silu_s<T, false>; }
-template <class T> static auto pl_kern(int f) { return f & 1 ? plain_smi<T, 2, 2, true> : plain_smi<T, 2, 2, false>; }
+// (flag 2: SMI = 2, the scales and mins each tile-major: pass W::ts / W::tm as the scales and mins)
+static const __half* S_(const W& w, int f) { return f & 2 ? w.ts : w.s; }
+static const __half* M_(const W& w, int f) { return f & 2 ? w.tm : w.m; }
+template <class T> static auto gu_kern(int f) { return f & 2 ? silu_s<T, 2> : f & 1 ? silu_s<T, 1> : silu_s<T, 0>; }
+template <class T> static auto pl_kern(int f) { return f & 2 ? plain_smi<T, 2, 2, 2> : f & 1 ? plain_smi<T, 2, 2, 1> : plain_smi<T, 2, 2, 0>; }
 // q/k/v as lnt_rope runs it without the RoPE (two 16-row tiles per CTA, U = 2, x at use, two CTAs
 // per SM): CTAs 0..127 q, 128..159 k, 160..191 v (outputs not stored: timing only).
 template <class T, bool SMI>
@@ -970,7 +989,7 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
                    (const unsigned char*)L.o.p, (const __half*)L.o.s, (const __half*)L.o.m, 4096);
         else if (g_smi)
             launch(pl_kern<T>((g_smi >> 2) & 3), 256, 256, 0, st, ox, H, b.delta,
-                   (const unsigned char*)L.o.p, (const __half*)L.o.s, (const __half*)L.o.m, (const unsigned*)L.o.smi, 4096);
+                   (const unsigned char*)L.o.p, S_(L.o, g_smi >> 2), M_(L.o, g_smi >> 2), (const unsigned*)L.o.smi, 4096);
         else
         launch(g_tl ? Ks<T>::tl4 : Ks<T>::ln4, 256, 256, 0, st, ox, 1, H, 128, b.delta, (T*)nullptr, (T*)nullptr,
                (const unsigned char*)L.o.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
@@ -992,8 +1011,8 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
                    (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F);
         else if (g_smi && !(g_smi & 32))
             launch(gu_kern<T>(g_smi & 3), 896, 256, 0, st, b.act, (const T*)b.normed, 1, H,
-                   (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
-                   (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F, (const unsigned*)L.gate.smi,
+                   (const unsigned char*)L.gate.p, S_(L.gate, g_smi), M_(L.gate, g_smi),
+                   (const unsigned char*)L.up.p, S_(L.up, g_smi), M_(L.up, g_smi), F, (const unsigned*)L.gate.smi,
                    (const unsigned*)L.up.smi);
         else
         launch(silu, 896, 256, 0, st, b.act, (const T*)b.normed, 1, H, 128, (const unsigned char*)L.gate.p,
@@ -1008,7 +1027,7 @@ template <class T> static void step(const std::vector<Layer>& Ls, Bufs<T>& b, Fo
                    (const __half*)L.down.m, 4096);
         else if (g_smi)
             launch(pl_kern<T>((g_smi >> 2) & 3), 256, 256, 0, st, (const T*)b.act, F, b.delta,
-                   (const unsigned char*)L.down.p, (const __half*)L.down.s, (const __half*)L.down.m, (const unsigned*)L.down.smi, 4096);
+                   (const unsigned char*)L.down.p, S_(L.down, g_smi >> 2), M_(L.down, g_smi >> 2), (const unsigned*)L.down.smi, 4096);
         else
         launch(g_tl ? Ks<T>::tl4 : Ks<T>::ln4, 256, 256, 0, st, (const T*)b.act, 1, F, 128, b.delta, (T*)nullptr, (T*)nullptr,
                (const unsigned char*)L.down.p, (const unsigned char*)nullptr, (const unsigned char*)nullptr,
@@ -1327,13 +1346,13 @@ template <class T> static void smi_iso(const char* dt, const std::vector<Layer>&
                    (const __half*)L.up.m, F, (const double*)nullptr, 0.f);
         else
             launch(gu_kern<T>(v - 1), 896, 256, 0, st, y, (const T*)x, 1, H,
-                   (const unsigned char*)L.gate.p, (const __half*)L.gate.s, (const __half*)L.gate.m,
-                   (const unsigned char*)L.up.p, (const __half*)L.up.s, (const __half*)L.up.m, F, (const unsigned*)L.gate.smi,
+                   (const unsigned char*)L.gate.p, S_(L.gate, v - 1), M_(L.gate, v - 1),
+                   (const unsigned char*)L.up.p, S_(L.up, v - 1), M_(L.up, v - 1), F, (const unsigned*)L.gate.smi,
                    (const unsigned*)L.up.smi);
     };
     auto dn = [&](int v, const Layer& L, T* y) {
         launch(pl_kern<T>(v - 1), 256, 256, 0, st, (const T*)x, F, y,
-               (const unsigned char*)L.down.p, (const __half*)L.down.s, (const __half*)L.down.m, (const unsigned*)L.down.smi, 4096);
+               (const unsigned char*)L.down.p, S_(L.down, v - 1), M_(L.down, v - 1), (const unsigned*)L.down.smi, 4096);
     };
     auto cmp = [&](const char* what, int cnt) {
         CK(cudaStreamSynchronize(st));
@@ -1346,7 +1365,9 @@ template <class T> static void smi_iso(const char* dt, const std::vector<Layer>&
     };
     CK(cudaMemset(y1, 0, F * sizeof(T))); gu(0, Ls[0], y0); gu(1, Ls[0], y1); cmp("gate/up silu_s (row-major scales) vs silu_lnt", F);
     CK(cudaMemset(y1, 0, F * sizeof(T))); gu(2, Ls[0], y1); cmp("gate/up silu_s smi vs silu_lnt", F);
+    CK(cudaMemset(y1, 0, F * sizeof(T))); gu(3, Ls[0], y1); cmp("gate/up silu_s tile-major scales vs silu_lnt", F);
     CK(cudaMemset(y1, 0, F * sizeof(T))); dn(1, Ls[0], y0); dn(2, Ls[0], y1); cmp("down plain_smi smi vs row-major", H);
+    CK(cudaMemset(y1, 0, F * sizeof(T))); dn(3, Ls[0], y1); cmp("down plain_smi tile-major scales vs row-major", H);
     auto time = [&](auto body) {
         cudaGraph_t g; cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
@@ -1363,11 +1384,11 @@ template <class T> static void smi_iso(const char* dt, const std::vector<Layer>&
         return 1000.0 * ms / 20 / Ls.size();
     };
     for (int r = 0; r < 2; ++r) {
-        double t[3], d[2];
-        for (int v = 0; v < 3; ++v) t[v] = time([&](const Layer& L) { gu(v, L, y0); });
-        for (int v = 1; v < 3; ++v) d[v - 1] = time([&](const Layer& L) { dn(v, L, y0); });
-        printf("%s smi iso gate/up: silu_lnt %6.2f | silu_s row-major %6.2f | smi %6.2f us\n", dt, t[0], t[1], t[2]);
-        printf("%s smi iso down (U=2): row-major %6.2f | smi %6.2f us\n", dt, d[0], d[1]);
+        double t[4], d[3];
+        for (int v = 0; v < 4; ++v) t[v] = time([&](const Layer& L) { gu(v, L, y0); });
+        for (int v = 1; v < 4; ++v) d[v - 1] = time([&](const Layer& L) { dn(v, L, y0); });
+        printf("%s smi iso gate/up: silu_lnt %6.2f | silu_s row-major %6.2f | smi %6.2f | tile-major %6.2f us\n", dt, t[0], t[1], t[2], t[3]);
+        printf("%s smi iso down (U=2): row-major %6.2f | smi %6.2f | tile-major %6.2f us\n", dt, d[0], d[1], d[2]);
     }
     CK(cudaFree(x)); CK(cudaFree(y0)); CK(cudaFree(y1));
 }
@@ -1413,7 +1434,7 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
     if (g_pk_only) cases.assign(sizeof pkc / sizeof pkc[0], Case{EARLY, 3, 0, 0, 0, 1, 0});
     // 16: harness kernels, row-major; 17: gate/up smi; 19: gate/up smi+pf; 18: gate/up pf;
     // 16 + 2 + 8 = 26: pf everywhere; 27: gate/up smi+pf, o/down pf
-    const int smc2[] = {48, 17, 112, 81, 209, 48, 17, 112, 81, 209, 48, 17};
+    const int smc2[] = {48, 17, 18, 56, 26, 48, 17, 18, 56, 26, 48, 18};
     if (g_smi_only) cases.assign(sizeof smc2 / sizeof smc2[0], Case{EARLY, 3, 0, 0, 0, 1, 0});
     if (g_at_only || g_bk_only || g_pk_only || g_smi_only) {
         if (g_at_only) cases.assign(std::begin(atc), std::end(atc));
@@ -1494,7 +1515,8 @@ template <class T> static void run(const char* dt, const std::vector<Layer>& Ls)
         if (g_bk_only) printf(" [bulk-staged:%s%s%s%s]", g_bk & 1 ? " gate/up" : "", g_bk & 2 ? " down (S = 8)" : "",
                               g_bk & 8 ? " down (S = 4)" : "", g_bk & 4 ? " o" : "");
         if (g_pf) printf(", L2 prefetch of %lld MiB of gate and of up from row %d", g_pf >> 20, c.pf_off_rows);
-        if (g_smi) printf(" [%s%s, o/down plain U=2%s%s]", g_smi & 32 ? "silu_lnt" : "harness gate/up", g_smi & 1 ? " smi" : "", g_smi & 4 ? " smi" : "",
+        if (g_smi) printf(" [%s%s, o/down plain U=2%s%s]", g_smi & 32 ? "silu_lnt" : "harness gate/up", g_smi & 1 ? " smi" : g_smi & 2 ? " tile-major scales" : "",
+                          g_smi & 4 ? " smi" : g_smi & 8 ? " tile-major scales" : "",
                           g_smi & 64 ? (g_smi & 128 ? ", q/k/v qkv2 smi" : ", q/k/v qkv2") : "");
         if (g_pk_on) printf(" [L2 prefetch kernel before attention:%s %lld MiB of gate and of up]", g_pk_o ? " o," : "", g_pk_gu >> 20);
         printf("\n");

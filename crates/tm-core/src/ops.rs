@@ -132,6 +132,15 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
         let _ = (rows, cols, group_size);
         crate::quant::Int4Layout::RowMajor
     }
+    /// Re-stores a layer's gate and up weights (the two halves of one `gate_up_silu` product) in
+    /// the order this backend's decode kernel reads fastest, once they are loaded. The CUDA
+    /// backend gives int4 ones that its lean tile-major kernel takes tile-ordered scales and mins
+    /// ([`crate::quant::Int4Layout::TilesAndScales16x128`], reordered in place: no extra memory).
+    /// A no-op unless a backend says otherwise; every product still accepts the weights.
+    fn prepare_gate_up(&self, gate: &mut Weight, up: &mut Weight) -> Result<()> {
+        let _ = (gate, up);
+        Ok(())
+    }
     /// Makes a dense weight tensor from host bytes of dtype `src_dtype`, converting to
     /// [`Ops::weight_dtype`].
     fn load_dense(&self, src_dtype: DType, shape: &[usize], src: &[u8], phase: &str) -> Result<Tensor>;

@@ -17,7 +17,11 @@
 //! (32 columns each, nibbles as above), ordered so that the 16 rows x 128 columns of one tile and
 //! column step are 1 KiB of consecutive bytes ([`int4_chunk_offset`]). A decode product then
 //! reads long runs of consecutive bytes instead of 64 bytes from each of 16 rows. Scales and
-//! mins stay `[rows, cols / group_size]`.
+//! mins stay `[rows, cols / group_size]`, row-major, except in
+//! [`Int4Layout::TilesAndScales16x128`], where they too are in tile order ([`int4_scale_index`]:
+//! the 16 rows of a tile and one group are 16 consecutive entries, rows `i` and `i + 8` side by
+//! side), so that a decode product's lane reads the scales of its two rows in one 32-bit load.
+//! The CUDA backend stores a layer's gate and up weights that way ([`crate::Ops::prepare_gate_up`]).
 //!
 //! # The int8 layout
 //! `packed` is `[rows, cols]` i8; `w = q * scale` with one f16 scale per group (GGUF Q8_0).
@@ -33,6 +37,16 @@ pub enum Int4Layout {
     /// Tiles of 16 rows, each column step of 128 columns of a tile 1 KiB of consecutive bytes:
     /// [`int4_chunk_offset`]. Needs `rows % 16 == 0` and `cols % 128 == 0`.
     Tiles16x128,
+    /// [`Int4Layout::Tiles16x128`] bytes, and the scales and mins in tile order too
+    /// ([`int4_scale_index`]). Same requirements.
+    TilesAndScales16x128,
+}
+
+impl Int4Layout {
+    /// Whether the packed bytes are in 16 x 128 tiles.
+    pub fn is_tiled(self) -> bool {
+        self != Int4Layout::RowMajor
+    }
 }
 
 /// Whether a `[rows, cols]` int4 matrix can be stored as [`Int4Layout::Tiles16x128`].
@@ -49,10 +63,39 @@ pub fn int4_tiles_fit(rows: usize, cols: usize) -> bool {
 pub fn int4_chunk_offset(layout: Int4Layout, row: usize, block: usize, cols: usize) -> usize {
     match layout {
         Int4Layout::RowMajor => row * (cols / 2) + block * 16,
-        Int4Layout::Tiles16x128 => {
+        Int4Layout::Tiles16x128 | Int4Layout::TilesAndScales16x128 => {
             ((row / 16) * (cols / 128) + block / 4) * 1024 + ((row / 8) % 2) * 512 + (row % 8) * 64 + (block % 4) * 16
         }
     }
+}
+
+/// Index of the scale (and of the min) of row `row`, group `group` in an int4 matrix with `groups`
+/// groups per row stored in `layout`: `row * groups + group`, except in
+/// [`Int4Layout::TilesAndScales16x128`]: `((row / 16 * groups + group) * 8 + row % 8) * 2 + row / 8
+/// % 2` (the order lane `4 g + t` of a warp reads rows `g` and `g + 8` of a tile in).
+pub fn int4_scale_index(layout: Int4Layout, row: usize, group: usize, groups: usize) -> usize {
+    match layout {
+        Int4Layout::TilesAndScales16x128 => (((row / 16) * groups + group) * 8 + row % 8) * 2 + (row / 8) % 2,
+        Int4Layout::RowMajor | Int4Layout::Tiles16x128 => row * groups + group,
+    }
+}
+
+/// Reorders row-major `[rows, groups]` scales (or mins) into the order of
+/// [`Int4Layout::TilesAndScales16x128`] (`rows % 16 == 0`, checked).
+pub fn tile_scales<T: Copy>(v: &[T], rows: usize, groups: usize) -> Result<Vec<T>> {
+    if !rows.is_multiple_of(16) || v.len() != rows * groups {
+        return Err(Error::invalid(format!(
+            "tile-ordered scales need rows % 16 == 0 and [rows, groups] values: {rows} x {groups}, {} values",
+            v.len()
+        )));
+    }
+    let mut out = v.to_vec();
+    for row in 0..rows {
+        for g in 0..groups {
+            out[int4_scale_index(Int4Layout::TilesAndScales16x128, row, g, groups)] = v[row * groups + g];
+        }
+    }
+    Ok(out)
 }
 
 /// Reorders row-major int4 bytes (`[rows, cols / 2]`) into [`Int4Layout::Tiles16x128`]
@@ -87,11 +130,11 @@ pub struct QuantWeight {
     pub group_size: usize,
     /// Packed values: `[rows, cols/2]` u8 for int4, `[rows, cols]` i8 for int8.
     pub packed: Tensor,
-    /// `[rows, cols/group_size]` f16 scales.
+    /// `[rows, cols/group_size]` f16 scales (in the order [`int4_scale_index`] gives).
     pub scales: Tensor,
-    /// `[rows, cols/group_size]` f16 mins (int4 only).
+    /// `[rows, cols/group_size]` f16 mins (int4 only; ordered as `scales`).
     pub mins: Option<Tensor>,
-    /// The order of `packed` (int4; int8 is always row-major).
+    /// The order of `packed`, `scales` and `mins` (int4; int8 is always row-major).
     pub layout: Int4Layout,
 }
 
@@ -139,7 +182,7 @@ impl QuantWeight {
             )));
         }
         let groups = self.cols / self.group_size;
-        if self.layout == Int4Layout::Tiles16x128 && !(int4 && int4_tiles_fit(self.rows, self.cols)) {
+        if self.layout.is_tiled() && !(int4 && int4_tiles_fit(self.rows, self.cols)) {
             return Err(Error::invalid(format!(
                 "a {} x {} {} weight cannot be stored in 16 x 128 tiles",
                 self.rows,
@@ -214,5 +257,27 @@ mod tests {
         assert!(tile_int4(&packed[1..], rows, cols).is_err());
         assert!(tile_int4(&packed[..rows * 96 / 2], rows, 96).is_err());
         assert!(!int4_tiles_fit(24, 256) && !int4_tiles_fit(32, 192) && int4_tiles_fit(16, 128));
+    }
+
+    #[test]
+    fn tile_ordered_scales_put_a_tile_steps_rows_side_by_side() {
+        let (rows, groups) = (32, 3);
+        let v: Vec<u32> = (0..(rows * groups) as u32).collect(); // value = row * groups + group
+        let t = tile_scales(&v, rows, groups).unwrap();
+        // Tile 1 (rows 16..31), group 2: 16 consecutive entries, rows 16, 24, 17, 25, ..., 23, 31.
+        let at = (groups + 2) * 16;
+        let want: Vec<u32> = (0..8).flat_map(|i| [16 + i, 24 + i]).map(|r| r * groups as u32 + 2).collect();
+        assert_eq!(&t[at..at + 16], &want[..]);
+        // A permutation that int4_scale_index inverts; the other layouts keep row-major order.
+        for r in 0..rows {
+            for g in 0..groups {
+                let i = int4_scale_index(Int4Layout::TilesAndScales16x128, r, g, groups);
+                assert_eq!(t[i] as usize, r * groups + g);
+                assert_eq!(int4_scale_index(Int4Layout::Tiles16x128, r, g, groups), r * groups + g);
+            }
+        }
+        assert!(tile_scales(&v[1..], rows, groups).is_err());
+        assert!(tile_scales(&v[..24 * groups], 24, groups).is_err());
+        assert!(Int4Layout::TilesAndScales16x128.is_tiled() && !Int4Layout::RowMajor.is_tiled());
     }
 }

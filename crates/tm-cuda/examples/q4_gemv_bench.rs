@@ -163,7 +163,8 @@ fn slot(w: &Weight, out: &Tensor) -> Result<Q4Slot, String> {
                 bias: 0,
                 out: out.buffer().addr(),
                 rows: q.rows,
-                tiled: q.layout == tm_core::quant::Int4Layout::Tiles16x128,
+                tiled: q.layout.is_tiled(),
+                tiled_scales: q.layout == tm_core::quant::Int4Layout::TilesAndScales16x128,
             })
         }
         _ => Err("not an int4 weight".into()),

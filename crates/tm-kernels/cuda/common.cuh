@@ -93,13 +93,30 @@ __device__ __forceinline__ void pdl_wait() {
 // `scripts/check_pdl_order.py` checks the built SASS for non-coherent loads above a wait.
 
 /// Byte offset of the 16-byte chunk `blk` (columns 32 blk .. 32 blk + 31) of row `r` of an int4
-/// weight of `cols` columns: row-major (`tiled` = 0), or tile-major (`tiled` = 1: tm-core's
-/// `Int4Layout::Tiles16x128` and `int4_chunk_offset`, ABI.md "int4 layouts"; rows % 16 == 0,
-/// cols % 128 == 0). Every int4 kernel takes the layout as an `int tiled` argument.
+/// weight of `cols` columns: row-major (`tiled` = 0), or tile-major (`tiled` = 1 or 2: tm-core's
+/// `Int4Layout::Tiles16x128` and `TilesAndScales16x128`, `int4_chunk_offset`, ABI.md "int4
+/// layouts"; rows % 16 == 0, cols % 128 == 0). Every int4 kernel takes the layout as an `int tiled`
+/// argument.
 __device__ __forceinline__ long long q4_chunk_offset(int r, int blk, int cols, int tiled) {
     return tiled ? ((long long)(r >> 4) * (cols >> 7) + (blk >> 2)) * 1024 + ((r >> 3) & 1) * 512 + (r & 7) * 64 +
                        (blk & 3) * 16
                  : (long long)r * (cols >> 1) + blk * 16;
+}
+
+/// Index of the scale (and of the min) of group 0 of row `r` of an int4 weight with `groups`
+/// groups per row: row-major for `tiled` 0 and 1 (r * groups + g for group g); for `tiled` = 2
+/// (tm-core's `Int4Layout::TilesAndScales16x128`, `int4_scale_index`) in tile order, the 16 rows of
+/// a tile and one group 16 consecutive entries with rows i and i + 8 side by side: ((r / 16 *
+/// groups + g) * 8 + r % 8) * 2 + r / 8 % 2. Rows 16 k apart are 16 k groups entries apart in
+/// both orders.
+__device__ __forceinline__ long long q4_scale_row(int r, int groups, int tiled) {
+    return tiled == 2 ? ((long long)(r >> 4) * groups * 8 + (r & 7)) * 2 + ((r >> 3) & 1) : (long long)r * groups;
+}
+/// The distance between consecutive groups of one row in that order (1, or 16 for `tiled` = 2).
+__device__ __forceinline__ int q4_scale_group_stride(int tiled) { return tiled == 2 ? 16 : 1; }
+/// `q4_scale_row(r) + g * q4_scale_group_stride()`: the entry of row `r`, group `g`.
+__device__ __forceinline__ long long q4_scale_index(int r, int g, int groups, int tiled) {
+    return q4_scale_row(r, groups, tiled) + (long long)g * q4_scale_group_stride(tiled);
 }
 
 /// Rounds `x` to `T` and back (what storing to a `T` tensor and reloading it gives).

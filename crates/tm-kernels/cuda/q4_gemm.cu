@@ -187,7 +187,9 @@ __device__ __forceinline__ void q4_gemm(T* __restrict__ out, const T* __restrict
     const long long b_step = 128ll * row_bytes;
     int b_kt = 0;  // the k-tile b_src points at
     const unsigned b_dst = b_r0 * 32 + ((b_blk ^ ((b_r0 >> 2) & 1)) << 4);
-    const long long s_row = (long long)(n0 + b_r0) * groups;  // scale index of the row's group 0
+    // Scale index of the row's group 0 (rows 128 apart: 128 groups entries in either order).
+    const long long s_row = tmk::q4_scale_row(n0 + b_r0, groups, tiled);
+    const int s_gstride = tmk::q4_scale_group_stride(tiled);
     const unsigned s_dst = b_r0 * 16 + b_blk * 8;
 
     const unsigned sA0 = smem_u32(sA), sB0 = smem_u32(sB);
@@ -212,7 +214,7 @@ __device__ __forceinline__ void q4_gemm(T* __restrict__ out, const T* __restrict
 #pragma unroll
         for (int i = 0; i < S::B_PER_THREAD; ++i) {
             if (n0 + b_r0 + 128 * i < rows) {
-                const long long gi = s_row + (long long)i * 128 * groups + g;
+                const long long gi = s_row + (long long)i * 128 * groups + (long long)g * s_gstride;
                 sv[i] = __ldg(scales + gi);
                 mv[i] = __ldg(mins + gi);
             } else {
@@ -559,8 +561,9 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = w0 + r0 + 8 * h;
-        s_idx[h] = (long long)(r < rows ? r : 0) * groups;
+        s_idx[h] = tmk::q4_scale_row(r < rows ? r : 0, groups, tiled);
     }
+    const int s_gstride = tmk::q4_scale_group_stride(tiled);
     // Per row h and 32-column block of a k-tile (SUBS = 2: one group for the whole k-tile, so
     // one pair per row): the f16 bits in the low half of a register (as __half values the
     // compiler packed two per register and spent ~30 PRMT per tile on moving them).
@@ -577,8 +580,9 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
         for (int blk = 0; blk < SB; ++blk) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                sc[h][blk] = __ldg(scale_bits + s_idx[h] + gi[blk]);
-                mn[h][blk] = __ldg(min_bits + s_idx[h] + gi[blk]);
+                const long long si = s_idx[h] + (long long)gi[blk] * s_gstride;
+                sc[h][blk] = __ldg(scale_bits + si);
+                mn[h][blk] = __ldg(min_bits + si);
             }
         }
         s_col += KT;  // SUBS = 1: group >= 32, at most two groups end within a tile; SUBS = 2: group % 128 == 0

@@ -57,6 +57,11 @@
 //   that `silu_lnt` runs U = 1 with x loaded with the weights at three CTAs per SM (79 registers
 //   against 123 at U = 2: 24 warps per SM to hide the step math's latency, which bounds gate/up;
 //   AWQ 8B batch-1 step on the H200 2080 us against 2126-2130 at U = 2, two per SM).
+// - `q4_gemv_silu_lnts_T`: `silu_lnt` for gate and up weights whose scales and mins are stored in
+//   tile order (tm-core's `Int4Layout::TilesAndScales16x128`, `tiled` = 2: a warp step's two rows
+//   per lane are one 32-bit load of each instead of two 16-bit loads over eight rows' sectors):
+//   AWQ 8B batch-1 replay on the H200 1942.7-1949.7 us against 1951.9-1962.2 with row-major
+//   scales (five alternations; scripts/gpu/q4_decode_chain.cu mode `smi`).
 // - `q4_gemv_*_join_T` (deferred RMSNorm, below): the plain kernel of the same name's
 //   configuration followed by the residual join, except that `ln4t_join` (a layer's o and down
 //   at batch 1) keeps two steps in flight per warp, not four (still two CTAs per SM): AWQ 8B
@@ -326,8 +331,9 @@ struct Tile {
     // Scales and mins interleaved tile-major, for `q4_tiles_lean`'s SMI: one 32-bit word (scale |
     // min << 16) per row and group at word ((row / 16 * groups + group) * 8 + row % 8) * 2 + row / 8
     // % 2, so a warp step's 16 rows of a tile are 64 consecutive bytes (one 8-byte load per lane).
-    // No weight is stored so yet: scripts/gpu/q4_decode_chain.cu mode `smi` measured it (gate/up
-    // -19 us per 8B step; q/k/v and down slower).
+    // Only scripts/gpu/q4_decode_chain.cu's mode `smi` uses it (gate/up -19 us per 8B step; q/k/v
+    // and down slower); the CUDA backend stores gate and up with tile-ordered scales instead
+    // (SMI = 2: two loads, as fast in the chain, and no new tensor).
     const unsigned* smi = nullptr;
 };
 
@@ -463,7 +469,7 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
 // 16 lane and 512 + 16 lane, so a warp's step reads 1 KiB in two fully used 512-byte loads instead
 // of 64 bytes from each of 16 rows (the tile is then rows row0 .. row0 + 15: gs = 1, hs = 8).
 // SMI (with TILED): the scales and mins come from `Tile::smi` instead of `scales` and `mins`.
-template <class T, int U, int NT, bool XPRE, bool TILED = false, bool SMI = false, class Wait>
+template <class T, int U, int NT, bool XPRE, bool TILED = false, int SMI = 0, class Wait>
 __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __restrict__ x, int n, int cols,
                                               float acc[NT][4], Wait wait) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -513,7 +519,20 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         for (int i = 0; i < NT; ++i)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                if (TILED && SMI) {
+                if (TILED && SMI == 2) {
+                    // scales and mins each in tile-major order: half ((row / 16 * groups + group)
+                    // * 8 + row % 8) * 2 + row / 8 % 2, so rows g and g + 8 are one 32-bit word
+                    B.w[i][h] = __ldcs(reinterpret_cast<const uint4*>(wb[i] + o) + 32 * h);
+                    if (h == 0) {
+                        const unsigned si = smo[i] / 2 + 64u * (unsigned)j;
+                        const unsigned sv = reinterpret_cast<const unsigned*>(tiles[i].scales)[si];
+                        const unsigned mv = reinterpret_cast<const unsigned*>(tiles[i].mins)[si];
+                        B.s[i][0] = __ushort_as_half((unsigned short)(sv & 0xffffu));
+                        B.s[i][1] = __ushort_as_half((unsigned short)(sv >> 16));
+                        B.m[i][0] = __ushort_as_half((unsigned short)(mv & 0xffffu));
+                        B.m[i][1] = __ushort_as_half((unsigned short)(mv >> 16));
+                    }
+                } else if (TILED && SMI) {
                     B.w[i][h] = __ldcs(reinterpret_cast<const uint4*>(wb[i] + o) + 32 * h);
                     if (h == 0) {
                         const uint2 v = *reinterpret_cast<const uint2*>(tiles[i].smi + smo[i] + 128u * (unsigned)j);
@@ -662,8 +681,9 @@ __device__ __forceinline__ void silu_store(T* out, float v, float* upv, int row0
 }
 
 // Which tile loop a kernel runs: `q4_tiles`, `q4_tiles_lean`, or `q4_tiles_lean` on tile-major
-// weights.
-enum Path { GENERIC = 0, LEAN = 1, LEAN_TILED = 2 };
+// weights, with row-major scales and mins or (LEAN_TILED_TS, `tiled` = 2) scales and mins in tile
+// order (SMI = 2).
+enum Path { GENERIC = 0, LEAN = 1, LEAN_TILED = 2, LEAN_TILED_TS = 3 };
 
 // The plain products with NT 16-row tiles (16 NT consecutive rows of one weight) per CTA.
 template <class T, int U, int NT, int PATH, class Wait>
@@ -765,7 +785,9 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
     const Tile tiles[2] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
                            Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[2][4];
-    if constexpr (PATH == LEAN_TILED)
+    if constexpr (PATH == LEAN_TILED_TS)
+        q4_tiles_lean<T, U, 2, XPRE, true, 2>(tiles, x, n, cols, acc, wait_sum);
+    else if constexpr (PATH == LEAN_TILED)
         q4_tiles_lean<T, U, 2, XPRE, true>(tiles, x, n, cols, acc, wait_sum);
     else if constexpr (PATH == LEAN)
         q4_tiles_lean<T, U, 2, XPRE>(tiles, x, n, cols, acc, wait_sum);
@@ -1013,6 +1035,7 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     TM_Q4_GEMV_SILU(q4_gemv_silu_ln_##SUF, T, 2, 2, LEAN)                                                               \
     TM_Q4_GEMV_SILU(q4_gemv_silu_ln4_##SUF, T, 4, 1, LEAN)                                                              \
     TM_Q4_GEMV_SILU_X(q4_gemv_silu_lnt_##SUF, T, 1, 3, LEAN_TILED, true)                                                \
+    TM_Q4_GEMV_SILU_X(q4_gemv_silu_lnts_##SUF, T, 1, 3, LEAN_TILED_TS, true)                                            \
     TM_Q4_GEMV_SILU(q4_gemv_silu_ln4t_##SUF, T, 4, 1, LEAN_TILED)                                                        \
     TM_Q4_GEMV_JOIN(q4_gemv_n16_join_##SUF, T, 2, 3, GENERIC)                                                           \
     TM_Q4_GEMV_JOIN(q4_gemv_ln_join_##SUF, T, 2, 2, LEAN)                                                               \

@@ -18,8 +18,9 @@
 // A third entry, `dequant_q4_rows_T` (f16/bf16), writes a slab of int4 rows dequantized into a
 // scratch buffer for the large-batch path that multiplies it with cuBLASLt.
 //
-// The int4 entries take the weight's layout last (`int tiled`: 0 row-major, 1 tile-major, see
-// `tmk::q4_chunk_offset`); the int8 ones are always row-major.
+// The int4 entries take the weight's layout last (`int tiled`: 0 row-major, 1 tile-major, 2
+// tile-major with the scales and mins in tile order, see `tmk::q4_chunk_offset` and
+// `tmk::q4_scale_index`); the int8 ones are always row-major.
 //
 // Requirements checked by the launcher: cols % 32 == 0, group % 32 == 0, cols % group == 0,
 // `packed` / `q` 16-byte aligned. `x` and `out` need only element alignment (16-byte vector loads
@@ -157,8 +158,6 @@ __device__ __forceinline__ void gemv_q4(T* __restrict__ out, const T* __restrict
     const int groups = cols / group;
     // Block b of the row (row-major: 16 b bytes on; tile-major: tmk::q4_chunk_offset).
     auto wblk = [&](int b) { return reinterpret_cast<const uint4*>(packed + tmk::q4_chunk_offset(row, b, cols, tiled)); };
-    const __half* srow = scales + (long long)row * groups;
-    const __half* mrow = mins + (long long)row * groups;
     const bool xvec = aligned16(x);
     float acc[NB];
 #pragma unroll
@@ -169,9 +168,9 @@ __device__ __forceinline__ void gemv_q4(T* __restrict__ out, const T* __restrict
     while (b < nblk) {
         const int bn = b + 32;
         const uint4 nxt = bn < nblk ? __ldg(wblk(bn)) : make_uint4(0, 0, 0, 0);
-        const int g = (b << 5) / group;
-        const float s = __half2float(srow[g]);
-        const float m = __half2float(mrow[g]);
+        const long long gi = tmk::q4_scale_index(row, (b << 5) / group, groups, tiled);
+        const float s = __half2float(scales[gi]);
+        const float m = __half2float(mins[gi]);
         const unsigned words[4] = {cur.x, cur.y, cur.z, cur.w};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // h = 0: low nibbles, columns c0..c0+15; h = 1: high, c0+16..c0+31
@@ -336,7 +335,7 @@ __device__ __forceinline__ void tiled_mma(T* __restrict__ out, const T* __restri
             sr[i] = 0.f;
             mr[i] = 0.f;
             if (wok[i]) {
-                const long long gi = (long long)gn * groups + k / group;
+                const long long gi = Q4 ? tmk::q4_scale_index(gn, k / group, groups, tiled) : (long long)gn * groups + k / group;
                 sr[i] = __half2float(scales[gi]);
                 if (Q4) {
                     mr[i] = __half2float(mins[gi]);
@@ -510,7 +509,7 @@ __device__ __forceinline__ void tiled_simt(float* __restrict__ out, const float*
         sr = 0.f;
         mr = 0.f;
         if (gn < rows) {
-            const long long gi = (long long)gn * groups + k0 / group;
+            const long long gi = Q4 ? tmk::q4_scale_index(gn, k0 / group, groups, tiled) : (long long)gn * groups + k0 / group;
             sr = __half2float(scales[gi]);
             if (Q4) {
                 mr = __half2float(mins[gi]);
@@ -636,7 +635,7 @@ __device__ __forceinline__ void dequant_q4_rows(T* __restrict__ out, const unsig
     const long long r = i / nblk, b = i - r * nblk;
     const long long row = (long long)r0 + r;
     const int groups = cols / group;
-    const long long gi = row * groups + (int)((b << 5) / group);
+    const long long gi = tmk::q4_scale_index((int)row, (int)((b << 5) / group), groups, tiled);
     const float s = __half2float(scales[gi]);
     const float m = __half2float(mins[gi]);
     const uint4 v = __ldg(reinterpret_cast<const uint4*>(packed + tmk::q4_chunk_offset((int)row, (int)b, cols, tiled)));

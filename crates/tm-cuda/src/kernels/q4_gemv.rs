@@ -311,15 +311,19 @@ pub struct Q4Slot {
     /// kernels' tile-major forms (`lnt`, `ln4t`, `silu_lnt`, `silu_ln4t`) read it, and only in
     /// [`lean_fits`] shapes.
     pub tiled: bool,
+    /// `scales` and `mins` are in tile order too
+    /// ([`tm_core::quant::Int4Layout::TilesAndScales16x128`], a layer's gate and up weights):
+    /// only [`q4_gemv_silu`]'s `silu_lnts` reads them; [`fits`] refuses them for the others.
+    pub tiled_scales: bool,
 }
 
 impl Q4Slot {
-    /// The order of `packed` ([`Q4Slot::tiled`] as an [`Int4Layout`]).
+    /// The order of `packed`, `scales` and `mins` as an [`Int4Layout`].
     pub fn layout(&self) -> Int4Layout {
-        if self.tiled {
-            Int4Layout::Tiles16x128
-        } else {
-            Int4Layout::RowMajor
+        match (self.tiled, self.tiled_scales) {
+            (true, true) => Int4Layout::TilesAndScales16x128,
+            (true, false) => Int4Layout::Tiles16x128,
+            _ => Int4Layout::RowMajor,
         }
     }
 }
@@ -354,8 +358,22 @@ fn tiled_variant(u: Unroll, fallback: Unroll, tiled: bool) -> (Unroll, &'static 
 /// `group`, can use these kernels: f16/bf16, `1 <= n <= 8`, `cols` and `group` multiples of 32
 /// with `group` dividing `cols`, sizes within the kernels' `int` (`rows * cols / group`
 /// included), `x` and every packed weight
-/// 16-byte aligned, scales and mins 2-byte aligned.
+/// 16-byte aligned, scales and mins 2-byte aligned, and no weight with tile-ordered scales
+/// ([`Q4Slot::tiled_scales`]: [`fits_silu`] takes those).
 pub fn fits(dt: DType, n: usize, cols: usize, group: usize, x: u64, slots: &[Q4Slot]) -> bool {
+    slots.iter().all(|s| !s.tiled_scales) && fits_any_scales(dt, n, cols, group, x, slots)
+}
+
+/// [`fits`] for a [`q4_gemv_silu`] launch of `gate` and `up`: also with tile-ordered scales, which
+/// only its lean tile-major kernel reads (both weights alike, [`lean_fits`] shapes).
+pub fn fits_silu(dt: DType, n: usize, cols: usize, group: usize, x: u64, gate: &Q4Slot, up: &Q4Slot) -> bool {
+    let slots = [*gate, *up];
+    let ts = gate.tiled_scales || up.tiled_scales;
+    fits_any_scales(dt, n, cols, group, x, &slots)
+        && (!ts || (gate.tiled_scales && up.tiled_scales && gate.tiled && up.tiled && lean_fits(cols, group, &slots)))
+}
+
+fn fits_any_scales(dt: DType, n: usize, cols: usize, group: usize, x: u64, slots: &[Q4Slot]) -> bool {
     matches!(dt, DType::F16 | DType::BF16)
         && (1..=MAX_N).contains(&n)
         && cols > 0
@@ -603,9 +621,18 @@ pub fn q4_gemv_silu(
     // `Narrow` takes `u2`'s kernel.
     let tiled = tiled_launch("q4_gemv_silu", cols, group, &[*gate, *up])?;
     let lean = lean_fits(cols, group, &[*gate, *up]) && lean_enabled();
-    let u = unroll.resolve_silu_with(forced(), lean);
-    let (u, t) = tiled_variant(u, Unroll::Lean, tiled);
-    let name = format!("{}{t}_{}", u.silu_stem(), suffix(dt)?);
+    let name = if gate.tiled_scales || up.tiled_scales {
+        // Tile-ordered scales: one kernel reads them, `silu_lnt`'s configuration (`Unroll::Lean`)
+        // whatever `unroll` asks for.
+        if !(tiled && gate.tiled_scales && up.tiled_scales) {
+            return Err(Error::invalid("q4_gemv_silu: gate and up must both have tile-ordered scales, tile-major"));
+        }
+        format!("q4_gemv_silu_lnts_{}", suffix(dt)?)
+    } else {
+        let u = unroll.resolve_silu_with(forced(), lean);
+        let (u, t) = tiled_variant(u, Unroll::Lean, tiled);
+        format!("{}{t}_{}", u.silu_stem(), suffix(dt)?)
+    };
     let mut args = vec![
         KernelArg::Ptr(out),
         KernelArg::Ptr(x),
@@ -682,7 +709,16 @@ mod tests {
     use super::*;
 
     fn slot(rows: usize) -> Q4Slot {
-        Q4Slot { packed: 0x1000, scales: 0x2000, mins: 0x3000, bias: 0, out: 0x4000, rows, tiled: false }
+        Q4Slot {
+            packed: 0x1000,
+            scales: 0x2000,
+            mins: 0x3000,
+            bias: 0,
+            out: 0x4000,
+            rows,
+            tiled: false,
+            tiled_scales: false,
+        }
     }
 
     #[test]

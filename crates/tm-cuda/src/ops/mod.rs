@@ -305,6 +305,12 @@ impl Ops for CudaBackend {
         crate::kernels::q4_gemv::preferred_layout(self.dtype, rows, cols, group_size)
     }
 
+    /// Tile-ordered scales and mins for tile-major int4 gate and up weights that the lean
+    /// gate/up/SiLU kernel takes ([`CudaBackend::tile_gate_up_scales`]).
+    fn prepare_gate_up(&self, gate: &mut Weight, up: &mut Weight) -> Result<()> {
+        self.tile_gate_up_scales(gate, up)
+    }
+
     fn upload(&self, dst: &mut Tensor, src: &[u8]) -> Result<()> {
         let n = dst.desc().bytes();
         if src.len() != n {

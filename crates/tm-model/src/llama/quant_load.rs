@@ -3,7 +3,7 @@
 
 use crate::error::{ModelError, Result};
 use crate::weights::{Encoding, TensorRef};
-use tm_core::quant::{tile_int4, Int4Layout, QuantWeight, Weight};
+use tm_core::quant::{tile_int4, tile_scales, Int4Layout, QuantWeight, Weight};
 use tm_core::{DType, Ops, TensorDesc};
 use tm_quant::gguf::{import_gguf, GgufType};
 use tm_quant::HostQuant;
@@ -39,11 +39,17 @@ pub fn upload_quant(ops: &dyn Ops, q: &HostQuant) -> Result<Weight> {
     let mut packed = ops.zeros(packed_desc, "weights")?;
     match layout {
         Int4Layout::RowMajor => ops.upload(&mut packed, &q.packed)?,
-        Int4Layout::Tiles16x128 => ops.upload(&mut packed, &tile_int4(&q.packed, q.rows, q.cols)?)?,
+        Int4Layout::Tiles16x128 | Int4Layout::TilesAndScales16x128 => {
+            ops.upload(&mut packed, &tile_int4(&q.packed, q.rows, q.cols)?)?
+        }
     }
     let f16_tensor = |v: &[half::f16]| -> Result<tm_core::Tensor> {
         let mut t = ops.zeros(TensorDesc::new(DType::F16, &[q.rows, groups]), "weights")?;
-        ops.upload(&mut t, bytemuck::cast_slice(v))?;
+        if layout == Int4Layout::TilesAndScales16x128 {
+            ops.upload(&mut t, bytemuck::cast_slice(&tile_scales(v, q.rows, groups)?))?;
+        } else {
+            ops.upload(&mut t, bytemuck::cast_slice(v))?;
+        }
         Ok(t)
     };
     let scales = f16_tensor(&q.scales)?;
