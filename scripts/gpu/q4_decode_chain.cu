@@ -1277,6 +1277,24 @@ template <class T> static void iso(const char* dt, const std::vector<Layer>& Ls)
     CK(cudaFree(x)); CK(cudaFree(y));
 }
 
+// Microseconds per launch of `body(l)` for l = 0..31 captured into one graph (3 warm-up replays,
+// 20 timed): what the `wq` and `smi` modes time.
+template <class F> static double graph_us(cudaStream_t st, F body) {
+    cudaGraph_t g; cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    for (int l = 0; l < 32; ++l) body(l);
+    CK(cudaStreamEndCapture(st, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, st));
+    cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+    CK(cudaEventRecord(e0, st));
+    for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, st));
+    CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
+    float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+    CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
+    return 1000.0 * ms / 20 / 32;
+}
+
 // Mode `wq` (session 18): how gate/up's time depends on its grid (wave quantization: 896 CTAs at
 // three per SM are 2.26 waves) and on where its weights are (the same layer's weights launched 32
 // times, L2-resident when they fit, against 32 layers' weights from DRAM).
@@ -1287,21 +1305,7 @@ template <class T> static void wq(const char* dt, const std::vector<Layer>& Ls) 
     fill_x<T><<<64, 256>>>(x, F, 5, 0.5f);
     cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     const T* nul = nullptr;
-    auto time = [&](auto body) {
-        cudaGraph_t g; cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        for (int l = 0; l < 32; ++l) body(l);
-        CK(cudaStreamEndCapture(st, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, st));
-        cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-        CK(cudaEventRecord(e0, st));
-        for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, st));
-        CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
-        float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
-        CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
-        return 1000.0 * ms / 20 / 32;
-    };
+    auto time = [&](auto body) { return graph_us(st, body); };
     auto gu = [&](int G, bool same) {
         return time([&](int l) {
             const Layer& L = Ls[same ? 0 : l];
@@ -1368,21 +1372,7 @@ template <class T> static void smi_iso(const char* dt, const std::vector<Layer>&
     CK(cudaMemset(y1, 0, F * sizeof(T))); gu(3, Ls[0], y1); cmp("gate/up silu_s tile-major scales vs silu_lnt", F);
     CK(cudaMemset(y1, 0, F * sizeof(T))); dn(1, Ls[0], y0); dn(2, Ls[0], y1); cmp("down plain_smi smi vs row-major", H);
     CK(cudaMemset(y1, 0, F * sizeof(T))); dn(3, Ls[0], y1); cmp("down plain_smi tile-major scales vs row-major", H);
-    auto time = [&](auto body) {
-        cudaGraph_t g; cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        for (const Layer& L : Ls) body(L);
-        CK(cudaStreamEndCapture(st, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, st));
-        cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-        CK(cudaEventRecord(e0, st));
-        for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, st));
-        CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
-        float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
-        CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
-        return 1000.0 * ms / 20 / Ls.size();
-    };
+    auto time = [&](auto body) { return graph_us(st, [&](int l) { body(Ls[l]); }); };
     for (int r = 0; r < 2; ++r) {
         double t[4], d[3];
         for (int v = 0; v < 4; ++v) t[v] = time([&](const Layer& L) { gu(v, L, y0); });

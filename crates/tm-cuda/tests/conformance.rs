@@ -2749,6 +2749,14 @@ fn qkv_rope_write_kv_fused() {
     tm_cuda::kernels::q4_gemv::set_tiling(None);
 }
 
+/// The int4 layout of `w`, if it is an int4 weight.
+fn int4_layout_of(w: &tm_core::quant::Weight) -> Option<tm_core::quant::Int4Layout> {
+    match w {
+        tm_core::quant::Weight::Int4(q) => Some(q.layout),
+        _ => None,
+    }
+}
+
 /// The int4 kernels on one weight uploaded twice, row-major and tile-major (`q4_gemv::set_tiling`;
 /// the CUDA backend picks tile-major for these lean shapes): decode products (plain, q/k/v-like
 /// `matmul_many`, gate/up/SiLU), the prefill GEMM with every tile forced and its fallback, the
@@ -2756,15 +2764,11 @@ fn qkv_rope_write_kv_fused() {
 /// the exact host product within tolerance.
 #[test]
 fn matmul_int4_layouts() {
-    use tm_core::quant::{Int4Layout, Weight};
+    use tm_core::quant::Int4Layout;
     use tm_cuda::kernels::q4_gemm::{set_policy, Policy, Tile};
     use tm_cuda::kernels::q4_gemv::set_tiling;
     let _serial = decode_variant_lock();
     let _prefill = prefill_policy_lock();
-    let layout = |w: &Weight| match w {
-        Weight::Int4(q) => Some(q.layout),
-        _ => None,
-    };
     run("matmul_int4_layouts", &[DType::F16, DType::BF16], |s| {
         for (ns, rows, cols) in [(&[1usize, 3, 8, 64, 200][..], 1024, 4096), (&[1, 5, 40][..], 2048, 14336)] {
             s.case(format!("int4 layouts W[{rows}, {cols}]ᵀ g128, n in {ns:?}, embedding, slabs"), |c| {
@@ -2776,8 +2780,10 @@ fn matmul_int4_layouts() {
                 let rm = tm_model::llama::quant_load::upload_quant(c.gpu, q).ctx("row-major upload");
                 set_tiling(None);
                 let rm = rm?;
-                if layout(&w.gpu) != Some(Int4Layout::Tiles16x128) || layout(&rm) != Some(Int4Layout::RowMajor) {
-                    return Err(format!("layouts {:?} and {:?}", layout(&w.gpu), layout(&rm)));
+                if int4_layout_of(&w.gpu) != Some(Int4Layout::Tiles16x128)
+                    || int4_layout_of(&rm) != Some(Int4Layout::RowMajor)
+                {
+                    return Err(format!("layouts {:?} and {:?}", int4_layout_of(&w.gpu), int4_layout_of(&rm)));
                 }
                 for &n in ns {
                     let xs = c.activations(n * cols, 1.0);
@@ -2864,15 +2870,11 @@ fn matmul_int4_layouts() {
 /// exact host product.
 #[test]
 fn matmul_int4_tile_ordered_scales() {
-    use tm_core::quant::{Int4Layout, Weight};
+    use tm_core::quant::Int4Layout;
     use tm_cuda::kernels::q4_gemm::{set_policy, Policy, Tile};
     use tm_cuda::kernels::q4_gemv::set_tiling;
     let _serial = decode_variant_lock();
     let _prefill = prefill_policy_lock();
-    let layout = |w: &Weight| match w {
-        Weight::Int4(q) => Some(q.layout),
-        _ => None,
-    };
     run("matmul_int4_tile_ordered_scales", &[DType::F16, DType::BF16], |s| {
         let (rows, cols) = (1024, 4096);
         s.case(format!("gate/up W[{rows}, {cols}]ᵀ g128 with tile-ordered scales"), |c| {
@@ -2886,11 +2888,16 @@ fn matmul_int4_tile_ordered_scales() {
             set_tiling(None);
             let (w, mut g, mut u) = made?;
             c.gpu.prepare_gate_up(&mut g, &mut u).ctx("prepare_gate_up")?;
-            if layout(&w.gpu) != Some(Int4Layout::Tiles16x128)
-                || layout(&g) != Some(Int4Layout::TilesAndScales16x128)
-                || layout(&u) != Some(Int4Layout::TilesAndScales16x128)
+            if int4_layout_of(&w.gpu) != Some(Int4Layout::Tiles16x128)
+                || int4_layout_of(&g) != Some(Int4Layout::TilesAndScales16x128)
+                || int4_layout_of(&u) != Some(Int4Layout::TilesAndScales16x128)
             {
-                return Err(format!("layouts {:?}, {:?}, {:?}", layout(&w.gpu), layout(&g), layout(&u)));
+                return Err(format!(
+                    "layouts {:?}, {:?}, {:?}",
+                    int4_layout_of(&w.gpu),
+                    int4_layout_of(&g),
+                    int4_layout_of(&u)
+                ));
             }
             let q = w.quant.as_ref().ok_or("int4 weight without its host copy")?;
             for n in [1usize, 2, 5, 8] {
