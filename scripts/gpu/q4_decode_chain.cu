@@ -1149,6 +1149,24 @@ template <class T> static void check_bulk(const Layer& L, Bufs<T>&) {
     for (T* p : {x, a0, a1, d0, d1}) CK(cudaFree(p));
 }
 
+// Microseconds per launch of `body(l)` for l = 0..31 captured into one graph (3 warm-up replays,
+// 20 timed): what the `iso`, `wq` and `smi` modes time.
+template <class F> static double graph_us(cudaStream_t st, F body) {
+    cudaGraph_t g; cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    for (int l = 0; l < 32; ++l) body(l);
+    CK(cudaStreamEndCapture(st, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, st));
+    cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+    CK(cudaEventRecord(e0, st));
+    for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, st));
+    CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
+    float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
+    CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
+    return 1000.0 * ms / 20 / 32;
+}
+
 // Mode `iso`: each product alone, 32 launches (layers 0..31, so nothing stays in L2) in one
 // graph, PDL as in the chain: us per launch and the weights' bytes over that.
 template <class T> static void iso(const char* dt, const std::vector<Layer>& Ls) {
@@ -1162,20 +1180,8 @@ template <class T> static void iso(const char* dt, const std::vector<Layer>& Ls)
     const T* nul = nullptr;
     const double gu = 2.0 * F * H * (0.5 + 4.0 / 128), dn = (double)F * H * (0.5 + 4.0 / 128);
     auto time = [&](const char* what, double bytes, auto body) {
-        cudaGraph_t g; cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        for (const Layer& L : Ls) body(L);
-        CK(cudaStreamEndCapture(st, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, st));
-        cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-        CK(cudaEventRecord(e0, st));
-        for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, st));
-        CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
-        float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
-        const double us = 1000.0 * ms / 20 / Ls.size();
+        const double us = graph_us(st, [&](int l) { body(Ls[l]); });
         printf("%s iso %-28s %6.2f us  %5.2f TB/s\n", dt, what, us, bytes / us / 1e6);
-        CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
     };
     time("gate/up silu_lnt", gu, [&](const Layer& L) {
         launch(Ks<T>::silu_tl, 896, 256, 0, st, y, (const T*)x, 1, H, 128, (const unsigned char*)L.gate.p,
@@ -1275,24 +1281,6 @@ template <class T> static void iso(const char* dt, const std::vector<Layer>& Ls)
         launch(read_sum, 132 * 8, 256, 0, st, (const uint4*)L.gate.p, (const uint4*)L.up.p, (long long)F * H / 32, (float*)y);
     });
     CK(cudaFree(x)); CK(cudaFree(y));
-}
-
-// Microseconds per launch of `body(l)` for l = 0..31 captured into one graph (3 warm-up replays,
-// 20 timed): what the `wq` and `smi` modes time.
-template <class F> static double graph_us(cudaStream_t st, F body) {
-    cudaGraph_t g; cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    for (int l = 0; l < 32; ++l) body(l);
-    CK(cudaStreamEndCapture(st, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, st));
-    cudaEvent_t e0, e1; CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-    CK(cudaEventRecord(e0, st));
-    for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, st));
-    CK(cudaEventRecord(e1, st)); CK(cudaEventSynchronize(e1));
-    float ms; CK(cudaEventElapsedTime(&ms, e0, e1));
-    CK(cudaGraphExecDestroy(ge)); CK(cudaGraphDestroy(g));
-    return 1000.0 * ms / 20 / 32;
 }
 
 // Mode `wq` (session 18): how gate/up's time depends on its grid (wave quantization: 896 CTAs at

@@ -163,8 +163,7 @@ fn slot(w: &Weight, out: &Tensor) -> Result<Q4Slot, String> {
                 bias: 0,
                 out: out.buffer().addr(),
                 rows: q.rows,
-                tiled: q.layout.is_tiled(),
-                tiled_scales: q.layout == tm_core::quant::Int4Layout::TilesAndScales16x128,
+                layout: q.layout,
             })
         }
         _ => Err("not an int4 weight".into()),
@@ -334,7 +333,7 @@ fn bench(o: &Opts) -> Result<(), String> {
                         s.rows,
                         cols,
                         group,
-                        s.layout(),
+                        s.layout,
                     )?;
                 }
                 if let Shape::GateUp = shape {

@@ -307,32 +307,31 @@ pub struct Q4Slot {
     pub out: u64,
     /// Rows of the weight (features of the output).
     pub rows: usize,
-    /// `packed` is tile-major ([`tm_core::quant::Int4Layout::Tiles16x128`]): only the lean
-    /// kernels' tile-major forms (`lnt`, `ln4t`, `silu_lnt`, `silu_ln4t`) read it, and only in
-    /// [`lean_fits`] shapes.
-    pub tiled: bool,
-    /// `scales` and `mins` are in tile order too
-    /// ([`tm_core::quant::Int4Layout::TilesAndScales16x128`], a layer's gate and up weights):
-    /// only [`q4_gemv_silu`]'s `silu_lnts` reads them; [`fits`] refuses them for the others.
-    pub tiled_scales: bool,
+    /// The order of `packed`, `scales` and `mins`: tile-major weights are read only by the lean
+    /// kernels' tile-major forms (`lnt`, `ln4t`, `silu_lnt`, `silu_ln4t`), and only in
+    /// [`lean_fits`] shapes; tile-ordered scales
+    /// ([`tm_core::quant::Int4Layout::TilesAndScales16x128`], a layer's gate and up weights) only
+    /// by [`q4_gemv_silu`]'s `silu_lnts` ([`fits`] refuses them for the others).
+    pub layout: Int4Layout,
 }
 
 impl Q4Slot {
-    /// The order of `packed`, `scales` and `mins` as an [`Int4Layout`].
-    pub fn layout(&self) -> Int4Layout {
-        match (self.tiled, self.tiled_scales) {
-            (true, true) => Int4Layout::TilesAndScales16x128,
-            (true, false) => Int4Layout::Tiles16x128,
-            _ => Int4Layout::RowMajor,
-        }
+    /// Whether `packed` is tile-major.
+    pub fn tiled(&self) -> bool {
+        self.layout.is_tiled()
+    }
+
+    /// Whether `scales` and `mins` are in tile order.
+    pub fn tiled_scales(&self) -> bool {
+        self.layout == Int4Layout::TilesAndScales16x128
     }
 }
 
 /// Whether the weights of one launch are tile-major: all or none of them, and only in
 /// [`lean_fits`] shapes (what the CUDA backend stores tile-major), else an error.
 fn tiled_launch(op: &str, cols: usize, group: usize, slots: &[Q4Slot]) -> Result<bool> {
-    let tiled = slots.first().is_some_and(|s| s.tiled);
-    if slots.iter().any(|s| s.tiled != tiled) {
+    let tiled = slots.first().is_some_and(Q4Slot::tiled);
+    if slots.iter().any(|s| s.tiled() != tiled) {
         return Err(Error::invalid(format!("{op}: the weights of one launch are in different int4 layouts")));
     }
     if tiled && !lean_fits(cols, group, slots) {
@@ -361,16 +360,16 @@ fn tiled_variant(u: Unroll, fallback: Unroll, tiled: bool) -> (Unroll, &'static 
 /// 16-byte aligned, scales and mins 2-byte aligned, and no weight with tile-ordered scales
 /// ([`Q4Slot::tiled_scales`]: [`fits_silu`] takes those).
 pub fn fits(dt: DType, n: usize, cols: usize, group: usize, x: u64, slots: &[Q4Slot]) -> bool {
-    slots.iter().all(|s| !s.tiled_scales) && fits_any_scales(dt, n, cols, group, x, slots)
+    slots.iter().all(|s| !s.tiled_scales()) && fits_any_scales(dt, n, cols, group, x, slots)
 }
 
 /// [`fits`] for a [`q4_gemv_silu`] launch of `gate` and `up`: also with tile-ordered scales, which
 /// only its lean tile-major kernel reads (both weights alike, [`lean_fits`] shapes).
 pub fn fits_silu(dt: DType, n: usize, cols: usize, group: usize, x: u64, gate: &Q4Slot, up: &Q4Slot) -> bool {
     let slots = [*gate, *up];
-    let ts = gate.tiled_scales || up.tiled_scales;
+    let ts = gate.tiled_scales() || up.tiled_scales();
     fits_any_scales(dt, n, cols, group, x, &slots)
-        && (!ts || (gate.tiled_scales && up.tiled_scales && gate.tiled && up.tiled && lean_fits(cols, group, &slots)))
+        && (!ts || (gate.layout == up.layout && lean_fits(cols, group, &slots)))
 }
 
 fn fits_any_scales(dt: DType, n: usize, cols: usize, group: usize, x: u64, slots: &[Q4Slot]) -> bool {
@@ -539,8 +538,8 @@ pub fn rope_fits(cols: usize, group: usize, slots: &[Q4Slot; 3], head_dim: usize
 /// and `i + head_dim / 2` instead) rotate-half pairs and `head_dim` a multiple of 32.
 pub fn rope_shape_fits(cols: usize, group: usize, slots: &[Q4Slot; 3], head_dim: usize, interleaved: bool) -> bool {
     let [q, k, v] = slots;
-    let tiled = slots.iter().all(|s| s.tiled);
-    let (mixed, pair_align) = (slots.iter().any(|s| s.tiled) && !tiled, if tiled { 32 } else { 16 });
+    let tiled = slots.iter().all(Q4Slot::tiled);
+    let (mixed, pair_align) = (slots.iter().any(Q4Slot::tiled) && !tiled, if tiled { 32 } else { 16 });
     lean_fits(cols, group, slots)
         && !mixed
         && !(tiled && interleaved)
@@ -621,10 +620,10 @@ pub fn q4_gemv_silu(
     // `Narrow` takes `u2`'s kernel.
     let tiled = tiled_launch("q4_gemv_silu", cols, group, &[*gate, *up])?;
     let lean = lean_fits(cols, group, &[*gate, *up]) && lean_enabled();
-    let name = if gate.tiled_scales || up.tiled_scales {
+    let name = if gate.tiled_scales() || up.tiled_scales() {
         // Tile-ordered scales: one kernel reads them, `silu_lnt`'s configuration (`Unroll::Lean`)
         // whatever `unroll` asks for.
-        if !(tiled && gate.tiled_scales && up.tiled_scales) {
+        if gate.layout != up.layout {
             return Err(Error::invalid("q4_gemv_silu: gate and up must both have tile-ordered scales, tile-major"));
         }
         format!("q4_gemv_silu_lnts_{}", suffix(dt)?)
@@ -716,8 +715,7 @@ mod tests {
             bias: 0,
             out: 0x4000,
             rows,
-            tiled: false,
-            tiled_scales: false,
+            layout: Int4Layout::RowMajor,
         }
     }
 
@@ -736,7 +734,7 @@ mod tests {
         assert!(!fits(4096, 128, &[slot(4096), slot(0), slot(0)], 128), "no kv heads");
         assert!(!fits(4096, 128, &[slot(4000), slot(1024), slot(1024)], 128), "q not whole heads");
         // Tile-major: rotate-half pairs of whole 16-row tiles, head_dim % 32.
-        let tiles = llama.map(|s| Q4Slot { tiled: true, ..s });
+        let tiles = llama.map(|s| Q4Slot { layout: Int4Layout::Tiles16x128, ..s });
         assert!(fits(4096, 128, &tiles, 128));
         assert!(fits(4096, 128, &tiles, 32));
         assert!(!fits(4096, 128, &tiles, 16), "a tile and its pair tile need head_dim % 32");

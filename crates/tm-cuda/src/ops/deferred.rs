@@ -74,8 +74,7 @@ impl CudaBackend {
             bias: 0,
             out: ptr(out),
             rows,
-            tiled: q.layout.is_tiled(),
-            tiled_scales: q.layout == tm_core::quant::Int4Layout::TilesAndScales16x128,
+            layout: q.layout,
         };
         if !q4_gemv::fits(self.dtype, n, cols, group, ptr(x), &[weight]) {
             return Ok(false);

@@ -40,8 +40,7 @@ fn q4_slot(q: &QuantWeight) -> Result<Q4Slot> {
         bias: 0,
         out: 0,
         rows: q.rows,
-        tiled: q.layout.is_tiled(),
-        tiled_scales: q.layout == Int4Layout::TilesAndScales16x128,
+        layout: q.layout,
     })
 }
 
