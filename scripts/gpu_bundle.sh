@@ -115,6 +115,10 @@ if [ "${TM_BUNDLE_KERNELS:-embedded}" = separate ]; then
     mkdir -p "$BUNDLE/kernels"
     cp "$KERNELS_FROM"/*.sm_*.cubin "$BUNDLE/kernels/" 2>/dev/null ||
         die "no cubins in $KERNELS_FROM to ship (build them, or use TM_BUNDLE_KERNELS=embedded)"
+    # The manifest names the sources the cubins were built from: without it the binaries take them
+    # for foreign cubins and launch them without programmatic dependent launch.
+    cp "$KERNELS_FROM/manifest.txt" "$BUNDLE/kernels/" 2>/dev/null ||
+        die "no manifest.txt in $KERNELS_FROM (cargo xtask build-kernels writes it)"
 fi
 cp "$ROOT/scripts/gpu_run.sh" "$BUNDLE/run.sh"
 chmod +x "$BUNDLE/run.sh" "$BUNDLE"/bin/tm-cli "$STAGE"/tests/*

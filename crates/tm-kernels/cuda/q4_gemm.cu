@@ -571,16 +571,17 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
     typedef unsigned ScaleSet[2][SB];
     const unsigned short* const scale_bits = reinterpret_cast<const unsigned short*>(scales);
     const unsigned short* const min_bits = reinterpret_cast<const unsigned short*>(mins);
-    // The next k-tile load_scales reads: its first column's group and offset in that group (kept
-    // incrementally: a division per tile cost about 30 instructions of the loop's 290).
-    int s_group = 0, s_col = 0;
+    // The next k-tile load_scales reads: its first column's group, as the offset of that group's
+    // entries (group * s_gstride), and its offset in that group (kept incrementally: a division
+    // per tile cost about 30 instructions of the loop's 290, a multiplication by the stride ~40).
+    int s_goff = 0, s_col = 0;
     auto load_scales = [&](ScaleSet& sc, ScaleSet& mn) {
-        const int gi[2] = {s_group, s_group + (s_col + 32 >= group)};
+        const int gi[2] = {s_goff, s_goff + (s_col + 32 >= group ? s_gstride : 0)};
 #pragma unroll
         for (int blk = 0; blk < SB; ++blk) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const long long si = s_idx[h] + (long long)gi[blk] * s_gstride;
+                const long long si = s_idx[h] + gi[blk];
                 sc[h][blk] = __ldg(scale_bits + si);
                 mn[h][blk] = __ldg(min_bits + si);
             }
@@ -588,10 +589,10 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
         s_col += KT;  // SUBS = 1: group >= 32, at most two groups end within a tile; SUBS = 2: group % 128 == 0
         if (s_col >= group) {
             s_col -= group;
-            ++s_group;
+            s_goff += s_gstride;
             if (SUBS == 1 && s_col >= group) {
                 s_col -= group;
-                ++s_group;
+                s_goff += s_gstride;
             }
         }
     };
