@@ -249,10 +249,13 @@ fn run(args: &Args) -> Result<()> {
             for &m in &args.ms {
                 let x = upload(&alloc, &staging, &random_values(&mut rng, dt, m * cols, 1.0))?;
                 let out = Buffer::new(&alloc, m * rows * 2, "bench")?;
+                // Split-K scratch, as large as the engine's (the int4 slab buffer).
+                let partials = Buffer::new(&alloc, tm_core::q4_slab::SLAB_BYTES, "bench")?;
                 let q4 = |p: Option<Policy>| {
                     q4_gemm::set_policy(p);
                     let r = quant::matmul_q4(
                         &gpu,
+                        Some((partials.addr(), partials.len())),
                         dt,
                         out.addr(),
                         x.addr(),

@@ -323,6 +323,7 @@ fn bench(o: &Opts) -> Result<(), String> {
                 for s in &slots[i % copies] {
                     quant::matmul_q4(
                         b.gpu(),
+                        None,
                         o.dtype,
                         s.out,
                         xa,

@@ -2632,6 +2632,64 @@ fn matmul_int4_slab() {
     });
 }
 
+/// The sm_90a prefill GEMM's split-K (`q4_gemm::split_k`): products whose grids fill at most
+/// half of the SMs cut K into slices whose f32 partial sums, kept in the int4 slab buffer
+/// (reserved here), `matmul_q4_gemm_reduce` adds up. k/v-, q/o- and down-like shapes at 16 to 100
+/// tokens, slices starting inside a group (group 96) and a short last slice (640 columns), each
+/// wgmma tile forced and the automatic choice, against the exact host product. On an sm_90
+/// device the split counter must move for every product, so a silent fallback cannot pass.
+#[test]
+fn matmul_int4_split_k() {
+    use tm_cuda::kernels::q4_gemm::{set_policy, split_products, Policy, Tile};
+    let ordinal = std::env::var("TM_CUDA_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0usize);
+    let hopper = tm_cuda::probe()
+        .map(|ds| ds.iter().any(|d| d.ordinal == ordinal && d.compute_capability == (9, 0)))
+        .unwrap_or(false);
+    let _serial = prefill_policy_lock();
+    run("matmul_int4_split_k", &[DType::F16, DType::BF16], |s| {
+        if let Err(e) = s.gpu.reserve_matmul_scratch(tm_core::q4_slab::DEFAULT_MIN_TOKENS) {
+            s.failures.push(format!("[{}] reserve_matmul_scratch: {e}", s.dtype));
+            return;
+        }
+        for (n, rows, cols, g) in [
+            (64, 1024, 4096, 128),
+            (16, 4096, 14336, 128),
+            (64, 512, 1536, 96),
+            (40, 2048, 4096, 32),
+            (100, 1032, 4096, 64),
+            (9, 256, 640, 128),
+        ] {
+            s.case(format!("split-K x[{n}, {cols}] · W[{rows}, {cols}]ᵀ g{g}"), |c| {
+                let xs = c.activations(n * cols, 1.0);
+                let w = c.weight(Kind::Int4(g), rows, cols, (3.0 / cols as f32).sqrt())?;
+                let x = c.act(&[n, cols], &xs)?;
+                let q = w.quant.as_ref().ok_or("int4 weight without its host copy")?;
+                let mut want = vec![0f32; n * rows];
+                tm_cpu::quant_matmul::matmul_int4_exact(&xs, n, &q.view(), &mut want).ctx("host exact int4 matmul")?;
+                let k128 = g % 128 == 0;
+                for p in [
+                    Policy::Auto,
+                    Policy::Force(Tile::WgmmaNarrow),
+                    Policy::Force(Tile::Wgmma),
+                    Policy::Force(Tile::WgmmaK128),
+                ] {
+                    let mut out = c.output(&[n, rows])?;
+                    let before = split_products();
+                    set_policy(Some(p));
+                    let ran = c.gpu.matmul(&x.gpu, &w.gpu, None, &mut out.gpu);
+                    set_policy(None);
+                    ran.ctx(format!("cuda matmul ({p:?})"))?;
+                    if hopper && split_products() == before && (k128 || p != Policy::Force(Tile::WgmmaK128)) {
+                        c.problems.push(format!("{p:?}: the product did not run split"));
+                    }
+                    c.check(&format!("out {p:?}"), &out.gpu, &want, rows, 1.0)?;
+                }
+                Ok(())
+            });
+        }
+    });
+}
+
 #[test]
 fn matmul_int8() {
     run("matmul_int8", &ALL_DTYPES, |s| {

@@ -486,11 +486,15 @@ __device__ __forceinline__ unsigned long long desc_sw128(unsigned addr) {
 }
 #endif
 
+// Split-K: block z of the grid takes columns [z kcols, min(cols, (z + 1) kcols)) (kcols a multiple
+// of 128 and of the k-tile) and, with `partial`, stores its f32 sums at partial[(z n + token) rows +
+// row] for `matmul_q4_gemm_reduce` to add up in order; without (`partial` null, kcols = cols,
+// one block in z) it stores T sums in `out`.
 template <class T, int NTOK, int STAGES, int SUBS>
-__device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __restrict__ x,
-                                              const unsigned char* __restrict__ packed,
+__device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, float* __restrict__ partial,
+                                              const T* __restrict__ x, const unsigned char* __restrict__ packed,
                                               const __half* __restrict__ scales, const __half* __restrict__ mins,
-                                              int n, int rows, int cols, int group, int tiled) {
+                                              int n, int rows, int cols, int group, int tiled, int kcols) {
 #if TMW_WGMMA
     typedef Shape<NTOK, STAGES, SUBS> S;
     constexpr int KT = S::KT, NB = S::BLOCKS;
@@ -503,7 +507,8 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
     const int wg = warp >> 2, wq = warp & 3;
     const int w0 = blockIdx.x * BW;   // first weight row of the block
     const int t0 = blockIdx.y * NTOK; // first token of the block
-    const int ktiles = cols / KT;
+    const int k0 = blockIdx.z * kcols;  // first column of the block's K slice
+    const int ktiles = (min(cols, k0 + kcols) - k0) / KT;
     const int groups = cols / group;
 
     // Packed block b (16 bytes, 32 columns) of weight row r sits at position b ^ swz(r) of the
@@ -514,7 +519,7 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
     // tid % 8 (tokens 32 apart share (token & 7)); packed chunk j = tid + 256 j -> weight row
     // (tid + 256 j) / NB, block tid % NB.
     const int a_chunk = tid & 7, a_r0 = tid >> 3;
-    const T* a_src = x + (long long)(t0 + a_r0) * cols + a_chunk * 8;
+    const T* a_src = x + (long long)(t0 + a_r0) * cols + k0 + a_chunk * 8;
     const long long a_step = 32ll * cols;
     const unsigned a_dst = a_r0 * 128 + ((a_chunk ^ (a_r0 & 7)) << 4);
     const int a_valid = (n - t0 - a_r0 + 31) / 32;  // this thread's tokens a_r0 + 32 i < n - t0 for i < a_valid
@@ -525,10 +530,10 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
     for (int j = 0; j < S::W_PER_THREAD; ++j) {
         const int c = tid + THREADS * j, r = c / NB, blk = c % NB;
         b_ok[j] = w0 + r < rows;
-        b_src[j] = packed + tmk::q4_chunk_offset(b_ok[j] ? w0 + r : 0, blk, cols, tiled);
+        b_src[j] = packed + tmk::q4_chunk_offset(b_ok[j] ? w0 + r : 0, (k0 >> 5) + blk, cols, tiled);
         b_dst[j] = S::X_BYTES + r * S::ROW + ((blk ^ swz(r)) << 4);
     }
-    int b_kt = 0;  // the k-tile b_src points at
+    int b_kt = k0 / KT;  // the k-tile b_src points at (its parity steps the tile-major layout)
 
     auto issue_tile = [&](int stage) {
         const unsigned sb = base + stage * S::STAGE;
@@ -574,7 +579,7 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
     // The next k-tile load_scales reads: its first column's group, as the offset of that group's
     // entries (group * s_gstride), and its offset in that group (kept incrementally: a division
     // per tile cost about 30 instructions of the loop's 290, a multiplication by the stride ~40).
-    int s_goff = 0, s_col = 0;
+    int s_goff = k0 / group * s_gstride, s_col = k0 % group;
     auto load_scales = [&](ScaleSet& sc, ScaleSet& mn) {
         const int gi[2] = {s_goff, s_goff + (s_col + 32 >= group ? s_gstride : 0)};
 #pragma unroll
@@ -701,7 +706,11 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, const T* __re
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int tok = t0 + 8 * j + 2 * t + e;
-                if (tok < n) out[(long long)tok * rows + r] = tmk::from_float<T>(acc[4 * j + 2 * h + e]);
+                if (tok >= n) continue;
+                if (partial)
+                    partial[((long long)blockIdx.z * n + tok) * rows + r] = acc[4 * j + 2 * h + e];
+                else
+                    out[(long long)tok * rows + r] = tmk::from_float<T>(acc[4 * j + 2 * h + e]);
             }
         }
     }
@@ -744,15 +753,18 @@ TMG_KERNELS(bf16, __nv_bfloat16)
 // (145 KiB shared); `v`: 128 x 128, 4 stages (81 KiB); `x`: `w` with 128-column k-tiles (two
 // sub-tiles per stage, half the barriers and waits per column), 3 stages (217 KiB), for
 // `group % 128 == 0`. One block per SM (w: about 220 registers per thread, x: about 240).
+// With split-K (`partial` non-null, grid.z slices of `kcols` columns) the blocks store f32 partial
+// sums, which `matmul_q4_gemm_reduce_T` then adds up into `out`.
 #define TMW_KERNEL(NAME, SUF, T, NTOK, ST, SUBS)                                                                    \
     extern "C" __global__ void __launch_bounds__(tmw::THREADS, 1)                                                  \
         matmul_q4_gemm_##NAME##_##SUF(T* __restrict__ out, const T* __restrict__ x,                              \
                                       const unsigned char* __restrict__ packed, const __half* __restrict__ scales, \
                                       const __half* __restrict__ mins, int n, int rows, int cols, int group,     \
-                                      int tiled) {                                                               \
+                                      int tiled, float* __restrict__ partial, int kcols) {                       \
         tmk::pdl_launch_dependents();                                                                            \
         tmk::pdl_wait();                                                                                         \
-        tmw::q4_gemm_wgmma<T, NTOK, ST, SUBS>(out, x, packed, scales, mins, n, rows, cols, group, tiled);       \
+        tmw::q4_gemm_wgmma<T, NTOK, ST, SUBS>(out, partial, x, packed, scales, mins, n, rows, cols, group, tiled, \
+                                              kcols);                                                            \
     }
 
 TMW_KERNEL(w, f16, __half, 256, 4, 1)
@@ -761,6 +773,33 @@ TMW_KERNEL(x, f16, __half, 256, 3, 2)
 TMW_KERNEL(w, bf16, __nv_bfloat16, 256, 4, 1)
 TMW_KERNEL(v, bf16, __nv_bfloat16, 128, 4, 1)
 TMW_KERNEL(x, bf16, __nv_bfloat16, 256, 3, 2)
+
+// The split-K sum: out[i] = T(sum over z < splits of partial[z count + i]) for i < count (= n *
+// rows, a multiple of 4), in order of z, so the result does not depend on the schedule.
+#define TMW_REDUCE(SUF, T)                                                                                          \
+    extern "C" __global__ void matmul_q4_gemm_reduce_##SUF(T* __restrict__ out, const float* __restrict__ partial, \
+                                                           int splits, int count) {                               \
+        tmk::pdl_launch_dependents();                                                                            \
+        tmk::pdl_wait();                                                                                         \
+        const int quads = count >> 2;                                                                            \
+        for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < quads; q += gridDim.x * blockDim.x) {           \
+            float4 v = __ldcg(reinterpret_cast<const float4*>(partial) + q);                                     \
+            for (int z = 1; z < splits; ++z) {                                                                   \
+                const float4 p = __ldcg(reinterpret_cast<const float4*>(partial + (long long)z * count) + q);     \
+                v.x += p.x;                                                                                      \
+                v.y += p.y;                                                                                      \
+                v.z += p.z;                                                                                      \
+                v.w += p.w;                                                                                      \
+            }                                                                                                    \
+            T* o = out + 4ll * q;                                                                                \
+            o[0] = tmk::from_float<T>(v.x);                                                                      \
+            o[1] = tmk::from_float<T>(v.y);                                                                      \
+            o[2] = tmk::from_float<T>(v.z);                                                                      \
+            o[3] = tmk::from_float<T>(v.w);                                                                      \
+        }                                                                                                        \
+    }
+TMW_REDUCE(f16, __half)
+TMW_REDUCE(bf16, __nv_bfloat16)
 
 #if TMW_WGMMA || !defined(__CUDA_ARCH__)
 // Present only in an sm_90a image (and, for whole-program nvcc builds, the host pass): the

@@ -25,7 +25,7 @@
 //!   [`Tile::Wgmma`] there, up to [`K128_MAX_COLS`] columns);
 //! - [`Tile::WgmmaNarrow`]: 128 × 128, 4 stages, 81 KiB (more blocks for mid-sized batches).
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use tm_core::quant::Int4Layout;
@@ -282,6 +282,67 @@ pub fn pick(n: usize, rows: usize, sms: usize, wgmma: bool) -> Tile {
     best.1
 }
 
+/// The most K slices [`split_k`] cuts a call into.
+pub const MAX_SPLITS: usize = 16;
+/// The fewest columns of a K slice.
+pub const MIN_SPLIT_COLS: usize = 256;
+
+/// Whether `TM_Q4_GEMM_SPLIT` allows split-K (unset or anything but `0`, `off`, `false`); read
+/// once, for A/B runs.
+fn split_allowed() -> bool {
+    static ALLOWED: OnceLock<bool> = OnceLock::new();
+    *ALLOWED.get_or_init(|| {
+        std::env::var("TM_Q4_GEMM_SPLIT")
+            .map_or(true, |v| !matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false"))
+    })
+}
+
+/// How many K slices a wgmma call of `n` tokens × `rows` weight rows × `cols` columns is cut
+/// into on `sms` multiprocessors (1: none). A batch of a few dozen tokens gives such a call
+/// `rows / 128` blocks, e.g. 8 for a 1024-row k or v projection, each streaming its rows' whole
+/// K while the other SMs idle (AWQ 8B at 64 tokens: 43 us for every q/k/v/o product, 142 for
+/// down). Grids of at most half the SMs are cut into slices of whole 128-column units, at least
+/// [`MIN_SPLIT_COLS`] each, up to [`MAX_SPLITS`], so that they fill about every SM; each slice
+/// stores f32 partial sums and `matmul_q4_gemm_reduce` adds them up in order.
+pub fn split_k(tile: Tile, n: usize, rows: usize, cols: usize, sms: usize) -> usize {
+    if !tile.wgmma() || !cols.is_multiple_of(128) || !split_allowed() {
+        return 1;
+    }
+    let blocks = n.div_ceil(tile.bm()) * rows.div_ceil(tile.bn());
+    if blocks == 0 || blocks * 2 > sms {
+        return 1;
+    }
+    let want = (sms / blocks).min(MAX_SPLITS).min(cols / MIN_SPLIT_COLS);
+    if want < 2 {
+        return 1;
+    }
+    cols.div_ceil(split_cols(cols, want))
+}
+
+/// The columns of each of `splits` K slices of `cols` columns: whole 128-column units, the last
+/// slice taking what is left.
+fn split_cols(cols: usize, splits: usize) -> usize {
+    (cols / 128).div_ceil(splits) * 128
+}
+
+/// Products that ran split ([`split_k`]) in this process.
+static SPLIT_PRODUCTS: AtomicU64 = AtomicU64::new(0);
+
+/// How many int4 products have run with split-K in this process: tests read it to confirm which
+/// path ran.
+pub fn split_products() -> u64 {
+    SPLIT_PRODUCTS.load(Ordering::Relaxed)
+}
+
+/// Bytes of f32 partial sums a call cut into `splits` K slices needs (0 for one slice).
+pub fn partial_bytes(splits: usize, n: usize, rows: usize) -> usize {
+    if splits > 1 {
+        splits * n * rows * 4
+    } else {
+        0
+    }
+}
+
 /// The kernel name, grid and dynamic shared memory of a call with `tile`.
 pub fn plan(tile: Tile, dt: DType, n: usize, rows: usize) -> Result<(String, (u32, u32, u32), u32)> {
     let sfx = suffix(dt)?;
@@ -303,10 +364,13 @@ pub fn plan(tile: Tile, dt: DType, n: usize, rows: usize) -> Result<(String, (u3
 
 /// Launches the kernel with `tile` (the caller checked [`eligible`]): `packed` u8 `[rows, cols/2]`
 /// in tm's nibble order, `scales`/`mins` f16 `[rows, cols/group]`, `x` `[n, cols]` and `out`
-/// `[n, rows]` in `dt`. All pointers are device addresses; the kernel is queued on the GPU's stream.
+/// `[n, rows]` in `dt`. All pointers are device addresses; the kernels are queued on the GPU's
+/// stream. `partials`: a device buffer (address, bytes) the call may use for split-K partial sums
+/// ([`split_k`]); without one, or when it is too small, the call is not split.
 #[allow(clippy::too_many_arguments)]
 pub fn launch(
     gpu: &Gpu,
+    partials: Option<(u64, usize)>,
     tile: Tile,
     dt: DType,
     out: u64,
@@ -335,25 +399,48 @@ pub fn launch(
             gpu.sm()
         )));
     }
-    let (name, grid, smem) = plan(tile, dt, n, rows)?;
+    let (name, (gx, gy, _), smem) = plan(tile, dt, n, rows)?;
+    let mut args = vec![
+        KernelArg::Ptr(out),
+        KernelArg::Ptr(x),
+        KernelArg::Ptr(packed),
+        KernelArg::Ptr(scales),
+        KernelArg::Ptr(mins),
+        KernelArg::I32(n32),
+        KernelArg::I32(r32),
+        KernelArg::I32(c32),
+        KernelArg::I32(g32),
+        tiled,
+    ];
+    if !tile.wgmma() {
+        return gpu.launch(&name, (gx, gy, 1), (THREADS, 1, 1), smem, &args);
+    }
+    let sms = gpu.info().multiprocessors as usize;
+    let splits = split_k(tile, n, rows, cols, sms);
+    let Some((buf, _)) = partials.filter(|&(_, bytes)| splits > 1 && partial_bytes(splits, n, rows) <= bytes) else {
+        args.extend([KernelArg::Ptr(0), KernelArg::I32(c32)]);
+        return gpu.launch(&name, (gx, gy, 1), (THREADS, 1, 1), smem, &args);
+    };
+    let kcols = split_cols(cols, splits);
+    args.extend([KernelArg::Ptr(buf), KernelArg::I32(int("kcols", kcols)?)]);
+    gpu.launch(&name, (gx, gy, splits as u32), (THREADS, 1, 1), smem, &args)?;
+    // n * rows is a multiple of 4 (rows % 8 == 0): one float4 of every slice per thread and step.
+    let quads = n * rows / 4;
+    let blocks = u32::try_from(quads.div_ceil(256).min(sms * 8)).unwrap_or(1);
     gpu.launch(
-        &name,
-        grid,
-        (THREADS, 1, 1),
-        smem,
+        &format!("matmul_q4_gemm_reduce_{}", suffix(dt)?),
+        (blocks, 1, 1),
+        (256, 1, 1),
+        0,
         &[
             KernelArg::Ptr(out),
-            KernelArg::Ptr(x),
-            KernelArg::Ptr(packed),
-            KernelArg::Ptr(scales),
-            KernelArg::Ptr(mins),
-            KernelArg::I32(n32),
-            KernelArg::I32(r32),
-            KernelArg::I32(c32),
-            KernelArg::I32(g32),
-            tiled,
+            KernelArg::Ptr(buf),
+            KernelArg::I32(int("splits", splits)?),
+            KernelArg::I32(int("n * rows", n * rows)?),
         ],
-    )
+    )?;
+    SPLIT_PRODUCTS.fetch_add(1, Ordering::Relaxed);
+    Ok(())
 }
 
 /// The tile [`crate::kernels::quant::matmul_q4`] uses for an [`eligible`] call with int4 groups
@@ -428,6 +515,31 @@ mod tests {
         assert_eq!(Tile::WgmmaK128.shared_bytes(), 3 * 2 * (32768 + 4096) + 1024);
         assert_eq!(Tile::Large.shared_bytes(), 3 * (16384 + 8192 + 4096));
         assert_eq!(Tile::Small.shared_bytes(), 4 * (8192 + 4096 + 2048));
+    }
+
+    #[test]
+    fn split_k_fills_the_gpu_with_grids_of_at_most_half_its_sms() {
+        let v = Tile::WgmmaNarrow;
+        // 64 tokens on 132 SMs: k/v (8 blocks) in 16 slices of 256 columns, q/o and down (32
+        // blocks) in 4, gate/up (112 blocks) not at all.
+        assert_eq!(split_k(v, 64, 1024, 4096, 132), 16);
+        assert_eq!((split_cols(4096, 16), partial_bytes(16, 64, 1024)), (256, 16 * 64 * 1024 * 4));
+        assert_eq!(split_k(v, 64, 4096, 4096, 132), 4);
+        assert_eq!(split_k(v, 64, 4096, 14336, 132), 4);
+        assert_eq!(split_cols(14336, 4), 3584);
+        assert_eq!(split_k(v, 64, 14336, 4096, 132), 1);
+        // Slices are whole 128-column units of at least MIN_SPLIT_COLS; the last takes the rest.
+        assert_eq!(split_k(v, 16, 512, 1536, 132), 6);
+        assert_eq!(split_k(v, 16, 512, 640, 132), 2);
+        assert_eq!(split_cols(640, 2), 384);
+        assert_eq!(split_k(v, 16, 512, 384, 132), 1);
+        assert_eq!(split_k(v, 16, 512, 4160, 132), 1, "cols % 128 != 0");
+        // A wave's worth of blocks, the mma.sync tiles, and small GPUs are left alone.
+        assert_eq!(split_k(Tile::Wgmma, 512, 4096, 4096, 132), 2);
+        assert_eq!(split_k(Tile::Wgmma, 1024, 4096, 4096, 132), 1);
+        assert_eq!(split_k(Tile::Small, 64, 1024, 4096, 132), 1);
+        assert_eq!(split_k(v, 64, 1024, 4096, 8), 1);
+        assert_eq!(partial_bytes(1, 64, 1024), 0);
     }
 
     #[test]

@@ -130,10 +130,12 @@ fn validate(
 /// `out[n, rows] = x[n, cols] · Wᵀ` for an int4 `W`: `packed` u8 `[rows, cols/2]` (tm's nibble
 /// order), `scales` and `mins` f16 `[rows, cols/group]`, `w = q * scale + min`. `x` and `out` are
 /// `dt` (f32, f16 or bf16). All pointers are device addresses; the kernel is queued on the GPU's
-/// stream.
+/// stream. `partials` (address, bytes): scratch the prefill GEMM may split K into
+/// ([`q4_gemm::split_k`]), or `None`.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_q4(
     gpu: &Gpu,
+    partials: Option<(u64, usize)>,
     dt: DType,
     out: u64,
     x: u64,
@@ -157,7 +159,9 @@ pub fn matmul_q4(
         let sms = gpu.info().multiprocessors as usize;
         let wgmma = q4_gemm::wgmma_available(gpu);
         if let Some(tile) = q4_gemm::choose(q4_gemm::policy(), n, rows, cols, group, sms, wgmma) {
-            return q4_gemm::launch(gpu, tile, dt, out, x, packed, scales, mins, n, rows, cols, group, layout);
+            return q4_gemm::launch(
+                gpu, partials, tile, dt, out, x, packed, scales, mins, n, rows, cols, group, layout,
+            );
         }
     }
     let (name, grid, block) = plan(Kind::Int4, dt, n, rows)?;

@@ -219,8 +219,18 @@ impl CudaBackend {
                 return Ok(());
             }
             let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
+            // Below the slab path's batch size the slab buffer is free for the prefill GEMM's
+            // split-K partial sums; a split product queues its GEMM and its sum under the state
+            // lock, as a slab product does, so that threads sharing the backend cannot interleave
+            // theirs in the buffer.
+            let partials = self.slab.get().map(|b| (b.addr(), b.len()));
+            let _serial = match partials {
+                Some(_) => Some(self.state()?),
+                None => None,
+            };
             quant::matmul_q4(
                 &self.gpu,
+                partials,
                 self.dtype,
                 ptr(out),
                 ptr(x),
