@@ -2196,6 +2196,7 @@ fn matmul_q4_policies(s: &mut Suite, n: usize, rows: usize, cols: usize, group: 
             Policy::Force(Tile::Wgmma),
             Policy::Force(Tile::WgmmaK128),
             Policy::Force(Tile::WgmmaNarrow),
+            Policy::Force(Tile::WgmmaSmall),
             Policy::Auto,
             Policy::Off,
         ];
@@ -2670,6 +2671,7 @@ fn matmul_int4_split_k() {
                 for p in [
                     Policy::Auto,
                     Policy::Force(Tile::WgmmaNarrow),
+                    Policy::Force(Tile::WgmmaSmall),
                     Policy::Force(Tile::Wgmma),
                     Policy::Force(Tile::WgmmaK128),
                 ] {

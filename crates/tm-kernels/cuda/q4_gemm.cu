@@ -405,6 +405,20 @@ template <int NTOK, int STAGES, int SUBS> struct Shape {
 };
 
 #if TMW_WGMMA
+// wgmma.m64n64k16 with A from registers, B through `desc`, D += A B in f32 (TY: the PTX type).
+#define TMW_WGMMA_RS_N64(TY, T)                                                                                       \
+    __device__ __forceinline__ void wgmma_rs(float(&d)[32], const unsigned(&a)[4], unsigned long long desc, T) {      \
+        asm volatile(                                                                                                 \
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {"                                              \
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                  \
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"                          \
+            "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"                                                             \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+              "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),   \
+              "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])  \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));                                                 \
+    }
 // wgmma.m64n128k16 with A from registers, B through `desc`, D += A B in f32 (TY: the PTX type).
 #define TMW_WGMMA_RS_N128(TY, T)                                                                                      \
     __device__ __forceinline__ void wgmma_rs(float(&d)[64], const unsigned(&a)[4], unsigned long long desc, T) {      \
@@ -457,8 +471,10 @@ template <int NTOK, int STAGES, int SUBS> struct Shape {
               "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));                                                         \
     }
+TMW_WGMMA_RS_N64("f16", __half)
 TMW_WGMMA_RS_N128("f16", __half)
 TMW_WGMMA_RS_N256("f16", __half)
+TMW_WGMMA_RS_N64("bf16", __nv_bfloat16)
 TMW_WGMMA_RS_N128("bf16", __nv_bfloat16)
 TMW_WGMMA_RS_N256("bf16", __nv_bfloat16)
 
@@ -750,7 +766,8 @@ TMG_KERNELS(f16, __half)
 TMG_KERNELS(bf16, __nv_bfloat16)
 
 // sm_90a wgmma kernels (see above): `w`: 256 tokens x 128 weight rows, 64-column k-tiles, 4 stages
-// (145 KiB shared); `v`: 128 x 128, 4 stages (81 KiB); `x`: `w` with 128-column k-tiles (two
+// (145 KiB shared); `v`: 128 x 128, 4 stages (81 KiB); `u`: 64 x 128 (m64n64), 4 stages (49 KiB, 115
+// registers: two blocks per SM), picked for batches of up to 16 tokens; `x`: `w` with 128-column k-tiles (two
 // sub-tiles per stage, half the barriers and waits per column), 3 stages (217 KiB), for
 // `group % 128 == 0`. One block per SM (w: about 220 registers per thread, x: about 240).
 // With split-K (`partial` non-null, grid.z slices of `kcols` columns) the blocks store f32 partial
@@ -769,9 +786,11 @@ TMG_KERNELS(bf16, __nv_bfloat16)
 
 TMW_KERNEL(w, f16, __half, 256, 4, 1)
 TMW_KERNEL(v, f16, __half, 128, 4, 1)
+TMW_KERNEL(u, f16, __half, 64, 4, 1)
 TMW_KERNEL(x, f16, __half, 256, 3, 2)
 TMW_KERNEL(w, bf16, __nv_bfloat16, 256, 4, 1)
 TMW_KERNEL(v, bf16, __nv_bfloat16, 128, 4, 1)
+TMW_KERNEL(u, bf16, __nv_bfloat16, 64, 4, 1)
 TMW_KERNEL(x, bf16, __nv_bfloat16, 256, 3, 2)
 
 // The split-K sum: out[i] = T(sum over z < splits of partial[z count + i]) for i < count (= n *

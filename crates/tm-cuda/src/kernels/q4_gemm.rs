@@ -23,7 +23,9 @@
 //! - [`Tile::WgmmaK128`]: the same with 128-column k-tiles (half the barriers and waits per
 //!   column), 3 stages, 217 KiB, for `group % 128 == 0` (what [`choose`] takes instead of
 //!   [`Tile::Wgmma`] there, up to [`K128_MAX_COLS`] columns);
-//! - [`Tile::WgmmaNarrow`]: 128 × 128, 4 stages, 81 KiB (more blocks for mid-sized batches).
+//! - [`Tile::WgmmaNarrow`]: 128 × 128, 4 stages, 81 KiB (more blocks for mid-sized batches);
+//! - [`Tile::WgmmaSmall`]: 64 × 128, 4 stages, 49 KiB, two blocks per SM, for batches of up to
+//!   [`WGMMA_SMALL_MAX_TOKENS`] tokens.
 
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::OnceLock;
@@ -60,18 +62,30 @@ pub enum Tile {
     WgmmaK128,
     /// sm_90a: 128 × 128 with wgmma, 4 stages: twice the blocks of [`Tile::Wgmma`].
     WgmmaNarrow,
+    /// sm_90a: 64 × 128 with wgmma (m64n64), 4 stages, two blocks per SM: batches of up to
+    /// [`WGMMA_SMALL_MAX_TOKENS`] tokens.
+    WgmmaSmall,
 }
 
 impl Tile {
     /// Every tile shape.
-    pub const ALL: [Tile; 7] =
-        [Tile::Large, Tile::Medium, Tile::Small, Tile::Tall, Tile::Wgmma, Tile::WgmmaK128, Tile::WgmmaNarrow];
+    pub const ALL: [Tile; 8] = [
+        Tile::Large,
+        Tile::Medium,
+        Tile::Small,
+        Tile::Tall,
+        Tile::Wgmma,
+        Tile::WgmmaK128,
+        Tile::WgmmaNarrow,
+        Tile::WgmmaSmall,
+    ];
     /// The shapes [`pick`] chooses from, largest first (the wgmma ones only where available).
-    pub const AUTO: [Tile; 5] = [Tile::Wgmma, Tile::WgmmaNarrow, Tile::Large, Tile::Medium, Tile::Small];
+    pub const AUTO: [Tile; 6] =
+        [Tile::Wgmma, Tile::WgmmaNarrow, Tile::WgmmaSmall, Tile::Large, Tile::Medium, Tile::Small];
 
     /// Whether the shape is one of the sm_90a wgmma kernels.
     pub fn wgmma(self) -> bool {
-        matches!(self, Tile::Wgmma | Tile::WgmmaK128 | Tile::WgmmaNarrow)
+        matches!(self, Tile::Wgmma | Tile::WgmmaK128 | Tile::WgmmaNarrow | Tile::WgmmaSmall)
     }
 
     /// 64-column sub-tiles per k-tile (2 for [`Tile::WgmmaK128`], else 1).
@@ -93,6 +107,7 @@ impl Tile {
             Tile::Wgmma => "w",
             Tile::WgmmaK128 => "x",
             Tile::WgmmaNarrow => "v",
+            Tile::WgmmaSmall => "u",
         }
     }
 
@@ -101,7 +116,7 @@ impl Tile {
         match self {
             Tile::Wgmma | Tile::WgmmaK128 => 256,
             Tile::Large | Tile::Medium | Tile::Tall | Tile::WgmmaNarrow => 128,
-            Tile::Small => 64,
+            Tile::Small | Tile::WgmmaSmall => 64,
         }
     }
 
@@ -109,14 +124,14 @@ impl Tile {
     pub fn bn(self) -> usize {
         match self {
             Tile::Large | Tile::Tall => 256,
-            Tile::Medium | Tile::Small | Tile::Wgmma | Tile::WgmmaK128 | Tile::WgmmaNarrow => 128,
+            Tile::Medium | Tile::Small | Tile::Wgmma | Tile::WgmmaK128 | Tile::WgmmaNarrow | Tile::WgmmaSmall => 128,
         }
     }
 
     fn stages(self) -> usize {
         match self {
             Tile::Large | Tile::Tall | Tile::WgmmaK128 => 3,
-            Tile::Medium | Tile::Small | Tile::Wgmma | Tile::WgmmaNarrow => 4,
+            Tile::Medium | Tile::Small | Tile::Wgmma | Tile::WgmmaNarrow | Tile::WgmmaSmall => 4,
         }
     }
 
@@ -138,15 +153,17 @@ impl Tile {
         // at 1024 tokens x 6144 rows two waves of `w` beat three of `v`).
         match self {
             Tile::Wgmma | Tile::WgmmaK128 => 1.9,
-            Tile::WgmmaNarrow => 1.4,
+            // Per tile area as the narrow shape (it is a candidate only for small batches, see
+            // WGMMA_SMALL_MAX_TOKENS).
+            Tile::WgmmaNarrow | Tile::WgmmaSmall => 1.4,
             Tile::Large | Tile::Tall => 1.0,
             Tile::Medium => 0.8,
             Tile::Small => 0.6,
         }
     }
 
-    /// The tile named by `s` (`l`, `m`, `s`, `t`, `w`, `x`, `v`, or `large`, `medium`, `small`,
-    /// `tall`, `wgmma`, `wgmma-k128`, `wgmma-narrow`).
+    /// The tile named by `s` (`l`, `m`, `s`, `t`, `w`, `x`, `v`, `u`, or `large`, `medium`,
+    /// `small`, `tall`, `wgmma`, `wgmma-k128`, `wgmma-narrow`, `wgmma-small`).
     pub fn parse(s: &str) -> Option<Tile> {
         match s.trim().to_ascii_lowercase().as_str() {
             "l" | "large" => Some(Tile::Large),
@@ -156,6 +173,7 @@ impl Tile {
             "w" | "wgmma" => Some(Tile::Wgmma),
             "x" | "wgmma-k128" => Some(Tile::WgmmaK128),
             "v" | "wgmma-narrow" => Some(Tile::WgmmaNarrow),
+            "u" | "wgmma-small" => Some(Tile::WgmmaSmall),
             _ => None,
         }
     }
@@ -184,7 +202,7 @@ impl Policy {
             Some(s) if s == "off" || s == "0" || s == "tiled" => Ok(Policy::Off),
             Some(s) => Tile::parse(&s)
                 .map(Policy::Force)
-                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s, t, w, x, v")),
+                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s, t, w, x, v, u")),
         }
     }
 
@@ -261,15 +279,26 @@ pub fn eligible(
         && n.div_ceil(Tile::Small.bm()) <= MAX_GRID_Y
 }
 
+/// The most tokens for which [`pick`] considers [`Tile::WgmmaSmall`]. AWQ 8B decode replay on the
+/// H200 (the step's GEMMs split along K, [`split_k`]), per step, with the small shape against
+/// the narrow one: 16 tokens 6704 against 7038 us; 32 tokens 7693-7699 against 7426-7439, 48
+/// tokens 8126-8132 against 7863-7876, 64 tokens 8689-8692 against 8371-8378 (though ncu timed
+/// each of its products alone 14-15% faster at 64 tokens).
+pub const WGMMA_SMALL_MAX_TOKENS: usize = 16;
+
 /// The tile with the least estimated time on `sms` multiprocessors: whole waves of blocks (one
 /// block per SM) times the work of a block over its [`Tile::efficiency`]. The wgmma shapes are
-/// candidates only with `wgmma` ([`wgmma_available`]); tiles whose `n` grid would exceed the
-/// hardware limit are skipped (the small tile always fits an [`eligible`] call).
+/// candidates only with `wgmma` ([`wgmma_available`]), [`Tile::WgmmaSmall`] only up to
+/// [`WGMMA_SMALL_MAX_TOKENS`]; tiles whose `n` grid would exceed the hardware limit are skipped
+/// (the small tile always fits an [`eligible`] call).
 pub fn pick(n: usize, rows: usize, sms: usize, wgmma: bool) -> Tile {
     let sms = sms.max(1);
     let mut best = (f64::INFINITY, Tile::Small);
     for tile in Tile::AUTO {
-        if (tile.wgmma() && !wgmma) || n.div_ceil(tile.bm()) > MAX_GRID_Y {
+        if (tile.wgmma() && !wgmma)
+            || n.div_ceil(tile.bm()) > MAX_GRID_Y
+            || (tile == Tile::WgmmaSmall && n > WGMMA_SMALL_MAX_TOKENS)
+        {
             continue;
         }
         let blocks = n.div_ceil(tile.bm()) * rows.div_ceil(tile.bn());
@@ -512,6 +541,7 @@ mod tests {
         }
         assert_eq!(Tile::Wgmma.shared_bytes(), 4 * (32768 + 4096) + 1024);
         assert_eq!(Tile::WgmmaNarrow.shared_bytes(), 4 * (16384 + 4096) + 1024);
+        assert_eq!(Tile::WgmmaSmall.shared_bytes(), 4 * (8192 + 4096) + 1024);
         assert_eq!(Tile::WgmmaK128.shared_bytes(), 3 * 2 * (32768 + 4096) + 1024);
         assert_eq!(Tile::Large.shared_bytes(), 3 * (16384 + 8192 + 4096));
         assert_eq!(Tile::Small.shared_bytes(), 4 * (8192 + 4096 + 2048));
@@ -577,7 +607,12 @@ mod tests {
         assert_eq!(pick(512, 4096, 132, true), Tile::WgmmaNarrow);
         assert_eq!(pick(512, 6144, 132, true), Tile::Wgmma);
         assert_eq!(pick(1024, 6144, 132, true), Tile::Wgmma);
+        assert_eq!(pick(128, 14336, 132, true), Tile::WgmmaNarrow);
         assert_eq!(pick(64, 4096, 132, true), Tile::WgmmaNarrow);
+        assert_eq!(pick(17, 1024, 132, true), Tile::WgmmaNarrow);
+        // The 64-token wgmma shape up to WGMMA_SMALL_MAX_TOKENS.
+        assert_eq!(pick(16, 4096, 132, true), Tile::WgmmaSmall);
+        assert_eq!(pick(9, 14336, 132, true), Tile::WgmmaSmall);
         let (name, grid, smem) = plan(Tile::Large, DType::BF16, 1000, 4104).unwrap();
         assert_eq!((name.as_str(), grid, smem), ("matmul_q4_gemm_l_bf16", (17, 8, 1), 86016));
         assert!(plan(Tile::Small, DType::F32, 10, 8).is_err());
@@ -594,6 +629,7 @@ mod tests {
         assert_eq!(Policy::parse(Some("w")), Ok(Policy::Force(Tile::Wgmma)));
         assert_eq!(Policy::parse(Some("v")), Ok(Policy::Force(Tile::WgmmaNarrow)));
         assert_eq!(Policy::parse(Some("x")), Ok(Policy::Force(Tile::WgmmaK128)));
+        assert_eq!(Policy::parse(Some("u")), Ok(Policy::Force(Tile::WgmmaSmall)));
         assert_eq!(choose(Policy::Off, 512, 4096, 4096, 128, 132, true), None);
         assert_eq!(choose(Policy::Force(Tile::Small), 8192, 4096, 4096, 128, 132, true), Some(Tile::Small));
         assert_eq!(choose(Policy::Auto, 8192, 4096, 4096, 128, 132, false), Some(Tile::Large));
