@@ -224,10 +224,7 @@ impl CudaBackend {
             // lock, as a slab product does, so that threads sharing the backend cannot interleave
             // theirs in the buffer.
             let partials = self.slab.get().map(|b| (b.addr(), b.len()));
-            let _serial = match partials {
-                Some(_) => Some(self.state()?),
-                None => None,
-            };
+            let _serial = partials.map(|_| self.state()).transpose()?;
             quant::matmul_q4(
                 &self.gpu,
                 partials,
