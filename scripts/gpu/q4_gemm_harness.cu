@@ -6,7 +6,7 @@
 //
 // It runs structured probes first (x one-hot per token, W[r, c] = (r + 3 c) % 16 with scale 1 and
 // min 0, so every output is an exact small integer; odd n and rows, groups 32..256) and prints how
-// many outputs of each kernel are wrong, then times every kernel (l, m: mma.sync; w, v, x: wgmma)
+// many outputs of each kernel are wrong, then times every kernel (l, m: mma.sync; w, v, u, y, x: wgmma)
 // on the Llama-3-8B shapes with random data, with the largest error of 2048 sampled outputs
 // relative to sum |x w| against an f32 reference. `/tmp/q4h 1 one` launches w once per dtype
 // (for ncu). The cuBLAS comparison is `tm-cuda`'s `q4_gemm_bench` (or torch's `x @ w.t()`).
@@ -55,17 +55,33 @@ template <class T> __global__ void ref_pairs(const T* x, const unsigned char* pa
 
 typedef void (*Kern)(void*, const void*, const unsigned char*, const __half*, const __half*, int, int, int, int);
 
+// The kernels with the harness's arguments (row-major weights, one weight per launch, no split).
+template <class T, int BM, int BN, int WM, int WN, int ST, int MINB>
+__global__ void __launch_bounds__(256, MINB) mma_k(T* out, const T* x, const unsigned char* packed, const __half* s,
+                                                    const __half* m, int n, int rows, int cols, int group) {
+    tmk::pdl_wait();
+    tmg::q4_gemm<T, BM, BN, WM, WN, ST>(out, x, packed, s, m, n, rows, cols, group, 0);
+}
+template <class T, int NTOK, int ST, int SUBS, int MINB>
+__global__ void __launch_bounds__(256, MINB) wg_k(T* out, const T* x, const unsigned char* packed, const __half* s,
+                                                   const __half* m, int n, int rows, int cols, int group) {
+    tmk::pdl_wait();
+    tmw::q4_gemm_wgmma<T, NTOK, ST, SUBS>(out, nullptr, x, packed, s, m, n, rows, cols, group, 0, cols, blockIdx.x, 0);
+}
+
 struct K { const char* name; Kern f; int bm, bn, smem; };  // bm: tokens per block, bn: weight rows per block
 
 template <class T> std::vector<K> kernels();
-#define KS(SUF) \
-  { {"l", (Kern)matmul_q4_gemm_l_##SUF, 128, 256, 3 * (128 * 128 + 256 * 32 + 256 * 16)}, \
-    {"m", (Kern)matmul_q4_gemm_m_##SUF, 128, 128, 4 * (128 * 128 + 128 * 32 + 128 * 16)}, \
-    {"w", (Kern)matmul_q4_gemm_w_##SUF, 256, 128, tmw::Shape<256, 4, 1>::SMEM}, \
-    {"v", (Kern)matmul_q4_gemm_v_##SUF, 128, 128, tmw::Shape<128, 4, 1>::SMEM}, \
-    {"x", (Kern)matmul_q4_gemm_x_##SUF, 256, 128, tmw::Shape<256, 3, 2>::SMEM} }
-template <> std::vector<K> kernels<__half>() { return KS(f16); }
-template <> std::vector<K> kernels<__nv_bfloat16>() { return KS(bf16); }
+#define KS(T) \
+  { {"l", (Kern)mma_k<T, 128, 256, 2, 4, 3, 1>, 128, 256, 3 * (128 * 128 + 256 * 32 + 256 * 16)}, \
+    {"m", (Kern)mma_k<T, 128, 128, 2, 4, 4, 2>, 128, 128, 4 * (128 * 128 + 128 * 32 + 128 * 16)}, \
+    {"w", (Kern)wg_k<T, 256, 4, 1, 1>, 256, 128, tmw::Shape<256, 4, 1>::SMEM}, \
+    {"v", (Kern)wg_k<T, 128, 4, 1, 1>, 128, 128, tmw::Shape<128, 4, 1>::SMEM}, \
+    {"u", (Kern)wg_k<T, 64, 4, 1, 1>, 64, 128, tmw::Shape<64, 4, 1>::SMEM}, \
+    {"y", (Kern)wg_k<T, 64, 4, 2, 2>, 64, 128, tmw::Shape<64, 4, 2>::SMEM}, \
+    {"x", (Kern)wg_k<T, 256, 3, 2, 1>, 256, 128, tmw::Shape<256, 3, 2>::SMEM} }
+template <> std::vector<K> kernels<__half>() { return KS(__half); }
+template <> std::vector<K> kernels<__nv_bfloat16>() { return KS(__nv_bfloat16); }
 
 template <class T> void run(const char* dt, int iters) {
     int shapes[4][2] = {{4096, 4096}, {6144, 4096}, {14336, 4096}, {4096, 14336}};
@@ -138,7 +154,7 @@ __global__ void probe_fill(unsigned char* packed, __half* s, __half* m, __half* 
     for (int tid = threadIdx.x + blockIdx.x * blockDim.x; tid < n * cols; tid += stride) { int tok = tid / cols, c = tid % cols; x[tid] = __float2half(c == (7 * tok) % cols ? 1.f : 0.f); }
 }
 void probe(Kern f, int bm, int bn, int smem, const char* name, int rows, int cols, int n, int group) {
-    if (name[0] == 'x' && (group % 128 || cols % 128)) return;
+    if ((name[0] == 'x' || name[0] == 'y') && (group % 128 || cols % 128)) return;
     unsigned char* packed; __half *s, *m, *x, *out;
     CK(cudaMalloc(&packed, rows * cols / 2)); CK(cudaMalloc(&s, rows * (cols / group) * 2)); CK(cudaMalloc(&m, rows * (cols / group) * 2));
     CK(cudaMalloc(&x, n * cols * 2)); CK(cudaMalloc(&out, n * rows * 2));

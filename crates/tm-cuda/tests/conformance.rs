@@ -2197,6 +2197,7 @@ fn matmul_q4_policies(s: &mut Suite, n: usize, rows: usize, cols: usize, group: 
             Policy::Force(Tile::WgmmaK128),
             Policy::Force(Tile::WgmmaNarrow),
             Policy::Force(Tile::WgmmaSmall),
+            Policy::Force(Tile::WgmmaSmallK128),
             Policy::Auto,
             Policy::Off,
         ];
@@ -2672,6 +2673,7 @@ fn matmul_int4_split_k() {
                     Policy::Auto,
                     Policy::Force(Tile::WgmmaNarrow),
                     Policy::Force(Tile::WgmmaSmall),
+                    Policy::Force(Tile::WgmmaSmallK128),
                     Policy::Force(Tile::Wgmma),
                     Policy::Force(Tile::WgmmaK128),
                 ] {
@@ -2689,6 +2691,56 @@ fn matmul_int4_split_k() {
                 Ok(())
             });
         }
+    });
+}
+
+/// Decode batches above the GEMV's (9 to 64 tokens): q/k/v-like `matmul_many` and gate/up as one
+/// launch of the sm_90a prefill GEMM each (`quant::matmul_q4_grouped`), against the CPU's
+/// separate products: the 8B shapes, odd ones with biases, group 128 (the 128-column k-tile
+/// shape) and 64 / 32 (the others), without and then with the slab buffer reserved (split-K over
+/// all the launch's weights); 65 tokens stay per weight. On an sm_90 device the grouped-launch
+/// counter must move for every call up to 64 tokens, so a silent fallback cannot pass.
+#[test]
+fn matmul_int4_grouped() {
+    use tm_cuda::kernels::q4_gemm::grouped_launches;
+    let ordinal = std::env::var("TM_CUDA_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0usize);
+    let hopper = tm_cuda::probe()
+        .map(|ds| ds.iter().any(|d| d.ordinal == ordinal && d.compute_capability == (9, 0)))
+        .unwrap_or(false);
+    let _serial = prefill_policy_lock();
+    run("matmul_int4_grouped", &[DType::F16, DType::BF16], |s| {
+        for reserved in [false, true] {
+            if reserved {
+                if let Err(e) = s.gpu.reserve_matmul_scratch(tm_core::q4_slab::DEFAULT_MIN_TOKENS) {
+                    s.failures.push(format!("[{}] reserve_matmul_scratch: {e}", s.dtype));
+                    return;
+                }
+            }
+            s.tag = if reserved { "[split] ".into() } else { String::new() };
+            let expect = |s: &mut Suite, n: usize, what: &str, before: u64| {
+                if hopper && n <= 64 && grouped_launches() == before {
+                    s.failures.push(format!("[{}] {what} at n = {n} did not run as one launch", s.dtype));
+                }
+            };
+            for (n, rows, cols, g, bias) in [
+                (9, vec![4096, 1024, 1024], 4096, 128, true),
+                (64, vec![4096, 1024, 1024], 4096, 128, false),
+                (40, vec![1000, 256, 256], 640, 64, true),
+                (16, vec![512, 128], 1024, 32, false),
+                (33, vec![136, 8, 1032], 384, 128, true),
+                (65, vec![1024, 256, 256], 1024, 128, false),
+            ] {
+                let before = grouped_launches();
+                matmul_many(s, Kind::Int4(g), n, &rows, cols, bias);
+                expect(s, n, "matmul_many", before);
+            }
+            for (n, rows, cols, g) in [(64, 14336, 4096, 128), (33, 1000, 640, 128), (17, 2048, 1024, 64)] {
+                let before = grouped_launches();
+                gate_up_silu(s, Kind::Int4(g), n, rows, cols);
+                expect(s, n, "gate_up_silu", before);
+            }
+        }
+        s.tag.clear();
     });
 }
 

@@ -502,15 +502,17 @@ __device__ __forceinline__ unsigned long long desc_sw128(unsigned addr) {
 }
 #endif
 
-// Split-K: block z of the grid takes columns [z kcols, min(cols, (z + 1) kcols)) (kcols a multiple
-// of 128 and of the k-tile) and, with `partial`, stores its f32 sums at partial[(z n + token) rows +
-// row] for `matmul_q4_gemm_reduce` to add up in order; without (`partial` null, kcols = cols,
-// one block in z) it stores T sums in `out`.
+// The block's tile: weight rows 128 bx on, tokens NTOK blockIdx.y on, K slice bz (the entry points
+// map grid.x onto a launch's weights and slices). Split-K: slice z takes columns [z kcols, min(cols,
+// (z + 1) kcols)) (kcols a multiple of 128 and of the k-tile) and, with `partial`, stores its f32
+// sums at partial[(z n + token) rows + row] for `matmul_q4_gemm_reduce` to add up in order;
+// without (`partial` null, kcols = cols, bz = 0) it stores T sums in `out`.
 template <class T, int NTOK, int STAGES, int SUBS>
 __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, float* __restrict__ partial,
                                               const T* __restrict__ x, const unsigned char* __restrict__ packed,
                                               const __half* __restrict__ scales, const __half* __restrict__ mins,
-                                              int n, int rows, int cols, int group, int tiled, int kcols) {
+                                              int n, int rows, int cols, int group, int tiled, int kcols,
+                                              int bx, int bz) {
 #if TMW_WGMMA
     typedef Shape<NTOK, STAGES, SUBS> S;
     constexpr int KT = S::KT, NB = S::BLOCKS;
@@ -521,9 +523,9 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, float* __rest
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = warp >> 2, wq = warp & 3;
-    const int w0 = blockIdx.x * BW;   // first weight row of the block
-    const int t0 = blockIdx.y * NTOK; // first token of the block
-    const int k0 = blockIdx.z * kcols;  // first column of the block's K slice
+    const int w0 = bx * BW;            // first weight row of the block
+    const int t0 = blockIdx.y * NTOK;  // first token of the block
+    const int k0 = bz * kcols;         // first column of the block's K slice
     const int ktiles = (min(cols, k0 + kcols) - k0) / KT;
     const int groups = cols / group;
 
@@ -724,7 +726,7 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, float* __rest
                 const int tok = t0 + 8 * j + 2 * t + e;
                 if (tok >= n) continue;
                 if (partial)
-                    partial[((long long)blockIdx.z * n + tok) * rows + r] = acc[4 * j + 2 * h + e];
+                    partial[((long long)bz * n + tok) * rows + r] = acc[4 * j + 2 * h + e];
                 else
                     out[(long long)tok * rows + r] = tmk::from_float<T>(acc[4 * j + 2 * h + e]);
             }
@@ -766,51 +768,101 @@ TMG_KERNELS(f16, __half)
 TMG_KERNELS(bf16, __nv_bfloat16)
 
 // sm_90a wgmma kernels (see above): `w`: 256 tokens x 128 weight rows, 64-column k-tiles, 4 stages
-// (145 KiB shared); `v`: 128 x 128, 4 stages (81 KiB); `u`: 64 x 128 (m64n64), 4 stages (49 KiB, 115
-// registers: two blocks per SM), picked for batches of up to 16 tokens; `x`: `w` with 128-column k-tiles (two
+// (145 KiB shared); `v`: 128 x 128, 4 stages (81 KiB); `u`: 64 x 128 (m64n64), 4 stages (49 KiB, 126
+// registers: two blocks per SM); `y`: `u` with 128-column k-tiles (97 KiB, two blocks per SM), for
+// decode batches of up to 64 tokens with `group % 128 == 0`; `x`: `w` with 128-column k-tiles (two
 // sub-tiles per stage, half the barriers and waits per column), 3 stages (217 KiB), for
-// `group % 128 == 0`. One block per SM (w: about 220 registers per thread, x: about 240).
-// With split-K (`partial` non-null, grid.z slices of `kcols` columns) the blocks store f32 partial
-// sums, which `matmul_q4_gemm_reduce_T` then adds up into `out`.
-#define TMW_KERNEL(NAME, SUF, T, NTOK, ST, SUBS)                                                                    \
-    extern "C" __global__ void __launch_bounds__(tmw::THREADS, 1)                                                  \
-        matmul_q4_gemm_##NAME##_##SUF(T* __restrict__ out, const T* __restrict__ x,                              \
-                                      const unsigned char* __restrict__ packed, const __half* __restrict__ scales, \
-                                      const __half* __restrict__ mins, int n, int rows, int cols, int group,     \
-                                      int tiled, float* __restrict__ partial, int kcols) {                       \
+// `group % 128 == 0`. One block per SM for `w`, `v`, `x` (w: about 220 registers per thread, x: about
+// 240).
+//
+// Each launch computes up to three products of one x (`parts`: a layer's q, k and v, or gate and
+// up, in one grid instead of one launch each; the ones past `parts` are ignored): part i, of
+// `rows_i` weight rows, owns ceil(rows_i / 128) * splits consecutive blocks of grid.x (`splits` =
+// ceil(cols / kcols)); its block b takes rows 128 (b % blocks_i) on and K slice b / blocks_i. With
+// split-K (`partial` non-null) part i stores its f32 partial sums from partial + splits * n *
+// (rows_0 + ... + rows_{i-1}) on, which `matmul_q4_gemm_reduce_T` then adds up into the outputs.
+// AWQ 8B-shaped layers at 64 decode tokens on the H200 (scripts/gpu/q4_gemm_decode.cu, products
+// only): q/k/v and gate/up one launch each with `y`, 3618 us per step against 6313 with `v`
+// launched per weight.
+#define TMW_KERNEL(NAME, SUF, T, NTOK, ST, SUBS, MINB)                                                             \
+    extern "C" __global__ void __launch_bounds__(tmw::THREADS, MINB) matmul_q4_gemm_##NAME##_##SUF(               \
+        const T* __restrict__ x, int n, int cols, int group, float* __restrict__ partial, int kcols, int parts,    \
+        T* out0, const unsigned char* packed0, const __half* scales0, const __half* mins0, int rows0, int tiled0,  \
+        T* out1, const unsigned char* packed1, const __half* scales1, const __half* mins1, int rows1, int tiled1,  \
+        T* out2, const unsigned char* packed2, const __half* scales2, const __half* mins2, int rows2, int tiled2) { \
         tmk::pdl_launch_dependents();                                                                            \
         tmk::pdl_wait();                                                                                         \
-        tmw::q4_gemm_wgmma<T, NTOK, ST, SUBS>(out, partial, x, packed, scales, mins, n, rows, cols, group, tiled, \
-                                              kcols);                                                            \
+        const int splits = (cols + kcols - 1) / kcols;                                                           \
+        const int nb0 = (rows0 + tmw::BW - 1) / tmw::BW, nb1 = (rows1 + tmw::BW - 1) / tmw::BW;                  \
+        int b = blockIdx.x, i = 0;                                                                               \
+        if (parts > 1 && b >= nb0 * splits) {                                                                    \
+            b -= nb0 * splits;                                                                                   \
+            i = 1;                                                                                               \
+            if (parts > 2 && b >= nb1 * splits) {                                                                \
+                b -= nb1 * splits;                                                                               \
+                i = 2;                                                                                           \
+            }                                                                                                    \
+        }                                                                                                        \
+        const int rows = i == 0 ? rows0 : i == 1 ? rows1 : rows2;                                                \
+        const int nb = (rows + tmw::BW - 1) / tmw::BW;                                                           \
+        const long long before = i == 0 ? 0 : i == 1 ? rows0 : (long long)rows0 + rows1;                         \
+        tmw::q4_gemm_wgmma<T, NTOK, ST, SUBS>(i == 0 ? out0 : i == 1 ? out1 : out2,                              \
+                                              partial ? partial + splits * (long long)n * before : partial, x,    \
+                                              i == 0 ? packed0 : i == 1 ? packed1 : packed2,                      \
+                                              i == 0 ? scales0 : i == 1 ? scales1 : scales2,                      \
+                                              i == 0 ? mins0 : i == 1 ? mins1 : mins2, n, rows, cols, group,      \
+                                              i == 0 ? tiled0 : i == 1 ? tiled1 : tiled2, kcols, b % nb, b / nb); \
     }
 
-TMW_KERNEL(w, f16, __half, 256, 4, 1)
-TMW_KERNEL(v, f16, __half, 128, 4, 1)
-TMW_KERNEL(u, f16, __half, 64, 4, 1)
-TMW_KERNEL(x, f16, __half, 256, 3, 2)
-TMW_KERNEL(w, bf16, __nv_bfloat16, 256, 4, 1)
-TMW_KERNEL(v, bf16, __nv_bfloat16, 128, 4, 1)
-TMW_KERNEL(u, bf16, __nv_bfloat16, 64, 4, 1)
-TMW_KERNEL(x, bf16, __nv_bfloat16, 256, 3, 2)
+TMW_KERNEL(w, f16, __half, 256, 4, 1, 1)
+TMW_KERNEL(v, f16, __half, 128, 4, 1, 1)
+TMW_KERNEL(u, f16, __half, 64, 4, 1, 1)
+TMW_KERNEL(y, f16, __half, 64, 4, 2, 2)
+TMW_KERNEL(x, f16, __half, 256, 3, 2, 1)
+TMW_KERNEL(w, bf16, __nv_bfloat16, 256, 4, 1, 1)
+TMW_KERNEL(v, bf16, __nv_bfloat16, 128, 4, 1, 1)
+TMW_KERNEL(u, bf16, __nv_bfloat16, 64, 4, 1, 1)
+TMW_KERNEL(y, bf16, __nv_bfloat16, 64, 4, 2, 2)
+TMW_KERNEL(x, bf16, __nv_bfloat16, 256, 3, 2, 1)
 
-// The split-K sum: out[i] = T(sum over z < splits of partial[z count + i]) for i < count (= n *
-// rows, a multiple of 4), in order of z, so the result does not depend on the schedule.
+// The split-K sums of a launch's `parts` products: out_i[j] = T(sum over z < splits of
+// partial_i[z n rows_i + j]) for j < n rows_i (a multiple of 4), partial_i = partial + splits n
+// (rows_0 + ... + rows_{i-1}), in order of z, so the result does not depend on the schedule.
 #define TMW_REDUCE(SUF, T)                                                                                          \
-    extern "C" __global__ void matmul_q4_gemm_reduce_##SUF(T* __restrict__ out, const float* __restrict__ partial, \
-                                                           int splits, int count) {                               \
+    extern "C" __global__ void matmul_q4_gemm_reduce_##SUF(const float* __restrict__ partial, int splits, int n,  \
+                                                           int parts, T* out0, int rows0, T* out1, int rows1,      \
+                                                           T* out2, int rows2) {                                   \
         tmk::pdl_launch_dependents();                                                                            \
         tmk::pdl_wait();                                                                                         \
-        const int quads = count >> 2;                                                                            \
-        for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < quads; q += gridDim.x * blockDim.x) {           \
-            float4 v = __ldcg(reinterpret_cast<const float4*>(partial) + q);                                     \
-            for (int z = 1; z < splits; ++z) {                                                                   \
-                const float4 p = __ldcg(reinterpret_cast<const float4*>(partial + (long long)z * count) + q);     \
-                v.x += p.x;                                                                                      \
-                v.y += p.y;                                                                                      \
-                v.z += p.z;                                                                                      \
-                v.w += p.w;                                                                                      \
+        const long long c0 = (long long)n * rows0, c1 = parts > 1 ? (long long)n * rows1 : 0,                    \
+                        c2 = parts > 2 ? (long long)n * rows2 : 0;                                               \
+        const long long quads = (c0 + c1 + c2) >> 2;                                                             \
+        for (long long q = blockIdx.x * (long long)blockDim.x + threadIdx.x; q < quads;                          \
+             q += (long long)gridDim.x * blockDim.x) {                                                           \
+            long long j = 4 * q, count = c0, base = 0;                                                           \
+            T* out = out0;                                                                                       \
+            if (j >= c0) {                                                                                       \
+                j -= c0;                                                                                         \
+                base = splits * c0;                                                                              \
+                count = c1;                                                                                      \
+                out = out1;                                                                                      \
+                if (j >= c1) {                                                                                   \
+                    j -= c1;                                                                                     \
+                    base += splits * c1;                                                                         \
+                    count = c2;                                                                                  \
+                    out = out2;                                                                                  \
+                }                                                                                                \
             }                                                                                                    \
-            T* o = out + 4ll * q;                                                                                \
+            const float* p = partial + base + j;                                                                 \
+            float4 v = __ldcg(reinterpret_cast<const float4*>(p));                                               \
+            for (int z = 1; z < splits; ++z) {                                                                   \
+                const float4 w = __ldcg(reinterpret_cast<const float4*>(p + z * count));                         \
+                v.x += w.x;                                                                                      \
+                v.y += w.y;                                                                                      \
+                v.z += w.z;                                                                                      \
+                v.w += w.w;                                                                                      \
+            }                                                                                                    \
+            T* o = out + j;                                                                                      \
             o[0] = tmk::from_float<T>(v.x);                                                                      \
             o[1] = tmk::from_float<T>(v.y);                                                                      \
             o[2] = tmk::from_float<T>(v.z);                                                                      \

@@ -25,7 +25,12 @@
 //!   [`Tile::Wgmma`] there, up to [`K128_MAX_COLS`] columns);
 //! - [`Tile::WgmmaNarrow`]: 128 × 128, 4 stages, 81 KiB (more blocks for mid-sized batches);
 //! - [`Tile::WgmmaSmall`]: 64 × 128, 4 stages, 49 KiB, two blocks per SM, for batches of up to
-//!   [`WGMMA_SMALL_MAX_TOKENS`] tokens.
+//!   [`WGMMA_SMALL_MAX_TOKENS`] tokens;
+//! - [`Tile::WgmmaSmallK128`]: the same with 128-column k-tiles, 97 KiB, two blocks per SM, for
+//!   batches of up to [`WGMMA_SMALL_K128_MAX_TOKENS`] tokens where `group % 128 == 0`.
+//!
+//! The wgmma kernels take up to three weights of one `x` per launch ([`Part`]: a layer's q, k
+//! and v, or gate and up, as one grid; [`launch`]).
 
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::OnceLock;
@@ -65,11 +70,15 @@ pub enum Tile {
     /// sm_90a: 64 × 128 with wgmma (m64n64), 4 stages, two blocks per SM: batches of up to
     /// [`WGMMA_SMALL_MAX_TOKENS`] tokens.
     WgmmaSmall,
+    /// sm_90a: [`Tile::WgmmaSmall`] with 128-column k-tiles (half the barriers and waits per
+    /// column), 4 stages, two blocks per SM; needs `group % 128 == 0`: decode batches of up to
+    /// [`WGMMA_SMALL_K128_MAX_TOKENS`] tokens.
+    WgmmaSmallK128,
 }
 
 impl Tile {
     /// Every tile shape.
-    pub const ALL: [Tile; 8] = [
+    pub const ALL: [Tile; 9] = [
         Tile::Large,
         Tile::Medium,
         Tile::Small,
@@ -78,6 +87,7 @@ impl Tile {
         Tile::WgmmaK128,
         Tile::WgmmaNarrow,
         Tile::WgmmaSmall,
+        Tile::WgmmaSmallK128,
     ];
     /// The shapes [`pick`] chooses from, largest first (the wgmma ones only where available).
     pub const AUTO: [Tile; 6] =
@@ -85,12 +95,22 @@ impl Tile {
 
     /// Whether the shape is one of the sm_90a wgmma kernels.
     pub fn wgmma(self) -> bool {
-        matches!(self, Tile::Wgmma | Tile::WgmmaK128 | Tile::WgmmaNarrow | Tile::WgmmaSmall)
+        matches!(self, Tile::Wgmma | Tile::WgmmaK128 | Tile::WgmmaNarrow | Tile::WgmmaSmall | Tile::WgmmaSmallK128)
     }
 
-    /// 64-column sub-tiles per k-tile (2 for [`Tile::WgmmaK128`], else 1).
+    /// 64-column sub-tiles per k-tile (2 for the 128-column k-tiles, else 1).
     fn subs(self) -> usize {
-        if self == Tile::WgmmaK128 {
+        if matches!(self, Tile::WgmmaK128 | Tile::WgmmaSmallK128) {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Blocks of this shape an H200 SM holds at once (the wgmma kernels' registers and shared
+    /// memory): two for the 64-token shapes, else one. [`split_k`] fills this many per SM.
+    pub fn blocks_per_sm(self) -> usize {
+        if matches!(self, Tile::WgmmaSmall | Tile::WgmmaSmallK128) {
             2
         } else {
             1
@@ -108,6 +128,7 @@ impl Tile {
             Tile::WgmmaK128 => "x",
             Tile::WgmmaNarrow => "v",
             Tile::WgmmaSmall => "u",
+            Tile::WgmmaSmallK128 => "y",
         }
     }
 
@@ -116,7 +137,7 @@ impl Tile {
         match self {
             Tile::Wgmma | Tile::WgmmaK128 => 256,
             Tile::Large | Tile::Medium | Tile::Tall | Tile::WgmmaNarrow => 128,
-            Tile::Small | Tile::WgmmaSmall => 64,
+            Tile::Small | Tile::WgmmaSmall | Tile::WgmmaSmallK128 => 64,
         }
     }
 
@@ -124,14 +145,20 @@ impl Tile {
     pub fn bn(self) -> usize {
         match self {
             Tile::Large | Tile::Tall => 256,
-            Tile::Medium | Tile::Small | Tile::Wgmma | Tile::WgmmaK128 | Tile::WgmmaNarrow | Tile::WgmmaSmall => 128,
+            Tile::Medium
+            | Tile::Small
+            | Tile::Wgmma
+            | Tile::WgmmaK128
+            | Tile::WgmmaNarrow
+            | Tile::WgmmaSmall
+            | Tile::WgmmaSmallK128 => 128,
         }
     }
 
     fn stages(self) -> usize {
         match self {
             Tile::Large | Tile::Tall | Tile::WgmmaK128 => 3,
-            Tile::Medium | Tile::Small | Tile::Wgmma | Tile::WgmmaNarrow | Tile::WgmmaSmall => 4,
+            Tile::Medium | Tile::Small | Tile::Wgmma | Tile::WgmmaNarrow | Tile::WgmmaSmall | Tile::WgmmaSmallK128 => 4,
         }
     }
 
@@ -155,15 +182,15 @@ impl Tile {
             Tile::Wgmma | Tile::WgmmaK128 => 1.9,
             // Per tile area as the narrow shape (it is a candidate only for small batches, see
             // WGMMA_SMALL_MAX_TOKENS).
-            Tile::WgmmaNarrow | Tile::WgmmaSmall => 1.4,
+            Tile::WgmmaNarrow | Tile::WgmmaSmall | Tile::WgmmaSmallK128 => 1.4,
             Tile::Large | Tile::Tall => 1.0,
             Tile::Medium => 0.8,
             Tile::Small => 0.6,
         }
     }
 
-    /// The tile named by `s` (`l`, `m`, `s`, `t`, `w`, `x`, `v`, `u`, or `large`, `medium`,
-    /// `small`, `tall`, `wgmma`, `wgmma-k128`, `wgmma-narrow`, `wgmma-small`).
+    /// The tile named by `s` (`l`, `m`, `s`, `t`, `w`, `x`, `v`, `u`, `y`, or `large`, `medium`,
+    /// `small`, `tall`, `wgmma`, `wgmma-k128`, `wgmma-narrow`, `wgmma-small`, `wgmma-small-k128`).
     pub fn parse(s: &str) -> Option<Tile> {
         match s.trim().to_ascii_lowercase().as_str() {
             "l" | "large" => Some(Tile::Large),
@@ -174,6 +201,7 @@ impl Tile {
             "x" | "wgmma-k128" => Some(Tile::WgmmaK128),
             "v" | "wgmma-narrow" => Some(Tile::WgmmaNarrow),
             "u" | "wgmma-small" => Some(Tile::WgmmaSmall),
+            "y" | "wgmma-small-k128" => Some(Tile::WgmmaSmallK128),
             _ => None,
         }
     }
@@ -181,8 +209,8 @@ impl Tile {
 
 /// Which prefill kernel int4 matmuls use, from `TM_Q4_GEMM`: unset or `auto` → [`Policy::Auto`];
 /// `off`/`0`/`tiled` → [`Policy::Off`] (the older tiled kernel, for comparisons); `l`/`m`/`s`/`t`/
-/// `w`/`x`/`v` → [`Policy::Force`] (a wgmma shape where wgmma is unavailable falls back to
-/// `auto`; `x` where `group % 128 != 0` to `w`). Anything else is reported once on stderr and treated as `auto`.
+/// `w`/`x`/`v`/`u`/`y` → [`Policy::Force`] (a wgmma shape where wgmma is unavailable falls back to
+/// `auto`; `x` where `group % 128 != 0` to `w`, `y` to `u`). Anything else is reported once on stderr and treated as `auto`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
     /// [`pick`] chooses the tile.
@@ -202,7 +230,7 @@ impl Policy {
             Some(s) if s == "off" || s == "0" || s == "tiled" => Ok(Policy::Off),
             Some(s) => Tile::parse(&s)
                 .map(Policy::Force)
-                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s, t, w, x, v, u")),
+                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s, t, w, x, v, u, y")),
         }
     }
 
@@ -326,22 +354,24 @@ fn split_allowed() -> bool {
     })
 }
 
-/// How many K slices a wgmma call of `n` tokens × `rows` weight rows × `cols` columns is cut
-/// into on `sms` multiprocessors (1: none). A batch of a few dozen tokens gives such a call
-/// `rows / 128` blocks, e.g. 8 for a 1024-row k or v projection, each streaming its rows' whole
-/// K while the other SMs idle (AWQ 8B at 64 tokens: 43 us for every q/k/v/o product, 142 for
-/// down). Grids of at most half the SMs are cut into slices of whole 128-column units, at least
-/// [`MIN_SPLIT_COLS`] each, up to [`MAX_SPLITS`], so that they fill about every SM; each slice
+/// How many K slices a wgmma launch of `n` tokens × the weights of `rows` rows (one per
+/// [`Part`]) × `cols` columns is cut into on `sms` multiprocessors (1: none). A batch of a few
+/// dozen tokens gives such a call `rows / 128` blocks, e.g. 8 for a 1024-row k or v projection,
+/// each streaming its rows' whole K while the other SMs idle (AWQ 8B at 64 tokens: 43 us for
+/// every q/k/v/o product, 142 for down). Grids of at most half the blocks the GPU holds at once
+/// (`sms` × [`Tile::blocks_per_sm`]) are cut into slices of whole 128-column units, at least
+/// [`MIN_SPLIT_COLS`] each, up to [`MAX_SPLITS`], so that they fill about every slot; each slice
 /// stores f32 partial sums and `matmul_q4_gemm_reduce` adds them up in order.
-pub fn split_k(tile: Tile, n: usize, rows: usize, cols: usize, sms: usize) -> usize {
+pub fn split_k(tile: Tile, n: usize, rows: &[usize], cols: usize, sms: usize) -> usize {
     if !tile.wgmma() || !cols.is_multiple_of(128) || !split_allowed() {
         return 1;
     }
-    let blocks = n.div_ceil(tile.bm()) * rows.div_ceil(tile.bn());
-    if blocks == 0 || blocks * 2 > sms {
+    let blocks = n.div_ceil(tile.bm()) * rows.iter().map(|r| r.div_ceil(tile.bn())).sum::<usize>();
+    let slots = sms * tile.blocks_per_sm();
+    if blocks == 0 || blocks * 2 > slots {
         return 1;
     }
-    let want = (sms / blocks).min(MAX_SPLITS).min(cols / MIN_SPLIT_COLS);
+    let want = (slots / blocks).min(MAX_SPLITS).min(cols / MIN_SPLIT_COLS);
     if want < 2 {
         return 1;
     }
@@ -363,7 +393,17 @@ pub fn split_products() -> u64 {
     SPLIT_PRODUCTS.load(Ordering::Relaxed)
 }
 
-/// Bytes of f32 partial sums a call cut into `splits` K slices needs (0 for one slice).
+/// Launches of several weights at once ([`launch`] with more than one [`Part`] on a wgmma shape).
+static GROUPED_LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+/// How many wgmma launches in this process computed several weights in one grid: tests read it to
+/// confirm that q/k/v and gate/up went that way.
+pub fn grouped_launches() -> u64 {
+    GROUPED_LAUNCHES.load(Ordering::Relaxed)
+}
+
+/// Bytes of f32 partial sums a launch cut into `splits` K slices needs for `rows` weight rows in
+/// all (0 for one slice).
 pub fn partial_bytes(splits: usize, n: usize, rows: usize) -> usize {
     if splits > 1 {
         splits * n * rows * 4
@@ -391,83 +431,152 @@ pub fn plan(tile: Tile, dt: DType, n: usize, rows: usize) -> Result<(String, (u3
     Ok((format!("matmul_q4_gemm_{}_{sfx}", tile.tag()), (gx, gy as u32, 1), tile.shared_bytes() as u32))
 }
 
-/// Launches the kernel with `tile` (the caller checked [`eligible`]): `packed` u8 `[rows, cols/2]`
-/// in tm's nibble order, `scales`/`mins` f16 `[rows, cols/group]`, `x` `[n, cols]` and `out`
-/// `[n, rows]` in `dt`. All pointers are device addresses; the kernels are queued on the GPU's
-/// stream. `partials`: a device buffer (address, bytes) the call may use for split-K partial sums
-/// ([`split_k`]); without one, or when it is too small, the call is not split.
+/// One weight of a launch: `packed` u8 `[rows, cols/2]` in tm's nibble order and `layout`,
+/// `scales`/`mins` f16 `[rows, cols/group]`, and its output `out` `[n, rows]`. Device addresses.
+#[derive(Clone, Copy, Debug)]
+pub struct Part {
+    /// The product's output.
+    pub out: u64,
+    /// The packed nibbles.
+    pub packed: u64,
+    /// The groups' scales.
+    pub scales: u64,
+    /// The groups' mins.
+    pub mins: u64,
+    /// Weight rows (output features).
+    pub rows: usize,
+    /// The packed weight's layout.
+    pub layout: Int4Layout,
+}
+
+/// The most weights one launch takes.
+pub const MAX_PARTS: usize = 3;
+
+/// Launches the kernel with `tile` for `parts` (1 to [`MAX_PARTS`] weights of `cols` columns and
+/// groups of `group`, each [`eligible`] with `x` `[n, cols]` in `dt`; the caller checked that):
+/// the wgmma shapes compute them all in one grid (split along K as [`split_k`] says when
+/// `partials`, a device buffer (address, bytes), holds the partial sums; without one, or when it
+/// is too small, the launch is not split), the mma.sync shapes one launch per weight. The
+/// kernels are queued on the GPU's stream.
 #[allow(clippy::too_many_arguments)]
 pub fn launch(
     gpu: &Gpu,
     partials: Option<(u64, usize)>,
     tile: Tile,
     dt: DType,
-    out: u64,
     x: u64,
-    packed: u64,
-    scales: u64,
-    mins: u64,
     n: usize,
-    rows: usize,
     cols: usize,
     group: usize,
-    layout: Int4Layout,
+    parts: &[Part],
 ) -> Result<()> {
     let int = |what: &str, v: usize| {
         i32::try_from(v).map_err(|_| Error::invalid(format!("matmul_q4_gemm: {what} = {v} exceeds the kernel's int")))
     };
-    let tiled = super::layout_arg("matmul_q4_gemm", layout, rows, cols)?;
-    let (n32, r32, c32, g32) = (int("n", n)?, int("rows", rows)?, int("cols", cols)?, int("group", group)?);
-    if n == 0 || rows == 0 {
-        return Ok(());
-    }
-    if !eligible(gpu.sm(), dt, n, rows, cols, group, x, out, packed, scales, mins) {
+    if parts.is_empty() || parts.len() > MAX_PARTS {
         return Err(Error::invalid(format!(
-            "matmul_q4_gemm: the call (dtype {dt}, n = {n}, rows = {rows}, cols = {cols}, group = {group}, sm_{}) \
-             does not meet the kernel's requirements (f16/bf16, sm_80+, cols % 64, rows % 8, aligned pointers)",
-            gpu.sm()
+            "matmul_q4_gemm: {} weights in one launch (1 to {MAX_PARTS})",
+            parts.len()
         )));
     }
-    let (name, (gx, gy, _), smem) = plan(tile, dt, n, rows)?;
-    let mut args = vec![
-        KernelArg::Ptr(out),
-        KernelArg::Ptr(x),
-        KernelArg::Ptr(packed),
-        KernelArg::Ptr(scales),
-        KernelArg::Ptr(mins),
-        KernelArg::I32(n32),
-        KernelArg::I32(r32),
-        KernelArg::I32(c32),
-        KernelArg::I32(g32),
-        tiled,
-    ];
+    let (n32, c32, g32) = (int("n", n)?, int("cols", cols)?, int("group", group)?);
+    for p in parts {
+        if !eligible(gpu.sm(), dt, n, p.rows, cols, group, x, p.out, p.packed, p.scales, p.mins) {
+            return Err(Error::invalid(format!(
+                "matmul_q4_gemm: the call (dtype {dt}, n = {n}, rows = {}, cols = {cols}, group = {group}, sm_{}) \
+                 does not meet the kernel's requirements (f16/bf16, sm_80+, cols % 64, rows % 8, aligned pointers)",
+                p.rows,
+                gpu.sm()
+            )));
+        }
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let total_rows: usize = parts.iter().map(|p| p.rows).sum();
     if !tile.wgmma() {
-        return gpu.launch(&name, (gx, gy, 1), (THREADS, 1, 1), smem, &args);
+        for p in parts.iter().filter(|p| p.rows > 0) {
+            let tiled = super::layout_arg("matmul_q4_gemm", p.layout, p.rows, cols)?;
+            let (name, (gx, gy, _), smem) = plan(tile, dt, n, p.rows)?;
+            let args = [
+                KernelArg::Ptr(p.out),
+                KernelArg::Ptr(x),
+                KernelArg::Ptr(p.packed),
+                KernelArg::Ptr(p.scales),
+                KernelArg::Ptr(p.mins),
+                KernelArg::I32(n32),
+                KernelArg::I32(int("rows", p.rows)?),
+                KernelArg::I32(c32),
+                KernelArg::I32(g32),
+                tiled,
+            ];
+            gpu.launch(&name, (gx, gy, 1), (THREADS, 1, 1), smem, &args)?;
+        }
+        return Ok(());
+    }
+    if total_rows == 0 {
+        return Ok(());
     }
     let sms = gpu.info().multiprocessors as usize;
-    let splits = split_k(tile, n, rows, cols, sms);
-    let Some((buf, _)) = partials.filter(|&(_, bytes)| splits > 1 && partial_bytes(splits, n, rows) <= bytes) else {
-        args.extend([KernelArg::Ptr(0), KernelArg::I32(c32)]);
-        return gpu.launch(&name, (gx, gy, 1), (THREADS, 1, 1), smem, &args);
+    let rows: Vec<usize> = parts.iter().map(|p| p.rows).collect();
+    let want = split_k(tile, n, &rows, cols, sms);
+    let buf = partials.filter(|&(_, bytes)| want > 1 && partial_bytes(want, n, total_rows) <= bytes).map(|b| b.0);
+    let (splits, kcols) = match buf {
+        Some(_) => (want, split_cols(cols, want)),
+        None => (1, cols),
     };
-    let kcols = split_cols(cols, splits);
-    args.extend([KernelArg::Ptr(buf), KernelArg::I32(int("kcols", kcols)?)]);
-    gpu.launch(&name, (gx, gy, splits as u32), (THREADS, 1, 1), smem, &args)?;
+    let (name, (_, gy, _), smem) = plan(tile, dt, n, total_rows)?;
+    let blocks: usize = rows.iter().map(|r| r.div_ceil(tile.bn())).sum::<usize>() * splits;
+    let gx = u32::try_from(blocks)
+        .map_err(|_| Error::invalid(format!("matmul_q4_gemm: {total_rows} rows need too many blocks")))?;
+    let mut args = vec![
+        KernelArg::Ptr(x),
+        KernelArg::I32(n32),
+        KernelArg::I32(c32),
+        KernelArg::I32(g32),
+        KernelArg::Ptr(buf.unwrap_or(0)),
+        KernelArg::I32(int("kcols", kcols)?),
+        KernelArg::I32(parts.len() as i32),
+    ];
+    for i in 0..MAX_PARTS {
+        match parts.get(i) {
+            Some(p) => args.extend([
+                KernelArg::Ptr(p.out),
+                KernelArg::Ptr(p.packed),
+                KernelArg::Ptr(p.scales),
+                KernelArg::Ptr(p.mins),
+                KernelArg::I32(int("rows", p.rows)?),
+                super::layout_arg("matmul_q4_gemm", p.layout, p.rows, cols)?,
+            ]),
+            None => args.extend([
+                KernelArg::Ptr(0),
+                KernelArg::Ptr(0),
+                KernelArg::Ptr(0),
+                KernelArg::Ptr(0),
+                KernelArg::I32(0),
+                KernelArg::I32(0),
+            ]),
+        }
+    }
+    gpu.launch(&name, (gx, gy, 1), (THREADS, 1, 1), smem, &args)?;
+    if parts.len() > 1 {
+        GROUPED_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+    }
+    let Some(buf) = buf else { return Ok(()) };
     // n * rows is a multiple of 4 (rows % 8 == 0): one float4 of every slice per thread and step.
-    let quads = n * rows / 4;
+    let quads = n * total_rows / 4;
     let blocks = u32::try_from(quads.div_ceil(256).min(sms * 8)).unwrap_or(1);
-    gpu.launch(
-        &format!("matmul_q4_gemm_reduce_{}", suffix(dt)?),
-        (blocks, 1, 1),
-        (256, 1, 1),
-        0,
-        &[
-            KernelArg::Ptr(out),
-            KernelArg::Ptr(buf),
-            KernelArg::I32(int("splits", splits)?),
-            KernelArg::I32(int("n * rows", n * rows)?),
-        ],
-    )?;
+    let mut args = vec![
+        KernelArg::Ptr(buf),
+        KernelArg::I32(int("splits", splits)?),
+        KernelArg::I32(n32),
+        KernelArg::I32(parts.len() as i32),
+    ];
+    for i in 0..MAX_PARTS {
+        let (out, r) = parts.get(i).map_or((0, 0), |p| (p.out, p.rows));
+        args.extend([KernelArg::Ptr(out), KernelArg::I32(int("rows", r)?)]);
+    }
+    gpu.launch(&format!("matmul_q4_gemm_reduce_{}", suffix(dt)?), (blocks, 1, 1), (256, 1, 1), 0, &args)?;
     SPLIT_PRODUCTS.fetch_add(1, Ordering::Relaxed);
     Ok(())
 }
@@ -477,7 +586,9 @@ pub fn launch(
 /// sm_90a shapes can run ([`wgmma_available`]); a forced one that cannot falls back to [`pick`].
 /// [`Tile::Wgmma`] becomes [`Tile::WgmmaK128`] where `group % 128 == 0` (`cols` is then a multiple
 /// of 128 too) and `cols <= K128_MAX_COLS`; a forced [`Tile::WgmmaK128`] becomes [`Tile::Wgmma`]
-/// where the groups do not allow it.
+/// where the groups do not allow it. Automatically, batches of up to
+/// [`WGMMA_SMALL_K128_MAX_TOKENS`] tokens take [`Tile::WgmmaSmallK128`] where the groups allow it
+/// (a forced one becomes [`Tile::WgmmaSmall`] where they do not).
 pub fn choose(
     policy: Policy,
     n: usize,
@@ -487,18 +598,28 @@ pub fn choose(
     sms: usize,
     wgmma: bool,
 ) -> Option<Tile> {
+    let k128 = group.is_multiple_of(128);
     let tile = match policy {
         Policy::Off => return None,
         Policy::Force(t) if n.div_ceil(t.bm()) <= MAX_GRID_Y && (wgmma || !t.wgmma()) => t,
+        Policy::Auto if wgmma && k128 && n <= WGMMA_SMALL_K128_MAX_TOKENS => Tile::WgmmaSmallK128,
         Policy::Force(_) | Policy::Auto => pick(n, rows, sms, wgmma),
     };
-    let k128 = group.is_multiple_of(128);
     Some(match tile {
         Tile::Wgmma if k128 && cols <= K128_MAX_COLS && policy != Policy::Force(Tile::Wgmma) => Tile::WgmmaK128,
         Tile::WgmmaK128 if !k128 => Tile::Wgmma,
+        Tile::WgmmaSmallK128 if !k128 => Tile::WgmmaSmall,
         t => t,
     })
 }
+
+/// The most tokens for which [`choose`] takes [`Tile::WgmmaSmallK128`] (where the groups allow
+/// it). AWQ 8B-shaped layers on the H200, a decode step's products (q/k/v and gate/up one launch
+/// each; scripts/gpu/q4_gemm_decode.cu): 64 tokens 3618 us against 6313 with
+/// [`Tile::WgmmaNarrow`] launched per weight and 4284 with [`Tile::WgmmaSmall`]; 32 tokens 3348
+/// against 6127 / 4031; 16 tokens 3237 against 4792 (the small shape per weight, what [`pick`]
+/// takes there) / 3919.
+pub const WGMMA_SMALL_K128_MAX_TOKENS: usize = 64;
 
 /// The longest `cols` for which [`choose`] prefers [`Tile::WgmmaK128`] to [`Tile::Wgmma`]. H200,
 /// 2048-8192 tokens: bf16 6-10% faster on the 8B q/o, q/k/v and gate/up products (4096 columns),
@@ -542,6 +663,7 @@ mod tests {
         assert_eq!(Tile::Wgmma.shared_bytes(), 4 * (32768 + 4096) + 1024);
         assert_eq!(Tile::WgmmaNarrow.shared_bytes(), 4 * (16384 + 4096) + 1024);
         assert_eq!(Tile::WgmmaSmall.shared_bytes(), 4 * (8192 + 4096) + 1024);
+        assert_eq!(Tile::WgmmaSmallK128.shared_bytes(), 4 * 2 * (8192 + 4096) + 1024);
         assert_eq!(Tile::WgmmaK128.shared_bytes(), 3 * 2 * (32768 + 4096) + 1024);
         assert_eq!(Tile::Large.shared_bytes(), 3 * (16384 + 8192 + 4096));
         assert_eq!(Tile::Small.shared_bytes(), 4 * (8192 + 4096 + 2048));
@@ -552,23 +674,30 @@ mod tests {
         let v = Tile::WgmmaNarrow;
         // 64 tokens on 132 SMs: k/v (8 blocks) in 16 slices of 256 columns, q/o and down (32
         // blocks) in 4, gate/up (112 blocks) not at all.
-        assert_eq!(split_k(v, 64, 1024, 4096, 132), 16);
+        assert_eq!(split_k(v, 64, &[1024], 4096, 132), 16);
         assert_eq!((split_cols(4096, 16), partial_bytes(16, 64, 1024)), (256, 16 * 64 * 1024 * 4));
-        assert_eq!(split_k(v, 64, 4096, 4096, 132), 4);
-        assert_eq!(split_k(v, 64, 4096, 14336, 132), 4);
+        assert_eq!(split_k(v, 64, &[4096], 4096, 132), 4);
+        assert_eq!(split_k(v, 64, &[4096], 14336, 132), 4);
         assert_eq!(split_cols(14336, 4), 3584);
-        assert_eq!(split_k(v, 64, 14336, 4096, 132), 1);
+        assert_eq!(split_k(v, 64, &[14336], 4096, 132), 1);
         // Slices are whole 128-column units of at least MIN_SPLIT_COLS; the last takes the rest.
-        assert_eq!(split_k(v, 16, 512, 1536, 132), 6);
-        assert_eq!(split_k(v, 16, 512, 640, 132), 2);
+        assert_eq!(split_k(v, 16, &[512], 1536, 132), 6);
+        assert_eq!(split_k(v, 16, &[512], 640, 132), 2);
         assert_eq!(split_cols(640, 2), 384);
-        assert_eq!(split_k(v, 16, 512, 384, 132), 1);
-        assert_eq!(split_k(v, 16, 512, 4160, 132), 1, "cols % 128 != 0");
+        assert_eq!(split_k(v, 16, &[512], 384, 132), 1);
+        assert_eq!(split_k(v, 16, &[512], 4160, 132), 1, "cols % 128 != 0");
         // A wave's worth of blocks, the mma.sync tiles, and small GPUs are left alone.
-        assert_eq!(split_k(Tile::Wgmma, 512, 4096, 4096, 132), 2);
-        assert_eq!(split_k(Tile::Wgmma, 1024, 4096, 4096, 132), 1);
-        assert_eq!(split_k(Tile::Small, 64, 1024, 4096, 132), 1);
-        assert_eq!(split_k(v, 64, 1024, 4096, 8), 1);
+        assert_eq!(split_k(Tile::Wgmma, 512, &[4096], 4096, 132), 2);
+        assert_eq!(split_k(Tile::Wgmma, 1024, &[4096], 4096, 132), 1);
+        assert_eq!(split_k(Tile::Small, 64, &[1024], 4096, 132), 1);
+        assert_eq!(split_k(v, 64, &[1024], 4096, 8), 1);
+        // One launch of several weights counts all their blocks; the 64-token shapes fill two
+        // blocks per SM: q/k/v (48 blocks) in 5 slices, gate/up (224) not at all, down in 8.
+        let y = Tile::WgmmaSmallK128;
+        assert_eq!(split_k(y, 64, &[4096, 1024, 1024], 4096, 132), 5);
+        assert_eq!(split_k(y, 64, &[14336, 14336], 4096, 132), 1);
+        assert_eq!(split_k(y, 64, &[4096], 14336, 132), 8);
+        assert_eq!(split_k(Tile::WgmmaSmall, 16, &[1024], 4096, 132), 16);
         assert_eq!(partial_bytes(1, 64, 1024), 0);
     }
 
@@ -630,6 +759,16 @@ mod tests {
         assert_eq!(Policy::parse(Some("v")), Ok(Policy::Force(Tile::WgmmaNarrow)));
         assert_eq!(Policy::parse(Some("x")), Ok(Policy::Force(Tile::WgmmaK128)));
         assert_eq!(Policy::parse(Some("u")), Ok(Policy::Force(Tile::WgmmaSmall)));
+        assert_eq!(Policy::parse(Some("y")), Ok(Policy::Force(Tile::WgmmaSmallK128)));
+        // Decode batches up to 64 tokens: the small shape with 128-column k-tiles where the
+        // groups allow it.
+        assert_eq!(choose(Policy::Auto, 64, 4096, 4096, 128, 132, true), Some(Tile::WgmmaSmallK128));
+        assert_eq!(choose(Policy::Auto, 9, 1024, 4096, 128, 132, true), Some(Tile::WgmmaSmallK128));
+        assert_eq!(choose(Policy::Auto, 65, 4096, 4096, 128, 132, true), Some(Tile::WgmmaNarrow));
+        assert_eq!(choose(Policy::Auto, 64, 4096, 4096, 64, 132, true), Some(Tile::WgmmaNarrow));
+        assert_eq!(choose(Policy::Auto, 16, 4096, 4096, 32, 132, true), Some(Tile::WgmmaSmall));
+        assert_eq!(choose(Policy::Auto, 64, 4096, 4096, 128, 132, false), Some(Tile::Small));
+        assert_eq!(choose(Policy::Force(Tile::WgmmaSmallK128), 64, 4096, 4096, 64, 132, true), Some(Tile::WgmmaSmall));
         assert_eq!(choose(Policy::Off, 512, 4096, 4096, 128, 132, true), None);
         assert_eq!(choose(Policy::Force(Tile::Small), 8192, 4096, 4096, 128, 132, true), Some(Tile::Small));
         assert_eq!(choose(Policy::Auto, 8192, 4096, 4096, 128, 132, false), Some(Tile::Large));

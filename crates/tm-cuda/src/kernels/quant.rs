@@ -20,6 +20,8 @@
 //! `cols % group == 0`, sizes that fit the kernels' `int`, and 16-byte aligned packed weights (any
 //! allocation is). `x` and `out` need only element alignment.
 
+use std::sync::OnceLock;
+
 use tm_core::{DType, Error, Result};
 
 use super::{layout_arg, q4_gemm, suffix};
@@ -159,9 +161,8 @@ pub fn matmul_q4(
         let sms = gpu.info().multiprocessors as usize;
         let wgmma = q4_gemm::wgmma_available(gpu);
         if let Some(tile) = q4_gemm::choose(q4_gemm::policy(), n, rows, cols, group, sms, wgmma) {
-            return q4_gemm::launch(
-                gpu, partials, tile, dt, out, x, packed, scales, mins, n, rows, cols, group, layout,
-            );
+            let part = q4_gemm::Part { out, packed, scales, mins, rows, layout };
+            return q4_gemm::launch(gpu, partials, tile, dt, x, n, cols, group, &[part]);
         }
     }
     let (name, grid, block) = plan(Kind::Int4, dt, n, rows)?;
@@ -183,6 +184,58 @@ pub fn matmul_q4(
             tiled,
         ],
     )
+}
+
+/// [`matmul_q4`] for 2 to [`q4_gemm::MAX_PARTS`] int4 weights of one `x` (`parts`: each with its
+/// output, all of `cols` columns and groups of `group`) in one launch: a decode batch's q/k/v or
+/// gate/up, where one grid for them all fills the GPU better than a small grid per weight. Taken
+/// for `GEMV_MAX_N < n <= q4_gemm::WGMMA_SMALL_K128_MAX_TOKENS` when every weight is
+/// [`q4_gemm::eligible`] and the chosen tile is a wgmma one (sm_90a); `Ok(false)`, nothing queued,
+/// otherwise (the caller then runs the products one by one). `TM_Q4_GEMM_GROUP=0` turns it off
+/// (read once, for A/B runs).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_q4_grouped(
+    gpu: &Gpu,
+    partials: Option<(u64, usize)>,
+    dt: DType,
+    x: u64,
+    n: usize,
+    cols: usize,
+    group: usize,
+    parts: &[q4_gemm::Part],
+) -> Result<bool> {
+    static GROUPING: OnceLock<bool> = OnceLock::new();
+    let grouping = *GROUPING.get_or_init(|| {
+        std::env::var("TM_Q4_GEMM_GROUP")
+            .map_or(true, |v| !matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false"))
+    });
+    let op = "matmul_q4";
+    if !grouping
+        || !(2..=q4_gemm::MAX_PARTS).contains(&parts.len())
+        || n <= GEMV_MAX_N
+        || n > q4_gemm::WGMMA_SMALL_K128_MAX_TOKENS
+    {
+        return Ok(false);
+    }
+    for p in parts {
+        layout_arg(op, p.layout, p.rows, cols)?;
+        if validate(op, dt, p.packed, n, p.rows, cols, group)?.is_none() {
+            return Ok(false);
+        }
+        if !q4_gemm::eligible(gpu.sm(), dt, n, p.rows, cols, group, x, p.out, p.packed, p.scales, p.mins) {
+            return Ok(false);
+        }
+    }
+    let rows: usize = parts.iter().map(|p| p.rows).sum();
+    let sms = gpu.info().multiprocessors as usize;
+    let wgmma = q4_gemm::wgmma_available(gpu);
+    match q4_gemm::choose(q4_gemm::policy(), n, rows, cols, group, sms, wgmma) {
+        Some(tile) if tile.wgmma() => {
+            q4_gemm::launch(gpu, partials, tile, dt, x, n, cols, group, parts)?;
+            Ok(true)
+        }
+        _ => Ok(false),
+    }
 }
 
 /// `out[n, rows] = x[n, cols] · Wᵀ` for an int8 `W`: `q` i8 `[rows, cols]`, `scales` f16

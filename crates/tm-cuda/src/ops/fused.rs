@@ -13,6 +13,7 @@ use tm_core::quant::{Int4Layout, QuantWeight, Weight};
 use tm_core::{Error, Result, Tensor};
 
 use super::{ptr, CudaBackend};
+use crate::kernels::elementwise as ew;
 use crate::kernels::gemv::{self, GemvSlot};
 use crate::kernels::q4_gemv::{self, NormArgs, Q4Slot, Unroll};
 
@@ -167,7 +168,17 @@ impl CudaBackend {
         let n = rows_of("matmul input", x, cols)?;
         let slots = self.q4_slots(n, &qs, biases, outs)?;
         if !q4_gemv::fits(self.dtype, n, cols, group, ptr(x), &slots) {
-            return Ok(false);
+            // Decode batches above the GEMV's: one prefill-GEMM launch for them all, then the
+            // biases.
+            if !self.q4_grouped(x, &qs, outs)? {
+                return Ok(false);
+            }
+            for (b, out) in biases.iter().zip(outs.iter_mut()) {
+                if let Some(b) = b {
+                    ew::add_bias(&self.gpu, self.dtype, ptr(out), ptr(b), n, out.numel() / n)?;
+                }
+            }
+            return Ok(true);
         }
         self.check(x, "matmul input")?;
         q4_gemv::q4_gemv(&self.gpu, self.dtype, ptr(x), n, cols, group, &slots, Unroll::Auto)?;

@@ -25,7 +25,7 @@ use tm_core::{Allocator, Buffer, DType, Device, Error, Ops, Result, Tensor, Tens
 
 use crate::allocator::CudaAllocator;
 use crate::blas::Blas;
-use crate::kernels::{attention as attn, elementwise as ew, quant, sampling};
+use crate::kernels::{attention as attn, elementwise as ew, q4_gemm, quant, sampling};
 use crate::runtime::{Gpu, LaunchMode};
 use crate::staging::Staging;
 use crate::CudaDevice;
@@ -211,6 +211,42 @@ impl CudaBackend {
             None => *buf = Some(Buffer::new(&self.allocator, bytes.max(1), "workspace")?),
         }
         Ok(buf.as_ref().map_or(0, Buffer::addr))
+    }
+
+    /// Up to three int4 products of one `x` (`qs[i]` into `outs[i]`, no biases) in one launch of
+    /// the prefill GEMM ([`quant::matmul_q4_grouped`]: decode batches of 9 to 64 tokens on sm_90a),
+    /// queued under the state lock as a split product is. `Ok(false)`, nothing queued, when that
+    /// launch does not take them.
+    fn q4_grouped(&self, x: &Tensor, qs: &[&QuantWeight], outs: &mut [&mut Tensor]) -> Result<bool> {
+        let Some(first) = qs.first() else { return Ok(false) };
+        let (cols, group) = (first.cols, first.group_size);
+        if qs.len() != outs.len() || qs.len() < 2 || qs.iter().any(|q| q.cols != cols || q.group_size != group) {
+            return Ok(false);
+        }
+        let n = rows_of("matmul input", x, cols)?;
+        if n <= quant::GEMV_MAX_N || n > q4_gemm::WGMMA_SMALL_K128_MAX_TOKENS {
+            return Ok(false);
+        }
+        self.check(x, "matmul input")?;
+        let mut parts = Vec::with_capacity(qs.len());
+        for (q, out) in qs.iter().zip(outs.iter()) {
+            if out.numel() != n * q.rows {
+                return Err(Error::shape("matmul output", [n, q.rows], out.shape()));
+            }
+            self.check(out, "matmul output")?;
+            let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
+            parts.push(q4_gemm::Part {
+                out: ptr(out),
+                packed: ptr(&q.packed),
+                scales: ptr(&q.scales),
+                mins: ptr(mins),
+                rows: q.rows,
+                layout: q.layout,
+            });
+        }
+        let partials = self.slab.get().map(|b| (b.addr(), b.len()));
+        let _serial = partials.map(|_| self.state()).transpose()?;
+        quant::matmul_q4_grouped(&self.gpu, partials, self.dtype, ptr(x), n, cols, group, &parts)
     }
 
     fn quant_matmul(&self, x: &Tensor, q: &QuantWeight, int4: bool, n: usize, out: &mut Tensor) -> Result<()> {
@@ -521,6 +557,11 @@ impl Ops for CudaBackend {
     ) -> Result<()> {
         if self.fused_gate_up_silu(x, gate, up, out)? {
             return Ok(());
+        }
+        if let (Weight::Int4(g), Weight::Int4(u)) = (gate, up) {
+            if self.q4_grouped(x, &[g, u], &mut [&mut *gate_out, &mut *up_out])? {
+                return self.silu_mul(gate_out, up_out, out);
+            }
         }
         tm_core::ops::gate_up_silu_unfused(self, x, gate, up, gate_out, up_out, out)
     }
