@@ -13,6 +13,8 @@
 // 64 tokens, two), in the split-K rule's target (blocks the grid should fill: the SMs, or twice
 // them for `u`), and in whether q/k/v and gate/up run as one launch each (`multi`: the blocks of
 // up to three weights in one grid). Each configuration's outputs are compared with the first's.
+// `q4d N REPS C` instead launches configuration C's gate/up products once per layer without a
+// graph (for ncu: --launch-skip 4 --launch-count 1 -k regex:multi_gemm).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -337,29 +339,38 @@ int main(int argc, char** argv) {
 
     Kern v = kern<128, 4, 1, 1>("v");
     Kern u = kern<64, 4, 1, 1>("u");
-    Kern u2 = kern<64, 4, 1, 2>("u2");    // u held to 128 registers
-    Kern u6 = kern<64, 6, 1, 2>("u6");    // six stages
-    Kern u8 = kern<64, 8, 1, 2>("u8");    // eight stages
-    Kern uk = kern<64, 4, 2, 2>("uk");    // 128-column k-tiles
-    Kern uk6 = kern<64, 6, 2, 2>("uk6");  // 128-column k-tiles, six stages
+    Kern y = kern<64, 4, 2, 2>("y");    // the shipped y: 128-column k-tiles
+    Kern y3 = kern<64, 3, 2, 2>("y3");  // three stages
+    Kern t = kern<32, 4, 2, 2>("t");    // the shipped z: 32 tokens, two blocks per SM
+    Kern t3 = kern<32, 4, 2, 3>("t3");  // 32 tokens, three blocks per SM
+    Kern t6 = kern<32, 6, 2, 2>("t6");  // 32 tokens, six stages
 
     std::vector<Config> cs = {
-        {"v engine", v, SMS, false, false},
-        {"u engine", u, SMS, false, false},
-        {"u 2x", u2, 2 * SMS, false, false},
-        {"u 2x gu", u2, 2 * SMS, false, true},
-        {"u 2x gu qkv", u2, 2 * SMS, true, true},
-        {"u6 2x gu qkv", u6, 2 * SMS, true, true},
-        {"u8 2x gu qkv", u8, 2 * SMS, true, true},
-        {"uk 2x gu qkv", uk, 2 * SMS, true, true},
-        {"uk6 2x gu qkv", uk6, 2 * SMS, true, true},
-        {"v gu qkv", v, SMS, true, true},
+        {"v engine-old", v, SMS, false, false},
+        {"y 2x gu qkv", y, 2 * SMS, true, true},
+        {"y 1x gu qkv", y, SMS, true, true},
+        {"y 3x gu qkv", y, 3 * SMS, true, true},
+        {"y 4x gu qkv", y, 4 * SMS, true, true},
+        {"y 2x qkv", y, 2 * SMS, true, false},
+        {"y3 2x gu qkv", y3, 2 * SMS, true, true},
+        {"t 2x gu qkv", t, 2 * SMS, true, true},
+        {"t 3x gu qkv", t, 3 * SMS, true, true},
+        {"t3 3x gu qkv", t3, 3 * SMS, true, true},
+        {"t6 2x gu qkv", t6, 2 * SMS, true, true},
+        {"u 2x gu qkv", u, 2 * SMS, true, true},
     };
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    if (argc > 3) {  // `q4d N REPS C`: configuration C's gate/up launches once per layer, no graph (for ncu)
+        const Config& c = cs[std::min((size_t)atoi(argv[3]), cs.size() - 1)];
+        printf("eager gate/up of %s\n", c.name.c_str());
+        step(c, L, b, n, GU, st);
+        CK(cudaStreamSynchronize(st));
+        return 0;
+    }
     std::vector<std::vector<__half>> ref;
     for (auto& c : cs) {
-        if (c.k.minb < 1 || (c.k.ntok < n && c.k.ntok == 64 && false)) continue;
+        if (c.k.minb < 1 || c.k.ntok < n) continue;  // shapes narrower than the batch: not candidates
         float t[5];
         for (int p = 0; p < 5; ++p) t[p] = time_graph(c, L, b, n, (Part)p, st, reps);
         // Outputs of the last layer, against the first configuration's.

@@ -2198,6 +2198,7 @@ fn matmul_q4_policies(s: &mut Suite, n: usize, rows: usize, cols: usize, group: 
             Policy::Force(Tile::WgmmaNarrow),
             Policy::Force(Tile::WgmmaSmall),
             Policy::Force(Tile::WgmmaSmallK128),
+            Policy::Force(Tile::WgmmaTinyK128),
             Policy::Auto,
             Policy::Off,
         ];
@@ -2674,6 +2675,7 @@ fn matmul_int4_split_k() {
                     Policy::Force(Tile::WgmmaNarrow),
                     Policy::Force(Tile::WgmmaSmall),
                     Policy::Force(Tile::WgmmaSmallK128),
+                    Policy::Force(Tile::WgmmaTinyK128),
                     Policy::Force(Tile::Wgmma),
                     Policy::Force(Tile::WgmmaK128),
                 ] {

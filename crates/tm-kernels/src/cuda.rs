@@ -232,9 +232,14 @@ mod tests {
             }
             // The sm_90a wgmma kernels: in every image (trapping stubs outside sm_90a); the marker
             // only in the sm_90 cubin, which the build makes for sm_90a.
-            for k in
-                ["matmul_q4_gemm_w", "matmul_q4_gemm_v", "matmul_q4_gemm_u", "matmul_q4_gemm_y", "matmul_q4_gemm_x"]
-            {
+            for k in [
+                "matmul_q4_gemm_w",
+                "matmul_q4_gemm_v",
+                "matmul_q4_gemm_u",
+                "matmul_q4_gemm_y",
+                "matmul_q4_gemm_z",
+                "matmul_q4_gemm_x",
+            ] {
                 for dt in ["f16", "bf16"] {
                     assert!(entries.contains(&format!("{k}_{dt}")), "q4_gemm ({:?}) lacks {k}_{dt}", a.target);
                 }

@@ -27,7 +27,9 @@
 //! - [`Tile::WgmmaSmall`]: 64 × 128, 4 stages, 49 KiB, two blocks per SM, for batches of up to
 //!   [`WGMMA_SMALL_MAX_TOKENS`] tokens;
 //! - [`Tile::WgmmaSmallK128`]: the same with 128-column k-tiles, 97 KiB, two blocks per SM, for
-//!   batches of up to [`WGMMA_SMALL_K128_MAX_TOKENS`] tokens where `group % 128 == 0`.
+//!   batches of up to [`WGMMA_SMALL_K128_MAX_TOKENS`] tokens where `group % 128 == 0`;
+//! - [`Tile::WgmmaTinyK128`]: 32 × 128 with 128-column k-tiles, 65 KiB, two blocks per SM, for
+//!   batches of up to [`WGMMA_TINY_K128_MAX_TOKENS`] tokens where `group % 128 == 0`.
 //!
 //! The wgmma kernels take up to three weights of one `x` per launch ([`Part`]: a layer's q, k
 //! and v, or gate and up, as one grid; [`launch`]).
@@ -74,11 +76,14 @@ pub enum Tile {
     /// column), 4 stages, two blocks per SM; needs `group % 128 == 0`: decode batches of up to
     /// [`WGMMA_SMALL_K128_MAX_TOKENS`] tokens.
     WgmmaSmallK128,
+    /// sm_90a: 32 × 128 (m64n32) with 128-column k-tiles, 4 stages, two blocks per SM; needs
+    /// `group % 128 == 0`: decode batches of up to [`WGMMA_TINY_K128_MAX_TOKENS`] tokens.
+    WgmmaTinyK128,
 }
 
 impl Tile {
     /// Every tile shape.
-    pub const ALL: [Tile; 9] = [
+    pub const ALL: [Tile; 10] = [
         Tile::Large,
         Tile::Medium,
         Tile::Small,
@@ -88,6 +93,7 @@ impl Tile {
         Tile::WgmmaNarrow,
         Tile::WgmmaSmall,
         Tile::WgmmaSmallK128,
+        Tile::WgmmaTinyK128,
     ];
     /// The shapes [`pick`] chooses from, largest first (the wgmma ones only where available).
     pub const AUTO: [Tile; 6] =
@@ -95,12 +101,20 @@ impl Tile {
 
     /// Whether the shape is one of the sm_90a wgmma kernels.
     pub fn wgmma(self) -> bool {
-        matches!(self, Tile::Wgmma | Tile::WgmmaK128 | Tile::WgmmaNarrow | Tile::WgmmaSmall | Tile::WgmmaSmallK128)
+        matches!(
+            self,
+            Tile::Wgmma
+                | Tile::WgmmaK128
+                | Tile::WgmmaNarrow
+                | Tile::WgmmaSmall
+                | Tile::WgmmaSmallK128
+                | Tile::WgmmaTinyK128
+        )
     }
 
     /// 64-column sub-tiles per k-tile (2 for the 128-column k-tiles, else 1).
     fn subs(self) -> usize {
-        if matches!(self, Tile::WgmmaK128 | Tile::WgmmaSmallK128) {
+        if matches!(self, Tile::WgmmaK128 | Tile::WgmmaSmallK128 | Tile::WgmmaTinyK128) {
             2
         } else {
             1
@@ -108,9 +122,9 @@ impl Tile {
     }
 
     /// Blocks of this shape an H200 SM holds at once (the wgmma kernels' registers and shared
-    /// memory): two for the 64-token shapes, else one. [`split_k`] fills this many per SM.
+    /// memory): two for the 64- and 32-token shapes, else one. [`split_k`] fills this many per SM.
     pub fn blocks_per_sm(self) -> usize {
-        if matches!(self, Tile::WgmmaSmall | Tile::WgmmaSmallK128) {
+        if matches!(self, Tile::WgmmaSmall | Tile::WgmmaSmallK128 | Tile::WgmmaTinyK128) {
             2
         } else {
             1
@@ -129,6 +143,7 @@ impl Tile {
             Tile::WgmmaNarrow => "v",
             Tile::WgmmaSmall => "u",
             Tile::WgmmaSmallK128 => "y",
+            Tile::WgmmaTinyK128 => "z",
         }
     }
 
@@ -138,6 +153,7 @@ impl Tile {
             Tile::Wgmma | Tile::WgmmaK128 => 256,
             Tile::Large | Tile::Medium | Tile::Tall | Tile::WgmmaNarrow => 128,
             Tile::Small | Tile::WgmmaSmall | Tile::WgmmaSmallK128 => 64,
+            Tile::WgmmaTinyK128 => 32,
         }
     }
 
@@ -151,14 +167,21 @@ impl Tile {
             | Tile::WgmmaK128
             | Tile::WgmmaNarrow
             | Tile::WgmmaSmall
-            | Tile::WgmmaSmallK128 => 128,
+            | Tile::WgmmaSmallK128
+            | Tile::WgmmaTinyK128 => 128,
         }
     }
 
     fn stages(self) -> usize {
         match self {
             Tile::Large | Tile::Tall | Tile::WgmmaK128 => 3,
-            Tile::Medium | Tile::Small | Tile::Wgmma | Tile::WgmmaNarrow | Tile::WgmmaSmall | Tile::WgmmaSmallK128 => 4,
+            Tile::Medium
+            | Tile::Small
+            | Tile::Wgmma
+            | Tile::WgmmaNarrow
+            | Tile::WgmmaSmall
+            | Tile::WgmmaSmallK128
+            | Tile::WgmmaTinyK128 => 4,
         }
     }
 
@@ -182,15 +205,16 @@ impl Tile {
             Tile::Wgmma | Tile::WgmmaK128 => 1.9,
             // Per tile area as the narrow shape (it is a candidate only for small batches, see
             // WGMMA_SMALL_MAX_TOKENS).
-            Tile::WgmmaNarrow | Tile::WgmmaSmall | Tile::WgmmaSmallK128 => 1.4,
+            Tile::WgmmaNarrow | Tile::WgmmaSmall | Tile::WgmmaSmallK128 | Tile::WgmmaTinyK128 => 1.4,
             Tile::Large | Tile::Tall => 1.0,
             Tile::Medium => 0.8,
             Tile::Small => 0.6,
         }
     }
 
-    /// The tile named by `s` (`l`, `m`, `s`, `t`, `w`, `x`, `v`, `u`, `y`, or `large`, `medium`,
-    /// `small`, `tall`, `wgmma`, `wgmma-k128`, `wgmma-narrow`, `wgmma-small`, `wgmma-small-k128`).
+    /// The tile named by `s` (`l`, `m`, `s`, `t`, `w`, `x`, `v`, `u`, `y`, `z`, or `large`,
+    /// `medium`, `small`, `tall`, `wgmma`, `wgmma-k128`, `wgmma-narrow`, `wgmma-small`,
+    /// `wgmma-small-k128`, `wgmma-tiny-k128`).
     pub fn parse(s: &str) -> Option<Tile> {
         match s.trim().to_ascii_lowercase().as_str() {
             "l" | "large" => Some(Tile::Large),
@@ -202,6 +226,7 @@ impl Tile {
             "v" | "wgmma-narrow" => Some(Tile::WgmmaNarrow),
             "u" | "wgmma-small" => Some(Tile::WgmmaSmall),
             "y" | "wgmma-small-k128" => Some(Tile::WgmmaSmallK128),
+            "z" | "wgmma-tiny-k128" => Some(Tile::WgmmaTinyK128),
             _ => None,
         }
     }
@@ -209,8 +234,8 @@ impl Tile {
 
 /// Which prefill kernel int4 matmuls use, from `TM_Q4_GEMM`: unset or `auto` → [`Policy::Auto`];
 /// `off`/`0`/`tiled` → [`Policy::Off`] (the older tiled kernel, for comparisons); `l`/`m`/`s`/`t`/
-/// `w`/`x`/`v`/`u`/`y` → [`Policy::Force`] (a wgmma shape where wgmma is unavailable falls back to
-/// `auto`; `x` where `group % 128 != 0` to `w`, `y` to `u`). Anything else is reported once on stderr and treated as `auto`.
+/// `w`/`x`/`v`/`u`/`y`/`z` → [`Policy::Force`] (a wgmma shape where wgmma is unavailable falls
+/// back to `auto`; `x` where `group % 128 != 0` to `w`, `y` and `z` to `u`). Anything else is reported once on stderr and treated as `auto`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
     /// [`pick`] chooses the tile.
@@ -230,7 +255,7 @@ impl Policy {
             Some(s) if s == "off" || s == "0" || s == "tiled" => Ok(Policy::Off),
             Some(s) => Tile::parse(&s)
                 .map(Policy::Force)
-                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s, t, w, x, v, u, y")),
+                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s, t, w, x, v, u, y, z")),
         }
     }
 
@@ -587,8 +612,9 @@ pub fn launch(
 /// [`Tile::Wgmma`] becomes [`Tile::WgmmaK128`] where `group % 128 == 0` (`cols` is then a multiple
 /// of 128 too) and `cols <= K128_MAX_COLS`; a forced [`Tile::WgmmaK128`] becomes [`Tile::Wgmma`]
 /// where the groups do not allow it. Automatically, batches of up to
-/// [`WGMMA_SMALL_K128_MAX_TOKENS`] tokens take [`Tile::WgmmaSmallK128`] where the groups allow it
-/// (a forced one becomes [`Tile::WgmmaSmall`] where they do not).
+/// [`WGMMA_TINY_K128_MAX_TOKENS`] tokens take [`Tile::WgmmaTinyK128`] and those of up to
+/// [`WGMMA_SMALL_K128_MAX_TOKENS`] [`Tile::WgmmaSmallK128`] where the groups allow it (a forced
+/// one becomes [`Tile::WgmmaSmall`] where they do not).
 pub fn choose(
     policy: Policy,
     n: usize,
@@ -602,13 +628,14 @@ pub fn choose(
     let tile = match policy {
         Policy::Off => return None,
         Policy::Force(t) if n.div_ceil(t.bm()) <= MAX_GRID_Y && (wgmma || !t.wgmma()) => t,
+        Policy::Auto if wgmma && k128 && n <= WGMMA_TINY_K128_MAX_TOKENS => Tile::WgmmaTinyK128,
         Policy::Auto if wgmma && k128 && n <= WGMMA_SMALL_K128_MAX_TOKENS => Tile::WgmmaSmallK128,
         Policy::Force(_) | Policy::Auto => pick(n, rows, sms, wgmma),
     };
     Some(match tile {
         Tile::Wgmma if k128 && cols <= K128_MAX_COLS && policy != Policy::Force(Tile::Wgmma) => Tile::WgmmaK128,
         Tile::WgmmaK128 if !k128 => Tile::Wgmma,
-        Tile::WgmmaSmallK128 if !k128 => Tile::WgmmaSmall,
+        Tile::WgmmaSmallK128 | Tile::WgmmaTinyK128 if !k128 => Tile::WgmmaSmall,
         t => t,
     })
 }
@@ -620,6 +647,11 @@ pub fn choose(
 /// against 6127 / 4031; 16 tokens 3237 against 4792 (the small shape per weight, what [`pick`]
 /// takes there) / 3919.
 pub const WGMMA_SMALL_K128_MAX_TOKENS: usize = 64;
+
+/// The most tokens for which [`choose`] takes [`Tile::WgmmaTinyK128`] (where the groups allow
+/// it). Same harness and shapes: 32 tokens 2916 us per step against 3367 with
+/// [`Tile::WgmmaSmallK128`], 16 tokens 2809 against 3249.
+pub const WGMMA_TINY_K128_MAX_TOKENS: usize = 32;
 
 /// The longest `cols` for which [`choose`] prefers [`Tile::WgmmaK128`] to [`Tile::Wgmma`]. H200,
 /// 2048-8192 tokens: bf16 6-10% faster on the 8B q/o, q/k/v and gate/up products (4096 columns),
@@ -664,6 +696,7 @@ mod tests {
         assert_eq!(Tile::WgmmaNarrow.shared_bytes(), 4 * (16384 + 4096) + 1024);
         assert_eq!(Tile::WgmmaSmall.shared_bytes(), 4 * (8192 + 4096) + 1024);
         assert_eq!(Tile::WgmmaSmallK128.shared_bytes(), 4 * 2 * (8192 + 4096) + 1024);
+        assert_eq!(Tile::WgmmaTinyK128.shared_bytes(), 4 * 2 * (4096 + 4096) + 1024);
         assert_eq!(Tile::WgmmaK128.shared_bytes(), 3 * 2 * (32768 + 4096) + 1024);
         assert_eq!(Tile::Large.shared_bytes(), 3 * (16384 + 8192 + 4096));
         assert_eq!(Tile::Small.shared_bytes(), 4 * (8192 + 4096 + 2048));
@@ -760,15 +793,19 @@ mod tests {
         assert_eq!(Policy::parse(Some("x")), Ok(Policy::Force(Tile::WgmmaK128)));
         assert_eq!(Policy::parse(Some("u")), Ok(Policy::Force(Tile::WgmmaSmall)));
         assert_eq!(Policy::parse(Some("y")), Ok(Policy::Force(Tile::WgmmaSmallK128)));
-        // Decode batches up to 64 tokens: the small shape with 128-column k-tiles where the
-        // groups allow it.
+        // Decode batches up to 32 / 64 tokens: the tiny / small shape with 128-column k-tiles
+        // where the groups allow it.
         assert_eq!(choose(Policy::Auto, 64, 4096, 4096, 128, 132, true), Some(Tile::WgmmaSmallK128));
-        assert_eq!(choose(Policy::Auto, 9, 1024, 4096, 128, 132, true), Some(Tile::WgmmaSmallK128));
+        assert_eq!(choose(Policy::Auto, 33, 4096, 4096, 128, 132, true), Some(Tile::WgmmaSmallK128));
+        assert_eq!(choose(Policy::Auto, 32, 4096, 4096, 128, 132, true), Some(Tile::WgmmaTinyK128));
+        assert_eq!(choose(Policy::Auto, 9, 1024, 4096, 128, 132, true), Some(Tile::WgmmaTinyK128));
         assert_eq!(choose(Policy::Auto, 65, 4096, 4096, 128, 132, true), Some(Tile::WgmmaNarrow));
         assert_eq!(choose(Policy::Auto, 64, 4096, 4096, 64, 132, true), Some(Tile::WgmmaNarrow));
         assert_eq!(choose(Policy::Auto, 16, 4096, 4096, 32, 132, true), Some(Tile::WgmmaSmall));
         assert_eq!(choose(Policy::Auto, 64, 4096, 4096, 128, 132, false), Some(Tile::Small));
         assert_eq!(choose(Policy::Force(Tile::WgmmaSmallK128), 64, 4096, 4096, 64, 132, true), Some(Tile::WgmmaSmall));
+        assert_eq!(choose(Policy::Force(Tile::WgmmaTinyK128), 16, 4096, 4096, 32, 132, true), Some(Tile::WgmmaSmall));
+        assert_eq!(Policy::parse(Some("z")), Ok(Policy::Force(Tile::WgmmaTinyK128)));
         assert_eq!(choose(Policy::Off, 512, 4096, 4096, 128, 132, true), None);
         assert_eq!(choose(Policy::Force(Tile::Small), 8192, 4096, 4096, 128, 132, true), Some(Tile::Small));
         assert_eq!(choose(Policy::Auto, 8192, 4096, 4096, 128, 132, false), Some(Tile::Large));
