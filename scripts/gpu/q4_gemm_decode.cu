@@ -15,6 +15,20 @@
 // up to three weights in one grid). Each configuration's outputs are compared with the first's.
 // `q4d N REPS C` instead launches configuration C's gate/up products once per layer without a
 // graph (for ncu: --launch-skip 4 --launch-count 1 -k regex:multi_gemm).
+//
+// Measured (H200, 2026-12-04, f16, us per step of the 32 layers' products; the shipped choices in
+// q4_gemm.rs): 64 tokens `v` per weight 6313-6335, `u` 5200, `u` with q/k/v and gate/up one launch
+// each 4282-4284, `y` so 3606-3618 (u6 / u8: six / eight stages 4340 / 4456; `y` with the split-K
+// target at the SMs 3605, three / four times them 4046 / 4629; gate/up as two launches 4266; three
+// stages 3588); 32 tokens `y` 3348-3367, the 32-token `z` 2916 (six stages 3009; three blocks per
+// SM at 85 registers 4464); 16 tokens `u` per weight 4792, `y` 3237-3249, `z` 2809. Not kept: the
+// split-K sums added up by each tile's last slice (an arrival counter per tile, the
+// threadFenceReduction pattern) instead of `matmul_q4_gemm_reduce`: 64 tokens 4182 against 3893
+// (o with 8 slices 639 against 493), 32 tokens (`z`) 3132 against 3048, 16 tokens 2941 against
+// 2936: one block summing a tile's 5-8 slices serially is slower than the reduce kernel's grid.
+// ncu of `y`'s gate/up at 64 tokens (224 blocks, 50.4 us): issue slots 50% busy, 0.95 of 3.32
+// warps eligible per scheduler; stalls per issue: wait 1.28, long scoreboard 1.04, not selected
+// 0.89, dispatch 0.68, math pipe 0.65, gmma 0.35, barrier 0.23; DRAM 27% of peak.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
