@@ -358,20 +358,21 @@ int main(int argc, char** argv) {
     Kern t = kern<32, 4, 2, 2>("t");    // the shipped z: 32 tokens, two blocks per SM
     Kern t3 = kern<32, 4, 2, 3>("t3");  // 32 tokens, three blocks per SM
     Kern t6 = kern<32, 6, 2, 2>("t6");  // 32 tokens, six stages
+    Kern q = kern<16, 4, 2, 2>("q");    // 16 tokens, two blocks per SM
+    Kern q3 = kern<16, 4, 2, 3>("q3");  // 16 tokens, three blocks per SM
+    Kern q6 = kern<16, 6, 2, 2>("q6");  // 16 tokens, six stages
 
     std::vector<Config> cs = {
         {"v engine-old", v, SMS, false, false},
         {"y 2x gu qkv", y, 2 * SMS, true, true},
-        {"y 1x gu qkv", y, SMS, true, true},
-        {"y 3x gu qkv", y, 3 * SMS, true, true},
-        {"y 4x gu qkv", y, 4 * SMS, true, true},
-        {"y 2x qkv", y, 2 * SMS, true, false},
-        {"y3 2x gu qkv", y3, 2 * SMS, true, true},
         {"t 2x gu qkv", t, 2 * SMS, true, true},
-        {"t 3x gu qkv", t, 3 * SMS, true, true},
-        {"t3 3x gu qkv", t3, 3 * SMS, true, true},
-        {"t6 2x gu qkv", t6, 2 * SMS, true, true},
-        {"u 2x gu qkv", u, 2 * SMS, true, true},
+        {"q 2x gu qkv", q, 2 * SMS, true, true},
+        {"q 1x gu qkv", q, SMS, true, true},
+        {"q3 3x gu qkv", q3, 3 * SMS, true, true},
+        {"q3 2x gu qkv", q3, 2 * SMS, true, true},
+        {"q6 2x gu qkv", q6, 2 * SMS, true, true},
+        {"t 2x gu qkv", t, 2 * SMS, true, true},
+        {"q 2x gu qkv", q, 2 * SMS, true, true},
     };
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));

@@ -6,7 +6,7 @@
 //
 // It runs structured probes first (x one-hot per token, W[r, c] = (r + 3 c) % 16 with scale 1 and
 // min 0, so every output is an exact small integer; odd n and rows, groups 32..256) and prints how
-// many outputs of each kernel are wrong, then times every kernel (l, m: mma.sync; w, v, u, y, z, x: wgmma)
+// many outputs of each kernel are wrong, then times every kernel (l, m: mma.sync; w, v, u, y, z, q, x: wgmma)
 // on the Llama-3-8B shapes with random data, with the largest error of 2048 sampled outputs
 // relative to sum |x w| against an f32 reference. `/tmp/q4h 1 one` launches w once per dtype
 // (for ncu). The cuBLAS comparison is `tm-cuda`'s `q4_gemm_bench` (or torch's `x @ w.t()`).
@@ -80,6 +80,7 @@ template <class T> std::vector<K> kernels();
     {"u", (Kern)wg_k<T, 64, 4, 1, 1>, 64, 128, tmw::Shape<64, 4, 1>::SMEM}, \
     {"y", (Kern)wg_k<T, 64, 4, 2, 2>, 64, 128, tmw::Shape<64, 4, 2>::SMEM}, \
     {"z", (Kern)wg_k<T, 32, 4, 2, 2>, 32, 128, tmw::Shape<32, 4, 2>::SMEM}, \
+    {"q", (Kern)wg_k<T, 16, 4, 2, 2>, 16, 128, tmw::Shape<16, 4, 2>::SMEM}, \
     {"x", (Kern)wg_k<T, 256, 3, 2, 1>, 256, 128, tmw::Shape<256, 3, 2>::SMEM} }
 template <> std::vector<K> kernels<__half>() { return KS(__half); }
 template <> std::vector<K> kernels<__nv_bfloat16>() { return KS(__nv_bfloat16); }
@@ -155,7 +156,7 @@ __global__ void probe_fill(unsigned char* packed, __half* s, __half* m, __half* 
     for (int tid = threadIdx.x + blockIdx.x * blockDim.x; tid < n * cols; tid += stride) { int tok = tid / cols, c = tid % cols; x[tid] = __float2half(c == (7 * tok) % cols ? 1.f : 0.f); }
 }
 void probe(Kern f, int bm, int bn, int smem, const char* name, int rows, int cols, int n, int group) {
-    if ((name[0] == 'x' || name[0] == 'y' || name[0] == 'z') && (group % 128 || cols % 128)) return;
+    if ((name[0] == 'x' || name[0] == 'y' || name[0] == 'z' || name[0] == 'q') && (group % 128 || cols % 128)) return;
     unsigned char* packed; __half *s, *m, *x, *out;
     CK(cudaMalloc(&packed, rows * cols / 2)); CK(cudaMalloc(&s, rows * (cols / group) * 2)); CK(cudaMalloc(&m, rows * (cols / group) * 2));
     CK(cudaMalloc(&x, n * cols * 2)); CK(cudaMalloc(&out, n * rows * 2));

@@ -2199,6 +2199,7 @@ fn matmul_q4_policies(s: &mut Suite, n: usize, rows: usize, cols: usize, group: 
             Policy::Force(Tile::WgmmaSmall),
             Policy::Force(Tile::WgmmaSmallK128),
             Policy::Force(Tile::WgmmaTinyK128),
+            Policy::Force(Tile::WgmmaMiniK128),
             Policy::Auto,
             Policy::Off,
         ];
@@ -2676,6 +2677,7 @@ fn matmul_int4_split_k() {
                     Policy::Force(Tile::WgmmaSmall),
                     Policy::Force(Tile::WgmmaSmallK128),
                     Policy::Force(Tile::WgmmaTinyK128),
+                    Policy::Force(Tile::WgmmaMiniK128),
                     Policy::Force(Tile::Wgmma),
                     Policy::Force(Tile::WgmmaK128),
                 ] {

@@ -394,17 +394,28 @@ template <int NTOK, int STAGES, int SUBS> struct Shape {
     static constexpr int STAGE = X_BYTES + W_BYTES;
     static_assert(STAGE % 1024 == 0, "stage bases stay 1024-byte aligned");
     static constexpr int SMEM = STAGES * STAGE + 1024;  // + alignment slack
-    static constexpr int X_PER_THREAD = NTOK * 8 / THREADS;  // 16-byte chunks per sub-tile
+    // 16-byte chunks per sub-tile and thread; below 32 tokens only threads tid < NTOK * 8 copy one.
+    static constexpr bool X_PARTIAL = NTOK * 8 < THREADS;
+    static constexpr int X_PER_THREAD = X_PARTIAL ? 1 : NTOK * 8 / THREADS;
     static constexpr int W_PER_THREAD = BW * 2 * SUBS / THREADS;
     static constexpr int BLOCKS = 2 * SUBS;        // 32-column blocks per k-tile
     static constexpr int ACC = NTOK / 2;  // f32 accumulators per thread (m64 x NTOK / 128)
-    static_assert(X_PER_THREAD * THREADS == NTOK * 8, "copy split");
+    static_assert(X_PARTIAL ? THREADS % (NTOK * 8) == 0 : X_PER_THREAD * THREADS == NTOK * 8, "copy split");
     static_assert(W_PER_THREAD * THREADS == BW * 2 * SUBS, "copy split");
     static_assert(SUBS == 1 || SUBS == 2, "one or two sub-tiles");
     static_assert(STAGES >= 3, "tiles kt + 1 .. kt + STAGES - 1 in flight while kt is multiplied");
 };
 
 #if TMW_WGMMA
+// wgmma.m64n16k16 with A from registers, B through `desc`, D += A B in f32 (TY: the PTX type).
+#define TMW_WGMMA_RS_N16(TY, T)                                                                                    \
+    __device__ __forceinline__ void wgmma_rs(float(&d)[8], const unsigned(&a)[4], unsigned long long desc, T) {    \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n16k16.f32." TY "." TY " {"                                  \
+                     "%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, 1, 1, 1, 0;\n"                     \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
+                       "+f"(d[7])                                                                                 \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));                                    \
+    }
 // wgmma.m64n32k16 with A from registers, B through `desc`, D += A B in f32 (TY: the PTX type).
 #define TMW_WGMMA_RS_N32(TY, T)                                                                                     \
     __device__ __forceinline__ void wgmma_rs(float(&d)[16], const unsigned(&a)[4], unsigned long long desc, T) {    \
@@ -482,10 +493,12 @@ template <int NTOK, int STAGES, int SUBS> struct Shape {
               "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));                                                         \
     }
+TMW_WGMMA_RS_N16("f16", __half)
 TMW_WGMMA_RS_N32("f16", __half)
 TMW_WGMMA_RS_N64("f16", __half)
 TMW_WGMMA_RS_N128("f16", __half)
 TMW_WGMMA_RS_N256("f16", __half)
+TMW_WGMMA_RS_N16("bf16", __nv_bfloat16)
 TMW_WGMMA_RS_N32("bf16", __nv_bfloat16)
 TMW_WGMMA_RS_N64("bf16", __nv_bfloat16)
 TMW_WGMMA_RS_N128("bf16", __nv_bfloat16)
@@ -570,6 +583,7 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, float* __rest
         const unsigned sb = base + stage * S::STAGE;
 #pragma unroll
         for (int i = 0; i < S::X_PER_THREAD; ++i) {
+            if (S::X_PARTIAL && a_r0 >= NTOK) break;  // the tile's rows are covered
             const bool ok = i < a_valid;
 #pragma unroll
             for (int sub = 0; sub < SUBS; ++sub)
@@ -784,7 +798,7 @@ TMG_KERNELS(bf16, __nv_bfloat16)
 // (145 KiB shared); `v`: 128 x 128, 4 stages (81 KiB); `u`: 64 x 128 (m64n64), 4 stages (49 KiB, 126
 // registers: two blocks per SM); `y`: `u` with 128-column k-tiles (97 KiB, two blocks per SM), for
 // decode batches of up to 64 tokens with `group % 128 == 0`; `z`: `y` for 32 tokens (m64n32, 65
-// KiB), for batches of up to 32; `x`: `w` with 128-column k-tiles (two
+// KiB), for batches of up to 32; `q`: `y` for 16 tokens (m64n16, 49 KiB), up to 16; `x`: `w` with 128-column k-tiles (two
 // sub-tiles per stage, half the barriers and waits per column), 3 stages (217 KiB), for
 // `group % 128 == 0`. One block per SM for `w`, `v`, `x` (w: about 220 registers per thread, x: about
 // 240).
@@ -797,7 +811,8 @@ TMG_KERNELS(bf16, __nv_bfloat16)
 // (rows_0 + ... + rows_{i-1}) on, which `matmul_q4_gemm_reduce_T` then adds up into the outputs.
 // AWQ 8B-shaped layers at 64 decode tokens on the H200 (scripts/gpu/q4_gemm_decode.cu, products
 // only): q/k/v and gate/up one launch each with `y`, 3618 us per step against 6313 with `v`
-// launched per weight; at 32 tokens `z` 2916 against `y`'s 3367 (16 tokens 2809 / 3249).
+// launched per weight; at 32 tokens `z` 2916 against `y`'s 3367; at 16 tokens `q` 2658-2664
+// against `z`'s 2794-2803 and `y`'s 3240.
 #define TMW_KERNEL(NAME, SUF, T, NTOK, ST, SUBS, MINB)                                                             \
     extern "C" __global__ void __launch_bounds__(tmw::THREADS, MINB) matmul_q4_gemm_##NAME##_##SUF(               \
         const T* __restrict__ x, int n, int cols, int group, float* __restrict__ partial, int kcols, int parts,    \
@@ -833,12 +848,14 @@ TMW_KERNEL(v, f16, __half, 128, 4, 1, 1)
 TMW_KERNEL(u, f16, __half, 64, 4, 1, 1)
 TMW_KERNEL(y, f16, __half, 64, 4, 2, 2)
 TMW_KERNEL(z, f16, __half, 32, 4, 2, 2)
+TMW_KERNEL(q, f16, __half, 16, 4, 2, 2)
 TMW_KERNEL(x, f16, __half, 256, 3, 2, 1)
 TMW_KERNEL(w, bf16, __nv_bfloat16, 256, 4, 1, 1)
 TMW_KERNEL(v, bf16, __nv_bfloat16, 128, 4, 1, 1)
 TMW_KERNEL(u, bf16, __nv_bfloat16, 64, 4, 1, 1)
 TMW_KERNEL(y, bf16, __nv_bfloat16, 64, 4, 2, 2)
 TMW_KERNEL(z, bf16, __nv_bfloat16, 32, 4, 2, 2)
+TMW_KERNEL(q, bf16, __nv_bfloat16, 16, 4, 2, 2)
 TMW_KERNEL(x, bf16, __nv_bfloat16, 256, 3, 2, 1)
 
 // The split-K sums of a launch's `parts` products: out_i[j] = T(sum over z < splits of

@@ -29,7 +29,9 @@
 //! - [`Tile::WgmmaSmallK128`]: the same with 128-column k-tiles, 97 KiB, two blocks per SM, for
 //!   batches of up to [`WGMMA_SMALL_K128_MAX_TOKENS`] tokens where `group % 128 == 0`;
 //! - [`Tile::WgmmaTinyK128`]: 32 × 128 with 128-column k-tiles, 65 KiB, two blocks per SM, for
-//!   batches of up to [`WGMMA_TINY_K128_MAX_TOKENS`] tokens where `group % 128 == 0`.
+//!   batches of up to [`WGMMA_TINY_K128_MAX_TOKENS`] tokens where `group % 128 == 0`;
+//! - [`Tile::WgmmaMiniK128`]: 16 × 128 with 128-column k-tiles, 49 KiB, two blocks per SM, for
+//!   batches of up to [`WGMMA_MINI_K128_MAX_TOKENS`] tokens where `group % 128 == 0`.
 //!
 //! The wgmma kernels take up to three weights of one `x` per launch ([`Part`]: a layer's q, k
 //! and v, or gate and up, as one grid; [`launch`]).
@@ -79,11 +81,14 @@ pub enum Tile {
     /// sm_90a: 32 × 128 (m64n32) with 128-column k-tiles, 4 stages, two blocks per SM; needs
     /// `group % 128 == 0`: decode batches of up to [`WGMMA_TINY_K128_MAX_TOKENS`] tokens.
     WgmmaTinyK128,
+    /// sm_90a: 16 × 128 (m64n16) with 128-column k-tiles, 4 stages, two blocks per SM; needs
+    /// `group % 128 == 0`: decode batches of up to [`WGMMA_MINI_K128_MAX_TOKENS`] tokens.
+    WgmmaMiniK128,
 }
 
 impl Tile {
     /// Every tile shape.
-    pub const ALL: [Tile; 10] = [
+    pub const ALL: [Tile; 11] = [
         Tile::Large,
         Tile::Medium,
         Tile::Small,
@@ -94,6 +99,7 @@ impl Tile {
         Tile::WgmmaSmall,
         Tile::WgmmaSmallK128,
         Tile::WgmmaTinyK128,
+        Tile::WgmmaMiniK128,
     ];
     /// The shapes [`pick`] chooses from, largest first (the wgmma ones only where available).
     pub const AUTO: [Tile; 6] =
@@ -109,12 +115,13 @@ impl Tile {
                 | Tile::WgmmaSmall
                 | Tile::WgmmaSmallK128
                 | Tile::WgmmaTinyK128
+                | Tile::WgmmaMiniK128
         )
     }
 
     /// 64-column sub-tiles per k-tile (2 for the 128-column k-tiles, else 1).
     fn subs(self) -> usize {
-        if matches!(self, Tile::WgmmaK128 | Tile::WgmmaSmallK128 | Tile::WgmmaTinyK128) {
+        if matches!(self, Tile::WgmmaK128 | Tile::WgmmaSmallK128 | Tile::WgmmaTinyK128 | Tile::WgmmaMiniK128) {
             2
         } else {
             1
@@ -122,9 +129,10 @@ impl Tile {
     }
 
     /// Blocks of this shape an H200 SM holds at once (the wgmma kernels' registers and shared
-    /// memory): two for the 64- and 32-token shapes, else one. [`split_k`] fills this many per SM.
+    /// memory): two for the shapes of 64 tokens and fewer, else one. [`split_k`] fills this many
+    /// per SM.
     pub fn blocks_per_sm(self) -> usize {
-        if matches!(self, Tile::WgmmaSmall | Tile::WgmmaSmallK128 | Tile::WgmmaTinyK128) {
+        if matches!(self, Tile::WgmmaSmall | Tile::WgmmaSmallK128 | Tile::WgmmaTinyK128 | Tile::WgmmaMiniK128) {
             2
         } else {
             1
@@ -144,6 +152,7 @@ impl Tile {
             Tile::WgmmaSmall => "u",
             Tile::WgmmaSmallK128 => "y",
             Tile::WgmmaTinyK128 => "z",
+            Tile::WgmmaMiniK128 => "q",
         }
     }
 
@@ -154,6 +163,7 @@ impl Tile {
             Tile::Large | Tile::Medium | Tile::Tall | Tile::WgmmaNarrow => 128,
             Tile::Small | Tile::WgmmaSmall | Tile::WgmmaSmallK128 => 64,
             Tile::WgmmaTinyK128 => 32,
+            Tile::WgmmaMiniK128 => 16,
         }
     }
 
@@ -168,7 +178,8 @@ impl Tile {
             | Tile::WgmmaNarrow
             | Tile::WgmmaSmall
             | Tile::WgmmaSmallK128
-            | Tile::WgmmaTinyK128 => 128,
+            | Tile::WgmmaTinyK128
+            | Tile::WgmmaMiniK128 => 128,
         }
     }
 
@@ -181,7 +192,8 @@ impl Tile {
             | Tile::WgmmaNarrow
             | Tile::WgmmaSmall
             | Tile::WgmmaSmallK128
-            | Tile::WgmmaTinyK128 => 4,
+            | Tile::WgmmaTinyK128
+            | Tile::WgmmaMiniK128 => 4,
         }
     }
 
@@ -205,16 +217,18 @@ impl Tile {
             Tile::Wgmma | Tile::WgmmaK128 => 1.9,
             // Per tile area as the narrow shape (it is a candidate only for small batches, see
             // WGMMA_SMALL_MAX_TOKENS).
-            Tile::WgmmaNarrow | Tile::WgmmaSmall | Tile::WgmmaSmallK128 | Tile::WgmmaTinyK128 => 1.4,
+            Tile::WgmmaNarrow | Tile::WgmmaSmall | Tile::WgmmaSmallK128 | Tile::WgmmaTinyK128 | Tile::WgmmaMiniK128 => {
+                1.4
+            }
             Tile::Large | Tile::Tall => 1.0,
             Tile::Medium => 0.8,
             Tile::Small => 0.6,
         }
     }
 
-    /// The tile named by `s` (`l`, `m`, `s`, `t`, `w`, `x`, `v`, `u`, `y`, `z`, or `large`,
+    /// The tile named by `s` (`l`, `m`, `s`, `t`, `w`, `x`, `v`, `u`, `y`, `z`, `q`, or `large`,
     /// `medium`, `small`, `tall`, `wgmma`, `wgmma-k128`, `wgmma-narrow`, `wgmma-small`,
-    /// `wgmma-small-k128`, `wgmma-tiny-k128`).
+    /// `wgmma-small-k128`, `wgmma-tiny-k128`, `wgmma-mini-k128`).
     pub fn parse(s: &str) -> Option<Tile> {
         match s.trim().to_ascii_lowercase().as_str() {
             "l" | "large" => Some(Tile::Large),
@@ -227,6 +241,7 @@ impl Tile {
             "u" | "wgmma-small" => Some(Tile::WgmmaSmall),
             "y" | "wgmma-small-k128" => Some(Tile::WgmmaSmallK128),
             "z" | "wgmma-tiny-k128" => Some(Tile::WgmmaTinyK128),
+            "q" | "wgmma-mini-k128" => Some(Tile::WgmmaMiniK128),
             _ => None,
         }
     }
@@ -234,8 +249,8 @@ impl Tile {
 
 /// Which prefill kernel int4 matmuls use, from `TM_Q4_GEMM`: unset or `auto` → [`Policy::Auto`];
 /// `off`/`0`/`tiled` → [`Policy::Off`] (the older tiled kernel, for comparisons); `l`/`m`/`s`/`t`/
-/// `w`/`x`/`v`/`u`/`y`/`z` → [`Policy::Force`] (a wgmma shape where wgmma is unavailable falls
-/// back to `auto`; `x` where `group % 128 != 0` to `w`, `y` and `z` to `u`). Anything else is reported once on stderr and treated as `auto`.
+/// `w`/`x`/`v`/`u`/`y`/`z`/`q` → [`Policy::Force`] (a wgmma shape where wgmma is unavailable falls
+/// back to `auto`; `x` where `group % 128 != 0` to `w`, `y`, `z` and `q` to `u`). Anything else is reported once on stderr and treated as `auto`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
     /// [`pick`] chooses the tile.
@@ -255,7 +270,7 @@ impl Policy {
             Some(s) if s == "off" || s == "0" || s == "tiled" => Ok(Policy::Off),
             Some(s) => Tile::parse(&s)
                 .map(Policy::Force)
-                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s, t, w, x, v, u, y, z")),
+                .ok_or_else(|| format!("TM_Q4_GEMM = {s:?} is not one of auto, off, l, m, s, t, w, x, v, u, y, z, q")),
         }
     }
 
@@ -612,9 +627,10 @@ pub fn launch(
 /// [`Tile::Wgmma`] becomes [`Tile::WgmmaK128`] where `group % 128 == 0` (`cols` is then a multiple
 /// of 128 too) and `cols <= K128_MAX_COLS`; a forced [`Tile::WgmmaK128`] becomes [`Tile::Wgmma`]
 /// where the groups do not allow it. Automatically, batches of up to
-/// [`WGMMA_TINY_K128_MAX_TOKENS`] tokens take [`Tile::WgmmaTinyK128`] and those of up to
-/// [`WGMMA_SMALL_K128_MAX_TOKENS`] [`Tile::WgmmaSmallK128`] where the groups allow it (a forced
-/// one becomes [`Tile::WgmmaSmall`] where they do not).
+/// [`WGMMA_MINI_K128_MAX_TOKENS`], [`WGMMA_TINY_K128_MAX_TOKENS`] and
+/// [`WGMMA_SMALL_K128_MAX_TOKENS`] tokens take [`Tile::WgmmaMiniK128`], [`Tile::WgmmaTinyK128`]
+/// and [`Tile::WgmmaSmallK128`] where the groups allow it (a forced one becomes
+/// [`Tile::WgmmaSmall`] where they do not).
 pub fn choose(
     policy: Policy,
     n: usize,
@@ -628,6 +644,7 @@ pub fn choose(
     let tile = match policy {
         Policy::Off => return None,
         Policy::Force(t) if n.div_ceil(t.bm()) <= MAX_GRID_Y && (wgmma || !t.wgmma()) => t,
+        Policy::Auto if wgmma && k128 && n <= WGMMA_MINI_K128_MAX_TOKENS => Tile::WgmmaMiniK128,
         Policy::Auto if wgmma && k128 && n <= WGMMA_TINY_K128_MAX_TOKENS => Tile::WgmmaTinyK128,
         Policy::Auto if wgmma && k128 && n <= WGMMA_SMALL_K128_MAX_TOKENS => Tile::WgmmaSmallK128,
         Policy::Force(_) | Policy::Auto => pick(n, rows, sms, wgmma),
@@ -635,7 +652,7 @@ pub fn choose(
     Some(match tile {
         Tile::Wgmma if k128 && cols <= K128_MAX_COLS && policy != Policy::Force(Tile::Wgmma) => Tile::WgmmaK128,
         Tile::WgmmaK128 if !k128 => Tile::Wgmma,
-        Tile::WgmmaSmallK128 | Tile::WgmmaTinyK128 if !k128 => Tile::WgmmaSmall,
+        Tile::WgmmaSmallK128 | Tile::WgmmaTinyK128 | Tile::WgmmaMiniK128 if !k128 => Tile::WgmmaSmall,
         t => t,
     })
 }
@@ -652,6 +669,11 @@ pub const WGMMA_SMALL_K128_MAX_TOKENS: usize = 64;
 /// it). Same harness and shapes: 32 tokens 2916 us per step against 3367 with
 /// [`Tile::WgmmaSmallK128`], 16 tokens 2809 against 3249.
 pub const WGMMA_TINY_K128_MAX_TOKENS: usize = 32;
+
+/// The most tokens for which [`choose`] takes [`Tile::WgmmaMiniK128`] (where the groups allow
+/// it). Same harness and shapes: 16 tokens 2658-2664 us per step against 2794-2803 with
+/// [`Tile::WgmmaTinyK128`], 12 tokens 2642-2645 against 2785-2798, 9 tokens 2626-2633 against 2765.
+pub const WGMMA_MINI_K128_MAX_TOKENS: usize = 16;
 
 /// The longest `cols` for which [`choose`] prefers [`Tile::WgmmaK128`] to [`Tile::Wgmma`]. H200,
 /// 2048-8192 tokens: bf16 6-10% faster on the 8B q/o, q/k/v and gate/up products (4096 columns),
@@ -697,6 +719,7 @@ mod tests {
         assert_eq!(Tile::WgmmaSmall.shared_bytes(), 4 * (8192 + 4096) + 1024);
         assert_eq!(Tile::WgmmaSmallK128.shared_bytes(), 4 * 2 * (8192 + 4096) + 1024);
         assert_eq!(Tile::WgmmaTinyK128.shared_bytes(), 4 * 2 * (4096 + 4096) + 1024);
+        assert_eq!(Tile::WgmmaMiniK128.shared_bytes(), 4 * 2 * (2048 + 4096) + 1024);
         assert_eq!(Tile::WgmmaK128.shared_bytes(), 3 * 2 * (32768 + 4096) + 1024);
         assert_eq!(Tile::Large.shared_bytes(), 3 * (16384 + 8192 + 4096));
         assert_eq!(Tile::Small.shared_bytes(), 4 * (8192 + 4096 + 2048));
@@ -793,12 +816,14 @@ mod tests {
         assert_eq!(Policy::parse(Some("x")), Ok(Policy::Force(Tile::WgmmaK128)));
         assert_eq!(Policy::parse(Some("u")), Ok(Policy::Force(Tile::WgmmaSmall)));
         assert_eq!(Policy::parse(Some("y")), Ok(Policy::Force(Tile::WgmmaSmallK128)));
-        // Decode batches up to 32 / 64 tokens: the tiny / small shape with 128-column k-tiles
-        // where the groups allow it.
+        // Decode batches up to 16 / 32 / 64 tokens: the mini / tiny / small shape with
+        // 128-column k-tiles where the groups allow it.
         assert_eq!(choose(Policy::Auto, 64, 4096, 4096, 128, 132, true), Some(Tile::WgmmaSmallK128));
         assert_eq!(choose(Policy::Auto, 33, 4096, 4096, 128, 132, true), Some(Tile::WgmmaSmallK128));
         assert_eq!(choose(Policy::Auto, 32, 4096, 4096, 128, 132, true), Some(Tile::WgmmaTinyK128));
-        assert_eq!(choose(Policy::Auto, 9, 1024, 4096, 128, 132, true), Some(Tile::WgmmaTinyK128));
+        assert_eq!(choose(Policy::Auto, 17, 4096, 4096, 128, 132, true), Some(Tile::WgmmaTinyK128));
+        assert_eq!(choose(Policy::Auto, 16, 4096, 4096, 128, 132, true), Some(Tile::WgmmaMiniK128));
+        assert_eq!(choose(Policy::Auto, 9, 1024, 4096, 128, 132, true), Some(Tile::WgmmaMiniK128));
         assert_eq!(choose(Policy::Auto, 65, 4096, 4096, 128, 132, true), Some(Tile::WgmmaNarrow));
         assert_eq!(choose(Policy::Auto, 64, 4096, 4096, 64, 132, true), Some(Tile::WgmmaNarrow));
         assert_eq!(choose(Policy::Auto, 16, 4096, 4096, 32, 132, true), Some(Tile::WgmmaSmall));
@@ -806,6 +831,8 @@ mod tests {
         assert_eq!(choose(Policy::Force(Tile::WgmmaSmallK128), 64, 4096, 4096, 64, 132, true), Some(Tile::WgmmaSmall));
         assert_eq!(choose(Policy::Force(Tile::WgmmaTinyK128), 16, 4096, 4096, 32, 132, true), Some(Tile::WgmmaSmall));
         assert_eq!(Policy::parse(Some("z")), Ok(Policy::Force(Tile::WgmmaTinyK128)));
+        assert_eq!(Policy::parse(Some("q")), Ok(Policy::Force(Tile::WgmmaMiniK128)));
+        assert_eq!(choose(Policy::Force(Tile::WgmmaMiniK128), 16, 4096, 4096, 64, 132, true), Some(Tile::WgmmaSmall));
         assert_eq!(choose(Policy::Off, 512, 4096, 4096, 128, 132, true), None);
         assert_eq!(choose(Policy::Force(Tile::Small), 8192, 4096, 4096, 128, 132, true), Some(Tile::Small));
         assert_eq!(choose(Policy::Auto, 8192, 4096, 4096, 128, 132, false), Some(Tile::Large));
