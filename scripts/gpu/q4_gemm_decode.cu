@@ -21,7 +21,9 @@
 // each 4282-4284, `y` so 3606-3618 (u6 / u8: six / eight stages 4340 / 4456; `y` with the split-K
 // target at the SMs 3605, three / four times them 4046 / 4629; gate/up as two launches 4266; three
 // stages 3588); 32 tokens `y` 3348-3367, the 32-token `z` 2916 (six stages 3009; three blocks per
-// SM at 85 registers 4464); 16 tokens `u` per weight 4792, `y` 3237-3249, `z` 2809. Not kept: the
+// SM at 85 registers 4464); 16 tokens `u` per weight 4792, `y` 3237-3249, `z` 2794-2809, the
+// 16-token `q` 2658-2664 (three blocks per SM at 80 registers, 72 B spilled, 3676; six stages 2725;
+// the split-K target at the SMs 2750); 9 tokens `z` 2765, `q` 2626-2633. Not kept: the
 // split-K sums added up by each tile's last slice (an arrival counter per tile, the
 // threadFenceReduction pattern) instead of `matmul_q4_gemm_reduce`: 64 tokens 4182 against 3893
 // (o with 8 slices 639 against 493), 32 tokens (`z`) 3132 against 3048, 16 tokens 2941 against

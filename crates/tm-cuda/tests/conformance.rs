@@ -2489,6 +2489,15 @@ fn decode_variant_lock() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Whether the device the tests run on (`TM_CUDA_DEVICE`, default 0) is an sm_90 one, where the
+/// wgmma prefill kernels (split-K, grouped launches) must have run.
+fn on_sm90() -> bool {
+    let ordinal = std::env::var("TM_CUDA_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0usize);
+    tm_cuda::probe()
+        .map(|ds| ds.iter().any(|d| d.ordinal == ordinal && d.compute_capability == (9, 0)))
+        .unwrap_or(false)
+}
+
 /// Held while a test forces a prefill kernel (`q4_gemm::set_policy`, `tm_cuda::set_slab_policy`:
 /// process-wide switches), so tests running in parallel do not switch each other's kernels.
 fn prefill_policy_lock() -> std::sync::MutexGuard<'static, ()> {
@@ -2645,10 +2654,7 @@ fn matmul_int4_slab() {
 #[test]
 fn matmul_int4_split_k() {
     use tm_cuda::kernels::q4_gemm::{set_policy, split_products, Policy, Tile};
-    let ordinal = std::env::var("TM_CUDA_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0usize);
-    let hopper = tm_cuda::probe()
-        .map(|ds| ds.iter().any(|d| d.ordinal == ordinal && d.compute_capability == (9, 0)))
-        .unwrap_or(false);
+    let hopper = on_sm90();
     let _serial = prefill_policy_lock();
     run("matmul_int4_split_k", &[DType::F16, DType::BF16], |s| {
         if let Err(e) = s.gpu.reserve_matmul_scratch(tm_core::q4_slab::DEFAULT_MIN_TOKENS) {
@@ -2707,10 +2713,7 @@ fn matmul_int4_split_k() {
 #[test]
 fn matmul_int4_grouped() {
     use tm_cuda::kernels::q4_gemm::grouped_launches;
-    let ordinal = std::env::var("TM_CUDA_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0usize);
-    let hopper = tm_cuda::probe()
-        .map(|ds| ds.iter().any(|d| d.ordinal == ordinal && d.compute_capability == (9, 0)))
-        .unwrap_or(false);
+    let hopper = on_sm90();
     let _serial = prefill_policy_lock();
     run("matmul_int4_grouped", &[DType::F16, DType::BF16], |s| {
         for reserved in [false, true] {

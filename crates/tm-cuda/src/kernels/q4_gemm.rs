@@ -520,7 +520,9 @@ pub fn launch(
         )));
     }
     let (n32, c32, g32) = (int("n", n)?, int("cols", cols)?, int("group", group)?);
-    for p in parts {
+    // Weights of no rows own no blocks (the kernel maps blocks onto the others).
+    let parts: Vec<Part> = parts.iter().copied().filter(|p| p.rows > 0).collect();
+    for p in &parts {
         if !eligible(gpu.sm(), dt, n, p.rows, cols, group, x, p.out, p.packed, p.scales, p.mins) {
             return Err(Error::invalid(format!(
                 "matmul_q4_gemm: the call (dtype {dt}, n = {n}, rows = {}, cols = {cols}, group = {group}, sm_{}) \
@@ -530,12 +532,12 @@ pub fn launch(
             )));
         }
     }
-    if n == 0 {
+    if n == 0 || parts.is_empty() {
         return Ok(());
     }
     let total_rows: usize = parts.iter().map(|p| p.rows).sum();
     if !tile.wgmma() {
-        for p in parts.iter().filter(|p| p.rows > 0) {
+        for p in &parts {
             let tiled = super::layout_arg("matmul_q4_gemm", p.layout, p.rows, cols)?;
             let (name, (gx, gy, _), smem) = plan(tile, dt, n, p.rows)?;
             let args = [
@@ -552,9 +554,6 @@ pub fn launch(
             ];
             gpu.launch(&name, (gx, gy, 1), (THREADS, 1, 1), smem, &args)?;
         }
-        return Ok(());
-    }
-    if total_rows == 0 {
         return Ok(());
     }
     let sms = gpu.info().multiprocessors as usize;
