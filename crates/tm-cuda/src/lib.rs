@@ -45,6 +45,7 @@ mod probe;
 mod record_profile;
 pub mod runtime;
 pub mod staging;
+mod switches;
 pub mod zero_copy;
 
 pub use device::CudaDevice;

@@ -38,12 +38,7 @@ const MIN_MAJOR: u32 = 9;
 /// Whether `TM_PDL` allows PDL (unset or anything but `0`, `off`, `false`: yes); read once.
 fn env_allows() -> bool {
     static ALLOWED: OnceLock<bool> = OnceLock::new();
-    *ALLOWED.get_or_init(|| std::env::var(ENV).map_or(true, |v| allows(&v)))
-}
-
-/// Whether the value of `TM_PDL` allows PDL (everything but `0`, `off`, `false`).
-fn allows(value: &str) -> bool {
-    !matches!(value.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false")
+    *ALLOWED.get_or_init(|| crate::switches::env_on(ENV))
 }
 
 /// Whether tm launches kernels with PDL on a device of compute capability `cc` (major, minor).
@@ -132,10 +127,10 @@ mod tests {
     #[test]
     fn env_values() {
         for off in ["0", "off", "OFF", "false", " 0 "] {
-            assert!(!allows(off), "{off:?}");
+            assert!(!crate::switches::on(off), "{off:?}");
         }
         for on in ["1", "on", " ON ", "true", "", "yes"] {
-            assert!(allows(on), "{on:?}");
+            assert!(crate::switches::on(on), "{on:?}");
         }
     }
 

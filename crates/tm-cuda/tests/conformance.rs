@@ -2188,22 +2188,8 @@ fn matmul_q4_policies(s: &mut Suite, n: usize, rows: usize, cols: usize, group: 
         let q = w.quant.as_ref().ok_or("int4 weight without its host copy")?;
         let mut want = vec![0f32; n * rows];
         tm_cpu::quant_matmul::matmul_int4_exact(&xs, n, &q.view(), &mut want).ctx("host exact int4 matmul")?;
-        let policies = [
-            Policy::Force(Tile::Large),
-            Policy::Force(Tile::Medium),
-            Policy::Force(Tile::Small),
-            Policy::Force(Tile::Tall),
-            Policy::Force(Tile::Wgmma),
-            Policy::Force(Tile::WgmmaK128),
-            Policy::Force(Tile::WgmmaNarrow),
-            Policy::Force(Tile::WgmmaSmall),
-            Policy::Force(Tile::WgmmaSmallK128),
-            Policy::Force(Tile::WgmmaTinyK128),
-            Policy::Force(Tile::WgmmaMiniK128),
-            Policy::Auto,
-            Policy::Off,
-        ];
-        for p in policies {
+        // Every tile forced, then the automatic choice and the older kernel.
+        for p in Tile::ALL.map(Policy::Force).into_iter().chain([Policy::Auto, Policy::Off]) {
             let mut out = c.output(&[n, rows])?;
             set_policy(Some(p));
             let ran = c.gpu.matmul(&x.gpu, &w.gpu, None, &mut out.gpu);
@@ -2677,16 +2663,9 @@ fn matmul_int4_split_k() {
                 let mut want = vec![0f32; n * rows];
                 tm_cpu::quant_matmul::matmul_int4_exact(&xs, n, &q.view(), &mut want).ctx("host exact int4 matmul")?;
                 let k128 = g % 128 == 0;
-                for p in [
-                    Policy::Auto,
-                    Policy::Force(Tile::WgmmaNarrow),
-                    Policy::Force(Tile::WgmmaSmall),
-                    Policy::Force(Tile::WgmmaSmallK128),
-                    Policy::Force(Tile::WgmmaTinyK128),
-                    Policy::Force(Tile::WgmmaMiniK128),
-                    Policy::Force(Tile::Wgmma),
-                    Policy::Force(Tile::WgmmaK128),
-                ] {
+                // The automatic choice, then every wgmma tile forced.
+                let wgmma = Tile::ALL.into_iter().filter(|t| t.wgmma()).map(Policy::Force);
+                for p in std::iter::once(Policy::Auto).chain(wgmma) {
                     let mut out = c.output(&[n, rows])?;
                     let before = split_products();
                     set_policy(Some(p));

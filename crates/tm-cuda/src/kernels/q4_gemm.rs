@@ -388,10 +388,17 @@ pub const MIN_SPLIT_COLS: usize = 256;
 /// once, for A/B runs.
 fn split_allowed() -> bool {
     static ALLOWED: OnceLock<bool> = OnceLock::new();
-    *ALLOWED.get_or_init(|| {
-        std::env::var("TM_Q4_GEMM_SPLIT")
-            .map_or(true, |v| !matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false"))
-    })
+    *ALLOWED.get_or_init(|| crate::switches::env_on("TM_Q4_GEMM_SPLIT"))
+}
+
+/// Whether a decode batch of `n` tokens runs several weights of one `x` (q/k/v, gate/up) as one
+/// launch ([`crate::kernels::quant::matmul_q4_grouped`]): `GEMV_MAX_N < n <=`
+/// [`WGMMA_SMALL_K128_MAX_TOKENS`], unless `TM_Q4_GEMM_GROUP=0` (read once, for A/B runs).
+pub fn groups(n: usize) -> bool {
+    static ALLOWED: OnceLock<bool> = OnceLock::new();
+    n > crate::kernels::quant::GEMV_MAX_N
+        && n <= WGMMA_SMALL_K128_MAX_TOKENS
+        && *ALLOWED.get_or_init(|| crate::switches::env_on("TM_Q4_GEMM_GROUP"))
 }
 
 /// How many K slices a wgmma launch of `n` tokens × the weights of `rows` rows (one per

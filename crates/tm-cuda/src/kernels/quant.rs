@@ -20,8 +20,6 @@
 //! `cols % group == 0`, sizes that fit the kernels' `int`, and 16-byte aligned packed weights (any
 //! allocation is). `x` and `out` need only element alignment.
 
-use std::sync::OnceLock;
-
 use tm_core::{DType, Error, Result};
 
 use super::{layout_arg, q4_gemm, suffix};
@@ -189,10 +187,9 @@ pub fn matmul_q4(
 /// [`matmul_q4`] for 2 to [`q4_gemm::MAX_PARTS`] int4 weights of one `x` (`parts`: each with its
 /// output, all of `cols` columns and groups of `group`) in one launch: a decode batch's q/k/v or
 /// gate/up, where one grid for them all fills the GPU better than a small grid per weight. Taken
-/// for `GEMV_MAX_N < n <= q4_gemm::WGMMA_SMALL_K128_MAX_TOKENS` when every weight is
-/// [`q4_gemm::eligible`] and the chosen tile is a wgmma one (sm_90a); `Ok(false)`, nothing queued,
-/// otherwise (the caller then runs the products one by one). `TM_Q4_GEMM_GROUP=0` turns it off
-/// (read once, for A/B runs).
+/// for the batches [`q4_gemm::groups`] names when every weight is [`q4_gemm::eligible`] and the
+/// chosen tile is a wgmma one (sm_90a); `Ok(false)`, nothing queued, otherwise (the caller then
+/// runs the products one by one).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_q4_grouped(
     gpu: &Gpu,
@@ -204,17 +201,8 @@ pub fn matmul_q4_grouped(
     group: usize,
     parts: &[q4_gemm::Part],
 ) -> Result<bool> {
-    static GROUPING: OnceLock<bool> = OnceLock::new();
-    let grouping = *GROUPING.get_or_init(|| {
-        std::env::var("TM_Q4_GEMM_GROUP")
-            .map_or(true, |v| !matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false"))
-    });
     let op = "matmul_q4";
-    if !grouping
-        || !(2..=q4_gemm::MAX_PARTS).contains(&parts.len())
-        || n <= GEMV_MAX_N
-        || n > q4_gemm::WGMMA_SMALL_K128_MAX_TOKENS
-    {
+    if !q4_gemm::groups(n) || !(2..=q4_gemm::MAX_PARTS).contains(&parts.len()) {
         return Ok(false);
     }
     for p in parts {

@@ -220,11 +220,11 @@ impl CudaBackend {
     fn q4_grouped(&self, x: &Tensor, qs: &[&QuantWeight], outs: &mut [&mut Tensor]) -> Result<bool> {
         let Some(first) = qs.first() else { return Ok(false) };
         let (cols, group) = (first.cols, first.group_size);
-        if qs.len() != outs.len() || qs.len() < 2 || qs.iter().any(|q| q.cols != cols || q.group_size != group) {
+        if qs.len() != outs.len() || qs.iter().any(|q| q.cols != cols || q.group_size != group) {
             return Ok(false);
         }
         let n = rows_of("matmul input", x, cols)?;
-        if n <= quant::GEMV_MAX_N || n > q4_gemm::WGMMA_SMALL_K128_MAX_TOKENS {
+        if !q4_gemm::groups(n) {
             return Ok(false);
         }
         self.check(x, "matmul input")?;
