@@ -252,6 +252,24 @@
 //   (tm-core `Int4Layout::TilesAndScales16x128`, gate and up only; o/down with it: +40 us). In the
 //   engine (AWQ 8B b1 replay, `TM_GATE_UP_TILED_SCALES=0` against the default, five
 //   alternations in two calls): 1942.7-1949.7 us against 1951.9-1962.2, -10 us.
+//
+// Session 21 (2026-12-05; no GPU could be started all session, so nothing here is measured):
+// - Built for the next A/B: q4_gemv.cu's TM_Q4_PF_SILU / _JOIN / _ROPE (q4_tiles_lean's PF) ask the
+//   weights of the PF steps after the register ring into L1 (`prefetch.global.L1`, CCTL.E.PF1 in
+//   SASS; the first PF before the PDL wait). Why it might differ from what was tried: the per-warp
+//   L2 prefetch of session 18 (`PF` then, one line per lane, no gain for gate/up, down slower)
+//   still left each register load an L2 round trip, and deeper register rings cost occupancy
+//   (silu_lnt at U = 2 spills at three CTAs per SM); an L1 hit costs neither. At 1 the kernels
+//   keep their budgets unspilled (silu_lnts 80 registers, ln4t_join 128, lnt_rope 124; silu_lnt,
+//   which tiled-scale models no longer run, spills 16 B). With all three at 0 the cubin's SASS
+//   is byte-identical to the one before the knob. Run: scripts/gpu_b1_ab.sh (its header).
+// - The budget left for b1 (2.4x bf16's 4405 us replay = 1835 us, against 1942-1950 now): ~110 us
+//   per step, ~3.4 us per layer. Per layer now (sessions 13-18): gate/up ~21 us for 60.5 MB (14.3
+//   us at copy bandwidth), down ~12-14 for 30.2 MB (7.1), q/k/v ~6 for 6.3 MB (1.5), o ~5 for
+//   4.2 MB (1.0), attention ~8 in the chain for 2.5 MB of keys and values (0.6), i.e. ~26 us a
+//   layer above the weights' stream, most of it the latency of the three small kernels (each a
+//   PDL hop, an x load from L2 and a reduction) and gate/up's issue-bound loop (its weights
+//   served from L2 made it only 3-5% faster).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

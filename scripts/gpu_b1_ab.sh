@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# One device call that A/Bs kernel variants on the AWQ 8B batch-1 decode step (issue 7's open
+# target), with the figures the ratio needs from the same call: copy bandwidth and, optionally,
+# bf16 batch 1 on the same card.
+#
+# Here (no GPU):
+#   TM_BUNDLE_KERNELS=separate bash scripts/gpu_bundle.sh
+#   TM_VARIANT_MODULE=q4_gemv bash scripts/gpu_kernel_variants.sh target/variants 'base:' \
+#       'a1:-DTM_Q4_PF_SILU=1 -DTM_Q4_PF_JOIN=1 -DTM_Q4_PF_ROPE=1'
+# On the GPU machine (carry target/gpu-bundle and target/variants), from the repository root:
+#   VARIANTS="base a1" ROUNDS=3 BF16=1 OUT=dir bash scripts/gpu_b1_ab.sh
+#
+# Each variant's kernels are the bundle's kernels/ with target/variants/kernels-<name>/*.cubin laid
+# over them (the bundle's manifest.txt stays, so the binary keeps PDL on); `base` should be built
+# with no flags, so that every variant comes from the same compiler run. Rounds alternate the
+# variants (base a1 base a1 ...): clocks and the machine drift within a call. Writes
+# $OUT/summary.txt (per run: the graph replay time of a decode step, output tok/s and TPOT p50),
+# $OUT/bandwidth.txt and $OUT/logs.tgz (every log). Environment: VARIANTS (default "base"),
+# ROUNDS (default 2), BF16=1 (also make the bf16 checkpoint and run it twice; ~16 GB, minutes),
+# GEMV_BENCH=path (a stripped q4_gemv_bench, run once per variant while the checkpoints are made),
+# OUTPUT_LEN (default 128; 512 tokens in).
+set -u
+FINAL="${OUT:-target/gpu-logs}"
+LOGS=/tmp/b1ab
+rm -rf "$LOGS"
+mkdir -p "$FINAL" "$LOGS"
+finish() {
+    tar czf "$FINAL/logs.tgz" -C /tmp b1ab
+    cp "$LOGS/summary.txt" "$LOGS/bandwidth.txt" "$FINAL/" 2>/dev/null
+}
+trap finish EXIT
+trap 'exit 1' TERM INT
+BUNDLE=target/gpu-bundle
+CLI=$BUNDLE/bin/tm-cli
+VARIANTS="${VARIANTS:-base}"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >"$LOGS/gpu.txt" 2>&1
+cat "$LOGS/gpu.txt" >>"$LOGS/summary.txt"
+
+(python3 scripts/make_llama8b_awq.py /tmp/b1ab-awq >"$LOGS/make-awq.txt" 2>&1) &
+AWQ=$!
+BF=
+if [ "${BF16:-0}" = 1 ]; then
+    (python3 scripts/make_llama8b.py /tmp/b1ab-bf16 >"$LOGS/make-bf16.txt" 2>&1) &
+    BF=$!
+fi
+
+python3 - <<'PY' >"$LOGS/bandwidth.txt" 2>&1
+import torch
+n = 4 << 30
+a = torch.empty(n, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
+a.random_(0, 255)
+for _ in range(3): b.copy_(a)
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+ts = []
+for _ in range(20):
+    s.record(); b.copy_(a); e.record(); torch.cuda.synchronize(); ts.append(s.elapsed_time(e) / 1e3)
+ts.sort()
+print(f"copy bandwidth (read+write, 4 GiB, median of 20): {2 * n / ts[len(ts) // 2] / 1e12:.3f} TB/s")
+PY
+cat "$LOGS/bandwidth.txt" >>"$LOGS/summary.txt"
+
+for v in $VARIANTS; do
+    mkdir -p "/tmp/b1ab-k-$v"
+    cp "$BUNDLE"/kernels/* "/tmp/b1ab-k-$v/"
+    if [ -d "target/variants/kernels-$v" ]; then
+        cp "target/variants/kernels-$v"/*.cubin "/tmp/b1ab-k-$v/"
+    elif [ "$v" != base ]; then
+        echo "gpu_b1_ab: no target/variants/kernels-$v" | tee -a "$LOGS/summary.txt" >&2
+        exit 1
+    fi
+    if [ -n "${GEMV_BENCH:-}" ]; then
+        TM_KERNELS_DIR="/tmp/b1ab-k-$v" timeout 90 "$GEMV_BENCH" --dtype f16 >"$LOGS/gemv-$v.txt" 2>&1
+        echo "q4_gemv_bench $v: exit $?" >>"$LOGS/summary.txt"
+    fi
+done
+
+export RUST_LOG=info
+# bench NAME KERNELS MODEL DTYPE: batch-1 decode, 3 prompts of 512 tokens.
+bench() {
+    local log="$LOGS/$1.txt"
+    TM_KERNELS_DIR="$2" timeout 150 "$CLI" bench --model "$3" --backend cuda --dtype "$4" --num-prompts 3 \
+        --concurrency 1 --input-len 512 --output-len "${OUTPUT_LEN:-128}" >"$log" 2>&1
+    local rc=$?
+    echo "$1 exit $rc: $(grep -o 'a replay took [0-9.]* us' "$log" | tail -1)," \
+        "$(grep -o '"output_tok_s": [0-9.]*' "$log"), $(grep -o '"tpot_ms_p50": [0-9.]*' "$log")" |
+        tee -a "$LOGS/summary.txt"
+}
+wait $AWQ
+for r in $(seq 1 "${ROUNDS:-2}"); do
+    for v in $VARIANTS; do bench "awq-b1-$v-$r" "/tmp/b1ab-k-$v" /tmp/b1ab-awq f16; done
+done
+if [ -n "$BF" ]; then
+    wait "$BF"
+    for r in 1 2; do bench "bf16-b1-$r" /tmp/b1ab-k-base /tmp/b1ab-bf16 bf16; done
+fi
