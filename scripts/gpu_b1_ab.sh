@@ -44,19 +44,7 @@ if [ "${BF16:-0}" = 1 ]; then
     BF=$!
 fi
 
-python3 - <<'PY' >"$LOGS/bandwidth.txt" 2>&1
-import torch
-n = 4 << 30
-a = torch.empty(n, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
-a.random_(0, 255)
-for _ in range(3): b.copy_(a)
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-ts = []
-for _ in range(20):
-    s.record(); b.copy_(a); e.record(); torch.cuda.synchronize(); ts.append(s.elapsed_time(e) / 1e3)
-ts.sort()
-print(f"copy bandwidth (read+write, 4 GiB, median of 20): {2 * n / ts[len(ts) // 2] / 1e12:.3f} TB/s")
-PY
+python3 scripts/gpu/copy_bandwidth.py >"$LOGS/bandwidth.txt" 2>&1
 cat "$LOGS/bandwidth.txt" >>"$LOGS/summary.txt"
 
 for v in $VARIANTS; do

@@ -9,19 +9,7 @@ WHAT="${1:-all}"
 CLI=target/gpu-bundle/bin/tm-cli
 export TM_KERNELS_DIR="${TM_KERNELS_DIR:-$PWD/target/gpu-bundle/kernels}"
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 - <<'PY' 2>&1 | tee "$OUT/bandwidth.txt"
-import torch
-n = 4 << 30
-a = torch.empty(n, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
-a.random_(0, 255)
-for _ in range(3): b.copy_(a)
-s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-times = []
-for _ in range(10):
-    s.record(); b.copy_(a); e.record(); torch.cuda.synchronize(); times.append(s.elapsed_time(e) / 1e3)
-times.sort(); t = times[len(times) // 2]
-print(f"copy bandwidth (read+write): {2 * n / t / 1e12:.2f} TB/s")
-PY
+python3 scripts/gpu/copy_bandwidth.py 2>&1 | tee "$OUT/bandwidth.txt"
 if [ "$WHAT" = all ] || [ "$WHAT" = suite ]; then
     $CLI check-env > "$OUT/check-env.txt" 2>&1
     TM_TEST_TIMEOUT=${TM_TEST_TIMEOUT:-90} OUT="$OUT/suite" bash target/gpu-bundle/run.sh > "$OUT/suite.txt" 2>&1
