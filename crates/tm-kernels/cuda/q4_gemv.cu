@@ -89,9 +89,8 @@
 #ifndef TM_Q4_ROPE_TILED_U
 #define TM_Q4_ROPE_TILED_U 2
 #endif
-// Steps asked into L1 ahead of the register ring (`q4_tiles_lean`'s PF) by the kernels on
-// tile-major weights: gate/up (SILU), the plain products and the o/down joins (JOIN), q/k/v with
-// RoPE (ROPE). 0 compiles to the same SASS as before the knob.
+// `q4_tiles_lean`'s PF for gate/up (SILU), the plain products and o/down joins (JOIN) and q/k/v
+// with RoPE (ROPE): see the tuning knobs above.
 #ifndef TM_Q4_PF_SILU
 #define TM_Q4_PF_SILU 0
 #endif
@@ -572,17 +571,16 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
             }
     };
     auto loadx = [&](Buf& B, int j) { load_step_x(B.x, xp, j); };
-    // PF (TILED only): the weights of step j asked into L1 PF steps ahead of their register load
-    // (`prefetch.global.L1`, one per 16-byte chunk), so that more steps are in flight than the
-    // ring has registers for.
-    auto prefetch = [&](int j) {
-        if (!TILED || PF == 0 || j >= J) return;
-        const unsigned o = wo + 8192u * (unsigned)j;
+    auto prefetch = [&](int j) {  // PF: step j's weights into L1 (the addresses of loadw's TILED loads)
+        if constexpr (TILED && PF > 0) {
+            if (j >= J) return;
+            const unsigned o = wo + 8192u * (unsigned)j;
 #pragma unroll
-        for (int i = 0; i < NT; ++i)
+            for (int i = 0; i < NT; ++i)
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                asm volatile("prefetch.global.L1 [%0];" ::"l"(reinterpret_cast<const uint4*>(wb[i] + o) + 32 * h));
+                for (int h = 0; h < 2; ++h)
+                    asm volatile("prefetch.global.L1 [%0];" ::"l"(reinterpret_cast<const uint4*>(wb[i] + o) + 32 * h));
+        }
     };
 
     zero_acc<NT>(acc);
