@@ -18,7 +18,8 @@
 # $OUT/bandwidth.txt and $OUT/logs.tgz (every log). Environment: VARIANTS (default "base"),
 # ROUNDS (default 2), BF16=1 (also make the bf16 checkpoint and run it twice; ~16 GB, minutes),
 # GEMV_BENCH=path (a stripped q4_gemv_bench, run once per variant while the checkpoints are made),
-# OUTPUT_LEN (default 128; 512 tokens in).
+# OUTPUT_LEN (default 128; 512 tokens in), ROUND_DEADLINE_S (default 420: no AWQ round starts
+# after this many seconds of the script, so the bf16 runs still fit a 600-s call).
 set -u
 FINAL="${OUT:-target/gpu-logs}"
 LOGS=/tmp/b1ab
@@ -69,12 +70,17 @@ bench() {
     TM_KERNELS_DIR="$2" timeout 150 "$CLI" bench --model "$3" --backend cuda --dtype "$4" --num-prompts 3 \
         --concurrency 1 --input-len 512 --output-len "${OUTPUT_LEN:-128}" >"$log" 2>&1
     local rc=$?
-    echo "$1 exit $rc: $(grep -o 'a replay took [0-9.]* us' "$log" | tail -1)," \
+    echo "$1 (t=${SECONDS}s) exit $rc: $(grep -o 'a replay took [0-9.]* us' "$log" | tail -1)," \
         "$(grep -o '"output_tok_s": [0-9.]*' "$log"), $(grep -o '"tpot_ms_p50": [0-9.]*' "$log")" |
         tee -a "$LOGS/summary.txt"
 }
 wait $AWQ
+echo "awq checkpoint made at t=${SECONDS}s" >>"$LOGS/summary.txt"
 for r in $(seq 1 "${ROUNDS:-2}"); do
+    if [ "$r" -gt 1 ] && [ "$SECONDS" -gt "${ROUND_DEADLINE_S:-420}" ]; then
+        echo "round $r skipped: t=${SECONDS}s is past ROUND_DEADLINE_S" >>"$LOGS/summary.txt"
+        break
+    fi
     for v in $VARIANTS; do bench "awq-b1-$v-$r" "/tmp/b1ab-k-$v" /tmp/b1ab-awq f16; done
 done
 if [ -n "$BF" ]; then
