@@ -6,14 +6,14 @@
 # Here (no GPU):
 #   TM_BUNDLE_KERNELS=separate bash scripts/gpu_bundle.sh
 #   TM_VARIANT_MODULE=q4_gemv bash scripts/gpu_kernel_variants.sh target/variants 'base:' \
-#       'a1:-DTM_Q4_PF_SILU=1 -DTM_Q4_PF_JOIN=1 -DTM_Q4_PF_ROPE=1'
+#       'j3:-DTM_Q4_JOIN_TILED_U=3'
 # On the GPU machine (carry target/gpu-bundle and target/variants), from the repository root:
-#   VARIANTS="base a1" ROUNDS=3 BF16=1 OUT=dir bash scripts/gpu_b1_ab.sh
+#   VARIANTS="base j3" ROUNDS=3 BF16=1 OUT=dir bash scripts/gpu_b1_ab.sh
 #
 # Each variant's kernels are the bundle's kernels/ with target/variants/kernels-<name>/*.cubin laid
 # over them (the bundle's manifest.txt stays, so the binary keeps PDL on); `base` should be built
 # with no flags, so that every variant comes from the same compiler run. Rounds alternate the
-# variants (base a1 base a1 ...): clocks and the machine drift within a call. Writes
+# variants (base j3 base j3 ...): clocks and the machine drift within a call. Writes
 # $OUT/summary.txt (per run: the graph replay time of a decode step, output tok/s and TPOT p50),
 # $OUT/bandwidth.txt and $OUT/logs.tgz (every log). Environment: VARIANTS (default "base"),
 # ROUNDS (default 2), BF16=1 (also make the bf16 checkpoint and run it twice; ~16 GB, minutes),
@@ -71,7 +71,7 @@ bench() {
         --concurrency 1 --input-len 512 --output-len "${OUTPUT_LEN:-128}" >"$log" 2>&1
     local rc=$?
     echo "$1 (t=${SECONDS}s) exit $rc: $(grep -o 'a replay took [0-9.]* us' "$log" | tail -1)," \
-        "$(grep -o '"output_tok_s": [0-9.]*' "$log"), $(grep -o '"tpot_ms_p50": [0-9.]*' "$log")" |
+        "$(grep -o 'output throughput *[0-9.]* tok/s' "$log"), $(grep -o 'TPOT (ms) *p50 [0-9.]*' "$log")" |
         tee -a "$LOGS/summary.txt"
 }
 wait $AWQ

@@ -253,17 +253,16 @@
 //   engine (AWQ 8B b1 replay, `TM_GATE_UP_TILED_SCALES=0` against the default, five
 //   alternations in two calls): 1942.7-1949.7 us against 1951.9-1962.2, -10 us.
 //
-// Session 21 (2026-12-05; no GPU could be started all session, so nothing here is measured):
-// - Built for the next A/B: q4_gemv.cu's TM_Q4_PF_SILU / _JOIN / _ROPE (q4_tiles_lean's PF) ask the
-//   weights of the PF steps after the register ring into L1 (`prefetch.global.L1`, CCTL.E.PF1 in
-//   SASS; the first PF before the PDL wait). Why it might differ from what was tried: the per-warp
-//   L2 prefetch of session 18 (`PF` then, one line per lane, no gain for gate/up, down slower)
-//   still left each register load an L2 round trip, and deeper register rings cost occupancy
-//   (silu_lnt at U = 2 spills at three CTAs per SM); an L1 hit costs neither. At 1 the kernels
-//   keep their budgets unspilled (silu_lnts 80 registers, ln4t_join 128, lnt_rope 124; silu_lnt,
-//   which tiled-scale models no longer run, spills 16 B). With all three at 0 the cubin's SASS
-//   is byte-identical to the one before the knob. Run: scripts/gpu_b1_ab.sh (its header).
-// - The budget left for b1 (2.4x bf16's 4405 us replay = 1835 us, against 1942-1950 now): ~110 us
+// Session 21 (2026-12-05, no GPU) built and session 22 (2026-12-06, H100 80GB HBM3: the call
+// got an H100; engine only, AWQ 8B b1 replay, f16, scripts/gpu_b1_ab.sh, two alternations)
+// measured, then removed: q4_gemv.cu's TM_Q4_PF_SILU / _JOIN / _ROPE (q4_tiles_lean's PF: the
+// weights of the PF steps after the register ring asked into L1 with `prefetch.global.L1`, the
+// first PF before the PDL wait; 80 / 128 / 124 registers unspilled at 1). Base 2279.7 / 2277.9
+// us; all three at 1: 2393.1 / 2397.7; gate/up alone 2351.8 / 2351.8; o/down alone 2303.7 /
+// 2307.8. Like session 18's per-warp L2 prefetch, the extra requests cost more than the depth
+// they add. Same call: bf16 b1 replay 5696.2 us (2.50x the AWQ step on the H100), copy bandwidth
+// 3.022 TB/s (AWQ at 84.4% of its 1922 us roofline there).
+// - The budget left for b1 on the H200 (2.4x bf16's 4405 us replay = 1835 us, against 1942-1950 now): ~110 us
 //   per step, ~3.4 us per layer. Per layer now (sessions 13-18): gate/up ~21 us for 60.5 MB (14.3
 //   us at copy bandwidth), down ~12-14 for 30.2 MB (7.1), q/k/v ~6 for 6.3 MB (1.5), o ~5 for
 //   4.2 MB (1.0), attention ~8 in the chain for 2.5 MB of keys and values (0.6), i.e. ~26 us a

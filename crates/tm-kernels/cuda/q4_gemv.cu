@@ -72,11 +72,7 @@
 //
 // Tuning knobs (macros; scripts/gpu_kernel_variants.sh builds kernels with other values for an
 // A/B): TM_Q4_JOIN_TILED_U, the steps in flight of `ln4t_join` (2); TM_Q4_ROPE_TILED_U, of
-// `lnt_rope` (2); TM_Q4_PF_SILU, TM_Q4_PF_JOIN, TM_Q4_PF_ROPE (0: off, the shipped value), the
-// steps of tile-major weights that gate/up, the o/down products and q/k/v with RoPE ask into L1
-// ahead of their register ring (`prefetch.global.L1`: more bytes in flight per warp with no
-// registers; at 1 they still fit the 80 / 128 register budgets unspilled). Not yet measured:
-// session 21 got no GPU; scripts/gpu_b1_ab.sh runs that A/B.
+// `lnt_rope` (2).
 //
 // Requirements checked by the launcher: 1 <= n <= 8, cols % 32 == 0, group % 32 == 0,
 // cols % group == 0, packed weights and x 16-byte aligned, scales and mins 2-byte aligned.
@@ -88,17 +84,6 @@
 #endif
 #ifndef TM_Q4_ROPE_TILED_U
 #define TM_Q4_ROPE_TILED_U 2
-#endif
-// `q4_tiles_lean`'s PF for gate/up (SILU), the plain products and o/down joins (JOIN) and q/k/v
-// with RoPE (ROPE): see the tuning knobs above.
-#ifndef TM_Q4_PF_SILU
-#define TM_Q4_PF_SILU 0
-#endif
-#ifndef TM_Q4_PF_JOIN
-#define TM_Q4_PF_JOIN 0
-#endif
-#ifndef TM_Q4_PF_ROPE
-#define TM_Q4_PF_ROPE 0
 #endif
 namespace tmq4 {
 
@@ -484,9 +469,7 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
 // 16 lane and 512 + 16 lane, so a warp's step reads 1 KiB in two fully used 512-byte loads instead
 // of 64 bytes from each of 16 rows (the tile is then rows row0 .. row0 + 15: gs = 1, hs = 8).
 // SMI (with TILED): the scales and mins come from `Tile::smi` instead of `scales` and `mins`.
-// PF (with TILED): the weights of the PF steps after the ring's are asked into L1 (the first PF
-// before `wait()`, then one step per step computed), so that their register loads hit L1.
-template <class T, int U, int NT, bool XPRE, bool TILED = false, int SMI = 0, int PF = 0, class Wait>
+template <class T, int U, int NT, bool XPRE, bool TILED = false, int SMI = 0, class Wait>
 __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __restrict__ x, int n, int cols,
                                               float acc[NT][4], Wait wait) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -571,17 +554,6 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
             }
     };
     auto loadx = [&](Buf& B, int j) { load_step_x(B.x, xp, j); };
-    auto prefetch = [&](int j) {  // PF: step j's weights into L1 (the addresses of loadw's TILED loads)
-        if constexpr (TILED && PF > 0) {
-            if (j >= J) return;
-            const unsigned o = wo + 8192u * (unsigned)j;
-#pragma unroll
-            for (int i = 0; i < NT; ++i)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    asm volatile("prefetch.global.L1 [%0];" ::"l"(reinterpret_cast<const uint4*>(wb[i] + o) + 32 * h));
-        }
-    };
 
     zero_acc<NT>(acc);
 
@@ -589,8 +561,6 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
 #pragma unroll
     for (int u = 0; u < U; ++u)
         if (u < J) loadw(buf[u], u);
-#pragma unroll
-    for (int d = 0; d < PF; ++d) prefetch(U + d);
     wait();
     if (XPRE) {
 #pragma unroll
@@ -603,7 +573,6 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
             const int j = j0 + u;
             if (j >= J) break;  // the whole warp
             if (!XPRE) loadx(buf[u], j);
-            prefetch(j + U + PF);
             step_math_lean<T, NT>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc);
             if (j + U < J) {
                 loadw(buf[u], j + U);
@@ -739,7 +708,7 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
     for (int i = 0; i < NT; ++i) tiles[i] = Tile{s.packed, s.scales, s.mins, cta * ROWS + 16 * i, s.rows};
     float acc[NT][4];
     if constexpr (PATH == LEAN_TILED)
-        q4_tiles_lean<T, U, NT, NT == 2, true, 0, TM_Q4_PF_JOIN>(tiles, x, n, cols, acc, wait);
+        q4_tiles_lean<T, U, NT, NT == 2, true>(tiles, x, n, cols, acc, wait);
     else if constexpr (PATH == LEAN)
         q4_tiles_lean<T, U, NT, NT == 2>(tiles, x, n, cols, acc, wait);
     else
@@ -767,7 +736,7 @@ __device__ __forceinline__ void q4_gemv_join(const T* __restrict__ x, int n, int
     const Tile tile{s.packed, s.scales, s.mins, (int)blockIdx.x * 16, s.rows};
     float acc[1][4];
     if constexpr (PATH == LEAN_TILED)
-        q4_tiles_lean<T, U, 1, false, true, 0, TM_Q4_PF_JOIN>(&tile, x, n, cols, acc, wait);
+        q4_tiles_lean<T, U, 1, false, true>(&tile, x, n, cols, acc, wait);
     else if constexpr (PATH == LEAN)
         q4_tiles_lean<T, U, 1, false>(&tile, x, n, cols, acc, wait);
     else
@@ -817,9 +786,9 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
                            Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[2][4];
     if constexpr (PATH == LEAN_TILED_TS)
-        q4_tiles_lean<T, U, 2, XPRE, true, 2, TM_Q4_PF_SILU>(tiles, x, n, cols, acc, wait_sum);
+        q4_tiles_lean<T, U, 2, XPRE, true, 2>(tiles, x, n, cols, acc, wait_sum);
     else if constexpr (PATH == LEAN_TILED)
-        q4_tiles_lean<T, U, 2, XPRE, true, 0, TM_Q4_PF_SILU>(tiles, x, n, cols, acc, wait_sum);
+        q4_tiles_lean<T, U, 2, XPRE, true>(tiles, x, n, cols, acc, wait_sum);
     else if constexpr (PATH == LEAN)
         q4_tiles_lean<T, U, 2, XPRE>(tiles, x, n, cols, acc, wait_sum);
     else
@@ -969,7 +938,7 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     const int row_b = si < 2 ? row_a + (D >> 1) : row_a + 16;
     const Tile tiles[2] = {Tile{s.packed, s.scales, s.mins, row_a, s.rows}, Tile{s.packed, s.scales, s.mins, row_b, s.rows}};
     float acc[2][4];
-    q4_tiles_lean<T, TM_Q4_ROPE_TILED_U, 2, false, true, 0, TM_Q4_PF_ROPE>(tiles, x, n, cols, acc, wait_sum);
+    q4_tiles_lean<T, TM_Q4_ROPE_TILED_U, 2, false, true>(tiles, x, n, cols, acc, wait_sum);
     trigger_after_loop();
     const float v = reduce_warps<2>(acc) * norm_scale(ns, nsum);
     // Thread tid holds fragment element e = tid / 32 (tile e / 4) of lane tid % 32: row g + 8 (e / 2
