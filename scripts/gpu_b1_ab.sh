@@ -18,8 +18,11 @@
 # $OUT/bandwidth.txt and $OUT/logs.tgz (every log). Environment: VARIANTS (default "base"),
 # ROUNDS (default 2), BF16=1 (also make the bf16 checkpoint and run it twice; ~16 GB, minutes),
 # GEMV_BENCH=path (a stripped q4_gemv_bench, run once per variant while the checkpoints are made),
-# OUTPUT_LEN (default 128; 512 tokens in), ROUND_DEADLINE_S (default 420: no AWQ round starts
-# after this many seconds of the script, so the bf16 runs still fit a 600-s call).
+# GEMM_BENCH=path (a stripped q4_gemm_bench: prefill products against cuBLAS, run once, also
+# while the checkpoints are made), C64=1 (after the batch-1 runs, the base kernels and bf16 at
+# concurrency 64, 512 in / 256 out), OUTPUT_LEN (default 128; 512 tokens in), ROUND_DEADLINE_S
+# (default 420: no AWQ round starts after this many seconds of the script, so the bf16 runs still
+# fit a 600-s call).
 set -u
 FINAL="${OUT:-target/gpu-logs}"
 LOGS=/tmp/b1ab
@@ -62,13 +65,19 @@ for v in $VARIANTS; do
         echo "q4_gemv_bench $v: exit $?" >>"$LOGS/summary.txt"
     fi
 done
+if [ -n "${GEMM_BENCH:-}" ]; then
+    TM_KERNELS_DIR=/tmp/b1ab-k-base timeout 150 "$GEMM_BENCH" --dtype both --m 512,2048,8192 >"$LOGS/gemm.txt" 2>&1
+    echo "q4_gemm_bench: exit $? (t=${SECONDS}s)" >>"$LOGS/summary.txt"
+fi
 
 export RUST_LOG=info
-# bench NAME KERNELS MODEL DTYPE: batch-1 decode, 3 prompts of 512 tokens.
+SHAPE_B1="--num-prompts 3 --concurrency 1 --input-len 512 --output-len ${OUTPUT_LEN:-128}"
+SHAPE_C64="--num-prompts 64 --concurrency 64 --input-len 512 --output-len 256"
+# bench NAME KERNELS MODEL DTYPE [SHAPE]: batch-1 decode of 3 prompts of 512 tokens, or SHAPE.
 bench() {
     local log="$LOGS/$1.txt"
-    TM_KERNELS_DIR="$2" timeout 150 "$CLI" bench --model "$3" --backend cuda --dtype "$4" --num-prompts 3 \
-        --concurrency 1 --input-len 512 --output-len "${OUTPUT_LEN:-128}" >"$log" 2>&1
+    # shellcheck disable=SC2086 # the shape is a list of arguments
+    TM_KERNELS_DIR="$2" timeout 150 "$CLI" bench --model "$3" --backend cuda --dtype "$4" ${5:-$SHAPE_B1} >"$log" 2>&1
     local rc=$?
     echo "$1 (t=${SECONDS}s) exit $rc: $(grep -o 'a replay took [0-9.]* us' "$log" | tail -1)," \
         "$(grep -o 'output throughput *[0-9.]* tok/s' "$log"), $(grep -o 'TPOT (ms) *p50 [0-9.]*' "$log")" |
@@ -86,4 +95,8 @@ done
 if [ -n "$BF" ]; then
     wait "$BF"
     for r in 1 2; do bench "bf16-b1-$r" /tmp/b1ab-k-base /tmp/b1ab-bf16 bf16; done
+fi
+if [ "${C64:-0}" = 1 ]; then
+    bench awq-c64 /tmp/b1ab-k-base /tmp/b1ab-awq f16 "$SHAPE_C64"
+    if [ -n "$BF" ]; then bench bf16-c64 /tmp/b1ab-k-base /tmp/b1ab-bf16 bf16 "$SHAPE_C64"; fi
 fi
