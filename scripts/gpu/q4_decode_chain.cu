@@ -262,6 +262,11 @@
 // 2307.8. Like session 18's per-warp L2 prefetch, the extra requests cost more than the depth
 // they add. Same call: bf16 b1 replay 5696.2 us (2.50x the AWQ step on the H100), copy bandwidth
 // 3.022 TB/s (AWQ at 84.4% of its 1922 us roofline there).
+// - Session 22, second call (same H100 kind, 3.005 TB/s): a layer's o with every weight step in its
+//   ring before the PDL wait (`ln4t_join` at U = 4 where cols <= 1024 U, down still at 2; a knob
+//   TM_Q4_JOIN_SHORT_U, removed after): 2300.2 / 2301.8 us against 2278.4 / 2279.1; at U = 3
+//   2279.0 / 2281.4. So the o weights still missing after the wait are not on the critical path
+//   (their refills overlap the first steps' math), and the extra loads during attention cost.
 // - The budget left for b1 on the H200 (2.4x bf16's 4405 us replay = 1835 us, against 1942-1950 now): ~110 us
 //   per step, ~3.4 us per layer. Per layer now (sessions 13-18): gate/up ~21 us for 60.5 MB (14.3
 //   us at copy bandwidth), down ~12-14 for 30.2 MB (7.1), q/k/v ~6 for 6.3 MB (1.5), o ~5 for

@@ -85,11 +85,6 @@
 #ifndef TM_Q4_ROPE_TILED_U
 #define TM_Q4_ROPE_TILED_U 2
 #endif
-// Experiment (session 22): `ln4t_join`'s steps in flight for products whose K fits the ring
-// (cols <= 1024 U: a layer's o at U = 4, every weight step issued before the PDL wait).
-#ifndef TM_Q4_JOIN_SHORT_U
-#define TM_Q4_JOIN_SHORT_U TM_Q4_JOIN_TILED_U
-#endif
 namespace tmq4 {
 
 using tmk::i64;
@@ -1009,22 +1004,6 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
         const tmq4::Slot<T> s = {normed, w, sc, mn, nullptr, rows};                                                     \
         tmq4::q4_gemv_join<T, U, tmq4::PATH>(x, n, cols, group, s, resid, gamma, sums, [] { tmk::pdl_wait(); });        \
     }
-// `ln4t_join`: TM_Q4_JOIN_TILED_U steps in flight, or TM_Q4_JOIN_SHORT_U where the ring holds all of K.
-#define TM_Q4_GEMV_JOIN_TILED(NAME, T)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(tmq4::THREADS, 2)                                                      \
-        NAME(const T* __restrict__ x, int n, int cols, int group, const unsigned char* w, const __half* sc,             \
-             const __half* mn, int rows, T* resid, T* normed, const T* gamma, double* sums) {                           \
-        tmk::pdl_launch_dependents();                                                                                   \
-        const tmq4::Slot<T> s = {normed, w, sc, mn, nullptr, rows};                                                     \
-        if constexpr (TM_Q4_JOIN_SHORT_U != TM_Q4_JOIN_TILED_U)                                                         \
-            if (cols <= 1024 * TM_Q4_JOIN_SHORT_U) {                                                                    \
-                tmq4::q4_gemv_join<T, TM_Q4_JOIN_SHORT_U, tmq4::LEAN_TILED>(x, n, cols, group, s, resid, gamma, sums,    \
-                                                                            [] { tmk::pdl_wait(); });                   \
-                return;                                                                                                 \
-            }                                                                                                           \
-        tmq4::q4_gemv_join<T, TM_Q4_JOIN_TILED_U, tmq4::LEAN_TILED>(x, n, cols, group, s, resid, gamma, sums,            \
-                                                                    [] { tmk::pdl_wait(); });                           \
-    }
 #define TM_Q4_GEMV_SILU(NAME, T, U, MIN_CTAS, PATH) TM_Q4_GEMV_SILU_X(NAME, T, U, MIN_CTAS, PATH, (U > 2))
 // q/k/v with RoPE and the KV-cache write (`q4_gemv_rope`): the plain parameters (without
 // `accumulate`), then the caches, positions, slots, inv_freq, attention_factor, head_dim and
@@ -1062,7 +1041,7 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     TM_Q4_GEMV_JOIN(q4_gemv_ln_join_##SUF, T, 2, 2, LEAN)                                                               \
     TM_Q4_GEMV_JOIN(q4_gemv_ln4_join_##SUF, T, 4, 2, LEAN)                                                              \
     TM_Q4_GEMV_JOIN(q4_gemv_lnt_join_##SUF, T, 2, 2, LEAN_TILED)                                                        \
-    TM_Q4_GEMV_JOIN_TILED(q4_gemv_ln4t_join_##SUF, T)
+    TM_Q4_GEMV_JOIN(q4_gemv_ln4t_join_##SUF, T, TM_Q4_JOIN_TILED_U, 2, LEAN_TILED)
 
 TM_Q4_GEMV(f16, __half)
 TM_Q4_GEMV(bf16, __nv_bfloat16)
