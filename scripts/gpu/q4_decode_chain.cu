@@ -274,6 +274,14 @@
 //   layer above the weights' stream, most of it the latency of the three small kernels (each a
 //   PDL hop, an x load from L2 and a reduction) and gate/up's issue-bound loop (its weights
 //   served from L2 made it only 3-5% faster).
+// - What the H100 adds (session 22): the same binary and kernels reach 2.50x bf16 there (AWQ 2278
+//   us, 84% of its 1922 us roofline at 3.0 TB/s; bf16 5697 us, 93%). Scaled by bandwidth alone the
+//   H100's step would be 2278 x 3.005 / 4.238 = 1615 us on the H200; it is 1947. The products
+//   whose loops run at ~2.6-2.9 TB/s (gate/up 2.85, down 2.62 in `iso`) are near the H100's copy
+//   bandwidth but far below the H200's, so on the H200 the gap is mostly their instruction-bound
+//   rate (about 6.7 + 5 us a layer), not the small kernels' latency (which the H100 pays too).
+//   The lever is the lean loop's work per weight byte or its latency hiding at ~1.6 IPC, in
+//   gate/up and down; each past attempt at that is listed above (sessions 13, 14, 18, 21).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
