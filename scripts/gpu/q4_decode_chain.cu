@@ -271,9 +271,9 @@
 //   per step, ~3.4 us per layer. Per layer now (sessions 13-18): gate/up ~21 us for 60.5 MB (14.3
 //   us at copy bandwidth), down ~12-14 for 30.2 MB (7.1), q/k/v ~6 for 6.3 MB (1.5), o ~5 for
 //   4.2 MB (1.0), attention ~8 in the chain for 2.5 MB of keys and values (0.6), i.e. ~26 us a
-//   layer above the weights' stream, most of it the latency of the three small kernels (each a
-//   PDL hop, an x load from L2 and a reduction) and gate/up's issue-bound loop (its weights
-//   served from L2 made it only 3-5% faster).
+//   layer above the weights' stream: the small kernels' latency (each a PDL hop, an x load from
+//   L2 and a reduction) and gate/up's and down's issue-bound loops (gate/up's weights served from
+//   L2 made it only 3-5% faster); the next entry says which of the two the H200's gap is.
 // - What the H100 adds (session 22): the same binary and kernels reach 2.50x bf16 there (AWQ 2278
 //   us, 84% of its 1922 us roofline at 3.0 TB/s; bf16 5697 us, 93%). Scaled by bandwidth alone the
 //   H100's step would be 2278 x 3.005 / 4.238 = 1615 us on the H200; it is 1947. The products
@@ -281,7 +281,7 @@
 //   bandwidth but far below the H200's, so on the H200 the gap is mostly their instruction-bound
 //   rate (about 6.7 + 5 us a layer), not the small kernels' latency (which the H100 pays too).
 //   The lever is the lean loop's work per weight byte or its latency hiding at ~1.6 IPC, in
-//   gate/up and down; each past attempt at that is listed above (sessions 13, 14, 18, 21).
+//   gate/up and down; each past attempt at that is listed above (sessions 13, 14, 18, 21-22).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
