@@ -17,7 +17,8 @@
 # $OUT/summary.txt (per run: the graph replay time of a decode step, output tok/s and TPOT p50),
 # $OUT/bandwidth.txt and $OUT/logs.tgz (every log). Environment: VARIANTS (default "base"),
 # ROUNDS (default 2), BF16=1 (also make the bf16 checkpoint and run it twice; ~16 GB, minutes),
-# GEMV_BENCH=path (a stripped q4_gemv_bench, run once per variant while the checkpoints are made),
+# GEMV_BENCH=path (a stripped q4_gemv_bench, run once per variant while the checkpoints are made,
+# with GEMV_ARGS, e.g. "--variants ln --iters 100", after --dtype f16),
 # GEMM_BENCH=path (a stripped q4_gemm_bench: prefill products against cuBLAS, run once, also
 # while the checkpoints are made), C64=1 (after the batch-1 runs, the base kernels and bf16 at
 # concurrency 64, 512 in / 256 out), OUTPUT_LEN (default 128; 512 tokens in), ROUND_DEADLINE_S
@@ -61,7 +62,8 @@ for v in $VARIANTS; do
         exit 1
     fi
     if [ -n "${GEMV_BENCH:-}" ]; then
-        TM_KERNELS_DIR="/tmp/b1ab-k-$v" timeout 90 "$GEMV_BENCH" --dtype f16 >"$LOGS/gemv-$v.txt" 2>&1
+        # shellcheck disable=SC2086 # GEMV_ARGS is a list of arguments
+        TM_KERNELS_DIR="/tmp/b1ab-k-$v" timeout 90 "$GEMV_BENCH" --dtype f16 ${GEMV_ARGS:-} >"$LOGS/gemv-$v.txt" 2>&1
         echo "q4_gemv_bench $v: exit $?" >>"$LOGS/summary.txt"
     fi
 done

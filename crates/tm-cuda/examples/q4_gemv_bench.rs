@@ -13,7 +13,8 @@
 //! stay in L2. No assertions; without a CUDA device it says so and exits successfully.
 //!
 //! What is timed (CUDA events around `--iters` calls, after warm-up):
-//! - `ops`: what the model calls (`Ops::matmul_many`, `Ops::gate_up_silu`: the tensor-core
+//! - `ops`: what the model calls (`Ops::matmul_many`, `Ops::gate_up_silu`, the gate and up
+//!   weights passed through `Ops::prepare_gate_up` first as the loader does: the tensor-core
 //!   `q4_gemv.cu` kernels with the automatic variant unless `TM_Q4_GEMV=0`), launched one by one
 //!   from the host;
 //! - `u2`, `n16`, `ln`, `ln4` (`n16`: plain products only; the lean `ln`, `ln4` where the shape
@@ -246,9 +247,17 @@ fn bench(o: &Opts) -> Result<(), String> {
         let dims = shape.weights();
         let set_bytes: usize = dims.iter().map(|&(r, c)| r * c / 2 + 2 * 2 * r * (c / o.group)).sum();
         let copies = CYCLE_BYTES.div_ceil(set_bytes).max(2);
-        let sets: Vec<Vec<Weight>> = (0..copies)
+        let mut sets: Vec<Vec<Weight>> = (0..copies)
             .map(|_| dims.iter().map(|&(r, c)| random_q4(ops, &mut rng, r, c, o.group)).collect())
             .collect::<Result<_, String>>()?;
+        if matches!(shape, Shape::GateUp) {
+            // As the model loader does: the layout the backend's gate/up kernel reads fastest.
+            for set in &mut sets {
+                if let [gate, up] = &mut set[..] {
+                    ops.prepare_gate_up(gate, up).map_err(e)?;
+                }
+            }
+        }
         let cols = dims[0].1;
         for n in [1usize, 4, 8] {
             let x = activations(ops, &mut rng, o.dtype, n, cols).map_err(e)?;
