@@ -282,6 +282,25 @@
 //   rate (about 6.7 + 5 us a layer), not the small kernels' latency (which the H100 pays too).
 //   The lever is the lean loop's work per weight byte or its latency hiding at ~1.6 IPC, in
 //   gate/up and down; each past attempt at that is listed above (sessions 13, 14, 18, 21-22).
+//
+// Session 23 (2026-12-06; engine only, AWQ 8B b1 replay, f16, scripts/gpu_b1_ab.sh, three
+// alternations; every knob built with gpu_kernel_variants.sh, then removed):
+// - H200 (copy bandwidth 4.282 TB/s): base 1957.0 / 1955.7 / 1952.5 us, bf16 4440.8 / 4440.6 in
+//   the same call: 2.27x, 69.5% of the 1356.7 us roofline. The lean loop of a 4096-column
+//   product (J = 4 steps per warp) unrolled whole, so that each refill and its use share one
+//   basic block and ptxas may issue the refills early (`TM_Q4_UNROLL_J=4`: gate/up, q/k/v and o;
+//   silu_lnts then spills 64 B): 2065.1 / 2063.3 / 2060.8; with down's J = 14 unrolled too: 2212.7
+//   -2221.7; uj4 with silu_lnts at two CTAs per SM (128 registers, 48 B spilled): 2049.1-2049.4;
+//   silu_lnts at U = 2 and two CTAs per SM without the unroll (128 registers, no spills):
+//   2075.2-2081.3. q4_gemv_bench's gate/up (silu_lnt's loop) in a graph: 20.4 us base, 23.4
+//   unrolled. ptxas hoists the unrolled refills as far as registers allow and spills for them;
+//   the rolled loop, which issues each refill only after the step's epilogue, is faster.
+// - Predicated refills (one basic block without the unroll: the loop's `if (j + U < J)` as
+//   predicated inline-asm loads, with the step's math reordered tile by tile so that registers
+//   free early; not measured): ptxas still sinks every refill below the step's last HMMA and
+//   FFMA (a load whose consumer is in the next iteration has no critical path in this one), and
+//   the reordered step spills 24-56 B at 80 registers. Only scheduling across the back edge
+//   (the unroll above) moves them, and that lost.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
