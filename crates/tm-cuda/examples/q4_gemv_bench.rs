@@ -13,8 +13,8 @@
 //! stay in L2. No assertions; without a CUDA device it says so and exits successfully.
 //!
 //! What is timed (CUDA events around `--iters` calls, after warm-up):
-//! - `ops`: what the model calls (`Ops::matmul_many`, `Ops::gate_up_silu`, the gate and up
-//!   weights passed through `Ops::prepare_gate_up` first as the loader does: the tensor-core
+//! - `ops`: what the model calls (`Ops::matmul_many`, `Ops::gate_up_silu`, the latter on gate
+//!   and up weights passed through `Ops::prepare_gate_up` as the loader does: the tensor-core
 //!   `q4_gemv.cu` kernels with the automatic variant unless `TM_Q4_GEMV=0`), launched one by one
 //!   from the host;
 //! - `u2`, `n16`, `ln`, `ln4` (`n16`: plain products only; the lean `ln`, `ln4` where the shape
@@ -247,17 +247,26 @@ fn bench(o: &Opts) -> Result<(), String> {
         let dims = shape.weights();
         let set_bytes: usize = dims.iter().map(|&(r, c)| r * c / 2 + 2 * 2 * r * (c / o.group)).sum();
         let copies = CYCLE_BYTES.div_ceil(set_bytes).max(2);
-        let mut sets: Vec<Vec<Weight>> = (0..copies)
-            .map(|_| dims.iter().map(|&(r, c)| random_q4(ops, &mut rng, r, c, o.group)).collect())
-            .collect::<Result<_, String>>()?;
-        if matches!(shape, Shape::GateUp) {
-            // As the model loader does: the layout the backend's gate/up kernel reads fastest.
-            for set in &mut sets {
-                if let [gate, up] = &mut set[..] {
-                    ops.prepare_gate_up(gate, up).map_err(e)?;
+        let mut make_sets = || -> Result<Vec<Vec<Weight>>, String> {
+            (0..copies).map(|_| dims.iter().map(|&(r, c)| random_q4(ops, &mut rng, r, c, o.group)).collect()).collect()
+        };
+        let sets = make_sets()?;
+        // `ops` times gate/up as the model loader leaves it: a second set of weights passed through
+        // `prepare_gate_up` (tile-ordered scales on CUDA, which only `silu_lnts` reads: on them
+        // every variant below would time that one kernel).
+        let prepared = match shape {
+            Shape::GateUp => {
+                let mut p = make_sets()?;
+                for set in &mut p {
+                    if let [gate, up] = &mut set[..] {
+                        ops.prepare_gate_up(gate, up).map_err(e)?;
+                    }
                 }
+                Some(p)
             }
-        }
+            _ => None,
+        };
+        let op_sets = prepared.as_ref().unwrap_or(&sets);
         let cols = dims[0].1;
         for n in [1usize, 4, 8] {
             let x = activations(ops, &mut rng, o.dtype, n, cols).map_err(e)?;
@@ -268,7 +277,7 @@ fn bench(o: &Opts) -> Result<(), String> {
                 .map_err(e)?;
             let mut act = ops.zeros(TensorDesc::new(o.dtype, &[n, dims[0].0]), "bench").map_err(e)?;
             let ops_ms = common::time_ms(&b, o.iters, |i| {
-                let set = &sets[i % copies];
+                let set = &op_sets[i % copies];
                 match shape {
                     Shape::GateUp => {
                         let (g, u) = outs.split_at_mut(1);
