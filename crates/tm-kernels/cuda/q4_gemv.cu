@@ -72,7 +72,7 @@
 //
 // Tuning knobs (macros; scripts/gpu_kernel_variants.sh builds kernels with other values for an
 // A/B): TM_Q4_JOIN_TILED_U, the steps in flight of `ln4t_join` (2); TM_Q4_ROPE_TILED_U, of
-// `lnt_rope` (2).
+// `lnt_rope` (2); TM_Q4_ABLATE_* (below), timing-only ablations of the lean step.
 //
 // Requirements checked by the launcher: 1 <= n <= 8, cols % 32 == 0, group % 32 == 0,
 // cols % group == 0, packed weights and x 16-byte aligned, scales and mins 2-byte aligned.
@@ -84,6 +84,20 @@
 #endif
 #ifndef TM_Q4_ROPE_TILED_U
 #define TM_Q4_ROPE_TILED_U 2
+#endif
+// Ablations of `step_math_lean`, for timing only (the sums are wrong): TM_Q4_ABLATE_XSUM drops the
+// ones-mma (X = 0: 8 of a gate/up step's 24 HMMAs), TM_Q4_ABLATE_RAW the nibble extraction (the
+// packed words go to the mma as they are: 112 of its 252 SASS instructions), TM_Q4_ABLATE_EPI the
+// per-step scale and min (acc += t; the scale and min loads then go too). Measured in
+// scripts/gpu/q4_decode_chain.cu's header (session 23); build them with gpu_kernel_variants.sh.
+#ifndef TM_Q4_ABLATE_XSUM
+#define TM_Q4_ABLATE_XSUM 0
+#endif
+#ifndef TM_Q4_ABLATE_RAW
+#define TM_Q4_ABLATE_RAW 0
+#endif
+#ifndef TM_Q4_ABLATE_EPI
+#define TM_Q4_ABLATE_EPI 0
 #endif
 namespace tmq4 {
 
@@ -260,13 +274,20 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         const XPairs x = x_pairs(xv, k);
-        mma(xs, ones, x.l02, x.l13, T());
-        mma(xs, ones, x.h02, x.h13, T());
+        if (!TM_Q4_ABLATE_XSUM) {
+            mma(xs, ones, x.l02, x.l13, T());
+            mma(xs, ones, x.h02, x.h13, T());
+        }
 #pragma unroll
         for (int i = 0; i < NT; ++i) {
             unsigned pl[4], ph[4];  // rows g and g + 8
-            raw4<T>(word_of(w[i][0], k), pl);
-            raw4<T>(word_of(w[i][1], k), ph);
+            if (TM_Q4_ABLATE_RAW) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) pl[e] = word_of(w[i][0], k), ph[e] = word_of(w[i][1], k);
+            } else {
+                raw4<T>(word_of(w[i][0], k), pl);
+                raw4<T>(word_of(w[i][1], k), ph);
+            }
             const unsigned alo[4] = {pl[0], ph[0], pl[1], ph[1]};
             const unsigned ahi[4] = {pl[2], ph[2], pl[3], ph[3]};
             mma(t[i], alo, x.l02, x.l13, T());
@@ -280,7 +301,8 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
             const float sf = __half2float(sh[i][h]);
             const float mf = fmaf(-Raw4<T>::OFF, sf, __half2float(mh[i][h]));
 #pragma unroll
-            for (int e = 2 * h; e < 2 * h + 2; ++e) acc[i][e] = fmaf(sf, t[i][e], fmaf(mf, xs[e], acc[i][e]));
+            for (int e = 2 * h; e < 2 * h + 2; ++e)
+                acc[i][e] = TM_Q4_ABLATE_EPI ? acc[i][e] + t[i][e] : fmaf(sf, t[i][e], fmaf(mf, xs[e], acc[i][e]));
         }
     }
 }
