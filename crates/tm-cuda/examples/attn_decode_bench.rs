@@ -15,7 +15,7 @@
 //! Each line gives the split count, the merge (`fused`, `launch`: the two-kernel path, or `-`
 //! with one split), the time per call, the KV-cache bytes read per second (K and V of every
 //! sequence's context; Q, the output and the metadata are not counted) and that as a fraction of
-//! the H200's measured copy bandwidth (4.275 TB/s). `--combine both` (the default) times a split
+//! the device-to-device copy bandwidth, measured first on the same GPU. `--combine both` (the default) times a split
 //! batch both ways. The blocks of the sequences are scattered through the cache (a shuffled block
 //! table), as in a serving engine. No assertions (the conformance tests check the results);
 //! without a CUDA device it says so and exits successfully.
@@ -24,12 +24,11 @@ mod common;
 
 use std::process::ExitCode;
 
-use common::{Rng, COPY_BW};
+use common::Rng;
 
 use tm_core::{DType, Ops, Tensor, TensorDesc};
 use tm_cuda::kernels::attention::{self, AttentionBatch, AttentionShape};
 
-/// The H200's measured device-to-device copy bandwidth, bytes/s.
 /// Query heads, KV heads, head size and tokens per block of the benchmarked layer.
 const HEADS: usize = 32;
 const KV_HEADS: usize = 8;
@@ -127,22 +126,23 @@ fn i32_bytes(v: impl IntoIterator<Item = usize>) -> Vec<u8> {
 
 fn bench(o: &Opts) -> Result<(), String> {
     let b = common::open_backend(o.dtype)?;
+    let copy_bw = common::copy_bandwidth(&b)?;
     println!(
         "decode attention, {} activations: {HEADS} heads ({KV_HEADS} KV heads), head_dim {HEAD_DIM}, block {BLOCK}, \
          {} iterations; GB/s of K + V bytes read, % of {:.3} TB/s",
         o.dtype,
         o.iters,
-        COPY_BW / 1e12
+        copy_bw / 1e12
     );
     for &(seqs, ctx) in &o.cases {
-        bench_batch(&b, o, seqs, ctx)?;
+        bench_batch(&b, o, seqs, ctx, copy_bw)?;
     }
     attention::set_fused_combine(None);
     Ok(())
 }
 
 /// Times one batch of `seqs` sequences with `ctx` tokens of context each.
-fn bench_batch(b: &tm_cuda::CudaBackend, o: &Opts, seqs: usize, ctx: usize) -> Result<(), String> {
+fn bench_batch(b: &tm_cuda::CudaBackend, o: &Opts, seqs: usize, ctx: usize, copy_bw: f64) -> Result<(), String> {
     let ops: &dyn Ops = b;
     let mut rng = Rng::new(0xA77E_D0C0);
 
@@ -230,7 +230,7 @@ fn bench_batch(b: &tm_cuda::CudaBackend, o: &Opts, seqs: usize, ctx: usize) -> R
                 kv.to_string(),
                 ms * 1e3,
                 bw / 1e9,
-                100.0 * bw / COPY_BW
+                100.0 * bw / copy_bw
             );
         }
     }

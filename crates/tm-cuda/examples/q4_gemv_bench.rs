@@ -8,8 +8,8 @@
 //! ```
 //!
 //! Each line gives the time per call, the weight bytes streamed per second (packed nibbles +
-//! scales + mins; activations are not counted) and that as a fraction of the H200's measured copy
-//! bandwidth (4.275 TB/s). Enough copies of each weight set are cycled through that they do not
+//! scales + mins; activations are not counted) and that as a fraction of the device-to-device copy
+//! bandwidth, measured first on the same GPU (`common::copy_bandwidth`). Enough copies of each weight set are cycled through that they do not
 //! stay in L2. No assertions; without a CUDA device it says so and exits successfully.
 //!
 //! What is timed (CUDA events around `--iters` calls, after warm-up):
@@ -39,7 +39,7 @@ mod common;
 
 use std::process::ExitCode;
 
-use common::{Rng, COPY_BW};
+use common::Rng;
 
 use cudarc::driver::sys;
 use tm_core::quant::Weight;
@@ -232,6 +232,7 @@ impl Shape {
 
 fn bench(o: &Opts) -> Result<(), String> {
     let b = common::open_backend(o.dtype)?;
+    let copy_bw = common::copy_bandwidth(&b)?;
     let ops: &dyn Ops = &b;
     let mut rng = Rng::new(0x51_0E_6E_4D);
     println!(
@@ -240,7 +241,7 @@ fn bench(o: &Opts) -> Result<(), String> {
         o.dtype,
         o.group,
         o.iters,
-        COPY_BW / 1e12
+        copy_bw / 1e12
     );
     let e = |e: tm_core::Error| e.to_string();
     for shape in [Shape::Qkv, Shape::O, Shape::GateUp, Shape::Down] {
@@ -377,7 +378,7 @@ fn bench(o: &Opts) -> Result<(), String> {
                     shape.name(),
                     ms * 1e3,
                     gbs,
-                    100.0 * gbs * 1e9 / COPY_BW
+                    100.0 * gbs * 1e9 / copy_bw
                 );
             }
         }

@@ -10,9 +10,17 @@ pub use tm_core::sampling::Rng;
 use tm_core::DType;
 use tm_cuda::{CudaBackend, CudaOptions};
 
-/// Device-to-device copy bandwidth measured on the H200, bytes/s: the roofline the examples
-/// report against.
-pub const COPY_BW: f64 = 4.275e12;
+/// Device-to-device copy bandwidth of the backend's GPU, bytes/s, counting the bytes read and the
+/// bytes written (as `scripts/gpu/copy_bandwidth.py` does): the roofline the examples report
+/// against, measured when they start so that their fractions hold on whichever card runs them
+/// (4.28 TB/s on the H200s here, 3.02 on the H100s). One GiB copied, 20 times after warm-up.
+pub fn copy_bandwidth(b: &CudaBackend) -> Result<f64, String> {
+    use tm_core::{Ops, TensorDesc};
+    const CHUNK: usize = 1 << 30;
+    let mut t = b.zeros(TensorDesc::new(DType::U8, &[2 * CHUNK]), "copy bandwidth").map_err(|e| e.to_string())?;
+    let ms = time_ms(b, 20, |_| b.copy_chunks(&mut t, CHUNK, &[(0, 1)]))?;
+    Ok(2.0 * CHUNK as f64 / (ms * 1e-3))
+}
 
 /// GPU 0 with activations `dtype`, no memory cap and no CUDA graphs (the examples time single
 /// calls).
