@@ -17,8 +17,9 @@ use tm_cuda::{CudaBackend, CudaOptions};
 pub fn copy_bandwidth(b: &CudaBackend) -> Result<f64, String> {
     use tm_core::{Ops, TensorDesc};
     const CHUNK: usize = 1 << 30;
-    let mut t = b.zeros(TensorDesc::new(DType::U8, &[2 * CHUNK]), "copy bandwidth").map_err(|e| e.to_string())?;
-    let ms = time_ms(b, 20, |_| b.copy_chunks(&mut t, CHUNK, &[(0, 1)]))?;
+    let what = |e: &dyn Display| format!("measuring the copy bandwidth (2 GiB): {e}");
+    let mut t = b.zeros(TensorDesc::new(DType::U8, &[2 * CHUNK]), "copy bandwidth").map_err(|e| what(&e))?;
+    let ms = time_ms(b, 20, |_| b.copy_chunks(&mut t, CHUNK, &[(0, 1)])).map_err(|e| what(&e))?;
     Ok(2.0 * CHUNK as f64 / (ms * 1e-3))
 }
 
