@@ -15,9 +15,9 @@
 //! Each line gives the split count, the merge (`fused`, `launch`: the two-kernel path, or `-`
 //! with one split), the time per call, the KV-cache bytes read per second (K and V of every
 //! sequence's context; Q, the output and the metadata are not counted) and that as a fraction of
-//! the device-to-device copy bandwidth, measured first on the same GPU. `--combine both` (the default) times a split
-//! batch both ways. The blocks of the sequences are scattered through the cache (a shuffled block
-//! table), as in a serving engine. No assertions (the conformance tests check the results);
+//! the device-to-device copy bandwidth, measured first on the same GPU. `--combine both` (the
+//! default) times a split batch both ways. The blocks of the sequences are scattered through the
+//! cache (a shuffled block table), as in a serving engine. No assertions (the conformance tests check the results);
 //! without a CUDA device it says so and exits successfully.
 
 mod common;
