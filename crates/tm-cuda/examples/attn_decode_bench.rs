@@ -17,8 +17,8 @@
 //! sequence's context; Q, the output and the metadata are not counted) and that as a fraction of
 //! the device-to-device copy bandwidth, measured first on the same GPU. `--combine both` (the
 //! default) times a split batch both ways. The blocks of the sequences are scattered through the
-//! cache (a shuffled block table), as in a serving engine. No assertions (the conformance tests check the results);
-//! without a CUDA device it says so and exits successfully.
+//! cache (a shuffled block table), as in a serving engine. No assertions (the conformance tests
+//! check the results); without a CUDA device it says so and exits successfully.
 
 mod common;
 
