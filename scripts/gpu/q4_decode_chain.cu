@@ -307,9 +307,10 @@
 //   step's 24 HMMAs) 2219.5-2222.1, without it and the per-step scale and min (`nxe`: 189 SASS
 //   instructions a gate/up step against 252, and the scale and min loads, ~6% of the bytes, go
 //   too) 2114.6-2119.6; 3.024 TB/s, base 2276.6 / 2278.7, nx 2255.6 / 2258.0, without the nibble
-//   extraction (`nr`: 112 of the 252 instructions) 2257.2 / 2257.7, nxe 2145.7 / 2150.2.
+//   extraction (`nr`: 181 instructions a step, its 123 LOP3s and SHFs gone, 53 register moves
+//   in their place) 2257.2 / 2257.7, nxe 2145.7 / 2150.2.
 //   q4_gemv_bench (second call, silu_lnts) gate/up in a graph 24.7 / 24.5 / 24.3 / 22.6 us, down
-//   (`ln`) 15.0 / 13.8 / 13.6 / 12.5. So on the H100 the step is bound by bytes: 45% fewer
+//   (`ln`) 15.0 / 13.8 / 13.6 / 12.5. So on the H100 the step is bound by bytes: 28% fewer
 //   instructions in the loop save under 1%, 6% fewer bytes save 5.7%. On the H200, where the
 //   loops run below its bandwidth, the same three (`VARIANTS="base nx nr nxe"`) say which part
 //   of the step bounds them; not measured yet (the calls that asked for an H200 got H100s or
