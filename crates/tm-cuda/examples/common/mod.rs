@@ -13,7 +13,8 @@ use tm_cuda::{CudaBackend, CudaOptions};
 /// Device-to-device copy bandwidth of the backend's GPU, bytes/s, counting the bytes read and the
 /// bytes written (as `scripts/gpu/copy_bandwidth.py` does): the roofline the examples report
 /// against, measured when they start so that their fractions hold on whichever card runs them
-/// (4.28 TB/s on the H200s here, 3.02 on the H100s). One GiB copied, 20 times after warm-up.
+/// (the script gave 4.28 TB/s on the H200s here, 3.02 on the H100s). One GiB copied, the mean of
+/// 20 copies after warm-up (the script: 4 GiB, the median of 20).
 pub fn copy_bandwidth(b: &CudaBackend) -> Result<f64, String> {
     use tm_core::{Ops, TensorDesc};
     const CHUNK: usize = 1 << 30;
