@@ -286,8 +286,8 @@
 // Session 23 (2026-12-06; engine only, AWQ 8B b1 replay, f16, scripts/gpu_b1_ab.sh; every knob
 // built with gpu_kernel_variants.sh; the unroll and silu_lnts knobs removed after, the ablations
 // kept):
-// - H200 (copy bandwidth 4.282 TB/s; three alternations): base 1957.0 / 1955.7 / 1952.5 us, bf16 4440.8 / 4440.6 in
-//   the same call: 2.27x, 69.5% of the 1356.7 us roofline. The lean loop of a 4096-column
+// - H200 (copy bandwidth 4.282 TB/s; three alternations): base 1957.0 / 1955.7 / 1952.5 us,
+//   bf16 4440.8 / 4440.6 in the same call: 2.27x, 69.5% of the 1356.7 us roofline. The lean loop of a 4096-column
 //   product (J = 4 steps per warp) unrolled whole, so that each refill and its use share one
 //   basic block and ptxas may issue the refills early (`TM_Q4_UNROLL_J=4`: gate/up, q/k/v and o;
 //   silu_lnts then spills 64 B): 2065.1 / 2063.3 / 2060.8; with down's J = 14 unrolled too: 2212.7
