@@ -316,6 +316,23 @@
 //   loops run below its bandwidth, the same three (`VARIANTS="base nx nr nxe"`) say which part
 //   of the step bounds them; not measured yet (the calls that asked for an H200 got H100s or
 //   none).
+//
+// Session 24 (2026-12-06; engine only, AWQ 8B b1 replay, f16, scripts/gpu_b1_ab.sh): eight calls
+// asked for an H200 and every one got an H100 80GB HBM3 (the command checks the name first and
+// exits at once on anything else, ~25-85 s a try).
+// - The ablations once more on the H100 (3.011 TB/s, three alternations): base 2262.5 / 2256.2 /
+//   2254.9 us, nx 2236.5 / 2236.2 / 2231.9, nr 2235.3 / 2237.8 / 2234.2, nxe 2130.2 / 2132.4 /
+//   2129.5; bf16 5592.6 / 5589.6 in the same call (2.48x, 85.3% of the 1929 us roofline).
+//   Same picture as session 23: the H100 is bound by bytes. Still not run on an H200.
+// - L2 prefetch one or two steps past the ring (a knob `TM_Q4_L2_AHEAD` in the tile-major lean
+//   loops, removed after): each lane's `prefetch.global.L2` of its own load addresses (4 a gate/up
+//   step; silu_lnts spills 8 B at 80 registers), or lane 0's one 1-KiB
+//   `cp.async.bulk.prefetch.L2` per tile and step (no spills). H100, 3.027 TB/s: base 2240.3 /
+//   2242.1, per-lane A = 1 everywhere 2328.1 / 2315.7, A = 2 2417.6 / 2421.3, A = 1 in gate/up
+//   only 2287.7 / 2285.2; 3.022 TB/s: base 2274.6 / 2274.4, bulk A = 1 everywhere 2357.0 / 2361.5,
+//   in gate/up only 2330.8 / 2328.2. All slower by 45-180 us: the prefetches compete with the
+//   demand loads of the warps' current steps, which the loops wait on. Like the whole-tile
+//   prefetches of sessions 13 and 15, not pursued.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
