@@ -317,22 +317,44 @@
 //   of the step bounds them; not measured yet (the calls that asked for an H200 got H100s or
 //   none).
 //
-// Session 24 (2026-12-06; engine only, AWQ 8B b1 replay, f16, scripts/gpu_b1_ab.sh): eight calls
-// asked for an H200 and every one got an H100 80GB HBM3 (the command checks the name first and
-// exits at once on anything else, ~25-85 s a try).
+// Session 24 (2026-12-06; engine only, AWQ 8B b1 replay, f16, scripts/gpu_b1_ab.sh): of eleven
+// calls that asked for an H200, ten got an H100 80GB HBM3 (the command checks the name first and
+// exits at once on anything else, ~25-85 s a try) and the last an H200.
+// - The ablations on the H200 (copy bandwidth 4.236 TB/s; three alternations; the base cubin is
+//   byte-identical to the shipped one): base 1953.2 / 1946.5 / 1942.3 us; nx 1904.0 / 1905.3 /
+//   1904.4 (-43); nr 1907.4 / 1903.8 / 1898.8 (-43); nxe 1776.4 / 1775.0 / 1776.8 (-170); bf16
+//   4409.1 / 4405.6 in the same call: base 2.26x (70.4% of the 1371.5 us roofline), nx 2.31x,
+//   nxe 2.48x. Twice the H100's savings for each (-22 / -20 / -130 there), so the H200's step
+//   does pay for the loop's work, but no one part is the bound: the ones-mma and the nibble
+//   extraction are ~2% each, the per-step scale and min (their loads and the epilogue's f32
+//   math) ~6.5%. 2.4x needs <= 1836 us here, -110 us: nx and nr together (if they add) about
+//   -85, so the epilogue has to give some too. q4_gemv_bench (H200, graph, n = 1) base / nx /
+//   nr / nxe: gate/up (`ops`, silu_lnts) 20.5 / 19.6 / 20.0 / 18.3 us (14.7 us at the bench's
+//   4.246 TB/s); down (`ops`) 11.9 / 11.1 / 11.2 / 9.9 (7.3); q/k/v (`ln` graph) 6.1 / 5.7 /
+//   5.5 / 5.1 (3.1); o 5.3 / 4.8 / 4.7 / 4.5 (2.1). q/k/v and o, short (J = 4) and few CTAs,
+//   run at 40-55% of the copy bandwidth: their ~6 us a layer over the roofline are latency
+//   (pipeline fill and drain), which less loop work shortens only a little.
+//   Next, in order of payoff per effort: (1) X (the per-group sums of x) from the producers
+//   (f64 atomics of the f16 values are exact and order-free, so bit-reproducible; one slot per
+//   step like the norm sums; o's x comes from attention, so o keeps the ones-mma) to replace
+//   the ones-mma in gate/up, down and q/k/v: <= -43 us less the cost of one X load a step;
+//   (2) the per-step epilogue: a batch-1 specialisation that updates only the valid column
+//   (e = 0, 2: half the FFMAs; the loads of scales and mins were reshaped in session 18, `smi`,
+//   with little effect); (3) the extraction (f16's high nibbles unshifted into a second
+//   accumulator, which the 80-register silu_lnts can't afford without (1)'s freed registers).
 // - The ablations once more on the H100 (3.011 TB/s, three alternations): base 2262.5 / 2256.2 /
 //   2254.9 us, nx 2236.5 / 2236.2 / 2231.9, nr 2235.3 / 2237.8 / 2234.2, nxe 2130.2 / 2132.4 /
 //   2129.5; bf16 5592.6 / 5589.6 in the same call (2.48x, 85.3% of the 1929 us roofline).
-//   Same picture as session 23: the H100 is bound by bytes. Still not run on an H200.
+//   Same picture as session 23: the H100 is bound by bytes.
 // - L2 prefetch one or two steps past the ring (a knob `TM_Q4_L2_AHEAD` in the tile-major lean
 //   loops, removed after): each lane's `prefetch.global.L2` of its own load addresses (4 a gate/up
 //   step; silu_lnts spills 8 B at 80 registers), or lane 0's one 1-KiB
 //   `cp.async.bulk.prefetch.L2` per tile and step (no spills). H100, 3.027 TB/s: base 2240.3 /
 //   2242.1, per-lane A = 1 everywhere 2328.1 / 2315.7, A = 2 2417.6 / 2421.3, A = 1 in gate/up
 //   only 2287.7 / 2285.2; 3.022 TB/s: base 2274.6 / 2274.4, bulk A = 1 everywhere 2357.0 / 2361.5,
-//   in gate/up only 2330.8 / 2328.2. All slower by 45-180 us: the prefetches compete with the
-//   demand loads of the warps' current steps, which the loops wait on. Like the whole-tile
-//   prefetches of sessions 13 and 15, not pursued.
+//   in gate/up only 2330.8 / 2328.2. All slower by 45-180 us (probably the prefetches delay the
+//   demand loads that the warps wait on). Like the whole-tile prefetches of sessions 13 and 15,
+//   not pursued; not run on the H200 (one H200 call only, spent on the ablations).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

@@ -89,7 +89,7 @@
 // ones-mma (X = 0: 8 of a gate/up step's 24 HMMAs), TM_Q4_ABLATE_RAW the nibble extraction (the
 // packed words go to the mma as they are: silu_lnts' step 181 SASS instructions against 252),
 // TM_Q4_ABLATE_EPI the per-step scale and min (acc += t; the scale and min loads then go too).
-// Measured in scripts/gpu/q4_decode_chain.cu's header (session 23); build them with
+// Measured in scripts/gpu/q4_decode_chain.cu's header (sessions 23, 24); build them with
 // scripts/gpu_kernel_variants.sh.
 #ifndef TM_Q4_ABLATE_XSUM
 #define TM_Q4_ABLATE_XSUM 0
