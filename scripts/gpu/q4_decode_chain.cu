@@ -317,9 +317,9 @@
 //   of the step bounds them; not measured yet (the calls that asked for an H200 got H100s or
 //   none).
 //
-// Session 24 (2026-12-06; engine only, AWQ 8B b1 replay, f16, scripts/gpu_b1_ab.sh): of eleven
-// calls that asked for an H200, ten got an H100 80GB HBM3 (the command checks the name first and
-// exits at once on anything else, ~25-85 s a try) and the last an H200.
+// Session 24 (2026-12-06; engine only, AWQ 8B b1 replay, f16, scripts/gpu_b1_ab.sh): of thirteen
+// calls that asked for an H200, twelve got an H100 80GB HBM3 (the command checks the name first
+// and exits at once on anything else, ~25-85 s a try) and one an H200.
 // - The ablations on the H200 (copy bandwidth 4.236 TB/s; three alternations; the base cubin is
 //   byte-identical to the shipped one): base 1953.2 / 1946.5 / 1942.3 us; nx 1904.0 / 1905.3 /
 //   1904.4 (-43); nr 1907.4 / 1903.8 / 1898.8 (-43); nxe 1776.4 / 1775.0 / 1776.8 (-170); bf16
@@ -342,6 +342,17 @@
 //   (e = 0, 2: half the FFMAs; the loads of scales and mins were reshaped in session 18, `smi`,
 //   with little effect); (3) the extraction (f16's high nibbles unshifted into a second
 //   accumulator, which the 80-register silu_lnts can't afford without (1)'s freed registers).
+// - Two more ablations (q4_gemv.cu, default off, shipped cubin byte-identical): `nl`
+//   (TM_Q4_ABLATE_SMLOAD: no scale and min loads, a loop-invariant scale and min instead, so the
+//   epilogue's FFMAs stay; silu_lnts 17 LDGs against 25, 536 SASS instructions against 600) and
+//   `no` (TM_Q4_ABLATE_ODD_E: the epilogue skips batch columns 2t + 1, what a batch-1
+//   specialisation would save; 592 instructions). Only an H100 came (3.034 TB/s, two
+//   alternations): base 2239.8 / 2240.1 us, nxr (nx and nr together) 2188.5 / 2189.2 (-51: nx
+//   and nr add up), nl 2171.1 / 2174.0 (-67 of nxe - nx = -108: the loads are most of the `e`
+//   part on the H100), no 2237.7 / 2234.1 (-4: not worth a kernel). On the H200, run
+//   `VARIANTS="base nxr nl no"` first: if nl is most of nxe's -170 there too, the lever is the
+//   scales' and mins' bytes and requests (e.g. stored inside each tile step's weight chunk, or
+//   AWQ's integer zero in 4 bits beside an f16 scale: 2.5 bytes a group row instead of 4).
 // - The ablations once more on the H100 (3.011 TB/s, three alternations): base 2262.5 / 2256.2 /
 //   2254.9 us, nx 2236.5 / 2236.2 / 2231.9, nr 2235.3 / 2237.8 / 2234.2, nxe 2130.2 / 2132.4 /
 //   2129.5; bf16 5592.6 / 5589.6 in the same call (2.48x, 85.3% of the 1929 us roofline).

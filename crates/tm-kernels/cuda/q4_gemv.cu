@@ -88,7 +88,10 @@
 // Ablations of `step_math_lean`, for timing only (the sums are wrong): TM_Q4_ABLATE_XSUM drops the
 // ones-mma (X = 0: 8 of a gate/up step's 24 HMMAs), TM_Q4_ABLATE_RAW the nibble extraction (the
 // packed words go to the mma as they are: silu_lnts' step 181 SASS instructions against 252),
-// TM_Q4_ABLATE_EPI the per-step scale and min (acc += t; the scale and min loads then go too).
+// TM_Q4_ABLATE_EPI the per-step scale and min (acc += t; the scale and min loads then go too),
+// TM_Q4_ABLATE_SMLOAD only the scale and min loads (a loop-invariant scale and min instead: the
+// epilogue's FFMAs stay, its conversions leave the loop), TM_Q4_ABLATE_ODD_E the epilogue's
+// updates of batch columns 2t + 1 (what a batch-1 specialisation would save).
 // Measured in scripts/gpu/q4_decode_chain.cu's header (sessions 23, 24); build them with
 // scripts/gpu_kernel_variants.sh.
 #ifndef TM_Q4_ABLATE_XSUM
@@ -99,6 +102,12 @@
 #endif
 #ifndef TM_Q4_ABLATE_EPI
 #define TM_Q4_ABLATE_EPI 0
+#endif
+#ifndef TM_Q4_ABLATE_SMLOAD
+#define TM_Q4_ABLATE_SMLOAD 0
+#endif
+#ifndef TM_Q4_ABLATE_ODD_E
+#define TM_Q4_ABLATE_ODD_E 0
 #endif
 namespace tmq4 {
 
@@ -303,7 +312,8 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
             const float mf = fmaf(-Raw4<T>::OFF, sf, __half2float(mh[i][h]));
 #pragma unroll
             for (int e = 2 * h; e < 2 * h + 2; ++e)
-                acc[i][e] = TM_Q4_ABLATE_EPI ? acc[i][e] + t[i][e] : fmaf(sf, t[i][e], fmaf(mf, xs[e], acc[i][e]));
+                if (!(TM_Q4_ABLATE_ODD_E && (e & 1)))
+                    acc[i][e] = TM_Q4_ABLATE_EPI ? acc[i][e] + t[i][e] : fmaf(sf, t[i][e], fmaf(mf, xs[e], acc[i][e]));
         }
     }
 }
@@ -530,6 +540,9 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
 #pragma unroll
     for (int i = 0; i < NT; ++i) smo[i] = ((unsigned)(tiles[i].row0 >> 4) * groups + warp) * 16u + 2u * g;
     const uint4* xp = lean_x_lane(x, n, cols);
+    // TM_Q4_ABLATE_SMLOAD's scale and min (opaque to the compiler, loop-invariant)
+    const __half sm_const[2] = {__ushort_as_half((unsigned short)(0x2000u + (tiles[0].row0 & 7))),
+                                __ushort_as_half((unsigned short)(0xA400u + (tiles[0].row0 & 7)))};
 
     struct Buf {
         uint4 w[NT][2];
@@ -573,6 +586,10 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
                     B.w[i][h] = __ldcs(wp[i][h] + 32 * j);
                     B.s[i][h] = sp[i][h][8 * j];
                     B.m[i][h] = mp[i][h][8 * j];
+                }
+                if (TM_Q4_ABLATE_SMLOAD) {  // the loads above are dead then
+                    B.s[i][h] = sm_const[0];
+                    B.m[i][h] = sm_const[1];
                 }
             }
     };
