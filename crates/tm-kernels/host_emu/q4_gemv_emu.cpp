@@ -93,6 +93,16 @@ static std::vector<uint8_t> tiled(const Q& q) {
     return t;
 }
 
+// Row-major per-group values [rows][groups] in tile order (tm-core `Int4Layout::TilesAndScales16x128`,
+// what `silu_lnts` reads): element ((row / 16 * groups + group) * 8 + row % 8) * 2 + row / 8 % 2.
+static std::vector<__half> tile_order(const std::vector<__half>& v, int rows, int groups) {
+    std::vector<__half> t(v.size());
+    for (int r = 0; r < rows; ++r)
+        for (int g = 0; g < groups; ++g)
+            t[(((size_t)(r / 16) * groups + g) * 8 + r % 8) * 2 + r / 8 % 2] = v[(size_t)r * groups + g];
+    return t;
+}
+
 template <class T> static T to_t(float v);
 template <> __half to_t<__half>(float v) { return __float2half_rn(v); }
 template <> __nv_bfloat16 to_t<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
@@ -174,13 +184,19 @@ static void case_silu(const char* dt, int U, int n, int rows, int cols, int grou
     std::vector<T> x((size_t)n * cols); std::vector<double> xd(x.size());
     for (size_t i = 0; i < x.size(); ++i) { x[i] = to_t<T>(nd(rng)); xd[i] = from_t(x[i]); }
     std::vector<T> out((size_t)n * rows, to_t<T>(NAN));
-    const bool tl = U == 17 || U == 18;  // the tile-major forms, on tiled copies of the weights
+    const bool tl = U == 17 || U == 18 || U == 19;  // the tile-major forms, on tiled copies of the weights
     const std::vector<uint8_t> gp = tl ? tiled(g) : g.packed, up = tl ? tiled(u) : u.packed;
+    // 19, silu_lnts: scales and mins in tile order too
+    const std::vector<__half> gs = U == 19 ? tile_order(g.s, rows, cols / group) : g.s;
+    const std::vector<__half> gm = U == 19 ? tile_order(g.m, rows, cols / group) : g.m;
+    const std::vector<__half> us = U == 19 ? tile_order(u.s, rows, cols / group) : u.s;
+    const std::vector<__half> um = U == 19 ? tile_order(u.m, rows, cols / group) : u.m;
     run_grid((rows + 15) / 16, [&] {
+        // no deferred norm (null sums)
         if constexpr (std::is_same_v<T, __half>) {
-            (U == 2 ? q4_gemv_silu_u2_f16 : U == 7 ? q4_gemv_silu_ln_f16 : U == 8 ? q4_gemv_silu_ln4_f16 : U == 17 ? q4_gemv_silu_lnt_f16 : q4_gemv_silu_ln4t_f16)(out.data(), x.data(), n, cols, group, gp.data(), g.s.data(), g.m.data(), up.data(), u.s.data(), u.m.data(), rows);
+            (U == 2 ? q4_gemv_silu_u2_f16 : U == 7 ? q4_gemv_silu_ln_f16 : U == 8 ? q4_gemv_silu_ln4_f16 : U == 17 ? q4_gemv_silu_lnt_f16 : U == 19 ? q4_gemv_silu_lnts_f16 : q4_gemv_silu_ln4t_f16)(out.data(), x.data(), n, cols, group, gp.data(), gs.data(), gm.data(), up.data(), us.data(), um.data(), rows, nullptr, 0.f);
         } else {
-            (U == 2 ? q4_gemv_silu_u2_bf16 : U == 7 ? q4_gemv_silu_ln_bf16 : U == 8 ? q4_gemv_silu_ln4_bf16 : U == 17 ? q4_gemv_silu_lnt_bf16 : q4_gemv_silu_ln4t_bf16)(out.data(), x.data(), n, cols, group, gp.data(), g.s.data(), g.m.data(), up.data(), u.s.data(), u.m.data(), rows);
+            (U == 2 ? q4_gemv_silu_u2_bf16 : U == 7 ? q4_gemv_silu_ln_bf16 : U == 8 ? q4_gemv_silu_ln4_bf16 : U == 17 ? q4_gemv_silu_lnt_bf16 : U == 19 ? q4_gemv_silu_lnts_bf16 : q4_gemv_silu_ln4t_bf16)(out.data(), x.data(), n, cols, group, gp.data(), gs.data(), gm.data(), up.data(), us.data(), um.data(), rows, nullptr, 0.f);
         }
     });
     std::vector<double> want((size_t)n * rows);
@@ -191,7 +207,7 @@ static void case_silu(const char* dt, int U, int n, int rows, int cols, int grou
             want[(size_t)j * rows + r] = a / (1 + std::exp(-a)) * b;
         }
     char what[200];
-    snprintf(what, sizeof what, "%s %s silu n=%d rows=%d cols=%d g=%d", dt, U == 2 ? "u2" : U == 7 ? "ln" : U == 8 ? "ln4" : U == 17 ? "lnt" : "ln4t", n, rows, cols, group);
+    snprintf(what, sizeof what, "%s %s silu n=%d rows=%d cols=%d g=%d", dt, U == 2 ? "u2" : U == 7 ? "ln" : U == 8 ? "ln4" : U == 17 ? "lnt" : U == 19 ? "lnts" : "ln4t", n, rows, cols, group);
     check(what, out, want, n, rows, std::is_same_v<T, __half> ? 4e-3 : 4e-2);
 }
 
@@ -241,7 +257,7 @@ int main() {
         case_plain<__nv_bfloat16>("bf16", U, 7, {64, 16}, 3072, 128, false);
         case_plain<__half>("f16", U, 8, {16}, 7168, 128, true);
     }
-    for (int U : {7, 8, 17, 18}) {
+    for (int U : {7, 8, 17, 18, 19}) {
         case_silu<__half>("f16", U, 1, 48, 1024, 128);
         case_silu<__nv_bfloat16>("bf16", U, 4, 32, 5120, 128);
         case_silu<__half>("f16", U, 8, 16, 4096, 128);
@@ -251,7 +267,7 @@ int main() {
         case_plain<__nv_bfloat16>("bf16 centred", U, 1, {64, 16, 16}, 4096, 128, false);
         case_plain<__half>("f16 centred", U, 2, {32}, 14336, 128, true);
     }
-    for (int U : {7, 8, 17, 18}) {
+    for (int U : {7, 8, 17, 18, 19}) {
         case_silu<__nv_bfloat16>("bf16 centred", U, 8, 32, 4096, 128);
         case_silu<__half>("f16 centred", U, 1, 64, 4096, 128);
     }

@@ -18,6 +18,7 @@ constexpr dim3 blockDim{256, 1, 1};
 #define __restrict__
 #define __align__(n) alignas(n)
 struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 struct float2 { float x, y; };
 struct __half { uint16_t x; };
@@ -34,6 +35,9 @@ inline __half2 __hfma2(__half2 a, __half2 b, __half2 c) { return __half2{hfma1(a
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline float __expf(float v) { return std::exp(v); }
+inline float rsqrtf(float v) { return 1.f / std::sqrt(v); }
+#include <atomic>
+inline double atomicAdd(double* p, double v) { return std::atomic_ref<double>(*p).fetch_add(v); }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
@@ -42,6 +46,8 @@ inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
 void __syncthreads();
 template <class T> inline T __ldg(const T* p) { return *p; }
 template <class T> inline T __ldcs(const T* p) { return *p; }
+template <class T> inline T __ldca(const T* p) { return *p; }
+template <class T> inline T __ldcg(const T* p) { return *p; }
 inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
     uint8_t bytes[8];
     std::memcpy(bytes, &a, 4);
