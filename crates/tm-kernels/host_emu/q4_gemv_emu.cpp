@@ -15,9 +15,19 @@
 thread_local dim3 threadIdx;
 thread_local dim3 blockIdx;
 static std::unique_ptr<std::barrier<>> cta_bar;
-struct WarpX { std::unique_ptr<std::barrier<>> bar; unsigned a[32][4]; unsigned b[32][2]; };
+struct WarpX { std::unique_ptr<std::barrier<>> bar; unsigned a[32][4]; unsigned b[32][2]; float f[32]; };
 static WarpX warps[8];
 void __syncthreads() { cta_bar->arrive_and_wait(); }
+// Every lane of the warp calls it (as the kernels do): lane l gets lane (l ^ lane_mask)'s value.
+float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+    int lane = threadIdx.x & 31;
+    WarpX& W = warps[threadIdx.x >> 5];
+    W.f[lane] = v;
+    W.bar->arrive_and_wait();
+    const float r = W.f[lane ^ lane_mask];
+    W.bar->arrive_and_wait();
+    return r;
+}
 
 static float elem(unsigned reg, int hi, bool bf16) {
     uint16_t v = hi ? reg >> 16 : reg & 0xffff;
@@ -211,6 +221,59 @@ static void case_silu(const char* dt, int U, int n, int rows, int cols, int grou
     check(what, out, want, n, rows, std::is_same_v<T, __half> ? 4e-3 : 4e-2);
 }
 
+// The deferred-norm producers (`*_join`): y = x . W^T, then per batch row j and row r:
+// resid = T(resid + T(y)) (written back), normed = T(resid * gamma), sums[j] += the squares of the
+// new resid (f64 atomics). U: 16 n16_join, 67 ln_join, 68 ln4_join, 77 lnt_join, 78 ln4t_join.
+template <class T>
+static void case_join(const char* dt, int U, int n, int rows, int cols, int group) {
+    Q q = make_q(rows, cols, group);
+    std::normal_distribution<float> nd(0, 1);
+    std::vector<T> x((size_t)n * cols), resid((size_t)n * rows), gamma(rows);
+    std::vector<double> xd(x.size()), rd(resid.size()), gd(rows);
+    for (size_t i = 0; i < x.size(); ++i) { x[i] = to_t<T>(nd(rng)); xd[i] = from_t(x[i]); }
+    for (size_t i = 0; i < resid.size(); ++i) { resid[i] = to_t<T>(nd(rng)); rd[i] = from_t(resid[i]); }
+    for (int r = 0; r < rows; ++r) { gamma[r] = to_t<T>(1 + 0.1f * nd(rng)); gd[r] = from_t(gamma[r]); }
+    std::vector<T> normed((size_t)n * rows, to_t<T>(NAN));
+    std::vector<double> sums(8, 0.0);
+    const bool tl = U == 77 || U == 78;
+    const std::vector<uint8_t> w = tl ? tiled(q) : q.packed;
+    run_grid((rows + 15) / 16, [&] {
+        if constexpr (std::is_same_v<T, __half>) {
+            (U == 16 ? q4_gemv_n16_join_f16 : U == 67 ? q4_gemv_ln_join_f16 : U == 68 ? q4_gemv_ln4_join_f16 : U == 77 ? q4_gemv_lnt_join_f16 : q4_gemv_ln4t_join_f16)(x.data(), n, cols, group, w.data(), q.s.data(), q.m.data(), rows, resid.data(), normed.data(), gamma.data(), sums.data());
+        } else {
+            (U == 16 ? q4_gemv_n16_join_bf16 : U == 67 ? q4_gemv_ln_join_bf16 : U == 68 ? q4_gemv_ln4_join_bf16 : U == 77 ? q4_gemv_lnt_join_bf16 : q4_gemv_ln4t_join_bf16)(x.data(), n, cols, group, w.data(), q.s.data(), q.m.data(), rows, resid.data(), normed.data(), gamma.data(), sums.data());
+        }
+    });
+    // The new residual against resid + y in double (one rounding of y and of the sum to T
+    // allowed: the tolerance), normed against the kernel's own residual times gamma, and the
+    // sums against the kernel's own residual's squares.
+    std::vector<double> want((size_t)n * rows), want_normed((size_t)n * rows);
+    for (int j = 0; j < n; ++j)
+        for (int r = 0; r < rows; ++r) {
+            double acc = 0;
+            for (int c = 0; c < cols; ++c) acc += xd[(size_t)j * cols + c] * q.w[(size_t)r * cols + c];
+            want[(size_t)j * rows + r] = rd[(size_t)j * rows + r] + acc;
+            want_normed[(size_t)j * rows + r] = from_t(resid[(size_t)j * rows + r]) * gd[r];
+        }
+    const double tol = std::is_same_v<T, __half> ? 2e-3 : 2e-2;
+    char what[200];
+    const char* name = U == 16 ? "n16" : U == 67 ? "ln" : U == 68 ? "ln4" : U == 77 ? "lnt" : "ln4t";
+    snprintf(what, sizeof what, "%s %s join residual n=%d rows=%d cols=%d g=%d", dt, name, n, rows, cols, group);
+    check(what, resid, want, n, rows, tol);
+    snprintf(what, sizeof what, "%s %s join normed n=%d rows=%d cols=%d g=%d", dt, name, n, rows, cols, group);
+    check(what, normed, want_normed, n, rows, tol);
+    double worst = 0;
+    for (int j = 0; j < 8; ++j) {
+        double ss = 0;
+        for (int r = 0; r < rows && j < n; ++r) ss += std::pow(from_t(resid[(size_t)j * rows + r]), 2);
+        worst = std::max(worst, std::fabs(sums[j] - ss) / std::max(ss, 1e-30));
+        if (j >= n && sums[j] != 0) worst = 1;  // batch rows past n stay untouched
+    }
+    const bool ok = worst < 1e-6;
+    if (!ok) ++failures;
+    printf("%s %s %s join sums n=%d rows=%d: worst relative error %.2e (tol 1e-06)\n", ok ? "ok  " : "FAIL", dt, name, n, rows, worst);
+}
+
 int main() {
     // Varied scales and mins (not zero-centred), odd shapes: every batch size class, slot counts,
     // partial steps, row tails, a group size that is not a power-of-two number of blocks.
@@ -271,6 +334,16 @@ int main() {
         case_silu<__nv_bfloat16>("bf16 centred", U, 8, 32, 4096, 128);
         case_silu<__half>("f16 centred", U, 1, 64, 4096, 128);
     }
+    // The join producers (o and down at batch 1 run ln4t_join): random and centred weights.
+    amp = 0;
+    for (int U : {16, 67, 68, 77, 78}) {
+        case_join<__half>("f16", U, 1, 32, 1024, 128);
+        case_join<__nv_bfloat16>("bf16", U, 3, 16, 2048, 128);
+        case_join<__half>("f16", U, 8, 48, 4096, 128);
+    }
+    amp = std::sqrt(3.f / 4096);
+    case_join<__nv_bfloat16>("bf16 centred", 78, 1, 64, 14336, 128);
+    case_join<__half>("f16 centred", 78, 2, 32, 4096, 128);
     printf("%d failure(s)\n", failures);
     return failures != 0;
 }

@@ -42,7 +42,7 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline void sincosf(float v, float* s, float* c) { *s = std::sin(v); *c = std::cos(v); }
-inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
+float __shfl_xor_sync(unsigned mask, float v, int lane_mask);  // q4_gemv_emu.cpp: a per-warp exchange
 void __syncthreads();
 template <class T> inline T __ldg(const T* p) { return *p; }
 template <class T> inline T __ldcs(const T* p) { return *p; }
