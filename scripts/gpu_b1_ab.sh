@@ -23,7 +23,8 @@
 # while the checkpoints are made), C64=1 (after the batch-1 runs, the base kernels and bf16 at
 # concurrency 64, 512 in / 256 out), OUTPUT_LEN (default 128; 512 tokens in), ROUND_DEADLINE_S
 # (default 420: no AWQ round starts after this many seconds of the script, so the bf16 runs still
-# fit a 600-s call).
+# fit a 600-s call), REQUIRE_GPU (e.g. H200: exit 3 at once, running nothing, when the GPU's name
+# does not contain it).
 set -u
 FINAL="${OUT:-target/gpu-logs}"
 LOGS=/tmp/b1ab
@@ -38,6 +39,18 @@ trap 'exit 1' TERM INT
 BUNDLE=target/gpu-bundle
 CLI=$BUNDLE/bin/tm-cli
 VARIANTS="${VARIANTS:-base}"
+if [ -n "${REQUIRE_GPU:-}" ]; then
+    # e.g. REQUIRE_GPU=H200: a call that asked for an H200 and got another card stops here, in
+    # seconds, instead of spending minutes of device time on figures for the wrong card.
+    name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+    case "$name" in
+    *"$REQUIRE_GPU"*) ;;
+    *)
+        echo "gpu_b1_ab: the GPU is '$name', not $REQUIRE_GPU: nothing run" | tee "$LOGS/summary.txt" >&2
+        exit 3
+        ;;
+    esac
+fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >"$LOGS/gpu.txt" 2>&1
 cat "$LOGS/gpu.txt" >>"$LOGS/summary.txt"
 
