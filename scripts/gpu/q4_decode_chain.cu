@@ -348,14 +348,14 @@
 //   `no` (TM_Q4_ABLATE_ODD_E: the epilogue skips batch columns 2t + 1, what a batch-1
 //   specialisation would save; 592 instructions). Only an H100 came (3.034 TB/s, two
 //   alternations): base 2239.8 / 2240.1 us, nxr (nx and nr together) 2188.5 / 2189.2 (-51: nx
-//   and nr add up), nl 2171.1 / 2174.0 (-67 of nxe - nx = -108: the loads are most of the `e`
+//   and nr add up), nl 2171.1 / 2174.0 (-67 of nxe - nx, about -105: the loads are most of the `e`
 //   part on the H100), no 2237.7 / 2234.1 (-4: not worth a kernel). On the H200, run
 //   `VARIANTS="base nxr nl no"` first: if nl is most of nxe's -170 there too, the lever is the
 //   scales' and mins' bytes and requests (e.g. stored inside each tile step's weight chunk, or
 //   AWQ's integer zero in 4 bits beside an f16 scale: 2.5 bytes a group row instead of 4).
 // - The ablations once more on the H100 (3.011 TB/s, three alternations): base 2262.5 / 2256.2 /
 //   2254.9 us, nx 2236.5 / 2236.2 / 2231.9, nr 2235.3 / 2237.8 / 2234.2, nxe 2130.2 / 2132.4 /
-//   2129.5; bf16 5592.6 / 5589.6 in the same call (2.48x, 85.3% of the 1929 us roofline).
+//   2129.5; bf16 5592.6 / 5589.6 in the same call (2.48x, 85.5% of the 1929 us roofline).
 //   Same picture as session 23: the H100 is bound by bytes.
 // - L2 prefetch one or two steps past the ring (a knob `TM_Q4_L2_AHEAD` in the tile-major lean
 //   loops, removed after): each lane's `prefetch.global.L2` of its own load addresses (4 a gate/up
