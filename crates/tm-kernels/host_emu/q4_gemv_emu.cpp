@@ -104,13 +104,24 @@ static std::vector<uint8_t> tiled(const Q& q) {
 }
 
 // Row-major per-group values [rows][groups] in tile order (tm-core `Int4Layout::TilesAndScales16x128`,
-// what `silu_lnts` reads): element ((row / 16 * groups + group) * 8 + row % 8) * 2 + row / 8 % 2.
+// what `silu_lnts` reads), via the kernels' own `tmk::q4_scale_index`.
 static std::vector<__half> tile_order(const std::vector<__half>& v, int rows, int groups) {
     std::vector<__half> t(v.size());
     for (int r = 0; r < rows; ++r)
-        for (int g = 0; g < groups; ++g)
-            t[(((size_t)(r / 16) * groups + g) * 8 + r % 8) * 2 + r / 8 % 2] = v[(size_t)r * groups + g];
+        for (int g = 0; g < groups; ++g) t[tmk::q4_scale_index(r, g, groups, 2)] = v[(size_t)r * groups + g];
     return t;
+}
+
+// x . W^T in double from the dequantized weights: [n][rows] for x [n][cols].
+static std::vector<double> product(const Q& q, const std::vector<double>& xd, int n) {
+    std::vector<double> y((size_t)n * q.rows);
+    for (int j = 0; j < n; ++j)
+        for (int r = 0; r < q.rows; ++r) {
+            double acc = 0;
+            for (int c = 0; c < q.cols; ++c) acc += xd[(size_t)j * q.cols + c] * q.w[(size_t)r * q.cols + c];
+            y[(size_t)j * q.rows + r] = acc;
+        }
+    return y;
 }
 
 template <class T> static T to_t(float v);
@@ -174,13 +185,10 @@ static void case_plain(const char* dt, int U, int n, std::vector<int> rowsv, int
     });
     for (int i = 0; i < k; ++i) {
         int rows = rowsv[i];
-        std::vector<double> want((size_t)n * rows);
-        for (int j = 0; j < n; ++j)
-            for (int r = 0; r < rows; ++r) {
-                double acc = (B(i) ? bd[i][r] : 0);
-                for (int c = 0; c < cols; ++c) acc += xd[(size_t)j * cols + c] * qs[i].w[(size_t)r * cols + c];
-                want[(size_t)j * rows + r] = acc;
-            }
+        std::vector<double> want = product(qs[i], xd, n);
+        if (B(i))
+            for (int j = 0; j < n; ++j)
+                for (int r = 0; r < rows; ++r) want[(size_t)j * rows + r] += bd[i][r];
         char what[200];
         snprintf(what, sizeof what, "%s %s plain n=%d rows=%d (slot %d of %d) cols=%d g=%d%s", dt, U == 16 ? "n16" : U == 67 ? "ln" : U == 68 ? "ln4" : U == 77 ? "lnt" : U == 78 ? "ln4t" : "u2", n, rows, i, k, cols, group, B(i) ? " +bias" : "");
         check(what, outs[i], want, n, rows, std::is_same_v<T, __half> ? 2e-3 : 2e-2);
@@ -197,10 +205,8 @@ static void case_silu(const char* dt, int U, int n, int rows, int cols, int grou
     const bool tl = U == 17 || U == 18 || U == 19;  // the tile-major forms, on tiled copies of the weights
     const std::vector<uint8_t> gp = tl ? tiled(g) : g.packed, up = tl ? tiled(u) : u.packed;
     // 19, silu_lnts: scales and mins in tile order too
-    const std::vector<__half> gs = U == 19 ? tile_order(g.s, rows, cols / group) : g.s;
-    const std::vector<__half> gm = U == 19 ? tile_order(g.m, rows, cols / group) : g.m;
-    const std::vector<__half> us = U == 19 ? tile_order(u.s, rows, cols / group) : u.s;
-    const std::vector<__half> um = U == 19 ? tile_order(u.m, rows, cols / group) : u.m;
+    auto order = [&](const std::vector<__half>& v) { return U == 19 ? tile_order(v, rows, cols / group) : v; };
+    const std::vector<__half> gs = order(g.s), gm = order(g.m), us = order(u.s), um = order(u.m);
     run_grid((rows + 15) / 16, [&] {
         // no deferred norm (null sums)
         if constexpr (std::is_same_v<T, __half>) {
@@ -209,13 +215,9 @@ static void case_silu(const char* dt, int U, int n, int rows, int cols, int grou
             (U == 2 ? q4_gemv_silu_u2_bf16 : U == 7 ? q4_gemv_silu_ln_bf16 : U == 8 ? q4_gemv_silu_ln4_bf16 : U == 17 ? q4_gemv_silu_lnt_bf16 : U == 19 ? q4_gemv_silu_lnts_bf16 : q4_gemv_silu_ln4t_bf16)(out.data(), x.data(), n, cols, group, gp.data(), gs.data(), gm.data(), up.data(), us.data(), um.data(), rows, nullptr, 0.f);
         }
     });
-    std::vector<double> want((size_t)n * rows);
-    for (int j = 0; j < n; ++j)
-        for (int r = 0; r < rows; ++r) {
-            double a = 0, b = 0;
-            for (int c = 0; c < cols; ++c) { a += xd[(size_t)j * cols + c] * g.w[(size_t)r * cols + c]; b += xd[(size_t)j * cols + c] * u.w[(size_t)r * cols + c]; }
-            want[(size_t)j * rows + r] = a / (1 + std::exp(-a)) * b;
-        }
+    std::vector<double> want = product(g, xd, n);
+    const std::vector<double> b = product(u, xd, n);
+    for (size_t i = 0; i < want.size(); ++i) want[i] = want[i] / (1 + std::exp(-want[i])) * b[i];
     char what[200];
     snprintf(what, sizeof what, "%s %s silu n=%d rows=%d cols=%d g=%d", dt, U == 2 ? "u2" : U == 7 ? "ln" : U == 8 ? "ln4" : U == 17 ? "lnt" : U == 19 ? "lnts" : "ln4t", n, rows, cols, group);
     check(what, out, want, n, rows, std::is_same_v<T, __half> ? 4e-3 : 4e-2);
@@ -247,12 +249,10 @@ static void case_join(const char* dt, int U, int n, int rows, int cols, int grou
     // The new residual against resid + y in double (one rounding of y and of the sum to T
     // allowed: the tolerance), normed against the kernel's own residual times gamma, and the
     // sums against the kernel's own residual's squares.
-    std::vector<double> want((size_t)n * rows), want_normed((size_t)n * rows);
+    std::vector<double> want = product(q, xd, n), want_normed((size_t)n * rows);
     for (int j = 0; j < n; ++j)
         for (int r = 0; r < rows; ++r) {
-            double acc = 0;
-            for (int c = 0; c < cols; ++c) acc += xd[(size_t)j * cols + c] * q.w[(size_t)r * cols + c];
-            want[(size_t)j * rows + r] = rd[(size_t)j * rows + r] + acc;
+            want[(size_t)j * rows + r] += rd[(size_t)j * rows + r];
             want_normed[(size_t)j * rows + r] = from_t(resid[(size_t)j * rows + r]) * gd[r];
         }
     const double tol = std::is_same_v<T, __half> ? 2e-3 : 2e-2;
