@@ -10,7 +10,8 @@
 //! Each line gives the time per call, the weight bytes streamed per second (packed nibbles +
 //! scales + mins; activations are not counted) and that as a fraction of the device-to-device copy
 //! bandwidth, measured first on the same GPU (`common::copy_bandwidth`). Enough copies of each
-//! weight set are cycled through that they do not stay in L2. No assertions; without a CUDA device it says so and exits successfully.
+//! weight set are cycled through that they do not stay in L2. No assertions; without a CUDA
+//! device it says so and exits successfully.
 //!
 //! What is timed (CUDA events around `--iters` calls, after warm-up):
 //! - `ops`: what the model calls (`Ops::matmul_many`, `Ops::gate_up_silu`, the latter on gate
