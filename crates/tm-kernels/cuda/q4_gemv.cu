@@ -109,11 +109,6 @@
 #ifndef TM_Q4_ABLATE_ODD_E
 #define TM_Q4_ABLATE_ODD_E 0
 #endif
-// TM_Q4_SM_SHFL: the tile-major lean loops take each step's scales and mins from the registers of
-// the lane quad (`q4_tiles_lean`, "Scales and mins by shuffle") instead of loading them per step.
-#ifndef TM_Q4_SM_SHFL
-#define TM_Q4_SM_SHFL 0
-#endif
 namespace tmq4 {
 
 using tmk::i64;
@@ -122,14 +117,6 @@ using tmk::u64;
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;  // K slices per CTA
 constexpr int BLOCKS_PER_STEP = 4;   // 32-column blocks per warp step (one per lane of a row quad)
-
-// Compile-time values as arguments of generic lambdas.
-template <int V> struct IntC {
-    static constexpr int value = V;
-};
-template <bool V> struct BoolC {
-    static constexpr bool value = V;
-};
 
 __device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned bits) {
     unsigned r;
@@ -562,38 +549,13 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         __half s[NT][2], m[NT][2];
         uint4 x[4];
     };
-    // Scales and mins by shuffle (TM_Q4_SM_SHFL; tile-major weights): the four lanes of a quad
-    // (same g) need the same scale and min pairs (rows g, g + 8) in every step, so instead of four
-    // lanes loading the same words each step, lane t holds step 4 k + t's words of window k (`qs`,
-    // `qm`: one 32-bit word per tile each, row g's value in the low half) and step j takes them from
-    // lane 4 g + j % 4 with one shuffle per word. A window's words are loaded once, by all lanes
-    // together (one request where there were four, for steps 4 k .. 4 k + 3). Window 0 is loaded
-    // with the ring's first weights, before `wait()`; with SMQ = 2, window k + 1 at step 4 k into
-    // `ns`, `nm`, moved into `qs`, `qm` after step 4 k + 3 (four steps ahead: a shuffle of a
-    // register with a load in flight in any lane would wait for it). SMQ = 1 (the 80-register U = 1
-    // loops, which have no room for the second window): shuffles when J <= 4, else the per-step
-    // loads (SMQ = 0).
-    constexpr int SMQ_MODE = TM_Q4_SM_SHFL && TILED && SMI != 1 ? (U == 1 && NT == 2 ? 1 : 2) : 0;
-    auto sm_words = [&](int i, int j, unsigned& sw, unsigned& mw) {
-        if (SMI == 2) {  // rows g and g + 8 are one word of each
-            const unsigned si = smo[i] / 2 + 64u * (unsigned)j;
-            sw = reinterpret_cast<const unsigned*>(tiles[i].scales)[si];
-            mw = reinterpret_cast<const unsigned*>(tiles[i].mins)[si];
-        } else {
-            const unsigned a = so[i][0] + 8u * (unsigned)j, b = so[i][1] + 8u * (unsigned)j;
-            sw = (unsigned)__half_as_ushort(tiles[i].scales[a]) | (unsigned)__half_as_ushort(tiles[i].scales[b]) << 16;
-            mw = (unsigned)__half_as_ushort(tiles[i].mins[a]) | (unsigned)__half_as_ushort(tiles[i].mins[b]) << 16;
-        }
-    };
-    auto loadw = [&](Buf& B, int j, auto smq) {
+    auto loadw = [&](Buf& B, int j) {
         const unsigned o = wo + 8192u * (unsigned)j;
 #pragma unroll
         for (int i = 0; i < NT; ++i)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                if (decltype(smq)::value) {
-                    B.w[i][h] = __ldcs(reinterpret_cast<const uint4*>(wb[i] + o) + 32 * h);
-                } else if (TILED && SMI == 2) {
+                if (TILED && SMI == 2) {
                     // scales and mins each in tile-major order: half ((row / 16 * groups + group)
                     // * 8 + row % 8) * 2 + row / 8 % 2, so rows g and g + 8 are one 32-bit word
                     B.w[i][h] = __ldcs(reinterpret_cast<const uint4*>(wb[i] + o) + 32 * h);
@@ -635,72 +597,29 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
 
     zero_acc<NT>(acc);
 
-    // The ring for one shuffle mode Q (SMQ_MODE's values; 1 here means the first window only).
-    auto ring = [&](auto q) {
-        constexpr int Q = decltype(q)::value;
-        const BoolC<(Q > 0)> smq;
-        unsigned qs[NT], qm[NT], ns[NT], nm[NT];
+    Buf buf[U];
 #pragma unroll
-        for (int i = 0; i < NT; ++i) qs[i] = qm[i] = ns[i] = nm[i] = 0u;
-        Buf buf[U];
+    for (int u = 0; u < U; ++u)
+        if (u < J) loadw(buf[u], u);
+    wait();
+    if (XPRE) {
 #pragma unroll
         for (int u = 0; u < U; ++u)
-            if (u < J) loadw(buf[u], u, smq);
-        if (Q > 0 && t < J) {
+            if (u < J) loadx(buf[u], u);
+    }
+    for (int j0 = 0; j0 < J; j0 += U) {
 #pragma unroll
-            for (int i = 0; i < NT; ++i) sm_words(i, t, qs[i], qm[i]);
-        }
-        wait();
-        if (XPRE) {
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-                if (u < J) loadx(buf[u], u);
-        }
-        for (int j0 = 0; j0 < J; j0 += U) {
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int j = j0 + u;
-                if (j >= J) break;  // the whole warp
-                if (!XPRE) loadx(buf[u], j);
-                if (Q > 0) {
-                    const int src = (lane & ~3) | (j & 3);
-#pragma unroll
-                    for (int i = 0; i < NT; ++i) {
-                        const unsigned sw = __shfl_sync(0xffffffffu, qs[i], src);
-                        const unsigned mw = __shfl_sync(0xffffffffu, qm[i], src);
-                        buf[u].s[i][0] = __ushort_as_half((unsigned short)(sw & 0xffffu));
-                        buf[u].s[i][1] = __ushort_as_half((unsigned short)(sw >> 16));
-                        buf[u].m[i][0] = __ushort_as_half((unsigned short)(mw & 0xffffu));
-                        buf[u].m[i][1] = __ushort_as_half((unsigned short)(mw >> 16));
-                    }
-                    if (Q == 2) {
-                        if ((j & 3) == 0 && j + 4 + t < J) {  // the next window: steps j + 4 .. j + 7
-#pragma unroll
-                            for (int i = 0; i < NT; ++i) sm_words(i, j + 4 + t, ns[i], nm[i]);
-                        }
-                        if ((j & 3) == 3) {
-#pragma unroll
-                            for (int i = 0; i < NT; ++i) qs[i] = ns[i], qm[i] = nm[i];
-                        }
-                    }
-                }
-                step_math_lean<T, NT>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc);
-                if (j + U < J) {
-                    loadw(buf[u], j + U, smq);
-                    if (XPRE) loadx(buf[u], j + U);
-                }
+        for (int u = 0; u < U; ++u) {
+            const int j = j0 + u;
+            if (j >= J) break;  // the whole warp
+            if (!XPRE) loadx(buf[u], j);
+            step_math_lean<T, NT>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc);
+            if (j + U < J) {
+                loadw(buf[u], j + U);
+                if (XPRE) loadx(buf[u], j + U);
             }
         }
-    };
-    if constexpr (SMQ_MODE == 2)
-        ring(IntC<2>());
-    else if constexpr (SMQ_MODE == 1) {
-        if (J <= 4)
-            ring(IntC<1>());
-        else
-            ring(IntC<0>());
-    } else
-        ring(IntC<0>());
+    }
 }
 
 // Called once a CTA's weight loads are all issued and consumed: lets the next kernel's blocks be

@@ -15,7 +15,7 @@
 thread_local dim3 threadIdx;
 thread_local dim3 blockIdx;
 static std::unique_ptr<std::barrier<>> cta_bar;
-struct WarpX { std::unique_ptr<std::barrier<>> bar; unsigned a[32][4]; unsigned b[32][2]; float f[32]; unsigned u[32]; };
+struct WarpX { std::unique_ptr<std::barrier<>> bar; unsigned a[32][4]; unsigned b[32][2]; float f[32]; };
 static WarpX warps[8];
 void __syncthreads() { cta_bar->arrive_and_wait(); }
 // Every lane of the warp calls it (as the kernels do): lane l gets lane (l ^ lane_mask)'s value.
@@ -25,16 +25,6 @@ float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     W.f[lane] = v;
     W.bar->arrive_and_wait();
     const float r = W.f[lane ^ lane_mask];
-    W.bar->arrive_and_wait();
-    return r;
-}
-
-unsigned __shfl_sync(unsigned, unsigned v, int src_lane) {
-    int lane = threadIdx.x & 31;
-    WarpX& W = warps[threadIdx.x >> 5];
-    W.u[lane] = v;
-    W.bar->arrive_and_wait();
-    const unsigned r = W.u[src_lane & 31];
     W.bar->arrive_and_wait();
     return r;
 }
