@@ -366,6 +366,21 @@
 //   in gate/up only 2330.8 / 2328.2. All slower by 45-180 us (probably the prefetches delay the
 //   demand loads that the warps wait on). Like the whole-tile prefetches of sessions 13 and 15,
 //   not pursued; not run on the H200 (one H200 call only, spent on the ablations).
+//
+// Session 25 (2026-12-06; engine only, AWQ 8B b1 replay, f16, scripts/gpu_b1_ab.sh, three
+// alternations per call; the base cubin byte-identical to the shipped one):
+// - H200 (4.205 TB/s): base 1947.2 / 1946.0 / 1951.1 us, nxr (nx and nr together) 1872.0 /
+//   1865.2 / 1868.0 (-79), nl (no scale and min loads) 1837.3 / 1838.8 / 1836.1 (-111); bf16
+//   4402.0 / 4405.2: nl would be 2.40x. On the H200 the scale and min loads are most of the
+//   `e` part (nxe - nx, -127 in session 24), unlike the H100 (-67 of -105).
+// - Scales and mins by shuffle (`TM_Q4_SM_SHFL`, commit f8c4b02, reverted in 442f662: the
+//   tile-major loops' lane t of each quad holds step 4 k + t's scale and min words, loaded once
+//   per four steps by all lanes, and every step takes its words from lane 4 g + j % 4 with one
+//   SHFL per word; the 80-register silu_lnts only when J <= 4): H200 (4.283 TB/s) base 1947.6 /
+//   1950.9 / 1948.3, smq 2000.9 / 2003.8 / 2000.3 (+53), smq with nx 1939.4 / 1939.4 / 1939.7, nl
+//   1844.0 / 1847.0 / 1846.9; bf16 4420.9 / 4419.1. The shuffles cost more than the loads they
+//   replace (both go through the MIO queue; the q4_gemv_bench figures moved by less than their
+//   noise, ~0.7 us).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
