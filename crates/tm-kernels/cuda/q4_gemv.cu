@@ -91,9 +91,9 @@
 // TM_Q4_ABLATE_EPI the per-step scale and min (acc += t; the scale and min loads then go too),
 // TM_Q4_ABLATE_SMLOAD only the scale and min loads (a loop-invariant scale and min instead: the
 // epilogue's FFMAs stay, its conversions leave the loop; 2: in the NT = 2 loops only),
-// TM_Q4_ABLATE_ODD_E the epilogue's
-// updates of batch columns 2t + 1 (what a batch-1 specialisation would save).
-// Measured in scripts/gpu/q4_decode_chain.cu's header (sessions 23, 24); build them with
+// TM_Q4_ABLATE_ODD_E the epilogue's updates of batch columns 2t + 1 (what a batch-1
+// specialisation would save), TM_Q4_ABLATE_SMHIT (below) the scale and min loads' DRAM requests.
+// Measured in scripts/gpu/q4_decode_chain.cu's header (sessions 23 to 25); build them with
 // scripts/gpu_kernel_variants.sh.
 #ifndef TM_Q4_ABLATE_XSUM
 #define TM_Q4_ABLATE_XSUM 0
@@ -115,11 +115,6 @@
 // DRAM requests and latency.
 #ifndef TM_Q4_ABLATE_SMHIT
 #define TM_Q4_ABLATE_SMHIT 0
-#endif
-// TM_Q4_SM_AHEAD: the tile-major lean loops load each step's scales and mins 2U steps ahead
-// instead of with its weights (U ahead); see `q4_tiles_lean`.
-#ifndef TM_Q4_SM_AHEAD
-#define TM_Q4_SM_AHEAD 0
 #endif
 namespace tmq4 {
 
@@ -597,12 +592,6 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
             md[i][h] = sm_const[1];
         }
     };
-    // SM_AHEAD (TM_Q4_SM_AHEAD, tile-major, U >= 2): the scales and mins of ring slot u's steps live in
-    // `sa[u]` (the step being computed) and `sn[u]` (the slot's next step, U on); after slot u's
-    // step j, sa[u] = sn[u] (loaded U steps ago, with step j's weights, which have arrived) and
-    // sn[u] takes step j + 2U's. Twice the weights' distance, for 4 (NT = 1) or 8 (NT = 2) more
-    // registers per slot.
-    constexpr bool AHEAD = TM_Q4_SM_AHEAD && TILED && U >= 2;  // the U = 1 loops have no room
     // n <= 8: SMHIT's step is 0 (NT = 2 loops only: the NT = 1 joins drop to 84 registers with it,
     // which would let three CTAs share an SM)
     const int sm_zero = TM_Q4_ABLATE_SMHIT && NT == 2 ? (n >> 8) : 1;
@@ -616,52 +605,17 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
                     B.w[i][h] = __ldcs(reinterpret_cast<const uint4*>(wb[i] + o) + 32 * h);
                 else
                     B.w[i][h] = __ldcs(wp[i][h] + 32 * j);
-                if (!AHEAD) load_sm(B.s, B.m, i, h, j * sm_zero);
+                load_sm(B.s, B.m, i, h, j * sm_zero);
             }
-    };
-    struct SmBuf {  // per tile: rows g (low half) and g + 8 (high half) of the scale and the min
-        unsigned s[NT], m[NT];
-    };
-    auto load_sm_step = [&](SmBuf& S, int j) {
-#pragma unroll
-        for (int i = 0; i < NT; ++i) {
-            if (SMI == 2) {
-                const unsigned si = smo[i] / 2 + 64u * (unsigned)j;
-                S.s[i] = reinterpret_cast<const unsigned*>(tiles[i].scales)[si];
-                S.m[i] = reinterpret_cast<const unsigned*>(tiles[i].mins)[si];
-            } else {
-                const unsigned a = so[i][0] + 8u * (unsigned)j, b = so[i][1] + 8u * (unsigned)j;
-                S.s[i] = (unsigned)__half_as_ushort(tiles[i].scales[a]) | (unsigned)__half_as_ushort(tiles[i].scales[b]) << 16;
-                S.m[i] = (unsigned)__half_as_ushort(tiles[i].mins[a]) | (unsigned)__half_as_ushort(tiles[i].mins[b]) << 16;
-            }
-        }
-    };
-    auto unpack_sm = [&](const SmBuf& S, __half (&sd)[NT][2], __half (&md)[NT][2]) {
-#pragma unroll
-        for (int i = 0; i < NT; ++i) {
-            sd[i][0] = __ushort_as_half((unsigned short)(S.s[i] & 0xffffu));
-            sd[i][1] = __ushort_as_half((unsigned short)(S.s[i] >> 16));
-            md[i][0] = __ushort_as_half((unsigned short)(S.m[i] & 0xffffu));
-            md[i][1] = __ushort_as_half((unsigned short)(S.m[i] >> 16));
-        }
     };
     auto loadx = [&](Buf& B, int j) { load_step_x(B.x, xp, j); };
 
     zero_acc<NT>(acc);
 
     Buf buf[U];
-    SmBuf sa[AHEAD ? U : 1], sn[AHEAD ? U : 1];
 #pragma unroll
     for (int u = 0; u < U; ++u)
-        if (u < J) {
-            loadw(buf[u], u);
-            if (AHEAD) load_sm_step(sa[u], u);
-        }
-    if (AHEAD) {
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-            if (u + U < J) load_sm_step(sn[u], u + U);
-    }
+        if (u < J) loadw(buf[u], u);
     wait();
     if (XPRE) {
 #pragma unroll
@@ -674,15 +628,7 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
             const int j = j0 + u;
             if (j >= J) break;  // the whole warp
             if (!XPRE) loadx(buf[u], j);
-            if (AHEAD) {
-                __half sh[NT][2], mh[NT][2];
-                unpack_sm(sa[u], sh, mh);
-                step_math_lean<T, NT>(buf[u].w, sh, mh, buf[u].x, acc);
-                sa[u] = sn[u];
-                if (j + 2 * U < J) load_sm_step(sn[u], j + 2 * U);
-            } else {
-                step_math_lean<T, NT>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc);
-            }
+            step_math_lean<T, NT>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc);
             if (j + U < J) {
                 loadw(buf[u], j + U);
                 if (XPRE) loadx(buf[u], j + U);
