@@ -381,6 +381,20 @@
 //   1844.0 / 1847.0 / 1846.9; bf16 4420.9 / 4419.1. The shuffles cost more than the loads they
 //   replace (both go through the MIO queue; the q4_gemv_bench figures moved by less than their
 //   noise, ~0.7 us).
+// - H200 (4.278 TB/s): base 1953.3 / 1950.0 / 1945.5 us; scales and mins loaded 2U steps ahead
+//   in the U >= 2 tile-major loops (q/k/v, o, down; `TM_Q4_SM_AHEAD` of commit 1a681a1, removed
+//   after: a second word set per ring slot, moved into the first after each step; the U = 1
+//   silu_lnts spilled with it) 2012.5 / 2016.7 / 2010.0 (+63); in the NT = 2 loops only (gate/up
+//   and q/k/v): every step loading step 0's scales and mins (`TM_Q4_ABLATE_SMHIT`: the loads and
+//   their conversions stay, their DRAM requests go) 1926.3 / 1925.1 / 1924.4 (-25), no scale and
+//   min loads (`TM_Q4_ABLATE_SMLOAD=2`) 1862.2 / 1865.5 / 1864.0 (-86); bf16 4435.2 / 4434.7.
+//   So of what the loads cost in those loops, about a quarter is their DRAM traffic and latency
+//   and three quarters the per-step instructions: the loads (4 LDG.32 a gate/up step, 8 LDG.U16
+//   a q/k/v RoPE step over two row-major tiles) and the conversions after them (per tile and
+//   row half: two f16 -> f32 and the FMA for m - OFF s). Fetching them further ahead costs more
+//   than it hides. What would cut instructions: the scale and min of a row pair in one 8-byte
+//   load (SMI = 1's interleaved words, for every tile-major weight, which q4_gemm.cu would then
+//   read too), or a layout whose lane loads two steps' words at once.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
