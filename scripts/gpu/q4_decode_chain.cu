@@ -388,8 +388,8 @@
 //   and q/k/v): every step loading step 0's scales and mins (`TM_Q4_ABLATE_SMHIT`: the loads and
 //   their conversions stay, their DRAM requests go) 1926.3 / 1925.1 / 1924.4 (-25), no scale and
 //   min loads (`TM_Q4_ABLATE_SMLOAD=2`) 1862.2 / 1865.5 / 1864.0 (-86); bf16 4435.2 / 4434.7.
-//   So of what the loads cost in those loops, about a quarter is their DRAM traffic and latency
-//   and three quarters the per-step instructions: the loads (4 LDG.32 a gate/up step, 8 LDG.U16
+//   So of what the loads cost in those loops, about 30% is their DRAM traffic and latency and
+//   70% the per-step instructions: the loads (4 LDG.32 a gate/up step, 8 LDG.U16
 //   a q/k/v RoPE step over two row-major tiles) and the conversions after them (per tile and
 //   row half: two f16 -> f32 and the FMA for m - OFF s). Fetching them further ahead costs more
 //   than it hides. What would cut instructions: the scale and min of a row pair in one 8-byte
