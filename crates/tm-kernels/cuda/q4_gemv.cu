@@ -116,6 +116,13 @@
 #ifndef TM_Q4_ABLATE_SMHIT
 #define TM_Q4_ABLATE_SMHIT 0
 #endif
+// TM_Q4_ABLATE_SMFUSED (timing only, the tile-major NT = 2 loops): one 16-byte load per lane and
+// step gives both tiles' scales and mins (what a layout with gate and up interleaved per row pair
+// would load), read from the first tile's scales at a quarter of the real offset (so a quarter of
+// the bytes, the rest L2 hits): the loads' instruction count without the four per step.
+#ifndef TM_Q4_ABLATE_SMFUSED
+#define TM_Q4_ABLATE_SMFUSED 0
+#endif
 namespace tmq4 {
 
 using tmk::i64;
@@ -559,7 +566,19 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
     // The scale and min loads of tile i, row half h (h = 0 loads both rows' where one word holds
     // them) of step j into s, m.
     auto load_sm = [&](__half (&sd)[NT][2], __half (&md)[NT][2], int i, int h, int j) {
-        if (TILED && SMI == 2) {
+        if (TM_Q4_ABLATE_SMFUSED && TILED && NT == 2) {
+            if (i == 0 && h == 0) {
+                const uint4 v = reinterpret_cast<const uint4*>(tiles[0].scales)[(smo[0] / 2 + 64u * (unsigned)j) >> 2];
+                const unsigned wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int k = 0; k < NT; ++k) {
+                    sd[k][0] = __ushort_as_half((unsigned short)(wv[2 * k] & 0xffffu));
+                    sd[k][1] = __ushort_as_half((unsigned short)(wv[2 * k] >> 16));
+                    md[k][0] = __ushort_as_half((unsigned short)(wv[2 * k + 1] & 0xffffu));
+                    md[k][1] = __ushort_as_half((unsigned short)(wv[2 * k + 1] >> 16));
+                }
+            }
+        } else if (TILED && SMI == 2) {
             // scales and mins each in tile-major order: half ((row / 16 * groups + group) * 8 +
             // row % 8) * 2 + row / 8 % 2, so rows g and g + 8 are one 32-bit word
             if (h == 0) {
