@@ -26,7 +26,6 @@ struct __half2 { __half x, y; };
 inline float __half2float(__half h) { _Float16 f; std::memcpy(&f, &h.x, 2); return (float)f; }
 inline __half __float2half_rn(float v) { _Float16 f = (_Float16)v; __half h; std::memcpy(&h.x, &f, 2); return h; }
 inline __half __ushort_as_half(unsigned short u) { return __half{u}; }
-inline unsigned short __half_as_ushort(__half h) { return h.x; }
 inline __half2 __half2half2(__half h) { return __half2{h, h}; }
 inline __half2 __hsub2(__half2 a, __half2 b) {
     return __half2{__float2half_rn(__half2float(a.x) - __half2float(b.x)), __float2half_rn(__half2float(a.y) - __half2float(b.y))};
