@@ -395,7 +395,7 @@
 //   than it hides. What would cut instructions: the scale and min of a row pair in one 8-byte
 //   load (SMI = 1's interleaved words, for every tile-major weight, which q4_gemm.cu would then
 //   read too), or a layout whose lane loads two steps' words at once.
-// - Built for the next H200 call, which never came (eleven asks got H100s): `TM_Q4_ABLATE_SMFUSED`
+// - Built for the next H200 call, which never came (six asks got H100s): `TM_Q4_ABLATE_SMFUSED`
 //   (one 16-byte load per lane and step for both tiles' scales and mins in the NT = 2 loops, read
 //   at a quarter of the real offset: the loads' count without their bytes), to run as
 //   `VARIANTS="base sf nl2"`. Close to nl2 would mean one load per step is the lever (gate and up
