@@ -92,7 +92,8 @@
 // TM_Q4_ABLATE_SMLOAD only the scale and min loads (a loop-invariant scale and min instead: the
 // epilogue's FFMAs stay, its conversions leave the loop; 2: in the NT = 2 loops only),
 // TM_Q4_ABLATE_ODD_E the epilogue's updates of batch columns 2t + 1 (what a batch-1
-// specialisation would save), TM_Q4_ABLATE_SMHIT (below) the scale and min loads' DRAM requests.
+// specialisation would save); TM_Q4_ABLATE_SMHIT and TM_Q4_ABLATE_SMFUSED (below) parts of the
+// scale and min loads.
 // Measured in scripts/gpu/q4_decode_chain.cu's header (sessions 23 to 25); build them with
 // scripts/gpu_kernel_variants.sh.
 #ifndef TM_Q4_ABLATE_XSUM
@@ -219,6 +220,12 @@ __device__ __forceinline__ void mma(float c[4], const unsigned a[4], unsigned b0
 
 // Word k (0..3) of a 16-byte chunk.
 __device__ __forceinline__ unsigned word_of(const uint4& c, int k) { return k == 0 ? c.x : k == 1 ? c.y : k == 2 ? c.z : c.w; }
+
+// The two f16 values of a 32-bit word: the low half into lo, the high half into hi.
+__device__ __forceinline__ void split_halves(unsigned w, __half& lo, __half& hi) {
+    lo = __ushort_as_half((unsigned short)(w & 0xffffu));
+    hi = __ushort_as_half((unsigned short)(w >> 16));
+}
 
 // The mma B operands of word k of a step: x of the columns (4k, 4k+2) and (4k+1, 4k+3) (low
 // nibbles) and the same + 16 (high nibbles), picked from the lane's 32 loaded x values (`xv`:
@@ -572,10 +579,8 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
                 const unsigned wv[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
                 for (int k = 0; k < NT; ++k) {
-                    sd[k][0] = __ushort_as_half((unsigned short)(wv[2 * k] & 0xffffu));
-                    sd[k][1] = __ushort_as_half((unsigned short)(wv[2 * k] >> 16));
-                    md[k][0] = __ushort_as_half((unsigned short)(wv[2 * k + 1] & 0xffffu));
-                    md[k][1] = __ushort_as_half((unsigned short)(wv[2 * k + 1] >> 16));
+                    split_halves(wv[2 * k], sd[k][0], sd[k][1]);
+                    split_halves(wv[2 * k + 1], md[k][0], md[k][1]);
                 }
             }
         } else if (TILED && SMI == 2) {
@@ -585,18 +590,14 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
                 const unsigned si = smo[i] / 2 + 64u * (unsigned)j;
                 const unsigned sv = reinterpret_cast<const unsigned*>(tiles[i].scales)[si];
                 const unsigned mv = reinterpret_cast<const unsigned*>(tiles[i].mins)[si];
-                sd[i][0] = __ushort_as_half((unsigned short)(sv & 0xffffu));
-                sd[i][1] = __ushort_as_half((unsigned short)(sv >> 16));
-                md[i][0] = __ushort_as_half((unsigned short)(mv & 0xffffu));
-                md[i][1] = __ushort_as_half((unsigned short)(mv >> 16));
+                split_halves(sv, sd[i][0], sd[i][1]);
+                split_halves(mv, md[i][0], md[i][1]);
             }
         } else if (TILED && SMI) {
             if (h == 0) {
                 const uint2 v = *reinterpret_cast<const uint2*>(tiles[i].smi + smo[i] + 128u * (unsigned)j);
-                sd[i][0] = __ushort_as_half((unsigned short)(v.x & 0xffffu));
-                md[i][0] = __ushort_as_half((unsigned short)(v.x >> 16));
-                sd[i][1] = __ushort_as_half((unsigned short)(v.y & 0xffffu));
-                md[i][1] = __ushort_as_half((unsigned short)(v.y >> 16));
+                split_halves(v.x, sd[i][0], md[i][0]);
+                split_halves(v.y, sd[i][1], md[i][1]);
             }
         } else if (TILED) {
             const unsigned si = so[i][h] + 8u * (unsigned)j;
