@@ -129,6 +129,20 @@ static std::vector<double> product(const Q& q, const std::vector<double>& xd, in
     return y;
 }
 
+// The kernel form a case code U names (the cases' U): 2 u2, 16 n16, 7 / 67 ln, 8 / 68 ln4,
+// 17 / 77 lnt, 18 / 78 ln4t (SiLU / plain and join), 19 lnts.
+static const char* form_name(int U) {
+    switch (U) {
+    case 16: return "n16";
+    case 7: case 67: return "ln";
+    case 8: case 68: return "ln4";
+    case 17: case 77: return "lnt";
+    case 18: case 78: return "ln4t";
+    case 19: return "lnts";
+    default: return "u2";
+    }
+}
+
 template <class T> static T to_t(float v);
 template <> __half to_t<__half>(float v) { return __float2half_rn(v); }
 template <> __nv_bfloat16 to_t<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
@@ -195,7 +209,7 @@ static void case_plain(const char* dt, int U, int n, std::vector<int> rowsv, int
             for (int j = 0; j < n; ++j)
                 for (int r = 0; r < rows; ++r) want[(size_t)j * rows + r] += bd[i][r];
         char what[200];
-        snprintf(what, sizeof what, "%s %s plain n=%d rows=%d (slot %d of %d) cols=%d g=%d%s", dt, U == 16 ? "n16" : U == 67 ? "ln" : U == 68 ? "ln4" : U == 77 ? "lnt" : U == 78 ? "ln4t" : "u2", n, rows, i, k, cols, group, B(i) ? " +bias" : "");
+        snprintf(what, sizeof what, "%s %s plain n=%d rows=%d (slot %d of %d) cols=%d g=%d%s", dt, form_name(U), n, rows, i, k, cols, group, B(i) ? " +bias" : "");
         check(what, outs[i], want, n, rows, std::is_same_v<T, __half> ? 2e-3 : 2e-2);
     }
 }
@@ -224,7 +238,7 @@ static void case_silu(const char* dt, int U, int n, int rows, int cols, int grou
     const std::vector<double> b = product(u, xd, n);
     for (size_t i = 0; i < want.size(); ++i) want[i] = want[i] / (1 + std::exp(-want[i])) * b[i];
     char what[200];
-    snprintf(what, sizeof what, "%s %s silu n=%d rows=%d cols=%d g=%d", dt, U == 2 ? "u2" : U == 7 ? "ln" : U == 8 ? "ln4" : U == 17 ? "lnt" : U == 19 ? "lnts" : "ln4t", n, rows, cols, group);
+    snprintf(what, sizeof what, "%s %s silu n=%d rows=%d cols=%d g=%d", dt, form_name(U), n, rows, cols, group);
     check(what, out, want, n, rows, std::is_same_v<T, __half> ? 4e-3 : 4e-2);
 }
 
@@ -262,7 +276,7 @@ static void case_join(const char* dt, int U, int n, int rows, int cols, int grou
         }
     const double tol = std::is_same_v<T, __half> ? 2e-3 : 2e-2;
     char what[200];
-    const char* name = U == 16 ? "n16" : U == 67 ? "ln" : U == 68 ? "ln4" : U == 77 ? "lnt" : "ln4t";
+    const char* name = form_name(U);
     snprintf(what, sizeof what, "%s %s join residual n=%d rows=%d cols=%d g=%d", dt, name, n, rows, cols, group);
     check(what, resid, want, n, rows, tol);
     snprintf(what, sizeof what, "%s %s join normed n=%d rows=%d cols=%d g=%d", dt, name, n, rows, cols, group);
