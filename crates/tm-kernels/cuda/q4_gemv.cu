@@ -124,6 +124,12 @@
 #ifndef TM_Q4_ABLATE_SMFUSED
 #define TM_Q4_ABLATE_SMFUSED 0
 #endif
+// TM_Q4_ABLATE_XLOAD (timing only, the lean loops): no ones-mma; X of the lane's batch columns
+// 2t, 2t + 1 comes from one 8-byte load a step instead (from x itself, an L1 hit as a per-step
+// X array written by x's producer would be): what the consumers would pay for X from producers.
+#ifndef TM_Q4_ABLATE_XLOAD
+#define TM_Q4_ABLATE_XLOAD 0
+#endif
 namespace tmq4 {
 
 using tmk::i64;
@@ -294,9 +300,11 @@ template <class T> __device__ __forceinline__ void raw4(unsigned w, unsigned p[4
 // rounding of the weights to T, which this path never makes.
 template <class T, int NT>
 __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __half (&sh)[NT][2],
-                                               const __half (&mh)[NT][2], const uint4 (&xv)[4], float (*acc)[4]) {
+                                               const __half (&mh)[NT][2], const uint4 (&xv)[4], float (*acc)[4],
+                                               float2 xl = make_float2(0.f, 0.f)) {
     const unsigned ones[4] = {Raw4<T>::ONES, Raw4<T>::ONES, Raw4<T>::ONES, Raw4<T>::ONES};
-    float xs[4] = {0.f, 0.f, 0.f, 0.f};  // X of batch columns 2t, 2t + 1 (rows g and g + 8 alike)
+    // X of batch columns 2t, 2t + 1 (rows g and g + 8 alike)
+    float xs[4] = {xl.x, xl.y, xl.x, xl.y};
     float t[NT][4];
 #pragma unroll
     for (int i = 0; i < NT; ++i)
@@ -305,7 +313,7 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         const XPairs x = x_pairs(xv, k);
-        if (!TM_Q4_ABLATE_XSUM) {
+        if (!TM_Q4_ABLATE_XSUM && !TM_Q4_ABLATE_XLOAD) {
             mma(xs, ones, x.l02, x.l13, T());
             mma(xs, ones, x.h02, x.h13, T());
         }
@@ -569,6 +577,7 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         uint4 w[NT][2];
         __half s[NT][2], m[NT][2];
         uint4 x[4];
+        float2 xl;  // TM_Q4_ABLATE_XLOAD
     };
     // The scale and min loads of tile i, row half h (h = 0 loads both rows' where one word holds
     // them) of step j into s, m.
@@ -628,7 +637,10 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
                 load_sm(B.s, B.m, i, h, j * sm_zero);
             }
     };
-    auto loadx = [&](Buf& B, int j) { load_step_x(B.x, xp, j); };
+    auto loadx = [&](Buf& B, int j) {
+        load_step_x(B.x, xp, j);
+        if (TM_Q4_ABLATE_XLOAD) B.xl = __ldca(reinterpret_cast<const float2*>(xp) + 2 * j);
+    };
 
     zero_acc<NT>(acc);
 
@@ -648,7 +660,7 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
             const int j = j0 + u;
             if (j >= J) break;  // the whole warp
             if (!XPRE) loadx(buf[u], j);
-            step_math_lean<T, NT>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc);
+            step_math_lean<T, NT>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc, TM_Q4_ABLATE_XLOAD ? buf[u].xl : make_float2(0.f, 0.f));
             if (j + U < J) {
                 loadw(buf[u], j + U);
                 if (XPRE) loadx(buf[u], j + U);

@@ -21,6 +21,7 @@ struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 struct float2 { float x, y; };
+inline float2 make_float2(float a, float b) { return float2{a, b}; }
 struct __half { uint16_t x; };
 struct __half2 { __half x, y; };
 inline float __half2float(__half h) { _Float16 f; std::memcpy(&f, &h.x, 2); return (float)f; }
