@@ -400,6 +400,23 @@
 //   at a quarter of the real offset: the loads' count without their bytes), to run as
 //   `VARIANTS="base sf nl2"`. Close to nl2 would mean one load per step is the lever (gate and up
 //   interleaved per row pair); close to base, the conversions after the loads.
+//
+// Session 26 (2026-12-06; engine only, AWQ 8B b1 replay, f16, scripts/gpu_b1_ab.sh, two
+// alternations; the base cubin byte-identical to the shipped one). Seven asks for an H200: five
+// got no machine, one an H100 (stopped at the name check), and the warm H100 then ran the
+// variants. New: `TM_Q4_ABLATE_XLOAD` (`xl`: no ones-mma in any lean loop; X of the lane's batch
+// columns from one 8-byte L1-hit load a step, what X from the producers would cost the consumers).
+// - H100 80GB HBM3 (3.021 TB/s): base 2279.4 / 2273.8 us, sf 2242.8 / 2247.6 (-31), nl2 2224.7 /
+//   2220.5 (-54), xl 2253.6 / 2256.2 (-22: the same as nx there, so the load costs about what the
+//   ones-mma's removal leaves), sf and xl together 2217.6 / 2216.4 (-60: they add up).
+//   So one load a step in the NT = 2 loops gets ~60% of what no loads at all would (sf reads a
+//   quarter of the bytes, which flatters it by at most SMHIT's share), and X from the producers
+//   loses nothing to its load. The H200 has shown about twice the H100's saving for every
+//   ablation so far (nx -43 / -22, nl -111 / -67); if that holds, sf with xl is about -110 to -120
+//   there, which is the missing ~105 us. Next: `VARIANTS="base sf xl sfxl"` with BF16=1 on an
+//   H200; then build both for real: a scale-and-min layout that gives a lane one 16-byte load per
+//   step for the NT = 2 loops (per weight: a row pair's scale and min for two of the warp's steps,
+//   loaded every other step; or gate and up interleaved) and X from the producers (f64 atomics).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
