@@ -11,7 +11,9 @@
 #   VARIANTS="base j3" ROUNDS=3 BF16=1 OUT=dir bash scripts/gpu_b1_ab.sh
 #
 # Each variant's kernels are the bundle's kernels/ with target/variants/kernels-<name>/*.cubin laid
-# over them (the bundle's manifest.txt stays, so the binary keeps PDL on); `base` should be built
+# over them (the bundle's manifest.txt stays, so the binary keeps PDL on), and its runs get the
+# environment in target/variants/kernels-<name>/env if there is one (KEY=VALUE lines, e.g.
+# TM_GATE_UP_SCALE_PAIRS=1 for a variant that changes a layout, not a kernel); `base` should be built
 # with no flags, so that every variant comes from the same compiler run. Rounds alternate the
 # variants (base j3 base j3 ...): clocks and the machine drift within a call. Writes
 # $OUT/summary.txt (per run: the graph replay time of a decode step, output tok/s and TPOT p50),
@@ -69,7 +71,8 @@ for v in $VARIANTS; do
     mkdir -p "/tmp/b1ab-k-$v"
     cp "$BUNDLE"/kernels/* "/tmp/b1ab-k-$v/"
     if [ -d "target/variants/kernels-$v" ]; then
-        cp "target/variants/kernels-$v"/*.cubin "/tmp/b1ab-k-$v/"
+        cp "target/variants/kernels-$v"/*.cubin "/tmp/b1ab-k-$v/" 2>/dev/null
+        if [ -f "target/variants/kernels-$v/env" ]; then cp "target/variants/kernels-$v/env" "/tmp/b1ab-k-$v/"; fi
     elif [ "$v" != base ]; then
         echo "gpu_b1_ab: no target/variants/kernels-$v" | tee -a "$LOGS/summary.txt" >&2
         exit 1
@@ -90,9 +93,10 @@ SHAPE_B1="--num-prompts 3 --concurrency 1 --input-len 512 --output-len ${OUTPUT_
 SHAPE_C64="--num-prompts 64 --concurrency 64 --input-len 512 --output-len 256"
 # bench NAME KERNELS MODEL DTYPE [SHAPE]: batch-1 decode of 3 prompts of 512 tokens, or SHAPE.
 bench() {
-    local log="$LOGS/$1.txt"
+    local log="$LOGS/$1.txt" vars=()
+    if [ -f "$2/env" ]; then mapfile -t vars <"$2/env"; fi
     # shellcheck disable=SC2086 # the shape is a list of arguments
-    TM_KERNELS_DIR="$2" timeout 150 "$CLI" bench --model "$3" --backend cuda --dtype "$4" ${5:-$SHAPE_B1} >"$log" 2>&1
+    env "${vars[@]}" TM_KERNELS_DIR="$2" timeout 150 "$CLI" bench --model "$3" --backend cuda --dtype "$4" ${5:-$SHAPE_B1} >"$log" 2>&1
     local rc=$?
     echo "$1 (t=${SECONDS}s) exit $rc: $(grep -o 'a replay took [0-9.]* us' "$log" | tail -1)," \
         "$(grep -o 'output throughput *[0-9.]* tok/s' "$log"), $(grep -o 'TPOT (ms) *p50 [0-9.]*' "$log")" |

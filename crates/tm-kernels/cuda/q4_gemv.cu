@@ -62,6 +62,9 @@
 //   per lane are one 32-bit load of each instead of two 16-bit loads over eight rows' sectors):
 //   AWQ 8B batch-1 replay on the H200 1942.7-1949.7 us against 1951.9-1962.2 with row-major
 //   scales (five alternations; scripts/gpu/q4_decode_chain.cu mode `smi`).
+// - `q4_gemv_silu_lntp_T`: the same for gate and up weights whose scales and mins are one tensor
+//   (`Int4Layout::TilesAndScalePairs16x128`, `tiled` = 3): one 8-byte load per lane, tile and step
+//   gives both rows' scale and min (two 32-bit loads in `silu_lnts`).
 // - `q4_gemv_*_join_T` (deferred RMSNorm, below): the plain kernel of the same name's
 //   configuration followed by the residual join, except that `ln4t_join` (a layer's o and down
 //   at batch 1) keeps two steps in flight per warp, not four (still two CTAs per SM): AWQ 8B
@@ -565,9 +568,14 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         }
     }
     const unsigned wo = (unsigned)(64 * warp + lane) * 16u;  // TILED
-    unsigned smo[NT];                                         // SMI: the lane's word pair at step 0
+    // SMI: the lane's entries at step 0 (SMI = 3, in halves: the scale and min of rows g and g + 8
+    // for steps 0 and 1 are the 8 at row0 / 16 * 32 groups + 64 warp + 8 g; steps 2 k and 2 k + 1
+    // are k * 512 on)
+    unsigned smo[NT];
 #pragma unroll
-    for (int i = 0; i < NT; ++i) smo[i] = ((unsigned)(tiles[i].row0 >> 4) * groups + warp) * 16u + 2u * g;
+    for (int i = 0; i < NT; ++i)
+        smo[i] = SMI == 3 ? (unsigned)(tiles[i].row0 >> 4) * 32u * (unsigned)groups + 64u * warp + 8u * g
+                          : ((unsigned)(tiles[i].row0 >> 4) * groups + warp) * 16u + 2u * g;
     const uint4* xp = lean_x_lane(x, n, cols);
     // TM_Q4_ABLATE_SMLOAD's scale and min (opaque to the compiler, loop-invariant)
     const __half sm_const[2] = {__ushort_as_half((unsigned short)(0x2000u + (tiles[0].row0 & 7))),
@@ -591,6 +599,16 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
                     split_halves(wv[2 * k], sd[k][0], sd[k][1]);
                     split_halves(wv[2 * k + 1], md[k][0], md[k][1]);
                 }
+            }
+        } else if (TILED && SMI == 3) {
+            // scales and mins in one tensor (`tiled` = 3): the 8 bytes of step j hold the scales of
+            // rows g and g + 8, then their mins (a 16-byte load of two steps, kept in registers for
+            // the odd one, spills at silu_lntp's 80 registers)
+            if (h == 0) {
+                const unsigned si = smo[i] + 512u * (unsigned)(j >> 1) + 4u * (unsigned)(j & 1);
+                const uint2 v = *reinterpret_cast<const uint2*>(tiles[i].scales + si);
+                split_halves(v.x, sd[i][0], sd[i][1]);
+                split_halves(v.y, md[i][0], md[i][1]);
             }
         } else if (TILED && SMI == 2) {
             // scales and mins each in tile-major order: half ((row / 16 * groups + group) * 8 +
@@ -768,9 +786,9 @@ __device__ __forceinline__ void silu_store(T* out, float v, float* upv, int row0
 }
 
 // Which tile loop a kernel runs: `q4_tiles`, `q4_tiles_lean`, or `q4_tiles_lean` on tile-major
-// weights, with row-major scales and mins or (LEAN_TILED_TS, `tiled` = 2) scales and mins in tile
-// order (SMI = 2).
-enum Path { GENERIC = 0, LEAN = 1, LEAN_TILED = 2, LEAN_TILED_TS = 3 };
+// weights, with row-major scales and mins, (LEAN_TILED_TS, `tiled` = 2) scales and mins in tile
+// order (SMI = 2), or (LEAN_TILED_SP, `tiled` = 3) scales and mins in one tensor (SMI = 3).
+enum Path { GENERIC = 0, LEAN = 1, LEAN_TILED = 2, LEAN_TILED_TS = 3, LEAN_TILED_SP = 4 };
 
 // The plain products with NT 16-row tiles (16 NT consecutive rows of one weight) per CTA.
 template <class T, int U, int NT, int PATH, class Wait>
@@ -872,7 +890,9 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
     const Tile tiles[2] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
                            Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[2][4];
-    if constexpr (PATH == LEAN_TILED_TS)
+    if constexpr (PATH == LEAN_TILED_SP)
+        q4_tiles_lean<T, U, 2, XPRE, true, 3>(tiles, x, n, cols, acc, wait_sum);
+    else if constexpr (PATH == LEAN_TILED_TS)
         q4_tiles_lean<T, U, 2, XPRE, true, 2>(tiles, x, n, cols, acc, wait_sum);
     else if constexpr (PATH == LEAN_TILED)
         q4_tiles_lean<T, U, 2, XPRE, true>(tiles, x, n, cols, acc, wait_sum);
@@ -1123,6 +1143,7 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     TM_Q4_GEMV_SILU(q4_gemv_silu_ln4_##SUF, T, 4, 1, LEAN)                                                              \
     TM_Q4_GEMV_SILU_X(q4_gemv_silu_lnt_##SUF, T, 1, 3, LEAN_TILED, true)                                                \
     TM_Q4_GEMV_SILU_X(q4_gemv_silu_lnts_##SUF, T, 1, 3, LEAN_TILED_TS, true)                                            \
+    TM_Q4_GEMV_SILU_X(q4_gemv_silu_lntp_##SUF, T, 1, 3, LEAN_TILED_SP, true)                                            \
     TM_Q4_GEMV_SILU(q4_gemv_silu_ln4t_##SUF, T, 4, 1, LEAN_TILED)                                                        \
     TM_Q4_GEMV_JOIN(q4_gemv_n16_join_##SUF, T, 2, 3, GENERIC)                                                           \
     TM_Q4_GEMV_JOIN(q4_gemv_ln_join_##SUF, T, 2, 2, LEAN)                                                               \

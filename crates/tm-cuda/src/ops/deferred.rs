@@ -11,7 +11,7 @@ use tm_core::ops::{DeferredNorm, DEFERRED_NORM_ROWS};
 use tm_core::quant::Weight;
 use tm_core::{DType, Error, Result, Tensor};
 
-use super::{ptr, CudaBackend};
+use super::{int4_mins, ptr, CudaBackend};
 use crate::kernels::elementwise as ew;
 use crate::kernels::q4_gemv::{self, NormArgs, Q4Slot};
 
@@ -66,11 +66,10 @@ impl CudaBackend {
         if out.numel() != n * rows {
             return Err(Error::shape("deferred join output", [n, rows], out.shape()));
         }
-        let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
         let weight = Q4Slot {
             packed: ptr(&q.packed),
             scales: ptr(&q.scales),
-            mins: ptr(mins),
+            mins: int4_mins(q)?,
             bias: 0,
             out: ptr(out),
             rows,
