@@ -417,6 +417,17 @@
 //   H200; then build both for real: a scale-and-min layout that gives a lane one 16-byte load per
 //   step for the NT = 2 loops (per weight: a row pair's scale and min for two of the warp's steps,
 //   loaded every other step; or gate and up interleaved) and X from the producers (f64 atomics).
+// - Built since (commit 2609660): tm-core `Int4Layout::TilesAndScalePairs16x128` (`tiled` = 3,
+//   scales and mins in one tensor, 8 bytes a row pair and step, 16 bytes for two of a warp's
+//   steps), given to gate and up with TM_GATE_UP_SCALE_PAIRS=1 and read by `silu_lntp` with one
+//   8-byte load per tile and step (two a gate/up step against silu_lnts' four 4-byte loads; the
+//   16-byte load every other step spills 16 B in the 80-register loop, so not built). H100
+//   (3.002 TB/s, two alternations, the variant's environment from gpu_b1_ab.sh's env files):
+//   base 2276.1 / 2278.2 us, pairs 2282.6 / 2282.4 (+5), xl 2255.3 / 2258.2 (-20), pairs with xl
+//   2249.2 / 2248.2 (-8 against xl), sf with xl 2222.5 / 2229.9 (-51); bf16 5701.5 / 5701.8 (base
+//   2.50x). So halving the gate/up loads at full bytes gains nothing on the H100: what sf gains
+//   there is its single load of both tiles and its quarter of the bytes, which no layout of one
+//   weight gives. Left off by default; not run on an H200 (none came).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

@@ -64,7 +64,9 @@
 //   scales (five alternations; scripts/gpu/q4_decode_chain.cu mode `smi`).
 // - `q4_gemv_silu_lntp_T`: the same for gate and up weights whose scales and mins are one tensor
 //   (`Int4Layout::TilesAndScalePairs16x128`, `tiled` = 3): one 8-byte load per lane, tile and step
-//   gives both rows' scale and min (two 32-bit loads in `silu_lnts`).
+//   gives both rows' scale and min (two 32-bit loads in `silu_lnts`). H100 AWQ 8B batch-1 replay
+//   2282.4-2282.6 us against 2276.1-2278.2 for `silu_lnts`: not the CUDA backend's default
+//   (scripts/gpu/q4_decode_chain.cu, "Session 26").
 // - `q4_gemv_*_join_T` (deferred RMSNorm, below): the plain kernel of the same name's
 //   configuration followed by the residual join, except that `ln4t_join` (a layer's o and down
 //   at batch 1) keeps two steps in flight per warp, not four (still two CTAs per SM): AWQ 8B
