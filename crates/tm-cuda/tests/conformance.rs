@@ -2847,6 +2847,29 @@ fn qkv_rope_write_kv_fused() {
     tm_cuda::kernels::q4_gemv::set_tiling(None);
 }
 
+/// The slab path (a 1 MiB budget: several slabs) on two `[rows, cols]` int4 weights holding the
+/// same values in different layouts: the same bytes out for 64 activation rows.
+fn slabs_same_bytes(
+    c: &mut Case<'_>,
+    a_w: &tm_core::quant::Weight,
+    b_w: &tm_core::quant::Weight,
+    rows: usize,
+    cols: usize,
+) -> Result<(), String> {
+    let on = tm_core::q4_slab::SlabPolicy { enabled: true, min_tokens: 1 };
+    tm_cuda::set_slab_policy(Some((on, 1 << 20)));
+    let xs = c.activations(64 * cols, 1.0);
+    let x = c.act(&[64, cols], &xs)?;
+    let (mut a, mut b) = (c.output(&[64, rows])?, c.output(&[64, rows])?);
+    let ran = c.gpu.reserve_matmul_scratch(64).and_then(|_| {
+        c.gpu.matmul(&x.gpu, a_w, None, &mut a.gpu)?;
+        c.gpu.matmul(&x.gpu, b_w, None, &mut b.gpu)
+    });
+    tm_cuda::set_slab_policy(None);
+    ran.ctx("slabs")?;
+    c.check_same_bytes("slabs", &a.gpu, &b.gpu)
+}
+
 /// The int4 layout of `w`, if it is an int4 weight.
 fn int4_layout_of(w: &tm_core::quant::Weight) -> Option<tm_core::quant::Int4Layout> {
     match w {
@@ -2932,19 +2955,7 @@ fn matmul_int4_layouts() {
                         .ctx("many")?;
                     c.check_same_bytes("matmul_many", &ta[1].gpu, &tb[1].gpu)?;
                 }
-                // The slab path (a 1 MiB budget: several slabs).
-                let on = tm_core::q4_slab::SlabPolicy { enabled: true, min_tokens: 1 };
-                tm_cuda::set_slab_policy(Some((on, 1 << 20)));
-                let xs = c.activations(64 * cols, 1.0);
-                let x = c.act(&[64, cols], &xs)?;
-                let (mut a, mut b) = (c.output(&[64, rows])?, c.output(&[64, rows])?);
-                let ran = c.gpu.reserve_matmul_scratch(64).and_then(|_| {
-                    c.gpu.matmul(&x.gpu, &w.gpu, None, &mut a.gpu)?;
-                    c.gpu.matmul(&x.gpu, &rm, None, &mut b.gpu)
-                });
-                tm_cuda::set_slab_policy(None);
-                ran.ctx("slabs")?;
-                c.check_same_bytes("slabs", &a.gpu, &b.gpu)?;
+                slabs_same_bytes(c, &w.gpu, &rm, rows, cols)?;
                 // Rows of the weight as an embedding table.
                 let ids: Vec<u32> = (0..7).map(|_| c.gen.below(rows) as u32).collect();
                 let (mut a, mut b) = (c.output(&[7, cols])?, c.output(&[7, cols])?);
@@ -3055,19 +3066,7 @@ fn matmul_int4_tile_ordered_scales() {
                         c.check(&format!("n = {n} {p:?}"), &a.gpu, &want, rows, 1.0)?;
                     }
                 }
-                // The slab path (a 1 MiB budget: several slabs).
-                let on = tm_core::q4_slab::SlabPolicy { enabled: true, min_tokens: 1 };
-                tm_cuda::set_slab_policy(Some((on, 1 << 20)));
-                let xs = c.activations(64 * cols, 1.0);
-                let x = c.act(&[64, cols], &xs)?;
-                let (mut a, mut b) = (c.output(&[64, rows])?, c.output(&[64, rows])?);
-                let ran = c.gpu.reserve_matmul_scratch(64).and_then(|_| {
-                    c.gpu.matmul(&x.gpu, &g, None, &mut a.gpu)?;
-                    c.gpu.matmul(&x.gpu, &w.gpu, None, &mut b.gpu)
-                });
-                tm_cuda::set_slab_policy(None);
-                ran.ctx("slabs")?;
-                c.check_same_bytes("slabs", &a.gpu, &b.gpu)?;
+                slabs_same_bytes(c, &g, &w.gpu, rows, cols)?;
                 // A table with such scales is refused, not misread.
                 let mut e = c.output(&[1, cols])?;
                 if c.gpu.embedding(&g, &[3], &mut e.gpu).is_ok() {
