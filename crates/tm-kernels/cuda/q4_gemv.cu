@@ -126,6 +126,9 @@
 // step gives both tiles' scales and mins (what a layout with gate and up interleaved per row pair
 // would load), read from the first tile's scales at a quarter of the real offset (so a quarter of
 // the bytes, the rest L2 hits): the loads' instruction count without the four per step.
+// TM_Q4_ABLATE_SMFUSED=2: the same load in gate/up's SMI = 2 loop only, at full bytes: the 16-byte
+// units of gate's and up's scales and mins, (row tile / 4 * groups + group) * 8 + g in the tensor
+// row tile % 4 picks, each read once per step as an interleaved tensor's would be.
 #ifndef TM_Q4_ABLATE_SMFUSED
 #define TM_Q4_ABLATE_SMFUSED 0
 #endif
@@ -591,8 +594,25 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
     };
     // The scale and min loads of tile i, row half h (h = 0 loads both rows' where one word holds
     // them) of step j into s, m.
+    // TM_Q4_ABLATE_SMFUSED=2's 16-byte units of this lane at step 0
+    const uint4* sf2 = nullptr;
+    if (TM_Q4_ABLATE_SMFUSED == 2 && SMI == 2 && NT == 2) {
+        const int k = (tiles[0].row0 >> 4) & 3;
+        const __half* base = k == 0 ? tiles[0].scales : k == 1 ? tiles[0].mins : k == 2 ? tiles[1].scales : tiles[1].mins;
+        sf2 = reinterpret_cast<const uint4*>(base) + ((tiles[0].row0 >> 6) * groups + warp) * 8 + g;
+    }
     auto load_sm = [&](__half (&sd)[NT][2], __half (&md)[NT][2], int i, int h, int j) {
-        if (TM_Q4_ABLATE_SMFUSED && TILED && NT == 2) {
+        if (TM_Q4_ABLATE_SMFUSED == 2 && SMI == 2 && NT == 2) {
+            if (i == 0 && h == 0) {
+                const uint4 v = sf2[64 * j];
+                const unsigned wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int k = 0; k < NT; ++k) {
+                    split_halves(wv[2 * k], sd[k][0], sd[k][1]);
+                    split_halves(wv[2 * k + 1], md[k][0], md[k][1]);
+                }
+            }
+        } else if (TM_Q4_ABLATE_SMFUSED == 1 && TILED && NT == 2) {
             if (i == 0 && h == 0) {
                 const uint4 v = reinterpret_cast<const uint4*>(tiles[0].scales)[(smo[0] / 2 + 64u * (unsigned)j) >> 2];
                 const unsigned wv[4] = {v.x, v.y, v.z, v.w};
@@ -607,6 +627,8 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
             // rows g and g + 8, then their mins (a 16-byte load of two steps, kept in registers for
             // the odd one, spills at silu_lntp's 80 registers)
             if (h == 0) {
+                // tmk::q4_scale_row + q4_scale_goff(warp + 8 j), kept incremental for this loop's
+                // fixed warp and lane: group warp + 8 j is 16-group block j / 2, half j % 2
                 const unsigned si = smo[i] + 512u * (unsigned)(j >> 1) + 4u * (unsigned)(j & 1);
                 const uint2 v = *reinterpret_cast<const uint2*>(tiles[i].scales + si);
                 split_halves(v.x, sd[i][0], sd[i][1]);

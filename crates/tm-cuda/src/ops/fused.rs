@@ -124,7 +124,7 @@ fn reorder_scales(be: &CudaBackend, q: &mut QuantWeight) -> Result<()> {
 
 /// Interleaves an int4 weight's scales and mins into one new tensor
 /// ([`Int4Layout::TilesAndScalePairs16x128`]); the two old ones are freed once it holds them.
-fn pair_scales(be: &CudaBackend, q: &mut QuantWeight) -> Result<()> {
+fn pair_gate_up_scales(be: &CudaBackend, q: &mut QuantWeight) -> Result<()> {
     use tm_core::Ops;
     let groups = q.cols / q.group_size;
     let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
@@ -160,8 +160,8 @@ impl CudaBackend {
             return Ok(());
         }
         if form == GateUpScales::Pairs && tm_core::quant::int4_scale_pairs_fit(g.rows, g.cols, g.group_size) {
-            pair_scales(self, g)?;
-            return pair_scales(self, u);
+            pair_gate_up_scales(self, g)?;
+            return pair_gate_up_scales(self, u);
         }
         reorder_scales(self, g)?;
         reorder_scales(self, u)
