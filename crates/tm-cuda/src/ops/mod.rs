@@ -601,8 +601,9 @@ impl Ops for CudaBackend {
         out: &mut Tensor,
         sums: &mut Tensor,
         slot: usize,
+        x_slot: Option<usize>,
     ) -> Result<bool> {
-        self.join_deferred(x, w, residual, norm, eps, out, sums, slot)
+        self.join_deferred(x, w, residual, norm, eps, out, sums, slot, x_slot)
     }
 
     fn finish_deferred_norm(&self, x: &mut Tensor, norm: &DeferredNorm<'_>) -> Result<()> {
@@ -618,15 +619,18 @@ impl Ops for CudaBackend {
         gate_out: &mut Tensor,
         up_out: &mut Tensor,
         out: &mut Tensor,
-    ) -> Result<()> {
+        out_slot: Option<usize>,
+    ) -> Result<bool> {
         if let (Weight::Int4(g), Weight::Int4(u)) = (gate, up) {
             let args = self.norm_args(norm, g.cols)?;
-            if self.fused_q4_gate_up_silu(x, g, u, out, Some(&args))? {
-                return Ok(());
+            let out_sums = out_slot.map(|s| deferred::slot_addr(norm.sums, s, g.rows)).transpose()?;
+            if self.fused_q4_gate_up_silu(x, g, u, out, Some(&args), out_sums.unwrap_or(0))? {
+                return Ok(out_sums.is_some());
             }
         }
         self.finish_norm(x, norm)?;
-        self.gate_up_silu(x, gate, up, gate_out, up_out, out)
+        self.gate_up_silu(x, gate, up, gate_out, up_out, out)?;
+        Ok(false)
     }
 
     fn qkv_rope_write_kv_deferred(
