@@ -244,8 +244,6 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
     /// products. Returns `false` having done nothing when the backend does not defer this join
     /// (the default; the CUDA backend defers int4 decode products): the caller then runs the two
     /// ops. `slot` must be zero (see [`DeferredNorm::sums`]) and used by no other join of the step.
-    /// `x_slot`, if given, is a slot of `sums` holding `x`'s block sums (filled by
-    /// [`Ops::gate_up_silu_deferred`]), which the backend may read instead of summing `x`.
     #[allow(clippy::too_many_arguments)]
     fn matmul_add_rms_norm_deferred(
         &self,
@@ -257,7 +255,6 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
         _out: &mut Tensor,
         _sums: &mut Tensor,
         _slot: usize,
-        _x_slot: Option<usize>,
     ) -> Result<bool> {
         Ok(false)
     }
@@ -268,10 +265,7 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
         Err(Error::invalid("this backend defers no RMSNorm, so it has none to finish"))
     }
     /// [`Ops::gate_up_silu`] of a deferred join's output `x`: the backend folds the row scale into
-    /// the products where it can, else finishes the norm in `x` first (the default). With
-    /// `out_slot` (a zeroed slot of `norm.sums`, which the backend's kernels may write although
-    /// the tensor is borrowed shared) the backend may add `out`'s block sums there for the down
-    /// product's join (its `x_slot`); returns whether it did (the default does not).
+    /// the products where it can, else finishes the norm in `x` first (the default).
     #[allow(clippy::too_many_arguments)]
     fn gate_up_silu_deferred(
         &self,
@@ -282,11 +276,9 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
         gate_out: &mut Tensor,
         up_out: &mut Tensor,
         out: &mut Tensor,
-        _out_slot: Option<usize>,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         self.finish_deferred_norm(x, norm)?;
-        self.gate_up_silu(x, gate, up, gate_out, up_out, out)?;
-        Ok(false)
+        self.gate_up_silu(x, gate, up, gate_out, up_out, out)
     }
     /// [`Ops::qkv_rope_write_kv`] of a deferred join's output `x`, as
     /// [`Ops::gate_up_silu_deferred`].

@@ -261,7 +261,6 @@ impl Ops for CpuBackend {
         out: &mut Tensor,
         sums: &mut Tensor,
         slot: usize,
-        _x_slot: Option<usize>,
     ) -> Result<bool> {
         let rows = w.dims().0;
         if !self.defer_norms || residual.numel() != out.numel() || norm.numel() != rows {

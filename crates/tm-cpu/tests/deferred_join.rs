@@ -36,9 +36,7 @@ fn a_deferred_join_fills_its_slots_row_and_block_sums() {
     let len = deferred_norm_slot_len(ROWS);
     assert_eq!(len, 2 * DEFERRED_NORM_ROWS * (1 + 3));
     let mut sums = ops.zeros(TensorDesc::new(DType::F32, &[3, len]), "test").expect("zeros");
-    assert!(ops
-        .matmul_add_rms_norm_deferred(&x, &w, &mut resid, &norm, 1e-5, &mut out, &mut sums, 1, None)
-        .expect("join"));
+    assert!(ops.matmul_add_rms_norm_deferred(&x, &w, &mut resid, &norm, 1e-5, &mut out, &mut sums, 1).expect("join"));
 
     let all = sums.host::<f64>().expect("f64 view").to_vec();
     let slot = deferred_norm_slot(&sums, 1, ROWS).expect("slot 1");
@@ -85,11 +83,9 @@ fn slots_too_short_for_the_output_are_errors() {
     let mut out = tensor(&ops, &[N, ROWS], &vec![0.0; N * ROWS]);
     // the old layout: row sums only
     let mut sums = ops.zeros(TensorDesc::new(DType::F32, &[2, 2 * DEFERRED_NORM_ROWS]), "test").expect("zeros");
-    let e =
-        ops.matmul_add_rms_norm_deferred(&x, &w, &mut resid, &norm, 1e-5, &mut out, &mut sums, 0, None).unwrap_err();
+    let e = ops.matmul_add_rms_norm_deferred(&x, &w, &mut resid, &norm, 1e-5, &mut out, &mut sums, 0).unwrap_err();
     assert!(e.to_string().contains(&format!("needs {}", deferred_norm_slot_len(ROWS))), "{e}");
     let mut sums = ops.zeros(TensorDesc::new(DType::F32, &[2, deferred_norm_slot_len(ROWS)]), "test").expect("zeros");
-    let e =
-        ops.matmul_add_rms_norm_deferred(&x, &w, &mut resid, &norm, 1e-5, &mut out, &mut sums, 2, None).unwrap_err();
+    let e = ops.matmul_add_rms_norm_deferred(&x, &w, &mut resid, &norm, 1e-5, &mut out, &mut sums, 2).unwrap_err();
     assert!(e.to_string().contains("slot 2"), "{e}");
 }

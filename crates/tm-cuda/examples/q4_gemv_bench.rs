@@ -302,7 +302,7 @@ fn bench(o: &Opts) -> Result<(), String> {
                 let ss = &slots[i % copies];
                 match shape {
                     Shape::GateUp => {
-                        q4_gemv::q4_gemv_silu(b.gpu(), o.dtype, aa, &ss[0], &ss[1], xa, n, cols, group, unroll, None, 0)
+                        q4_gemv::q4_gemv_silu(b.gpu(), o.dtype, aa, &ss[0], &ss[1], xa, n, cols, group, unroll, None)
                     }
                     _ => q4_gemv::q4_gemv(b.gpu(), o.dtype, xa, n, cols, group, ss, unroll),
                 }

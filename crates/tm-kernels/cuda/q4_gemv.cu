@@ -778,13 +778,6 @@ template <int NT> __device__ __forceinline__ float reduce_warps(const float acc[
 #ifndef TM_Q4_X_FROM_JOIN
 #define TM_Q4_X_FROM_JOIN 1
 #endif
-// Timing only: the producers' half (TM_Q4_X_WRITE) and the consumers' (TM_Q4_X_READ) apart.
-#ifndef TM_Q4_X_WRITE
-#define TM_Q4_X_WRITE TM_Q4_X_FROM_JOIN
-#endif
-#ifndef TM_Q4_X_READ
-#define TM_Q4_X_READ TM_Q4_X_FROM_JOIN
-#endif
 constexpr int DEFERRED_ROWS = 8;
 struct NormScale {
     const double* sums;  // the slot: one sum per batch row, then the block sums; null: the input is
@@ -798,11 +791,11 @@ template <bool B> struct BoolC {
     static constexpr bool value = B;
 };
 
-// Runs `loop(BoolC<XG>{}, xg)`: with the block sums of x's slot (XG) when there is one, else
-// without.
-template <class Loop> __device__ __forceinline__ void with_x_sums(const double* slot, Loop loop) {
-    if (TM_Q4_X_READ && slot)
-        loop(BoolC<true>{}, slot + DEFERRED_ROWS);
+// Runs `loop(BoolC<XG>{}, xg)`: with the block sums of a deferred norm's slot (XG) when there are
+// some, else without.
+template <class Loop> __device__ __forceinline__ void with_x_sums(const NormScale& ns, Loop loop) {
+    if (TM_Q4_X_FROM_JOIN && ns.sums)
+        loop(BoolC<true>{}, ns.sums + DEFERRED_ROWS);
     else
         loop(BoolC<false>{}, nullptr);
 }
@@ -836,30 +829,10 @@ __device__ __forceinline__ auto wait_then_sum(Wait wait, const NormScale& ns, in
 // The SiLU epilogue of a 16-row gate/up CTA (rows row0 .. row0 + 15): `v` as `reduce_warps<2>`
 // leaves it (gate sums in threads 0..127, up sums in 128..255, same fragment order), `upv` 128
 // floats of shared memory; out = silu(T(gate)) * T(up), what separate products would store.
-// Adds a 16-row CTA's stored outputs into its block's sums (`NormScale`): thread tid < 128 holds
-// `xo` of fragment element e = tid / 32 of lane tid % 32 (row g + 8 (e / 2), batch row 2 (lane % 4)
-// + e % 2; 0 past n or the rows); every thread calls it. f64 throughout: exact for f16.
-__device__ __forceinline__ void add_block_sums(double* slot, double xo, int row0, int n) {
-#pragma unroll
-    for (int d = 4; d < 32; d <<= 1) xo += __shfl_xor_sync(0xffffffffu, xo, d);
-    __shared__ double xpart[4][4];  // [e][lane % 4]
-    const int e = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    if (threadIdx.x < 128 && lane < 4) xpart[e][lane] = xo;
-    __syncthreads();
-    if ((int)threadIdx.x < n) {  // batch row jj: e = jj % 2 (rows g) and 2 + jj % 2 (rows g + 8), lane = jj / 2
-        const int jj = threadIdx.x;
-        atomicAdd(slot + DEFERRED_ROWS * (1 + (row0 >> 7)) + jj, xpart[jj & 1][jj >> 1] + xpart[2 + (jj & 1)][jj >> 1]);
-    }
-}
-
-// With `out_sums` (a deferred join's slot, `NormScale`), the CTA's 16 rows of out also go into
-// their block's sums, for the down product's join to read as X.
 template <class T>
-__device__ __forceinline__ void silu_store(T* out, float v, float* upv, int row0, int rows, int n,
-                                           double* out_sums = nullptr) {
+__device__ __forceinline__ void silu_store(T* out, float v, float* upv, int row0, int rows, int n) {
     if (threadIdx.x >= 128) upv[threadIdx.x - 128] = v;
     __syncthreads();
-    double xo = 0.0;
     if (threadIdx.x < 128) {
         const int e = threadIdx.x >> 5, lane = threadIdx.x & 31;
         const int row = row0 + (lane >> 2) + 8 * (e >> 1);
@@ -867,12 +840,9 @@ __device__ __forceinline__ void silu_store(T* out, float v, float* upv, int row0
         if (j < n && row < rows) {
             const float gv = tmk::round_to<T>(v);
             const float uv = tmk::round_to<T>(upv[threadIdx.x]);
-            const T o = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
-            out[(i64)j * rows + row] = o;
-            xo = tmk::to_float(o);
+            out[(i64)j * rows + row] = tmk::from_float<T>(gv / (1.f + __expf(-gv)) * uv);
         }
     }
-    if (TM_Q4_X_WRITE && out_sums) add_block_sums(out_sums, xo, row0, n);
 }
 
 // Which tile loop a kernel runs: `q4_tiles`, `q4_tiles_lean`, or `q4_tiles_lean` on tile-major
@@ -927,17 +897,15 @@ __device__ __forceinline__ void q4_gemv(const T* __restrict__ x, int n, int cols
 // and the CTA's sum of the squares of its rows of the new residual added into sums[j].
 template <class T, int U, int PATH, class Wait>
 __device__ __forceinline__ void q4_gemv_join(const T* __restrict__ x, int n, int cols, int group, const Slot<T>& s,
-                                             T* resid, const T* gamma, double* sums, const double* x_sums,
-                                             Wait wait) {
+                                             T* resid, const T* gamma, double* sums, Wait wait) {
     const Tile tile{s.packed, s.scales, s.mins, (int)blockIdx.x * 16, s.rows};
     float acc[1][4];
-    if constexpr (PATH == GENERIC)
-        q4_tiles<T, U, 1, false>(&tile, x, n, cols, group, acc, wait);
+    if constexpr (PATH == LEAN_TILED)
+        q4_tiles_lean<T, U, 1, false, true>(&tile, x, n, cols, acc, wait);
+    else if constexpr (PATH == LEAN)
+        q4_tiles_lean<T, U, 1, false>(&tile, x, n, cols, acc, wait);
     else
-        with_x_sums(x_sums, [&](auto xgc, const double* xg) {
-            constexpr bool XG = decltype(xgc)::value;
-            q4_tiles_lean<T, U, 1, false, PATH == LEAN_TILED, 0, XG>(&tile, x, n, cols, acc, wait, xg);
-        });
+        q4_tiles<T, U, 1, false>(&tile, x, n, cols, group, acc, wait);
     trigger_after_loop();
     // Thread tid < 128 holds fragment element e = tid / 32 of lane tid % 32 (`q4_gemv`'s order).
     const int e = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
@@ -961,17 +929,25 @@ __device__ __forceinline__ void q4_gemv_join(const T* __restrict__ x, int n, int
         xo = tmk::to_float(o);
     }
     // The 8 lanes of a warp with the same lane % 4 hold rows g (or g + 8) of one batch row.
-    sq += __shfl_xor_sync(0xffffffffu, sq, 4);
-    sq += __shfl_xor_sync(0xffffffffu, sq, 8);
-    sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+#pragma unroll
+    for (int d = 4; d < 32; d <<= 1) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, d);
+        if (TM_Q4_X_FROM_JOIN) xo += __shfl_xor_sync(0xffffffffu, xo, d);
+    }
     __shared__ float part[4][4];  // [e][lane % 4]
-    if (threadIdx.x < 128 && lane < 4) part[e][lane] = sq;
+    __shared__ double xpart[4][4];
+    if (threadIdx.x < 128 && lane < 4) {
+        part[e][lane] = sq;
+        xpart[e][lane] = xo;
+    }
     __syncthreads();
     if ((int)threadIdx.x < n) {  // batch row jj: e = jj % 2 (rows g) and 2 + jj % 2 (rows g + 8), lane = jj / 2
         const int jj = threadIdx.x;
         atomicAdd(sums + jj, (double)part[jj & 1][jj >> 1] + (double)part[2 + (jj & 1)][jj >> 1]);
+        // the CTA's 16 rows lie in block row0 / 128
+        if (TM_Q4_X_FROM_JOIN)
+            atomicAdd(sums + DEFERRED_ROWS * (1 + (tile.row0 >> 7)) + jj, xpart[jj & 1][jj >> 1] + xpart[2 + (jj & 1)][jj >> 1]);
     }
-    if (TM_Q4_X_WRITE) add_block_sums(sums, xo, tile.row0, n);
 }
 
 // gate/up with SiLU (the kernels' list above). XPRE: the lean loops load x with the ring's weights
@@ -979,8 +955,7 @@ __device__ __forceinline__ void q4_gemv_join(const T* __restrict__ x, int n, int
 // measured U = 3 and 4 with x at use at two CTAs per SM (slower), `sm` the CTAs per SM.
 template <class T, int U, int PATH, bool XPRE = (U > 2), class Wait>
 __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, int n, int cols, int group,
-                                             const Slot<T>& gate, const Slot<T>& up, const NormScale& ns, double* out_sums,
-                                             Wait wait) {
+                                             const Slot<T>& gate, const Slot<T>& up, const NormScale& ns, Wait wait) {
     const int row0 = blockIdx.x * 16, rows = gate.rows;
     double nsum = 0.0;
     const auto wait_sum = wait_then_sum(wait, ns, n, nsum);
@@ -990,7 +965,7 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
     if constexpr (PATH == GENERIC)
         q4_tiles<T, U, 2, true>(tiles, x, n, cols, group, acc, wait_sum);
     else
-        with_x_sums(ns.sums, [&](auto xgc, const double* xg) {
+        with_x_sums(ns, [&](auto xgc, const double* xg) {
             constexpr bool XG = decltype(xgc)::value;
             if constexpr (PATH == LEAN_TILED_SP)
                 q4_tiles_lean<T, U, 2, XPRE, true, 3, XG>(tiles, x, n, cols, acc, wait_sum, xg);
@@ -1003,7 +978,7 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
         });
     __shared__ float upv[128];
     trigger_after_loop();
-    silu_store<T>(out, reduce_warps<2>(acc) * norm_scale(ns, nsum), upv, row0, rows, n, out_sums);
+    silu_store<T>(out, reduce_warps<2>(acc) * norm_scale(ns, nsum), upv, row0, rows, n);
 }
 
 // The RoPE arguments of `q4_gemv_rope` (what `rope_write_kv` takes, ABI.md "RoPE"): per batch row
@@ -1098,7 +1073,7 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
         tile.hs = rk.interleaved ? 1 : D >> 1;
     }
     float acc[1][4];
-    with_x_sums(ns.sums, [&](auto xgc, const double* xg) {
+    with_x_sums(ns, [&](auto xgc, const double* xg) {
         q4_tiles_lean<T, 2, 1, false, false, 0, decltype(xgc)::value>(&tile, x, n, cols, acc, wait_sum, xg);
     });
     trigger_after_loop();
@@ -1148,7 +1123,7 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     const int row_b = si < 2 ? row_a + (D >> 1) : row_a + 16;
     const Tile tiles[2] = {Tile{s.packed, s.scales, s.mins, row_a, s.rows}, Tile{s.packed, s.scales, s.mins, row_b, s.rows}};
     float acc[2][4];
-    with_x_sums(ns.sums, [&](auto xgc, const double* xg) {
+    with_x_sums(ns, [&](auto xgc, const double* xg) {
         q4_tiles_lean<T, TM_Q4_ROPE_TILED_U, 2, false, true, 0, decltype(xgc)::value>(tiles, x, n, cols, acc, wait_sum, xg);
     });
     trigger_after_loop();
@@ -1199,25 +1174,22 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
         NAME(T* out, const T* __restrict__ x, int n, int cols, int group,                                               \
                                   const unsigned char* wg, const __half* sg, const __half* mg,                          \
                                   const unsigned char* wu, const __half* su, const __half* mu, int rows,                \
-                                  const double* norm_sums, float norm_eps, double* out_sums) {                          \
+                                  const double* norm_sums, float norm_eps) {                                            \
         tmk::pdl_launch_dependents();                                                                                   \
         const tmq4::Slot<T> gate = {out, wg, sg, mg, nullptr, rows};                                                    \
         const tmq4::Slot<T> up = {out, wu, su, mu, nullptr, rows};                                                      \
         const tmq4::NormScale ns = {norm_sums, cols, norm_eps};                                                         \
-        tmq4::q4_gemv_silu<T, U, tmq4::PATH, XPRE>(out, x, n, cols, group, gate, up, ns, out_sums,                      \
-                                                   [] { tmk::pdl_wait(); });                                            \
+        tmq4::q4_gemv_silu<T, U, tmq4::PATH, XPRE>(out, x, n, cols, group, gate, up, ns, [] { tmk::pdl_wait(); });      \
     }
 // The deferred join's producer (`q4_gemv_join`): one weight of `rows` rows, the residual, the
-// join's output (x), the norm weight, its slot (row sums, then block sums; f64) and the slot
-// holding x's block sums (null: none).
+// join's output (x), the norm weight and the slot's sums [n] (f64).
 #define TM_Q4_GEMV_JOIN(NAME, T, U, MIN_CTAS, PATH)                                                                     \
     extern "C" __global__ void __launch_bounds__(tmq4::THREADS, MIN_CTAS)                                               \
         NAME(const T* __restrict__ x, int n, int cols, int group, const unsigned char* w, const __half* sc,             \
-             const __half* mn, int rows, T* resid, T* normed, const T* gamma, double* sums, const double* x_sums) {     \
+             const __half* mn, int rows, T* resid, T* normed, const T* gamma, double* sums) {                           \
         tmk::pdl_launch_dependents();                                                                                   \
         const tmq4::Slot<T> s = {normed, w, sc, mn, nullptr, rows};                                                     \
-        tmq4::q4_gemv_join<T, U, tmq4::PATH>(x, n, cols, group, s, resid, gamma, sums, x_sums,                          \
-                                             [] { tmk::pdl_wait(); });                                                  \
+        tmq4::q4_gemv_join<T, U, tmq4::PATH>(x, n, cols, group, s, resid, gamma, sums, [] { tmk::pdl_wait(); });        \
     }
 #define TM_Q4_GEMV_SILU(NAME, T, U, MIN_CTAS, PATH) TM_Q4_GEMV_SILU_X(NAME, T, U, MIN_CTAS, PATH, (U > 2))
 // q/k/v with RoPE and the KV-cache write (`q4_gemv_rope`): the plain parameters (without

@@ -594,9 +594,8 @@ pub fn q4_gemv_rope(
 }
 
 /// `out [n, rows] = silu(x · Gᵀ) * (x · Uᵀ)` for int4 `gate` and `up` `[rows, cols]` of group size
-/// `group` (their `out` and `bias` are ignored), in one launch; with `out_sums` (a deferred join
-/// slot's address, 0: none) the kernel adds out's block sums there (q4_gemv.cu, "Block sums").
-/// The caller checked [`fits`] and the shapes.
+/// `group` (their `out` and `bias` are ignored), in one launch. The caller checked [`fits`] and
+/// the shapes.
 #[allow(clippy::too_many_arguments)]
 pub fn q4_gemv_silu(
     gpu: &Gpu,
@@ -610,7 +609,6 @@ pub fn q4_gemv_silu(
     group: usize,
     unroll: Unroll,
     norm: Option<&NormArgs>,
-    out_sums: u64,
 ) -> Result<()> {
     if gate.rows != up.rows {
         return Err(Error::invalid(format!("q4_gemv_silu: gate has {} rows, up {}", gate.rows, up.rows)));
@@ -652,15 +650,13 @@ pub fn q4_gemv_silu(
         KernelArg::I32(int("rows", rows)?),
     ];
     args.extend(norm_args(norm));
-    args.push(KernelArg::Ptr(out_sums));
     gpu.launch(&name, (grid, 1, 1), (THREADS, 1, 1), 0, &args)
 }
 
 /// The producer of a deferred RMSNorm (q4_gemv.cu, "Deferred RMSNorm"): `y = x · Wᵀ` for the
 /// int4 `weight` (`[rows, cols]`, rows the hidden size; its `out` is the join's output), then per
 /// row `residual = T(residual + T(y))`, `out = T(residual · gamma)`, and each row's sum of squares
-/// of the new residual added into the slot `sums` (zeroed before; its block sums too), reading
-/// x's block sums from the slot `x_sums` when not 0. 16 rows per CTA:
+/// of the new residual added into the slot `sums` (f64 `[n]`, zeroed before). 16 rows per CTA:
 /// the lean configuration `Unroll::Auto` picks for the shape (except that the tile-major
 /// `Lean4` join, a layer's o and down at batch 1, keeps two steps in flight: q4_gemv.cu), else
 /// `n16`'s. The caller checked [`fits`] and the shapes.
@@ -676,7 +672,6 @@ pub fn q4_gemv_join(
     residual: u64,
     gamma: u64,
     sums: u64,
-    x_sums: u64,
 ) -> Result<()> {
     if n == 0 || weight.rows == 0 {
         return Ok(());
@@ -707,7 +702,6 @@ pub fn q4_gemv_join(
         KernelArg::Ptr(weight.out),
         KernelArg::Ptr(gamma),
         KernelArg::Ptr(sums),
-        KernelArg::Ptr(x_sums),
     ];
     gpu.launch(&format!("{stem}{t}_join_{}", suffix(dt)?), (grid16, 1, 1), (THREADS, 1, 1), 0, &args)
 }

@@ -23,7 +23,7 @@ pub(super) fn enabled() -> bool {
 
 /// The device address of slot `slot` of `sums` (tm-core's `DeferredNorm::sums`) for a join
 /// output `cols` wide.
-pub(super) fn slot_addr(sums: &Tensor, slot: usize, cols: usize) -> Result<u64> {
+fn slot_addr(sums: &Tensor, slot: usize, cols: usize) -> Result<u64> {
     let range = deferred_norm_slot(sums, slot, cols)?;
     Ok(ptr(sums) + (range.start * 8) as u64)
 }
@@ -35,8 +35,7 @@ impl CudaBackend {
     }
 
     /// `Ops::matmul_add_rms_norm_deferred`: one `q4_gemv_*_join` launch when `w` is int4, `x` a
-    /// decode batch of at most `DEFERRED_NORM_ROWS` rows and `w`'s rows the residual's width; its
-    /// lean loops read x's block sums from `x_slot` when given.
+    /// decode batch of at most `DEFERRED_NORM_ROWS` rows and `w`'s rows the residual's width.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn join_deferred(
         &self,
@@ -48,7 +47,6 @@ impl CudaBackend {
         out: &mut Tensor,
         sums: &mut Tensor,
         slot: usize,
-        x_slot: Option<usize>,
     ) -> Result<bool> {
         let Weight::Int4(q) = w else { return Ok(false) };
         if !enabled() || !q4_gemv::enabled() {
@@ -78,10 +76,8 @@ impl CudaBackend {
         {
             self.check(t, what)?;
         }
-        let x_sums = x_slot.map(|s| slot_addr(sums, s, cols)).transpose()?.unwrap_or(0);
         let sums = slot_addr(sums, slot, rows)?;
-        let (xa, ra, na) = (ptr(x), ptr(residual), ptr(norm));
-        q4_gemv::q4_gemv_join(&self.gpu, self.dtype, xa, n, cols, group, &weight, ra, na, sums, x_sums)?;
+        q4_gemv::q4_gemv_join(&self.gpu, self.dtype, ptr(x), n, cols, group, &weight, ptr(residual), ptr(norm), sums)?;
         Ok(true)
     }
 

@@ -303,7 +303,7 @@ impl CudaBackend {
     /// both int4 with the same group size) and `x` is a decode batch. Shapes are checked.
     pub(super) fn fused_gate_up_silu(&self, x: &Tensor, gate: &Weight, up: &Weight, out: &mut Tensor) -> Result<bool> {
         if let (Some(g), Some(u)) = (int4(gate), int4(up)) {
-            return self.fused_q4_gate_up_silu(x, g, u, out, None, 0);
+            return self.fused_q4_gate_up_silu(x, g, u, out, None);
         }
         let (Some(g), Some(u)) = (dense(gate), dense(up)) else { return Ok(false) };
         if !enabled() || gate.dims() != up.dims() {
@@ -325,8 +325,7 @@ impl CudaBackend {
     }
 
     /// [`CudaBackend::fused_gate_up_silu`] for int4 weights of the same shape and group size; with
-    /// `norm`, `x` is a deferred join's output whose row scale the kernel applies; with `out_sums`
-    /// (a device address, 0: none) the kernel adds `out`'s block sums into that zeroed slot.
+    /// `norm`, `x` is a deferred join's output whose row scale the kernel applies.
     pub(super) fn fused_q4_gate_up_silu(
         &self,
         x: &Tensor,
@@ -334,7 +333,6 @@ impl CudaBackend {
         up: &QuantWeight,
         out: &mut Tensor,
         norm: Option<&NormArgs>,
-        out_sums: u64,
     ) -> Result<bool> {
         let (rows, cols, group) = (gate.rows, gate.cols, gate.group_size);
         if !q4_gemv::enabled() || (up.rows, up.cols, up.group_size) != (rows, cols, group) {
@@ -350,8 +348,7 @@ impl CudaBackend {
         }
         self.check(x, "matmul input")?;
         self.check(out, "gate_up_silu output")?;
-        let (o, xa) = (ptr(out), ptr(x));
-        q4_gemv::q4_gemv_silu(&self.gpu, self.dtype, o, &g, &u, xa, n, cols, group, Unroll::Auto, norm, out_sums)?;
+        q4_gemv::q4_gemv_silu(&self.gpu, self.dtype, ptr(out), &g, &u, ptr(x), n, cols, group, Unroll::Auto, norm)?;
         Ok(true)
     }
 }

@@ -601,9 +601,8 @@ impl Ops for CudaBackend {
         out: &mut Tensor,
         sums: &mut Tensor,
         slot: usize,
-        x_slot: Option<usize>,
     ) -> Result<bool> {
-        self.join_deferred(x, w, residual, norm, eps, out, sums, slot, x_slot)
+        self.join_deferred(x, w, residual, norm, eps, out, sums, slot)
     }
 
     fn finish_deferred_norm(&self, x: &mut Tensor, norm: &DeferredNorm<'_>) -> Result<()> {
@@ -619,18 +618,15 @@ impl Ops for CudaBackend {
         gate_out: &mut Tensor,
         up_out: &mut Tensor,
         out: &mut Tensor,
-        out_slot: Option<usize>,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         if let (Weight::Int4(g), Weight::Int4(u)) = (gate, up) {
             let args = self.norm_args(norm, g.cols)?;
-            let out_sums = out_slot.map(|s| deferred::slot_addr(norm.sums, s, g.rows)).transpose()?;
-            if self.fused_q4_gate_up_silu(x, g, u, out, Some(&args), out_sums.unwrap_or(0))? {
-                return Ok(out_sums.is_some());
+            if self.fused_q4_gate_up_silu(x, g, u, out, Some(&args))? {
+                return Ok(());
             }
         }
         self.finish_norm(x, norm)?;
-        self.gate_up_silu(x, gate, up, gate_out, up_out, out)?;
-        Ok(false)
+        self.gate_up_silu(x, gate, up, gate_out, up_out, out)
     }
 
     fn qkv_rope_write_kv_deferred(

@@ -223,7 +223,7 @@ impl LlamaModel {
         }
         ws.prepare(ops, n, step.logit_rows.len())?;
         if self.defers_joins(ops, n) {
-            ws.ensure_norm_sums(ops, 3 * self.layers.len(), c.hidden_size.max(c.intermediate_size))?;
+            ws.ensure_norm_sums(ops, 2 * self.layers.len(), c.hidden_size)?;
         }
         let max_pos = step.positions.iter().copied().max().unwrap_or(0) as usize;
         let freqs = c.rope.freqs(max_pos);
@@ -250,8 +250,7 @@ impl LlamaModel {
     ///
     /// With deferred joins (see [`LlamaModel::defers_joins`]) each o and down product may end with
     /// its residual join, leaving the RMSNorm's row scale to the next products: o's join is slot
-    /// 3i of the step's sums, down's (into layer i + 1) slot 3i + 1, and slot 3i + 2 holds the MLP
-    /// activation's block sums when gate/up left them for down; `pending` is the slot of a
+    /// 2i of the step's sums, down's (into layer i + 1) slot 2i + 1; `pending` is the slot of a
     /// deferred join whose output is `ws.normed`. The last layer's down and the joins into layers
     /// with q/k norms are never deferred (their readers are not the folding ops).
     fn run_layers(&self, cx: &StepCtx<'_>, kv: &mut KvCache, ws: &mut Workspace) -> Result<(), tm_core::Error> {
@@ -311,10 +310,9 @@ impl LlamaModel {
                 // Every per-step input is uploaded by now (the later layers upload the same).
                 ops.step_inputs_ready(step.logit_rows)?;
             }
-            // o_proj and the join into the MLP (slot 3i when deferred), then gate/up, which may
-            // leave its output's block sums in slot 3i + 2 for down's join.
+            // o_proj and the join into the MLP (slot 2i when deferred), then gate/up.
             let Workspace { attn, residual, normed, norm_sums, gate, up, act, .. } = &mut *ws;
-            let (o_slot, act_slot) = (3 * i, 3 * i + 2);
+            let o_slot = 2 * i;
             let deferred = match norm_sums.as_mut().filter(|_| defer) {
                 Some(sums) => ops.matmul_add_rms_norm_deferred(
                     attn,
@@ -325,25 +323,21 @@ impl LlamaModel {
                     normed,
                     sums,
                     o_slot,
-                    None,
                 )?,
                 None => false,
             };
-            let act_sums = match norm_sums.as_ref().filter(|_| deferred) {
+            match norm_sums.as_ref().filter(|_| deferred) {
                 Some(sums) => {
                     let d = DeferredNorm { sums, slot: o_slot, eps };
-                    let done =
-                        ops.gate_up_silu_deferred(normed, &d, &layer.gate, &layer.up, gate, up, act, Some(act_slot))?;
-                    done.then_some(act_slot)
+                    ops.gate_up_silu_deferred(normed, &d, &layer.gate, &layer.up, gate, up, act)?;
                 }
                 None => {
                     ops.matmul(&ws.attn, &layer.o, None, &mut ws.delta)?;
                     self.join_residual(cx, ws, &layer.mlp_norm, &self.step_names[i][0])?;
                     ops.gate_up_silu(&ws.normed, &layer.gate, &layer.up, &mut ws.gate, &mut ws.up, &mut ws.act)?;
-                    None
                 }
-            };
-            // down_proj, and the join into the next layer (slot 3i + 1) when deferred.
+            }
+            // down_proj, and the join into the next layer (slot 2i + 1) when deferred.
             let next = self.layers.get(i + 1).filter(|l| defer && l.qk_norm.is_none());
             let Workspace { act, residual, normed, norm_sums, .. } = &mut *ws;
             let down_slot = o_slot + 1;
@@ -357,7 +351,6 @@ impl LlamaModel {
                     normed,
                     sums,
                     down_slot,
-                    act_sums,
                 )?,
                 _ => false,
             };
