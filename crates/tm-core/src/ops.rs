@@ -47,11 +47,8 @@ pub struct AttentionMeta<'a> {
 /// activation dtype) and slot `slot` of `sums` the sums of squares of its rows of `residual`.
 #[derive(Clone, Copy, Debug)]
 pub struct DeferredNorm<'a> {
-    /// The sums: f32 `[slots, len]` with `len` at least [`deferred_norm_slot_len`] of the join's
-    /// output width, zeroed by [`Ops::fill_zero`] before the step's first join. A slot holds f64:
-    /// `DEFERRED_NORM_ROWS` sums of squares (one per batch row), then, per block of
-    /// [`DEFERRED_NORM_BLOCK`] output columns, `DEFERRED_NORM_ROWS` sums of the output (a backend
-    /// may fill them for its consumers; the CUDA int4 kernels do).
+    /// The sums: f32 `[slots, 2 * DEFERRED_NORM_ROWS]`, each slot `DEFERRED_NORM_ROWS` f64 sums
+    /// (one per batch row), zeroed by [`Ops::fill_zero`] before the step's first join.
     pub sums: &'a Tensor,
     /// The join's slot (each join of a step has its own).
     pub slot: usize,
@@ -61,37 +58,6 @@ pub struct DeferredNorm<'a> {
 
 /// The most batch rows a deferred join handles (a slot's sums).
 pub const DEFERRED_NORM_ROWS: usize = 8;
-
-/// The output columns of one block sum of a deferred join's slot (see [`DeferredNorm::sums`]).
-pub const DEFERRED_NORM_BLOCK: usize = 128;
-
-/// The f32 elements of one slot of a deferred join's sums for an output `cols` wide: the row sums
-/// and the block sums of [`DeferredNorm::sums`], all f64.
-pub fn deferred_norm_slot_len(cols: usize) -> usize {
-    2 * DEFERRED_NORM_ROWS * (1 + cols.div_ceil(DEFERRED_NORM_BLOCK))
-}
-
-/// The f64 elements of slot `slot` of a deferred join's `sums` (f32 `[slots, len]`, see
-/// [`DeferredNorm::sums`]) for an output `cols` wide, as a range of the tensor's f64 view; an
-/// error names what is missing when the tensor is not f32, has no such slot, or its slots are too
-/// short for `cols`.
-pub fn deferred_norm_slot(sums: &Tensor, slot: usize, cols: usize) -> Result<std::ops::Range<usize>> {
-    sums.expect_dtype("deferred-norm sums", DType::F32)?;
-    let need = deferred_norm_slot_len(cols);
-    let (slots, len) = match sums.shape() {
-        &[slots, len] => (slots, len),
-        other => return Err(Error::shape("deferred-norm sums", format!("[slots, {need}]"), other)),
-    };
-    if len < need || len % 2 != 0 {
-        return Err(Error::invalid(format!(
-            "deferred-norm sums with slots of {len} f32; an output {cols} wide needs {need} (an even number)"
-        )));
-    }
-    if slot >= slots {
-        return Err(Error::invalid(format!("deferred-norm slot {slot} of a sums tensor with {slots} slots")));
-    }
-    Ok(slot * len / 2..(slot + 1) * len / 2)
-}
 
 /// What the sampler needs for one sequence.
 #[derive(Debug)]

@@ -20,10 +20,7 @@ pub use device::CpuDevice;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use tm_core::fp8::{self, E4M3};
-use tm_core::ops::{
-    deferred_norm_slot, sample_rows, to_f32, AttentionMeta, DeferredNorm, SampleRequest, DEFERRED_NORM_BLOCK,
-    DEFERRED_NORM_ROWS,
-};
+use tm_core::ops::{sample_rows, to_f32, AttentionMeta, DeferredNorm, SampleRequest, DEFERRED_NORM_ROWS};
 use tm_core::quant::Weight;
 use tm_core::rope::RopeFreqs;
 
@@ -83,6 +80,19 @@ impl CpuBackend {
     pub fn deferred_joins(&self) -> usize {
         self.deferred_joins.load(Ordering::Relaxed)
     }
+}
+
+/// The f64 sums of `slot` (`DEFERRED_NORM_ROWS` of them), as indices into the f64 view of a
+/// deferred norm's sums tensor (f32 `[slots, 2 * DEFERRED_NORM_ROWS]`, as tm-core's
+/// `DeferredNorm` describes it).
+fn norm_slot(sums: &Tensor, slot: usize) -> Result<std::ops::Range<usize>> {
+    sums.expect_dtype("deferred-norm sums", DType::F32)?;
+    let slots = sums.numel() / (2 * DEFERRED_NORM_ROWS);
+    if slot >= slots {
+        return Err(Error::invalid(format!("deferred-norm slot {slot} of a sums tensor with {slots} slots")));
+    }
+    let at = slot * DEFERRED_NORM_ROWS;
+    Ok(at..at + DEFERRED_NORM_ROWS)
 }
 
 impl Default for CpuBackend {
@@ -270,14 +280,13 @@ impl Ops for CpuBackend {
         if n > DEFERRED_NORM_ROWS {
             return Ok(false);
         }
-        let range = deferred_norm_slot(sums, slot, rows)?;
+        let range = norm_slot(sums, slot)?;
         // out = x W^T, then the join's elementwise part in place: residual += out, out = residual
-        // * norm, the rows' sums of squares of the new residual added into the slot and the
-        // output's block sums into the slot's rest.
+        // * norm, and the rows' sums of squares of the new residual added into the slot.
         self.matmul(x, w, None, out)?;
         let (r, o, g) = (f32s_mut(residual, "residual")?, f32s_mut(out, "join output")?, f32s(norm, "norm weight")?);
-        let (row_sums, block_sums) = sums.host_mut::<f64>()?[range].split_at_mut(DEFERRED_NORM_ROWS);
-        for (j, ((rr, or), sum)) in r.chunks_mut(rows).zip(o.chunks_mut(rows)).zip(row_sums).enumerate() {
+        let slot_sums = &mut sums.host_mut::<f64>()?[range];
+        for ((rr, or), sum) in r.chunks_mut(rows).zip(o.chunks_mut(rows)).zip(slot_sums) {
             let mut ss = 0f64;
             for ((ri, oi), gi) in rr.iter_mut().zip(or.iter_mut()).zip(g) {
                 *ri += *oi;
@@ -285,24 +294,21 @@ impl Ops for CpuBackend {
                 ss += f64::from(*ri) * f64::from(*ri);
             }
             *sum += ss;
-            for (b, block) in or.chunks(DEFERRED_NORM_BLOCK).enumerate() {
-                block_sums[b * DEFERRED_NORM_ROWS + j] += block.iter().map(|&v| f64::from(v)).sum::<f64>();
-            }
         }
         self.deferred_joins.fetch_add(1, Ordering::Relaxed);
         Ok(true)
     }
 
     fn finish_deferred_norm(&self, x: &mut Tensor, norm: &DeferredNorm<'_>) -> Result<()> {
+        let range = norm_slot(norm.sums, norm.slot)?;
         let shape = x.shape().to_vec();
         let [n, cols] = shape[..] else {
             return Err(Error::shape("deferred join output", "[n, cols]", &shape[..]));
         };
-        let range = deferred_norm_slot(norm.sums, norm.slot, cols)?;
         if n > DEFERRED_NORM_ROWS {
             return Err(Error::invalid(format!("a deferred join of {n} rows (at most {DEFERRED_NORM_ROWS})")));
         }
-        let slot_sums = &norm.sums.host::<f64>()?[range][..DEFERRED_NORM_ROWS];
+        let slot_sums = &norm.sums.host::<f64>()?[range];
         for (row, &sum) in f32s_mut(x, "deferred join output")?.chunks_mut(cols).zip(slot_sums) {
             let scale = 1.0 / ((sum / cols as f64) as f32 + norm.eps).sqrt();
             row.iter_mut().for_each(|v| *v *= scale);

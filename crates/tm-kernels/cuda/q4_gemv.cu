@@ -305,9 +305,8 @@ template <class T> __device__ __forceinline__ void raw4(unsigned w, unsigned p[4
 // mma pair per k with an all-ones A, shared by the tiles); then per row, in f32,
 // acc += s t + (m - OFF s) X = s sum(q x) + m X, which is sum((q s + m) x). The products
 // (OFF + q) x are exact in f32 and the f32 sums lose about 2^-24 OFF |X| per step: far below a
-// rounding of the weights to T, which this path never makes. XIN: X of the lane's batch columns
-// 2t, 2t + 1 is `xl` (the deferred join's block sums, `NormScale`), and the all-ones mma goes.
-template <class T, int NT, bool XIN = false>
+// rounding of the weights to T, which this path never makes.
+template <class T, int NT>
 __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __half (&sh)[NT][2],
                                                const __half (&mh)[NT][2], const uint4 (&xv)[4], float (*acc)[4],
                                                float2 xl = make_float2(0.f, 0.f)) {
@@ -322,7 +321,7 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         const XPairs x = x_pairs(xv, k);
-        if (!XIN && !TM_Q4_ABLATE_XSUM) {
+        if (!TM_Q4_ABLATE_XSUM && !TM_Q4_ABLATE_XLOAD) {
             mma(xs, ones, x.l02, x.l13, T());
             mma(xs, ones, x.h02, x.h13, T());
         }
@@ -540,11 +539,9 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
 // 16 lane and 512 + 16 lane, so a warp's step reads 1 KiB in two fully used 512-byte loads instead
 // of 64 bytes from each of 16 rows (the tile is then rows row0 .. row0 + 15: gs = 1, hs = 8).
 // SMI (with TILED): the scales and mins come from `Tile::smi` instead of `scales` and `mins`.
-// XG: X, the sum of x over each step's 128 columns, comes from `xg` (a deferred join's block sums,
-// `NormScale`: f64 [cols / 128][8], batch rows past n zero) instead of the all-ones mma.
-template <class T, int U, int NT, bool XPRE, bool TILED = false, int SMI = 0, bool XG = false, class Wait>
+template <class T, int U, int NT, bool XPRE, bool TILED = false, int SMI = 0, class Wait>
 __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __restrict__ x, int n, int cols,
-                                              float acc[NT][4], Wait wait, const double* xg = nullptr) {
+                                              float acc[NT][4], Wait wait) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int J = cols >> 10;      // steps per warp
@@ -585,8 +582,6 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         smo[i] = SMI == 3 ? (unsigned)(tiles[i].row0 >> 4) * 32u * (unsigned)groups + 64u * warp + 8u * g
                           : ((unsigned)(tiles[i].row0 >> 4) * groups + warp) * 16u + 2u * g;
     const uint4* xp = lean_x_lane(x, n, cols);
-    // XG: the lane's two X (batch columns 2t, 2t + 1) of step 0; step j's are 8 groups (32 double2) on
-    const double2* xgp = XG ? reinterpret_cast<const double2*>(xg) + 4 * warp + t : nullptr;
     // TM_Q4_ABLATE_SMLOAD's scale and min (opaque to the compiler, loop-invariant)
     const __half sm_const[2] = {__ushort_as_half((unsigned short)(0x2000u + (tiles[0].row0 & 7))),
                                 __ushort_as_half((unsigned short)(0xA400u + (tiles[0].row0 & 7)))};
@@ -595,7 +590,7 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         uint4 w[NT][2];
         __half s[NT][2], m[NT][2];
         uint4 x[4];
-        float2 xl;  // XG, TM_Q4_ABLATE_XLOAD
+        float2 xl;  // TM_Q4_ABLATE_XLOAD
     };
     // The scale and min loads of tile i, row half h (h = 0 loads both rows' where one word holds
     // them) of step j into s, m.
@@ -686,12 +681,7 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
     };
     auto loadx = [&](Buf& B, int j) {
         load_step_x(B.x, xp, j);
-        if (XG) {
-            const double2 d = __ldca(xgp + 32 * j);  // written by x's producer, as x is
-            B.xl = make_float2((float)d.x, (float)d.y);
-        } else if (TM_Q4_ABLATE_XLOAD) {
-            B.xl = __ldca(reinterpret_cast<const float2*>(xp) + 2 * j);
-        }
+        if (TM_Q4_ABLATE_XLOAD) B.xl = __ldca(reinterpret_cast<const float2*>(xp) + 2 * j);
     };
 
     zero_acc<NT>(acc);
@@ -712,8 +702,7 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
             const int j = j0 + u;
             if (j >= J) break;  // the whole warp
             if (!XPRE) loadx(buf[u], j);
-            constexpr bool XIN = XG || TM_Q4_ABLATE_XLOAD;
-            step_math_lean<T, NT, XIN>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc, XIN ? buf[u].xl : make_float2(0.f, 0.f));
+            step_math_lean<T, NT>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc, TM_Q4_ABLATE_XLOAD ? buf[u].xl : make_float2(0.f, 0.f));
             if (j + U < J) {
                 loadw(buf[u], j + U);
                 if (XPRE) loadx(buf[u], j + U);
@@ -769,36 +758,11 @@ template <int NT> __device__ __forceinline__ float reduce_warps(const float acc[
 // per step (the engine's `fill_zero`), each used by one producer. f16: x is residual * gamma before
 // the scale, so |residual * gamma| must stay below 65504 (as |residual| itself must).
 // scripts/gpu/q4_decode_chain.cu: -30..-38 us per batch-1 step of the 8B chain.
-// Block sums (TM_Q4_X_FROM_JOIN, default on): the slot goes on, past its DEFERRED_ROWS row sums,
-// with X, the sum of x over each block of 128 columns, f64 [cols / 128][DEFERRED_ROWS] (tm-core's
-// `deferred_norm_slot_len`): every join CTA adds its 16 rows' x into its block's (exact in f64 for
-// f16 x, so the order does not show). The consumers' lean loops then load X with x each step instead
-// of summing x with an all-ones mma (a third of gate/up's HMMAs; H100 AWQ 8B b1: see
-// scripts/gpu/q4_decode_chain.cu, "Session 27").
-#ifndef TM_Q4_X_FROM_JOIN
-#define TM_Q4_X_FROM_JOIN 1
-#endif
-constexpr int DEFERRED_ROWS = 8;
 struct NormScale {
-    const double* sums;  // the slot: one sum per batch row, then the block sums; null: the input is
-                         // already normalized
+    const double* sums;  // the slot: one sum per batch row; null: the input is already normalized
     int cols;            // features the norm is over
     float eps;
 };
-
-// A compile-time bool for the consumers' loop choice (`with_x_sums`).
-template <bool B> struct BoolC {
-    static constexpr bool value = B;
-};
-
-// Runs `loop(BoolC<XG>{}, xg)`: with the block sums of a deferred norm's slot (XG) when there are
-// some, else without.
-template <class Loop> __device__ __forceinline__ void with_x_sums(const NormScale& ns, Loop loop) {
-    if (TM_Q4_X_FROM_JOIN && ns.sums)
-        loop(BoolC<true>{}, ns.sums + DEFERRED_ROWS);
-    else
-        loop(BoolC<false>{}, nullptr);
-}
 
 // After `pdl_wait`: the sum of batch row j (< n) of the slot, or 0.
 __device__ __forceinline__ double load_norm_sum(const NormScale& ns, int n, int j) {
@@ -918,35 +882,23 @@ __device__ __forceinline__ void q4_gemv_join(const T* __restrict__ x, int n, int
     const float gm = mine ? tmk::to_float(gamma[row]) : 0.f;
     const float v = reduce_warps<1>(acc);
     float sq = 0.f;
-    double xo = 0.0;  // the stored x, for the block sums
     if (mine) {
         const T r = tmk::from_float<T>(r0 + tmk::round_to<T>(v));
         resid[at] = r;
         const float rf = tmk::to_float(r);
-        const T o = tmk::from_float<T>(rf * gm);
-        s.out[at] = o;
+        s.out[at] = tmk::from_float<T>(rf * gm);
         sq = rf * rf;
-        xo = tmk::to_float(o);
     }
     // The 8 lanes of a warp with the same lane % 4 hold rows g (or g + 8) of one batch row.
-#pragma unroll
-    for (int d = 4; d < 32; d <<= 1) {
-        sq += __shfl_xor_sync(0xffffffffu, sq, d);
-        if (TM_Q4_X_FROM_JOIN) xo += __shfl_xor_sync(0xffffffffu, xo, d);
-    }
+    sq += __shfl_xor_sync(0xffffffffu, sq, 4);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 8);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 16);
     __shared__ float part[4][4];  // [e][lane % 4]
-    __shared__ double xpart[4][4];
-    if (threadIdx.x < 128 && lane < 4) {
-        part[e][lane] = sq;
-        xpart[e][lane] = xo;
-    }
+    if (threadIdx.x < 128 && lane < 4) part[e][lane] = sq;
     __syncthreads();
     if ((int)threadIdx.x < n) {  // batch row jj: e = jj % 2 (rows g) and 2 + jj % 2 (rows g + 8), lane = jj / 2
         const int jj = threadIdx.x;
         atomicAdd(sums + jj, (double)part[jj & 1][jj >> 1] + (double)part[2 + (jj & 1)][jj >> 1]);
-        // the CTA's 16 rows lie in block row0 / 128
-        if (TM_Q4_X_FROM_JOIN)
-            atomicAdd(sums + DEFERRED_ROWS * (1 + (tile.row0 >> 7)) + jj, xpart[jj & 1][jj >> 1] + xpart[2 + (jj & 1)][jj >> 1]);
     }
 }
 
@@ -962,20 +914,16 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
     const Tile tiles[2] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
                            Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[2][4];
-    if constexpr (PATH == GENERIC)
-        q4_tiles<T, U, 2, true>(tiles, x, n, cols, group, acc, wait_sum);
+    if constexpr (PATH == LEAN_TILED_SP)
+        q4_tiles_lean<T, U, 2, XPRE, true, 3>(tiles, x, n, cols, acc, wait_sum);
+    else if constexpr (PATH == LEAN_TILED_TS)
+        q4_tiles_lean<T, U, 2, XPRE, true, 2>(tiles, x, n, cols, acc, wait_sum);
+    else if constexpr (PATH == LEAN_TILED)
+        q4_tiles_lean<T, U, 2, XPRE, true>(tiles, x, n, cols, acc, wait_sum);
+    else if constexpr (PATH == LEAN)
+        q4_tiles_lean<T, U, 2, XPRE>(tiles, x, n, cols, acc, wait_sum);
     else
-        with_x_sums(ns, [&](auto xgc, const double* xg) {
-            constexpr bool XG = decltype(xgc)::value;
-            if constexpr (PATH == LEAN_TILED_SP)
-                q4_tiles_lean<T, U, 2, XPRE, true, 3, XG>(tiles, x, n, cols, acc, wait_sum, xg);
-            else if constexpr (PATH == LEAN_TILED_TS)
-                q4_tiles_lean<T, U, 2, XPRE, true, 2, XG>(tiles, x, n, cols, acc, wait_sum, xg);
-            else if constexpr (PATH == LEAN_TILED)
-                q4_tiles_lean<T, U, 2, XPRE, true, 0, XG>(tiles, x, n, cols, acc, wait_sum, xg);
-            else
-                q4_tiles_lean<T, U, 2, XPRE, false, 0, XG>(tiles, x, n, cols, acc, wait_sum, xg);
-        });
+        q4_tiles<T, U, 2, true>(tiles, x, n, cols, group, acc, wait_sum);
     __shared__ float upv[128];
     trigger_after_loop();
     silu_store<T>(out, reduce_warps<2>(acc) * norm_scale(ns, nsum), upv, row0, rows, n);
@@ -1073,9 +1021,7 @@ __device__ __forceinline__ void q4_gemv_rope(const T* __restrict__ x, int n, int
         tile.hs = rk.interleaved ? 1 : D >> 1;
     }
     float acc[1][4];
-    with_x_sums(ns, [&](auto xgc, const double* xg) {
-        q4_tiles_lean<T, 2, 1, false, false, 0, decltype(xgc)::value>(&tile, x, n, cols, acc, wait_sum, xg);
-    });
+    q4_tiles_lean<T, 2, 1, false>(&tile, x, n, cols, acc, wait_sum);
     trigger_after_loop();
     const float v = reduce_warps<1>(acc) * norm_scale(ns, nsum);
     // Thread tid < 128 holds fragment element e = tid / 32 of lane tid % 32: fragment row
@@ -1123,9 +1069,7 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     const int row_b = si < 2 ? row_a + (D >> 1) : row_a + 16;
     const Tile tiles[2] = {Tile{s.packed, s.scales, s.mins, row_a, s.rows}, Tile{s.packed, s.scales, s.mins, row_b, s.rows}};
     float acc[2][4];
-    with_x_sums(ns, [&](auto xgc, const double* xg) {
-        q4_tiles_lean<T, TM_Q4_ROPE_TILED_U, 2, false, true, 0, decltype(xgc)::value>(tiles, x, n, cols, acc, wait_sum, xg);
-    });
+    q4_tiles_lean<T, TM_Q4_ROPE_TILED_U, 2, false, true>(tiles, x, n, cols, acc, wait_sum);
     trigger_after_loop();
     const float v = reduce_warps<2>(acc) * norm_scale(ns, nsum);
     // Thread tid holds fragment element e = tid / 32 (tile e / 4) of lane tid % 32: row g + 8 (e / 2

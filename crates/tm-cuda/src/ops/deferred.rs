@@ -7,9 +7,9 @@
 use std::sync::OnceLock;
 
 use tm_core::checks::rows_of;
-use tm_core::ops::{deferred_norm_slot, DeferredNorm, DEFERRED_NORM_ROWS};
+use tm_core::ops::{DeferredNorm, DEFERRED_NORM_ROWS};
 use tm_core::quant::Weight;
-use tm_core::{Error, Result, Tensor};
+use tm_core::{DType, Error, Result, Tensor};
 
 use super::{int4_mins, ptr, CudaBackend};
 use crate::kernels::elementwise as ew;
@@ -21,17 +21,23 @@ pub(super) fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("TM_DEFER_NORM").map_or(true, |v| v.trim() != "0"))
 }
 
-/// The device address of slot `slot` of `sums` (tm-core's `DeferredNorm::sums`) for a join
-/// output `cols` wide.
-fn slot_addr(sums: &Tensor, slot: usize, cols: usize) -> Result<u64> {
-    let range = deferred_norm_slot(sums, slot, cols)?;
-    Ok(ptr(sums) + (range.start * 8) as u64)
+/// Bytes of one slot of a sums tensor (`DEFERRED_NORM_ROWS` f64).
+const SLOT_BYTES: usize = DEFERRED_NORM_ROWS * 8;
+
+/// The device address of slot `slot` of `sums` (f32 `[slots, 2 * DEFERRED_NORM_ROWS]`).
+fn slot_addr(sums: &Tensor, slot: usize) -> Result<u64> {
+    sums.expect_dtype("deferred-norm sums", DType::F32)?;
+    let slots = sums.desc().bytes() / SLOT_BYTES;
+    if slot >= slots {
+        return Err(Error::invalid(format!("deferred-norm slot {slot} of a sums tensor with {slots} slots")));
+    }
+    Ok(ptr(sums) + (slot * SLOT_BYTES) as u64)
 }
 
 impl CudaBackend {
-    /// The kernels' form of `norm`, for a join output (the products' input) `cols` wide.
-    pub(super) fn norm_args(&self, norm: &DeferredNorm<'_>, cols: usize) -> Result<NormArgs> {
-        Ok(NormArgs { sums: slot_addr(norm.sums, norm.slot, cols)?, eps: norm.eps })
+    /// The kernels' form of `norm`.
+    pub(super) fn norm_args(&self, norm: &DeferredNorm<'_>) -> Result<NormArgs> {
+        Ok(NormArgs { sums: slot_addr(norm.sums, norm.slot)?, eps: norm.eps })
     }
 
     /// `Ops::matmul_add_rms_norm_deferred`: one `q4_gemv_*_join` launch when `w` is int4, `x` a
@@ -76,7 +82,7 @@ impl CudaBackend {
         {
             self.check(t, what)?;
         }
-        let sums = slot_addr(sums, slot, rows)?;
+        let sums = slot_addr(sums, slot)?;
         q4_gemv::q4_gemv_join(&self.gpu, self.dtype, ptr(x), n, cols, group, &weight, ptr(residual), ptr(norm), sums)?;
         Ok(true)
     }
@@ -92,7 +98,7 @@ impl CudaBackend {
             return Err(Error::invalid(format!("a deferred join of {n} rows (at most {DEFERRED_NORM_ROWS})")));
         }
         self.check(x, "deferred join output")?;
-        let sums = slot_addr(norm.sums, norm.slot, cols)?;
+        let sums = slot_addr(norm.sums, norm.slot)?;
         ew::norm_finish(&self.gpu, self.dtype, ptr(x), sums, n, cols, norm.eps)
     }
 }

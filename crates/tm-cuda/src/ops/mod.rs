@@ -620,7 +620,7 @@ impl Ops for CudaBackend {
         out: &mut Tensor,
     ) -> Result<()> {
         if let (Weight::Int4(g), Weight::Int4(u)) = (gate, up) {
-            let args = self.norm_args(norm, g.cols)?;
+            let args = self.norm_args(norm)?;
             if self.fused_q4_gate_up_silu(x, g, u, out, Some(&args))? {
                 return Ok(());
             }

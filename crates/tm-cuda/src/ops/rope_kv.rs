@@ -140,7 +140,7 @@ impl CudaBackend {
             head_dim,
             interleaved,
         };
-        let norm = norm.map(|d| self.norm_args(d, cols)).transpose()?;
+        let norm = norm.map(|d| self.norm_args(d)).transpose()?;
         q4_gemv::q4_gemv_rope(&self.gpu, self.dtype, ptr(x), n, cols, group, &slots, &rope, norm.as_ref())?;
         Ok(true)
     }

@@ -21,7 +21,6 @@ struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 struct float2 { float x, y; };
-struct double2 { double x, y; };
 inline float2 make_float2(float a, float b) { return float2{a, b}; }
 struct __half { uint16_t x; };
 struct __half2 { __half x, y; };
@@ -45,7 +44,6 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline void sincosf(float v, float* s, float* c) { *s = std::sin(v); *c = std::cos(v); }
 float __shfl_xor_sync(unsigned mask, float v, int lane_mask);  // q4_gemv_emu.cpp: a per-warp exchange
-double __shfl_xor_sync(unsigned mask, double v, int lane_mask);
 void __syncthreads();
 template <class T> inline T __ldg(const T* p) { return *p; }
 template <class T> inline T __ldcs(const T* p) { return *p; }

@@ -223,7 +223,7 @@ impl LlamaModel {
         }
         ws.prepare(ops, n, step.logit_rows.len())?;
         if self.defers_joins(ops, n) {
-            ws.ensure_norm_sums(ops, 2 * self.layers.len(), c.hidden_size)?;
+            ws.ensure_norm_sums(ops, 2 * self.layers.len())?;
         }
         let max_pos = step.positions.iter().copied().max().unwrap_or(0) as usize;
         let freqs = c.rope.freqs(max_pos);

@@ -34,7 +34,7 @@ pub struct Workspace {
     /// The row order that puts `gathered` back into `[rows, vocab]`.
     pub(super) perm: Vec<u32>,
     /// The sums of the deferred residual joins (`tm_core::ops::DeferredNorm`): f32 `[2 × layers,
-    /// deferred_norm_slot_len(hidden)]`, one slot per join of a step; made by the model's first step
+    /// 2 × DEFERRED_NORM_ROWS]`, one slot per join of a step; made by the model's first step
     /// ([`Workspace::ensure_norm_sums`]) when it defers joins.
     pub(super) norm_sums: Option<Tensor>,
     /// Whether the model has int4 weights: the backend's matmul scratch is reserved for the
@@ -109,12 +109,11 @@ impl Workspace {
         Ok(self)
     }
 
-    /// Makes the deferred joins' sums for `joins` joins per step of a model `hidden` wide, once
-    /// (~70 KiB for 32 layers of 4096; zeroed by each step that uses them).
-    pub(super) fn ensure_norm_sums(&mut self, ops: &dyn Ops, joins: usize, hidden: usize) -> Result<()> {
-        let len = tm_core::ops::deferred_norm_slot_len(hidden);
-        if self.norm_sums.as_ref().is_none_or(|t| t.shape()[0] < joins || t.shape()[1] < len) {
-            let desc = TensorDesc::new(DType::F32, &[joins, len]);
+    /// Makes the deferred joins' sums for `joins` joins per step, once (a few KiB; zeroed by each
+    /// step that uses them).
+    pub(super) fn ensure_norm_sums(&mut self, ops: &dyn Ops, joins: usize) -> Result<()> {
+        if self.norm_sums.as_ref().is_none_or(|t| t.shape()[0] < joins) {
+            let desc = TensorDesc::new(DType::F32, &[joins, 2 * tm_core::ops::DEFERRED_NORM_ROWS]);
             self.norm_sums = Some(ops.zeros(desc, "workspace")?);
         }
         Ok(())
