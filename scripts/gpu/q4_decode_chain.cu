@@ -428,6 +428,30 @@
 //   2.50x). So halving the gate/up loads at full bytes gains nothing on the H100: what sf gains
 //   there is its single load of both tiles and its quarter of the bytes, which no layout of one
 //   weight gives. Left off by default; not run on an H200 (none came).
+// Session 27 (2026-12-06; engine only, AWQ 8B b1 replay, f16, two alternations). No H200 again
+// (nine asks: five got no machine, three cool-down refusals, one H100); three H100 calls.
+// - Full bytes (`TM_Q4_ABLATE_SMFUSED=2`: gate/up's one 16-byte load per lane and step of both
+//   tiles' scales and mins, each 16-byte unit of the four tensors read once, as a gate/up
+//   interleaved layout would): H100 (3.007 TB/s) base 2277.0 / 2283.1 us, sf 2247.9 / 2248.7
+//   (-32), sf2 2276.5 / 2281.4 (-1), sf with xl 2226.9 / 2223.7, sf2 with xl 2248.2 / 2252.7. So on
+//   the H100 sf's whole saving is its quarter of the bytes (gate/up's scales and mins are 117 MB a
+//   step: three quarters of that at 3 TB/s is 29 us), and fewer load instructions gain nothing:
+//   the H100 is bytes-bound here, and no interleaving of gate and up pays there. On the H200 the
+//   ablations cost more than their bytes (nl -111 against ~45 us of bytes at 4.8 TB/s), so sf2
+//   there is still the open question (`VARIANTS="base sf2"`).
+// - X from the producers, built (commits ca3271a, 424ab51; reverted in 8632155): the int4 joins
+//   (o, down) and gate/up's SiLU epilogue add each CTA's 16 stored outputs into an f64 per 128
+//   columns and batch row of a deferred-norm slot (f64 atomics after the row sums; a third slot
+//   per layer for the MLP activation), and every lean consumer (lnt_rope, silu_lnts, down's
+//   ln4t_join) loads its two X a step (one double2, __ldca) instead of the ones-mma. Exact block
+//   sums (host emulation and conformance), GPU suite green, but H100 (3.009 / 3.038 TB/s): with
+//   it 2297.2 / 2302.0 and 2300.4 / 2301.1 us, without (TM_Q4_X_FROM_JOIN=0, same binary)
+//   2244.9 / 2242.6 and 2241.0 / 2244.9: +55..+58. Producers' writes alone (consumers still on the
+//   mma) 2275.7 / 2269.9 (+30), consumers' reads alone 2288.5 / 2286.4 (+44). So the epilogue's
+//   extra reduction, barrier and atomics cost ~0.3 us in each of 96 kernels, and the reads lose
+//   where `xl` (one float2 from x, no loop copy) won 20: the double2 and its two F2F.F64 a step,
+//   and/or each consumer carrying two loop copies (with and without X). A next try would need
+//   f32 X without atomics and one loop per kernel; not worth it on the H100.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

@@ -128,7 +128,8 @@
 // the bytes, the rest L2 hits): the loads' instruction count without the four per step.
 // TM_Q4_ABLATE_SMFUSED=2: the same load in gate/up's SMI = 2 loop only, at full bytes: the 16-byte
 // units of gate's and up's scales and mins, (row tile / 4 * groups + group) * 8 + g in the tensor
-// row tile % 4 picks, each read once per step as an interleaved tensor's would be.
+// row tile % 4 picks, each read once per step as an interleaved tensor's would be (H100: no gain,
+// so sf's was its quarter of the bytes; scripts/gpu/q4_decode_chain.cu, "Session 27").
 #ifndef TM_Q4_ABLATE_SMFUSED
 #define TM_Q4_ABLATE_SMFUSED 0
 #endif
