@@ -593,8 +593,6 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         uint4 x[4];
         float2 xl;  // TM_Q4_ABLATE_XLOAD
     };
-    // The scale and min loads of tile i, row half h (h = 0 loads both rows' where one word holds
-    // them) of step j into s, m.
     // TM_Q4_ABLATE_SMFUSED=2's 16-byte units of this lane at step 0
     const uint4* sf2 = nullptr;
     if (TM_Q4_ABLATE_SMFUSED == 2 && SMI == 2 && NT == 2) {
@@ -602,6 +600,8 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         const __half* base = k == 0 ? tiles[0].scales : k == 1 ? tiles[0].mins : k == 2 ? tiles[1].scales : tiles[1].mins;
         sf2 = reinterpret_cast<const uint4*>(base) + ((tiles[0].row0 >> 6) * groups + warp) * 8 + g;
     }
+    // The scale and min loads of tile i, row half h (h = 0 loads both rows' where one word holds
+    // them) of step j into s, m.
     auto load_sm = [&](__half (&sd)[NT][2], __half (&md)[NT][2], int i, int h, int j) {
         if (TM_Q4_ABLATE_SMFUSED == 2 && SMI == 2 && NT == 2) {
             if (i == 0 && h == 0) {
