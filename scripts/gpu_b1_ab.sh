@@ -13,7 +13,10 @@
 # Each variant's kernels are the bundle's kernels/ with target/variants/kernels-<name>/*.cubin laid
 # over them (the bundle's manifest.txt stays, so the binary keeps PDL on), and its runs get the
 # environment in target/variants/kernels-<name>/env if there is one (KEY=VALUE lines, e.g.
-# TM_GATE_UP_SCALE_PAIRS=1 for a variant that changes a layout, not a kernel); `base` should be built
+# TM_GATE_UP_SCALE_PAIRS=1 for a variant that changes a layout, not a kernel). A variant folder with
+# a `tm-cli` (another build of the engine, e.g. stripped from another commit's bundle) runs that
+# binary, and then its folder must be that build's whole kernels/ with its manifest.txt (an overlay
+# on this bundle's would leave the manifests unmatched and PDL off). `base` should be built
 # with no flags, so that every variant comes from the same compiler run. Rounds alternate the
 # variants (base j3 base j3 ...): clocks and the machine drift within a call. Writes
 # $OUT/summary.txt (per run: the graph replay time of a decode step, output tok/s and TPOT p50),
@@ -70,7 +73,14 @@ cat "$LOGS/bandwidth.txt" >>"$LOGS/summary.txt"
 for v in $VARIANTS; do
     mkdir -p "/tmp/b1ab-k-$v"
     cp "$BUNDLE"/kernels/* "/tmp/b1ab-k-$v/"
-    if [ -d "target/variants/kernels-$v" ]; then
+    if [ -f "target/variants/kernels-$v/tm-cli" ]; then
+        rm -f "/tmp/b1ab-k-$v"/*
+        cp "target/variants/kernels-$v"/* "/tmp/b1ab-k-$v/"
+        [ -f "/tmp/b1ab-k-$v/manifest.txt" ] || {
+            echo "gpu_b1_ab: kernels-$v has a tm-cli but no manifest.txt" | tee -a "$LOGS/summary.txt" >&2
+            exit 1
+        }
+    elif [ -d "target/variants/kernels-$v" ]; then
         cp "target/variants/kernels-$v"/*.cubin "/tmp/b1ab-k-$v/" 2>/dev/null
         if [ -f "target/variants/kernels-$v/env" ]; then cp "target/variants/kernels-$v/env" "/tmp/b1ab-k-$v/"; fi
     elif [ "$v" != base ]; then
@@ -96,7 +106,9 @@ bench() {
     local log="$LOGS/$1.txt" vars=()
     if [ -f "$2/env" ]; then mapfile -t vars <"$2/env"; fi
     # shellcheck disable=SC2086 # the shape is a list of arguments
-    env "${vars[@]}" TM_KERNELS_DIR="$2" timeout 150 "$CLI" bench --model "$3" --backend cuda --dtype "$4" ${5:-$SHAPE_B1} >"$log" 2>&1
+    local cli="$CLI"
+    if [ -x "$2/tm-cli" ]; then cli="$2/tm-cli"; fi
+    env "${vars[@]}" TM_KERNELS_DIR="$2" timeout 150 "$cli" bench --model "$3" --backend cuda --dtype "$4" ${5:-$SHAPE_B1} >"$log" 2>&1
     local rc=$?
     echo "$1 (t=${SECONDS}s) exit $rc: $(grep -o 'a replay took [0-9.]* us' "$log" | tail -1)," \
         "$(grep -o 'output throughput *[0-9.]* tok/s' "$log"), $(grep -o 'TPOT (ms) *p50 [0-9.]*' "$log")" |
