@@ -603,19 +603,11 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
     // The scale and min loads of tile i, row half h (h = 0 loads both rows' where one word holds
     // them) of step j into s, m.
     auto load_sm = [&](__half (&sd)[NT][2], __half (&md)[NT][2], int i, int h, int j) {
-        if (TM_Q4_ABLATE_SMFUSED == 2 && SMI == 2 && NT == 2) {
+        if (TM_Q4_ABLATE_SMFUSED && TILED && NT == 2 && (TM_Q4_ABLATE_SMFUSED == 1 || SMI == 2)) {
             if (i == 0 && h == 0) {
-                const uint4 v = sf2[64 * j];
-                const unsigned wv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int k = 0; k < NT; ++k) {
-                    split_halves(wv[2 * k], sd[k][0], sd[k][1]);
-                    split_halves(wv[2 * k + 1], md[k][0], md[k][1]);
-                }
-            }
-        } else if (TM_Q4_ABLATE_SMFUSED == 1 && TILED && NT == 2) {
-            if (i == 0 && h == 0) {
-                const uint4 v = reinterpret_cast<const uint4*>(tiles[0].scales)[(smo[0] / 2 + 64u * (unsigned)j) >> 2];
+                const uint4 v = TM_Q4_ABLATE_SMFUSED == 2
+                                    ? sf2[64 * j]
+                                    : reinterpret_cast<const uint4*>(tiles[0].scales)[(smo[0] / 2 + 64u * (unsigned)j) >> 2];
                 const unsigned wv[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
                 for (int k = 0; k < NT; ++k) {
