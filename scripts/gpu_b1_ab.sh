@@ -15,10 +15,11 @@
 # environment in target/variants/kernels-<name>/env if there is one (KEY=VALUE lines, e.g.
 # TM_GATE_UP_SCALE_PAIRS=1 for a variant that changes a layout, not a kernel). A variant folder with
 # a `tm-cli` (another build of the engine, e.g. stripped from another commit's bundle) runs that
-# binary, and then its folder must be that build's whole kernels/ with its manifest.txt (an overlay
-# on this bundle's would leave the manifests unmatched and PDL off). `base` should be built
-# with no flags, so that every variant comes from the same compiler run. Rounds alternate the
-# variants (base j3 base j3 ...): clocks and the machine drift within a call. Writes
+# binary, and then its folder must hold that build's manifest.txt (this bundle's would not match
+# that binary's sources and would leave PDL off) and those of its cubins that differ from this
+# bundle's (`cmp`; the rest come from the bundle, which keeps the carry under its limit). `base`
+# should be built with no flags, so that every variant comes from the same compiler run. Rounds
+# alternate the variants (base j3 base j3 ...): clocks and the machine drift within a call. Writes
 # $OUT/summary.txt (per run: the graph replay time of a decode step, output tok/s and TPOT p50),
 # $OUT/bandwidth.txt and $OUT/logs.tgz (every log). Environment: VARIANTS (default "base"),
 # ROUNDS (default 2), BF16=1 (also make the bf16 checkpoint and run it twice; ~16 GB, minutes),
@@ -74,7 +75,6 @@ for v in $VARIANTS; do
     mkdir -p "/tmp/b1ab-k-$v"
     cp "$BUNDLE"/kernels/* "/tmp/b1ab-k-$v/"
     if [ -f "target/variants/kernels-$v/tm-cli" ]; then
-        rm -f "/tmp/b1ab-k-$v"/*
         cp "target/variants/kernels-$v"/* "/tmp/b1ab-k-$v/"
         [ -f "/tmp/b1ab-k-$v/manifest.txt" ] || {
             echo "gpu_b1_ab: kernels-$v has a tm-cli but no manifest.txt" | tee -a "$LOGS/summary.txt" >&2
