@@ -452,6 +452,12 @@
 //   where `xl` (one float2 from x, no loop copy) won 20: the double2 and its two F2F.F64 a step,
 //   and/or each consumer carrying two loop copies (with and without X). A next try would need
 //   f32 X without atomics and one loop per kernel; not worth it on the H100.
+// Session 28 (2026-12-06; engine only, AWQ 8B b1 replay, f16, four alternations). Session 27's
+// lead, that the X-off build of 424ab51 (`-DTM_Q4_X_FROM_JOIN=0`: three 7232-byte deferred-norm
+// slots a layer, unused kernel parameters) ran ~35 us faster than the shipped one, was the hosts:
+// A/B'd in one call (gpu_b1_ab.sh running each build's own tm-cli), H100 80GB HBM3 (3.041 TB/s)
+// shipped f434833 2237.5 / 2238.6 / 2247.5 / 2242.1 us, X-off build 2246.4 / 2238.9 / 2242.3 /
+// 2239.6. Same within noise; the shipped step varies 2238-2283 us between H100 calls.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
