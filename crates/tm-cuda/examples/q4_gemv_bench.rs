@@ -5,6 +5,7 @@
 //! ```text
 //! cargo build --release -p tm-cuda --examples
 //! target/release/examples/q4_gemv_bench [--dtype f16|bf16] [--group 128] [--iters 200]
+//!     [--variants u2,ln,...] [--n 1,4,8] [--hot]
 //! ```
 //!
 //! Each line gives the time per call, the weight bytes streamed per second (packed nibbles +
@@ -12,6 +13,13 @@
 //! bandwidth, measured first on the same GPU (`common::copy_bandwidth`). Enough copies of each
 //! weight set are cycled through that they do not stay in L2. No assertions; without a CUDA
 //! device it says so and exits successfully.
+//!
+//! `--hot` times one copy of each set instead, kept in L2 (gate/up with 7168 rows a weight, so
+//! that its 31 MB fit the H100's 50 MB L2 as q/k/v's, o's and down's do): the products without
+//! DRAM, i.e. the rate their loops' instructions and latencies allow. On an H100, where the cold
+//! products are bound by bytes, this is the part of them that bounds the H200's (whose bandwidth
+//! outruns the loops; scripts/gpu/q4_decode_chain.cu), so kernel changes that cut instructions can
+//! be judged there without an H200.
 //!
 //! What is timed (CUDA events around `--iters` calls, after warm-up):
 //! - `ops`: what the model calls (`Ops::matmul_many`, `Ops::gate_up_silu`, the latter on gate
@@ -60,10 +68,21 @@ struct Opts {
     group: usize,
     iters: usize,
     variants: Vec<Unroll>,
+    /// Activation rows timed (`--n`).
+    batch: Vec<usize>,
+    /// One L2-resident copy of each weight set (`--hot`).
+    hot: bool,
 }
 
 fn parse() -> Result<Opts, String> {
-    let mut o = Opts { dtype: DType::F16, group: 128, iters: 200, variants: Unroll::ALL.to_vec() };
+    let mut o = Opts {
+        dtype: DType::F16,
+        group: 128,
+        iters: 200,
+        variants: Unroll::ALL.to_vec(),
+        batch: vec![1, 4, 8],
+        hot: false,
+    };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = |what: &str| args.next().ok_or_else(|| format!("{what} needs a value"));
@@ -101,8 +120,20 @@ fn parse() -> Result<Opts, String> {
                     })
                     .collect::<Result<_, String>>()?;
             }
+            "--n" => {
+                let v = value("--n")?;
+                o.batch = v
+                    .split(',')
+                    .map(|n| n.parse().ok().filter(|n| (1..=8).contains(n)))
+                    .collect::<Option<_>>()
+                    .ok_or_else(|| format!("--n {v}: expected a list of activation rows from 1 to 8 (1,4,8)"))?;
+            }
+            "--hot" => o.hot = true,
             "-h" | "--help" => {
-                println!("usage: q4_gemv_bench [--dtype f16|bf16] [--group 128] [--iters 200] [--variants u2,ln,...]");
+                println!(
+                    "usage: q4_gemv_bench [--dtype f16|bf16] [--group 128] [--iters 200] [--variants u2,ln,...] [--n \
+                     1,4,8] [--hot]"
+                );
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument `{other}`")),
@@ -212,19 +243,21 @@ enum Shape {
 }
 
 impl Shape {
-    fn name(self) -> &'static str {
+    fn name(self, hot: bool) -> &'static str {
         match self {
             Shape::Qkv => "q/k/v 6144x4096",
             Shape::O => "o     4096x4096",
+            Shape::GateUp if hot => "gate/up 2x7168x4096",
             Shape::GateUp => "gate/up 2x14336x4096",
             Shape::Down => "down  4096x14336",
         }
     }
-    /// `(rows, cols)` of each weight.
-    fn weights(self) -> Vec<(usize, usize)> {
+    /// `(rows, cols)` of each weight (`hot`: gate/up at half its rows, to fit L2).
+    fn weights(self, hot: bool) -> Vec<(usize, usize)> {
         match self {
             Shape::Qkv => vec![(4096, 4096), (1024, 4096), (1024, 4096)],
             Shape::O => vec![(4096, 4096)],
+            Shape::GateUp if hot => vec![(7168, 4096), (7168, 4096)],
             Shape::GateUp => vec![(14336, 4096), (14336, 4096)],
             Shape::Down => vec![(4096, 14336)],
         }
@@ -237,18 +270,19 @@ fn bench(o: &Opts) -> Result<(), String> {
     let ops: &dyn Ops = &b;
     let mut rng = Rng::new(0x51_0E_6E_4D);
     println!(
-        "int4 decode products, {} activations, group {}, {} iterations; GB/s of packed weights + scales + mins, % of \
-         {:.3} TB/s",
+        "int4 decode products, {} activations, group {}, {} iterations, weights {}; GB/s of packed weights + scales + \
+         mins, % of {:.3} TB/s",
         o.dtype,
         o.group,
         o.iters,
+        if o.hot { "hot in L2 (one copy)" } else { "cycled through copies past L2" },
         copy_bw / 1e12
     );
     let e = |e: tm_core::Error| e.to_string();
     for shape in [Shape::Qkv, Shape::O, Shape::GateUp, Shape::Down] {
-        let dims = shape.weights();
+        let dims = shape.weights(o.hot);
         let set_bytes: usize = dims.iter().map(|&(r, c)| r * c / 2 + 2 * 2 * r * (c / o.group)).sum();
-        let copies = CYCLE_BYTES.div_ceil(set_bytes).max(2);
+        let copies = if o.hot { 1 } else { CYCLE_BYTES.div_ceil(set_bytes).max(2) };
         let mut make_sets = || -> Result<Vec<Vec<Weight>>, String> {
             (0..copies).map(|_| dims.iter().map(|&(r, c)| random_q4(ops, &mut rng, r, c, o.group)).collect()).collect()
         };
@@ -270,7 +304,7 @@ fn bench(o: &Opts) -> Result<(), String> {
         };
         let op_sets = prepared.as_ref().unwrap_or(&sets);
         let cols = dims[0].1;
-        for n in [1usize, 4, 8] {
+        for &n in &o.batch {
             let x = activations(ops, &mut rng, o.dtype, n, cols).map_err(e)?;
             let mut outs: Vec<Tensor> = dims
                 .iter()
@@ -315,7 +349,7 @@ fn bench(o: &Opts) -> Result<(), String> {
             // A graph that fails to capture or run is reported and left out (the stream lines
             // stand on their own).
             let graphed = |what: &str, r: Result<f64, String>| {
-                r.map_err(|err| eprintln!("{} n={n} {what}: CUDA graph timing failed: {err}", shape.name())).ok()
+                r.map_err(|err| eprintln!("{} n={n} {what}: CUDA graph timing failed: {err}", shape.name(o.hot))).ok()
             };
             let norm_ms = graphed("norm only", graph_ms(&b, o.iters, |_| norm()));
             let mut rows: Vec<(String, f64)> = vec![("ops".into(), ops_ms)];
@@ -367,7 +401,7 @@ fn bench(o: &Opts) -> Result<(), String> {
             if let Some(norm) = norm_ms {
                 println!(
                     "{:<22} n={n}  {:<12} {:>8.1} us  (a graph of RMSNorms alone: subtracted from the chains)",
-                    shape.name(),
+                    shape.name(o.hot),
                     "norm only",
                     norm * 1e3
                 );
@@ -376,7 +410,7 @@ fn bench(o: &Opts) -> Result<(), String> {
                 let gbs = set_bytes as f64 / (ms * 1e-3) / 1e9;
                 println!(
                     "{:<22} n={n}  {what:<12} {:>8.1} us  {:>7.0} GB/s  {:>5.1}% of copy bandwidth",
-                    shape.name(),
+                    shape.name(o.hot),
                     ms * 1e3,
                     gbs,
                     100.0 * gbs * 1e9 / copy_bw
