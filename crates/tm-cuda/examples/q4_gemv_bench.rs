@@ -16,10 +16,11 @@
 //!
 //! `--hot` times one copy of each set instead, kept in L2 (gate/up with 7168 rows a weight, so
 //! that its 31 MB fit the H100's 50 MB L2 as q/k/v's, o's and down's do): the products without
-//! DRAM, i.e. the rate their loops' instructions and latencies allow. On an H100, where the cold
-//! products are bound by bytes, this is the part of them that bounds the H200's (whose bandwidth
-//! outruns the loops; scripts/gpu/q4_decode_chain.cu), so kernel changes that cut instructions can
-//! be judged there without an H200.
+//! DRAM, i.e. the rate their loops' instructions and latencies allow. Meant as an H100 stand-in
+//! for the H200, whose bandwidth outruns the loops (scripts/gpu/q4_decode_chain.cu): the cold
+//! products on an H100 are bound by bytes and hide changes that cut instructions, which the H200
+//! rewards. Not yet checked against the H200's figures: first time the ablations on an H100 with
+//! `--hot` beside their H200 engine figures (that file's sessions 24-25).
 //!
 //! What is timed (CUDA events around `--iters` calls, after warm-up):
 //! - `ops`: what the model calls (`Ops::matmul_many`, `Ops::gate_up_silu`, the latter on gate
