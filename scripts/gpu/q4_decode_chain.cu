@@ -458,6 +458,33 @@
 // A/B'd in one call (gpu_b1_ab.sh running each build's own tm-cli), H100 80GB HBM3 (3.041 TB/s)
 // shipped f434833 2237.5 / 2238.6 / 2247.5 / 2242.1 us, X-off build 2246.4 / 2238.9 / 2242.3 /
 // 2239.6. Same within noise; the shipped step varies 2238-2283 us between H100 calls.
+// - An H100 stand-in for the H200: `q4_gemv_bench --hot` (commit 4a183fd: one L2-resident copy of
+//   each weight set, gate/up at 7168 rows a weight), f16, n = 1, --iters 300 --variants ln, three
+//   rounds of seven cubins built in one gpu_kernel_variants.sh run (the base one byte-identical to
+//   the shipped one); every figure repeated within 0.1 us. H100 80GB HBM3, us, `ops` (the model's
+//   launch: silu_lnts for gate/up) and `ln graph`:
+//       cubin   q/k/v ops/graph   o ops/graph   gate/up (half) ops   down ops/graph
+//       base    5.7 / 5.6         4.5 / 4.7     12.5                 10.3 / 13.3
+//       nx      5.3 / 5.1         4.3 / 4.2     12.2                  9.5 / 11.6
+//       nr      5.1 / 5.0         4.1 / 4.2     12.3                  9.7 / 11.1
+//       nxe     4.8 / 4.6         3.9 / 3.8     11.4                  8.4 / 10.4
+//       nl      5.2 / 5.0         4.1 / 4.2     12.0                  9.3 / 11.7
+//       sf2     5.7 / 5.5         4.5 / 4.7     12.4                 10.3 / 13.3
+//       pairs   5.7 / 5.6         4.5 / 4.7     12.8                 10.4 / 13.5
+//   Against session 24's H200 bench (cold, graph, n = 1; base / nx / nr / nxe): the ablations'
+//   savings agree to ~0.1-0.3 us per product: down -0.8 / -0.7 / -2.0 on the H200, -0.8 / -0.6 /
+//   -1.9 hot on the H100; q/k/v -0.4 / -0.6 / -1.0 and -0.5 / -0.6 / -1.0; o -0.5 / -0.6 / -0.8
+//   and -0.5 / -0.5 / -0.9; gate/up -0.9 / -0.5 / -2.2 and, twice the half-size figure, -0.6 /
+//   -0.4 / -2.2. The cold runs on the same H100 (base / nl / sf2: gate/up 25.1 / 23.8 / 25.1,
+//   down 13.8 / 12.5 / 13.8) show the bytes-bound picture of sessions 23-27. So the H100 with
+//   --hot predicts what a kernel change saves on the H200, without one. Its verdicts on the two
+//   open H200 questions: sf2 (gate/up's one 16-byte scale-and-min load a step, full bytes) saves
+//   nothing (12.4 against 12.5), and the pairs layout (silu_lntp) costs +0.3 us per half gate/up,
+//   ~+20 us a step. Neither an interleaved gate/up scale layout nor the pairs layout is worth
+//   building or keeping; the next session should remove `TilesAndScalePairs16x128` and
+//   `silu_lntp` (with their conformance and host-emulation cases; default cubins must stay
+//   byte-identical, `cmp`). What the stand-in says is left: nl (-0.5 / -0.4 / -0.4 / -1.0 a
+//   product hot, the per-step scale and min loads and conversions) and nxe's epilogue.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

@@ -19,8 +19,9 @@
 //! DRAM, i.e. the rate their loops' instructions and latencies allow. Meant as an H100 stand-in
 //! for the H200, whose bandwidth outruns the loops (scripts/gpu/q4_decode_chain.cu): the cold
 //! products on an H100 are bound by bytes and hide changes that cut instructions, which the H200
-//! rewards. Not yet checked against the H200's figures: first time the ablations on an H100 with
-//! `--hot` beside their H200 engine figures (that file's sessions 24-25).
+//! rewards. Checked in session 28: the timing-only ablations (q4_gemv.cu's TM_Q4_ABLATE_*) save
+//! the same microseconds per product hot on an H100 as cold on the H200, within ~0.1-0.3 us
+//! (figures in that file, "Session 28").
 //!
 //! What is timed (CUDA events around `--iters` calls, after warm-up):
 //! - `ops`: what the model calls (`Ops::matmul_many`, `Ops::gate_up_silu`, the latter on gate
