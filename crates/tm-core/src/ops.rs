@@ -59,6 +59,19 @@ pub struct DeferredNorm<'a> {
 /// The most batch rows a deferred join handles (a slot's sums).
 pub const DEFERRED_NORM_ROWS: usize = 8;
 
+/// The f64 sums of slot `slot` of a deferred norm's `sums` (f32 `[slots, 2 * DEFERRED_NORM_ROWS]`,
+/// see [`DeferredNorm::sums`]), as indices into the tensor's f64 view; an error when `sums` is not
+/// f32 or has no such slot.
+pub fn deferred_norm_slot(sums: &Tensor, slot: usize) -> Result<std::ops::Range<usize>> {
+    sums.expect_dtype("deferred-norm sums", DType::F32)?;
+    let slots = sums.numel() / (2 * DEFERRED_NORM_ROWS);
+    if slot >= slots {
+        return Err(Error::invalid(format!("deferred-norm slot {slot} of a sums tensor with {slots} slots")));
+    }
+    let at = slot * DEFERRED_NORM_ROWS;
+    Ok(at..at + DEFERRED_NORM_ROWS)
+}
+
 /// What the sampler needs for one sequence.
 #[derive(Debug)]
 pub struct SampleRequest<'a> {

@@ -20,7 +20,9 @@ pub use device::CpuDevice;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use tm_core::fp8::{self, E4M3};
-use tm_core::ops::{sample_rows, to_f32, AttentionMeta, DeferredNorm, SampleRequest, DEFERRED_NORM_ROWS};
+use tm_core::ops::{
+    deferred_norm_slot, sample_rows, to_f32, AttentionMeta, DeferredNorm, SampleRequest, DEFERRED_NORM_ROWS,
+};
 use tm_core::quant::Weight;
 use tm_core::rope::RopeFreqs;
 
@@ -80,19 +82,6 @@ impl CpuBackend {
     pub fn deferred_joins(&self) -> usize {
         self.deferred_joins.load(Ordering::Relaxed)
     }
-}
-
-/// The f64 sums of `slot` (`DEFERRED_NORM_ROWS` of them), as indices into the f64 view of a
-/// deferred norm's sums tensor (f32 `[slots, 2 * DEFERRED_NORM_ROWS]`, as tm-core's
-/// `DeferredNorm` describes it).
-fn norm_slot(sums: &Tensor, slot: usize) -> Result<std::ops::Range<usize>> {
-    sums.expect_dtype("deferred-norm sums", DType::F32)?;
-    let slots = sums.numel() / (2 * DEFERRED_NORM_ROWS);
-    if slot >= slots {
-        return Err(Error::invalid(format!("deferred-norm slot {slot} of a sums tensor with {slots} slots")));
-    }
-    let at = slot * DEFERRED_NORM_ROWS;
-    Ok(at..at + DEFERRED_NORM_ROWS)
 }
 
 impl Default for CpuBackend {
@@ -280,7 +269,7 @@ impl Ops for CpuBackend {
         if n > DEFERRED_NORM_ROWS {
             return Ok(false);
         }
-        let range = norm_slot(sums, slot)?;
+        let range = deferred_norm_slot(sums, slot)?;
         // out = x W^T, then the join's elementwise part in place: residual += out, out = residual
         // * norm, and the rows' sums of squares of the new residual added into the slot.
         self.matmul(x, w, None, out)?;
@@ -300,7 +289,7 @@ impl Ops for CpuBackend {
     }
 
     fn finish_deferred_norm(&self, x: &mut Tensor, norm: &DeferredNorm<'_>) -> Result<()> {
-        let range = norm_slot(norm.sums, norm.slot)?;
+        let range = deferred_norm_slot(norm.sums, norm.slot)?;
         let shape = x.shape().to_vec();
         let [n, cols] = shape[..] else {
             return Err(Error::shape("deferred join output", "[n, cols]", &shape[..]));

@@ -7,9 +7,9 @@
 use std::sync::OnceLock;
 
 use tm_core::checks::rows_of;
-use tm_core::ops::{DeferredNorm, DEFERRED_NORM_ROWS};
+use tm_core::ops::{deferred_norm_slot, DeferredNorm, DEFERRED_NORM_ROWS};
 use tm_core::quant::Weight;
-use tm_core::{DType, Error, Result, Tensor};
+use tm_core::{Error, Result, Tensor};
 
 use super::{int4_mins, ptr, CudaBackend};
 use crate::kernels::elementwise as ew;
@@ -21,17 +21,10 @@ pub(super) fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("TM_DEFER_NORM").map_or(true, |v| v.trim() != "0"))
 }
 
-/// Bytes of one slot of a sums tensor (`DEFERRED_NORM_ROWS` f64).
-const SLOT_BYTES: usize = DEFERRED_NORM_ROWS * 8;
-
-/// The device address of slot `slot` of `sums` (f32 `[slots, 2 * DEFERRED_NORM_ROWS]`).
+/// The device address of slot `slot` of `sums` (tm-core's `deferred_norm_slot`).
 fn slot_addr(sums: &Tensor, slot: usize) -> Result<u64> {
-    sums.expect_dtype("deferred-norm sums", DType::F32)?;
-    let slots = sums.desc().bytes() / SLOT_BYTES;
-    if slot >= slots {
-        return Err(Error::invalid(format!("deferred-norm slot {slot} of a sums tensor with {slots} slots")));
-    }
-    Ok(ptr(sums) + (slot * SLOT_BYTES) as u64)
+    let range = deferred_norm_slot(sums, slot)?;
+    Ok(ptr(sums) + (range.start * 8) as u64)
 }
 
 impl CudaBackend {
