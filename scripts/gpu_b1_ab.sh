@@ -13,7 +13,7 @@
 # Each variant's kernels are the bundle's kernels/ with target/variants/kernels-<name>/*.cubin laid
 # over them (the bundle's manifest.txt stays, so the binary keeps PDL on), and its runs get the
 # environment in target/variants/kernels-<name>/env if there is one (KEY=VALUE lines, e.g.
-# TM_GATE_UP_SCALE_PAIRS=1 for a variant that changes a layout, not a kernel). A variant folder with
+# TM_GATE_UP_TILED_SCALES=0 for a variant that changes a layout, not a kernel). A variant folder with
 # a `tm-cli` (another build of the engine, e.g. stripped from another commit's bundle) runs that
 # binary, and then its folder must hold that build's manifest.txt (this bundle's would not match
 # that binary's sources and would leave PDL off) and those of its cubins that differ from this

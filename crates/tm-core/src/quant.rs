@@ -22,9 +22,6 @@
 //! the 16 rows of a tile and one group are 16 consecutive entries, rows `i` and `i + 8` side by
 //! side), so that a decode product's lane reads the scales of its two rows in one 32-bit load.
 //! The CUDA backend stores a layer's gate and up weights that way ([`crate::Ops::prepare_gate_up`]).
-//! In [`Int4Layout::TilesAndScalePairs16x128`] the scales and mins are one tensor
-//! ([`pair_scales`]): a row pair's scale and min for two of a decode warp's column steps are 16
-//! consecutive bytes, one load where the other orders need four.
 //!
 //! # The int8 layout
 //! `packed` is `[rows, cols]` i8; `w = q * scale` with one f16 scale per group (GGUF Q8_0).
@@ -43,22 +40,12 @@ pub enum Int4Layout {
     /// [`Int4Layout::Tiles16x128`] bytes, and the scales and mins in tile order too
     /// ([`int4_scale_index`]). Same requirements.
     TilesAndScales16x128,
-    /// [`Int4Layout::Tiles16x128`] bytes, and the scales and mins interleaved in one `[rows, 2 *
-    /// groups]` tensor (the weight's `scales`; it has no `mins`): [`int4_scale_index`] and
-    /// [`int4_min_index`]. Also needs `groups % 16 == 0`.
-    TilesAndScalePairs16x128,
 }
 
 impl Int4Layout {
     /// Whether the packed bytes are in 16 x 128 tiles.
     pub fn is_tiled(self) -> bool {
         self != Int4Layout::RowMajor
-    }
-
-    /// Whether the mins are interleaved with the scales in one tensor
-    /// ([`Int4Layout::TilesAndScalePairs16x128`]).
-    pub fn pairs_scales(self) -> bool {
-        self == Int4Layout::TilesAndScalePairs16x128
     }
 }
 
@@ -76,7 +63,7 @@ pub fn int4_tiles_fit(rows: usize, cols: usize) -> bool {
 pub fn int4_chunk_offset(layout: Int4Layout, row: usize, block: usize, cols: usize) -> usize {
     match layout {
         Int4Layout::RowMajor => row * (cols / 2) + block * 16,
-        Int4Layout::Tiles16x128 | Int4Layout::TilesAndScales16x128 | Int4Layout::TilesAndScalePairs16x128 => {
+        Int4Layout::Tiles16x128 | Int4Layout::TilesAndScales16x128 => {
             ((row / 16) * (cols / 128) + block / 4) * 1024 + ((row / 8) % 2) * 512 + (row % 8) * 64 + (block % 4) * 16
         }
     }
@@ -85,70 +72,12 @@ pub fn int4_chunk_offset(layout: Int4Layout, row: usize, block: usize, cols: usi
 /// Index of the scale (and of the min) of row `row`, group `group` in an int4 matrix with `groups`
 /// groups per row stored in `layout`: `row * groups + group`, except in
 /// [`Int4Layout::TilesAndScales16x128`]: `((row / 16 * groups + group) * 8 + row % 8) * 2 + row / 8
-/// % 2` (the order lane `4 g + t` of a warp reads rows `g` and `g + 8` of a tile in); and in
-/// [`Int4Layout::TilesAndScalePairs16x128`] (scales and mins in one tensor, `groups % 16 == 0`):
-/// `row / 16 * 32 groups + group / 16 * 512 + group % 8 * 64 + row % 8 * 8 + group / 8 % 2 * 4 +
-/// row / 8 % 2`, the min 2 entries on ([`int4_min_index`]). There each tile holds 32 `groups`
-/// entries, and the 8 entries at `group % 8 * 64 + row % 8 * 8` are the scales and mins of rows
-/// `row` and `row + 8` for groups `group` and `group + 8` (a decode warp's steps `j` and `j + 1`
-/// when it takes groups `w, w + 8, ...`): one 16-byte load for two steps, or 8 bytes for one.
+/// % 2` (the order lane `4 g + t` of a warp reads rows `g` and `g + 8` of a tile in).
 pub fn int4_scale_index(layout: Int4Layout, row: usize, group: usize, groups: usize) -> usize {
     match layout {
         Int4Layout::TilesAndScales16x128 => (((row / 16) * groups + group) * 8 + row % 8) * 2 + (row / 8) % 2,
-        Int4Layout::TilesAndScalePairs16x128 => {
-            (row / 16) * 32 * groups
-                + (group / 16) * 512
-                + (group % 8) * 64
-                + (row % 8) * 8
-                + ((group / 8) % 2) * 4
-                + (row / 8) % 2
-        }
         Int4Layout::RowMajor | Int4Layout::Tiles16x128 => row * groups + group,
     }
-}
-
-/// Index of the min of row `row`, group `group` ([`int4_scale_index`]): the same index in the
-/// weight's `mins`, or 2 entries after the scale in its `scales` for
-/// [`Int4Layout::TilesAndScalePairs16x128`].
-pub fn int4_min_index(layout: Int4Layout, row: usize, group: usize, groups: usize) -> usize {
-    int4_scale_index(layout, row, group, groups) + if layout.pairs_scales() { 2 } else { 0 }
-}
-
-/// Whether a `[rows, cols]` int4 matrix with groups of `group_size` can be stored as
-/// [`Int4Layout::TilesAndScalePairs16x128`].
-pub fn int4_scale_pairs_fit(rows: usize, cols: usize, group_size: usize) -> bool {
-    int4_tiles_fit(rows, cols)
-        && group_size > 0
-        && cols.is_multiple_of(group_size)
-        && (cols / group_size).is_multiple_of(16)
-}
-
-/// Row-major `[rows, groups]` scales and mins interleaved into the one `[rows, 2 * groups]`
-/// tensor of [`Int4Layout::TilesAndScalePairs16x128`] (`rows % 16 == 0`, `groups % 16 == 0`,
-/// checked).
-pub fn pair_scales<T: Copy>(scales: &[T], mins: &[T], rows: usize, groups: usize) -> Result<Vec<T>> {
-    if !rows.is_multiple_of(16)
-        || !groups.is_multiple_of(16)
-        || scales.len() != rows * groups
-        || mins.len() != rows * groups
-    {
-        return Err(Error::invalid(format!(
-            "paired scales need rows % 16 == 0, groups % 16 == 0 and [rows, groups] scales and mins: \
-             {rows} x {groups}, {} scales, {} mins",
-            scales.len(),
-            mins.len()
-        )));
-    }
-    let mut out = scales.to_vec();
-    out.extend_from_slice(mins);
-    let layout = Int4Layout::TilesAndScalePairs16x128;
-    for row in 0..rows {
-        for g in 0..groups {
-            out[int4_scale_index(layout, row, g, groups)] = scales[row * groups + g];
-            out[int4_min_index(layout, row, g, groups)] = mins[row * groups + g];
-        }
-    }
-    Ok(out)
 }
 
 /// Reorders row-major `[rows, groups]` scales (or mins) into the order of
@@ -201,11 +130,9 @@ pub struct QuantWeight {
     pub group_size: usize,
     /// Packed values: `[rows, cols/2]` u8 for int4, `[rows, cols]` i8 for int8.
     pub packed: Tensor,
-    /// `[rows, cols/group_size]` f16 scales (in the order [`int4_scale_index`] gives;
-    /// `[rows, 2 * cols/group_size]` with the mins for [`Int4Layout::TilesAndScalePairs16x128`]).
+    /// `[rows, cols/group_size]` f16 scales (in the order [`int4_scale_index`] gives).
     pub scales: Tensor,
-    /// `[rows, cols/group_size]` f16 mins (int4 only; ordered as `scales`; none where `layout` puts
-    /// them in `scales`: [`Int4Layout::TilesAndScalePairs16x128`]).
+    /// `[rows, cols/group_size]` f16 mins (int4 only; ordered as `scales`).
     pub mins: Option<Tensor>,
     /// The order of `packed`, `scales` and `mins` (int4; int8 is always row-major).
     pub layout: Int4Layout,
@@ -263,30 +190,17 @@ impl QuantWeight {
                 if int4 { "int4" } else { "int8" }
             )));
         }
-        let pairs = self.layout.pairs_scales();
-        if pairs && !int4_scale_pairs_fit(self.rows, self.cols, self.group_size) {
-            return Err(Error::invalid(format!(
-                "a {} x {} int4 weight with {groups} groups a row cannot have paired scales (groups % 16 must be 0)",
-                self.rows, self.cols
-            )));
-        }
         if int4 {
             self.packed.expect_dtype("int4 packed", DType::U8)?;
             self.packed.expect_shape("int4 packed", &[self.rows, self.cols / 2])?;
-            match (&self.mins, pairs) {
-                (Some(mins), false) => {
-                    mins.expect_shape("int4 mins", &[self.rows, groups])?;
-                    mins.expect_dtype("int4 mins", DType::F16)?;
-                }
-                (None, true) => {}
-                (Some(_), true) => return Err(Error::invalid("int4 weight with paired scales and separate mins")),
-                (None, false) => return Err(Error::invalid("int4 weight without mins")),
-            }
+            let mins = self.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
+            mins.expect_shape("int4 mins", &[self.rows, groups])?;
+            mins.expect_dtype("int4 mins", DType::F16)?;
         } else {
             self.packed.expect_dtype("int8 packed", DType::I8)?;
             self.packed.expect_shape("int8 packed", &[self.rows, self.cols])?;
         }
-        self.scales.expect_shape("scales", &[self.rows, if pairs { 2 * groups } else { groups }])?;
+        self.scales.expect_shape("scales", &[self.rows, groups])?;
         self.scales.expect_dtype("scales", DType::F16)
     }
 }
@@ -365,49 +279,5 @@ mod tests {
         assert!(tile_scales(&v[1..], rows, groups).is_err());
         assert!(tile_scales(&v[..24 * groups], 24, groups).is_err());
         assert!(Int4Layout::TilesAndScales16x128.is_tiled() && !Int4Layout::RowMajor.is_tiled());
-    }
-
-    #[test]
-    fn paired_scales_give_a_lane_two_steps_of_a_row_pair_in_sixteen_bytes() {
-        let (rows, groups) = (32, 32);
-        let layout = Int4Layout::TilesAndScalePairs16x128;
-        // scale of (row, group) = 2 (row * groups + group), min = that + 1: all distinct.
-        let sv: Vec<u32> = (0..(rows * groups) as u32).map(|i| 2 * i).collect();
-        let mv: Vec<u32> = sv.iter().map(|v| v + 1).collect();
-        let t = pair_scales(&sv, &mv, rows, groups).unwrap();
-        assert_eq!(t.len(), 2 * rows * groups);
-        let s = |r: usize, g: usize| 2 * (r * groups + g) as u32;
-        // Tile 1, warp w = 3, lane row g = 5, steps j = 2 and 3 (groups 3 + 16 and 3 + 24): the
-        // 8 entries a 16-byte load gives, in the order the decode kernel reads them.
-        let (r, w, a) = (16 + 5, 3, 1);
-        let at = 32 * groups + a * 512 + w * 64 + 5 * 8;
-        let (g0, g1) = (16 * a + w, 16 * a + 8 + w);
-        let want = [
-            s(r, g0),
-            s(r + 8, g0),
-            s(r, g0) + 1,
-            s(r + 8, g0) + 1,
-            s(r, g1),
-            s(r + 8, g1),
-            s(r, g1) + 1,
-            s(r + 8, g1) + 1,
-        ];
-        assert_eq!(&t[at..at + 8], &want[..]);
-        // A permutation that the two index functions invert.
-        let mut seen = vec![false; t.len()];
-        for r in 0..rows {
-            for g in 0..groups {
-                let (si, mi) = (int4_scale_index(layout, r, g, groups), int4_min_index(layout, r, g, groups));
-                assert_eq!((t[si], t[mi]), (s(r, g), s(r, g) + 1));
-                assert!(!std::mem::replace(&mut seen[si], true) && !std::mem::replace(&mut seen[mi], true));
-            }
-        }
-        assert!(pair_scales(&sv[1..], &mv[1..], rows, groups).is_err());
-        assert!(pair_scales(&sv[..rows * 24], &mv[..rows * 24], rows, 24).is_err());
-        assert!(int4_scale_pairs_fit(16, 2048, 128) && !int4_scale_pairs_fit(16, 3072, 128));
-        assert_eq!(
-            int4_min_index(Int4Layout::TilesAndScales16x128, 3, 4, 8),
-            int4_scale_index(Int4Layout::TilesAndScales16x128, 3, 4, 8)
-        );
     }
 }

@@ -50,5 +50,5 @@ pub mod zero_copy;
 
 pub use device::CudaDevice;
 pub use memory_model::{MemoryConfig, MemoryModel};
-pub use ops::{set_gate_up_scale_pairs, set_slab_policy, slab_products, CudaBackend, CudaOptions};
+pub use ops::{set_slab_policy, slab_products, CudaBackend, CudaOptions};
 pub use probe::{driver_version, peer_access_matrix, probe, CudaDeviceInfo, ProbeError};

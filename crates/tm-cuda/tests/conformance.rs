@@ -2972,9 +2972,8 @@ fn matmul_int4_layouts() {
 }
 
 /// Gate and up weights given tile-ordered scales and mins by `Ops::prepare_gate_up`
-/// (`Int4Layout::TilesAndScales16x128`, and `TilesAndScalePairs16x128` where both are one tensor:
-/// `tm_cuda::set_gate_up_scale_pairs`): the gate/up/SiLU decode kernel that reads them
-/// (`silu_lnts`, `silu_lntp`) gives the bytes of the tile-major kernel on the same weights; every other int4
+/// (`Int4Layout::TilesAndScales16x128`): the gate/up/SiLU decode kernel that reads them
+/// (`silu_lnts`) gives the bytes of the tile-major kernel on the same weights; every other int4
 /// path takes them too (plain decode products fall back, the prefill GEMM with every tile forced,
 /// its fallback and the slab path give the tile-major weights' bytes), all within tolerance of the
 /// exact host product.
@@ -2987,94 +2986,78 @@ fn matmul_int4_tile_ordered_scales() {
     let _prefill = prefill_policy_lock();
     run("matmul_int4_tile_ordered_scales", &[DType::F16, DType::BF16], |s| {
         let (rows, cols) = (1024, 4096);
-        for pairs in [false, true] {
-            let (form, layout) = if pairs {
-                ("scales and mins in one tensor", Int4Layout::TilesAndScalePairs16x128)
-            } else {
-                ("tile-ordered scales", Int4Layout::TilesAndScales16x128)
-            };
-            s.case(format!("gate/up W[{rows}, {cols}]ᵀ g128 with {form}"), |c| {
-                set_tiling(Some(true));
-                let made = c.weight(Kind::Int4(128), rows, cols, (3.0 / cols as f32).sqrt()).and_then(|w| {
-                    let q = w.quant.as_ref().ok_or("int4 weight without its host copy")?;
-                    let upload = || tm_model::llama::quant_load::upload_quant(c.gpu, q).ctx("tile-major upload");
-                    let (g, u) = (upload()?, upload()?);
-                    Ok((w, g, u))
-                });
-                set_tiling(None);
-                let (w, mut g, mut u) = made?;
-                tm_cuda::set_gate_up_scale_pairs(Some(pairs));
-                let prepared = c.gpu.prepare_gate_up(&mut g, &mut u);
-                tm_cuda::set_gate_up_scale_pairs(None);
-                prepared.ctx("prepare_gate_up")?;
-                if int4_layout_of(&w.gpu) != Some(Int4Layout::Tiles16x128)
-                    || int4_layout_of(&g) != Some(layout)
-                    || int4_layout_of(&u) != Some(layout)
-                {
-                    return Err(format!(
-                        "layouts {:?}, {:?}, {:?}",
-                        int4_layout_of(&w.gpu),
-                        int4_layout_of(&g),
-                        int4_layout_of(&u)
-                    ));
-                }
+        s.case(format!("gate/up W[{rows}, {cols}]ᵀ g128 with tile-ordered scales"), |c| {
+            set_tiling(Some(true));
+            let made = c.weight(Kind::Int4(128), rows, cols, (3.0 / cols as f32).sqrt()).and_then(|w| {
                 let q = w.quant.as_ref().ok_or("int4 weight without its host copy")?;
-                for n in [1usize, 2, 5, 8] {
-                    let xs = c.activations(n * cols, 1.0);
-                    let x = c.act(&[n, cols], &xs)?;
-                    let mut outs = Vec::new();
-                    for _ in 0..6 {
-                        outs.push(c.output(&[n, rows])?);
-                    }
-                    let [a, b, g1, u1, g2, u2] = &mut outs[..] else { unreachable!() };
-                    c.gpu
-                        .gate_up_silu(&x.gpu, &g, &u, &mut g1.gpu, &mut u1.gpu, &mut a.gpu)
-                        .ctx("silu tile-ordered")?;
-                    c.gpu
-                        .gate_up_silu(&x.gpu, &w.gpu, &w.gpu, &mut g2.gpu, &mut u2.gpu, &mut b.gpu)
-                        .ctx("silu tile-major")?;
-                    c.check_same_bytes(&format!("gate/up/SiLU n = {n}"), &a.gpu, &b.gpu)?;
-                    // A plain decode product on such a weight falls back to another kernel.
-                    let mut want = vec![0f32; n * rows];
-                    tm_cpu::quant_matmul::matmul_int4_exact(&xs, n, &q.view(), &mut want).ctx("host product")?;
-                    c.gpu.matmul(&x.gpu, &g, None, &mut a.gpu).ctx(format!("matmul n = {n}"))?;
-                    c.check(&format!("plain product n = {n}"), &a.gpu, &want, rows, 1.0)?;
-                }
-                for n in [64usize, 200] {
-                    let xs = c.activations(n * cols, 1.0);
-                    let x = c.act(&[n, cols], &xs)?;
-                    let mut want = vec![0f32; n * rows];
-                    tm_cpu::quant_matmul::matmul_int4_exact(&xs, n, &q.view(), &mut want).ctx("host product")?;
-                    for p in [
-                        Policy::Auto,
-                        Policy::Off,
-                        Policy::Force(Tile::Medium),
-                        Policy::Force(Tile::Wgmma),
-                        Policy::Force(Tile::WgmmaK128),
-                    ] {
-                        let (mut a, mut b) = (c.output(&[n, rows])?, c.output(&[n, rows])?);
-                        set_policy(Some(p));
-                        let ran = c.gpu.matmul(&x.gpu, &g, None, &mut a.gpu);
-                        let ran = ran.and_then(|_| c.gpu.matmul(&x.gpu, &w.gpu, None, &mut b.gpu));
-                        set_policy(None);
-                        ran.ctx(format!("cuda matmul n = {n} ({p:?})"))?;
-                        c.check_same_bytes(
-                            &format!("n = {n} {p:?}: tile-ordered vs row-major scales"),
-                            &a.gpu,
-                            &b.gpu,
-                        )?;
-                        c.check(&format!("n = {n} {p:?}"), &a.gpu, &want, rows, 1.0)?;
-                    }
-                }
-                slabs_same_bytes(c, &g, &w.gpu, rows, cols)?;
-                // A table with such scales is refused, not misread.
-                let mut e = c.output(&[1, cols])?;
-                if c.gpu.embedding(&g, &[3], &mut e.gpu).is_ok() {
-                    return Err("embedding accepted a table with tile-ordered scales".into());
-                }
-                Ok(())
+                let upload = || tm_model::llama::quant_load::upload_quant(c.gpu, q).ctx("tile-major upload");
+                let (g, u) = (upload()?, upload()?);
+                Ok((w, g, u))
             });
-        }
+            set_tiling(None);
+            let (w, mut g, mut u) = made?;
+            c.gpu.prepare_gate_up(&mut g, &mut u).ctx("prepare_gate_up")?;
+            if int4_layout_of(&w.gpu) != Some(Int4Layout::Tiles16x128)
+                || int4_layout_of(&g) != Some(Int4Layout::TilesAndScales16x128)
+                || int4_layout_of(&u) != Some(Int4Layout::TilesAndScales16x128)
+            {
+                return Err(format!(
+                    "layouts {:?}, {:?}, {:?}",
+                    int4_layout_of(&w.gpu),
+                    int4_layout_of(&g),
+                    int4_layout_of(&u)
+                ));
+            }
+            let q = w.quant.as_ref().ok_or("int4 weight without its host copy")?;
+            for n in [1usize, 2, 5, 8] {
+                let xs = c.activations(n * cols, 1.0);
+                let x = c.act(&[n, cols], &xs)?;
+                let mut outs = Vec::new();
+                for _ in 0..6 {
+                    outs.push(c.output(&[n, rows])?);
+                }
+                let [a, b, g1, u1, g2, u2] = &mut outs[..] else { unreachable!() };
+                c.gpu.gate_up_silu(&x.gpu, &g, &u, &mut g1.gpu, &mut u1.gpu, &mut a.gpu).ctx("silu tile-ordered")?;
+                c.gpu
+                    .gate_up_silu(&x.gpu, &w.gpu, &w.gpu, &mut g2.gpu, &mut u2.gpu, &mut b.gpu)
+                    .ctx("silu tile-major")?;
+                c.check_same_bytes(&format!("gate/up/SiLU n = {n}"), &a.gpu, &b.gpu)?;
+                // A plain decode product on such a weight falls back to another kernel.
+                let mut want = vec![0f32; n * rows];
+                tm_cpu::quant_matmul::matmul_int4_exact(&xs, n, &q.view(), &mut want).ctx("host product")?;
+                c.gpu.matmul(&x.gpu, &g, None, &mut a.gpu).ctx(format!("matmul n = {n}"))?;
+                c.check(&format!("plain product n = {n}"), &a.gpu, &want, rows, 1.0)?;
+            }
+            for n in [64usize, 200] {
+                let xs = c.activations(n * cols, 1.0);
+                let x = c.act(&[n, cols], &xs)?;
+                let mut want = vec![0f32; n * rows];
+                tm_cpu::quant_matmul::matmul_int4_exact(&xs, n, &q.view(), &mut want).ctx("host product")?;
+                for p in [
+                    Policy::Auto,
+                    Policy::Off,
+                    Policy::Force(Tile::Medium),
+                    Policy::Force(Tile::Wgmma),
+                    Policy::Force(Tile::WgmmaK128),
+                ] {
+                    let (mut a, mut b) = (c.output(&[n, rows])?, c.output(&[n, rows])?);
+                    set_policy(Some(p));
+                    let ran = c.gpu.matmul(&x.gpu, &g, None, &mut a.gpu);
+                    let ran = ran.and_then(|_| c.gpu.matmul(&x.gpu, &w.gpu, None, &mut b.gpu));
+                    set_policy(None);
+                    ran.ctx(format!("cuda matmul n = {n} ({p:?})"))?;
+                    c.check_same_bytes(&format!("n = {n} {p:?}: tile-ordered vs row-major scales"), &a.gpu, &b.gpu)?;
+                    c.check(&format!("n = {n} {p:?}"), &a.gpu, &want, rows, 1.0)?;
+                }
+            }
+            slabs_same_bytes(c, &g, &w.gpu, rows, cols)?;
+            // A table with such scales is refused, not misread.
+            let mut e = c.output(&[1, cols])?;
+            if c.gpu.embedding(&g, &[3], &mut e.gpu).is_ok() {
+                return Err("embedding accepted a table with tile-ordered scales".into());
+            }
+            Ok(())
+        });
     });
 }
 

@@ -107,27 +107,16 @@ __device__ __forceinline__ long long q4_chunk_offset(int r, int blk, int cols, i
 /// groups per row: row-major for `tiled` 0 and 1 (r * groups + g for group g); for `tiled` = 2
 /// (tm-core's `Int4Layout::TilesAndScales16x128`, `int4_scale_index`) in tile order, the 16 rows of
 /// a tile and one group 16 consecutive entries with rows i and i + 8 side by side: ((r / 16 *
-/// groups + g) * 8 + r % 8) * 2 + r / 8 % 2; for `tiled` = 3 (`TilesAndScalePairs16x128`: scales
-/// and mins in one tensor, groups % 16 == 0, the launcher passes mins = scales + 2) r / 16 * 32
-/// groups + r % 8 * 8 + r / 8 % 2, plus `q4_scale_goff`'s part of the group.
+/// groups + g) * 8 + r % 8) * 2 + r / 8 % 2. Rows 16 k apart are 16 k groups entries apart in
+/// both orders.
 __device__ __forceinline__ long long q4_scale_row(int r, int groups, int tiled) {
-    return tiled == 3   ? (long long)(r >> 4) * 32 * groups + (r & 7) * 8 + ((r >> 3) & 1)
-           : tiled == 2 ? ((long long)(r >> 4) * groups * 8 + (r & 7)) * 2 + ((r >> 3) & 1)
-                        : (long long)r * groups;
+    return tiled == 2 ? ((long long)(r >> 4) * groups * 8 + (r & 7)) * 2 + ((r >> 3) & 1) : (long long)r * groups;
 }
-/// The group's part of the index: g, 16 g for `tiled` = 2, g / 16 * 512 + g % 8 * 64 + g / 8 % 2 *
-/// 4 for `tiled` = 3.
-__device__ __forceinline__ int q4_scale_goff(int g, int tiled) {
-    return tiled == 3 ? (g >> 4) * 512 + (g & 7) * 64 + ((g >> 3) & 1) * 4 : tiled == 2 ? g * 16 : g;
-}
-/// The index distance of rows `d` (a multiple of 16) apart: d * groups, twice that for `tiled` = 3
-/// (a scale and a min per entry).
-__device__ __forceinline__ long long q4_scale_rows_apart(int d, int groups, int tiled) {
-    return (long long)d * groups * (tiled == 3 ? 2 : 1);
-}
-/// `q4_scale_row(r) + q4_scale_goff(g)`: the entry of row `r`, group `g`.
+/// The distance between consecutive groups of one row in that order (1, or 16 for `tiled` = 2).
+__device__ __forceinline__ int q4_scale_group_stride(int tiled) { return tiled == 2 ? 16 : 1; }
+/// `q4_scale_row(r) + g * q4_scale_group_stride()`: the entry of row `r`, group `g`.
 __device__ __forceinline__ long long q4_scale_index(int r, int g, int groups, int tiled) {
-    return q4_scale_row(r, groups, tiled) + q4_scale_goff(g, tiled);
+    return q4_scale_row(r, groups, tiled) + (long long)g * q4_scale_group_stride(tiled);
 }
 
 /// Rounds `x` to `T` and back (what storing to a `T` tensor and reloading it gives).

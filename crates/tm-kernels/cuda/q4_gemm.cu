@@ -187,9 +187,9 @@ __device__ __forceinline__ void q4_gemm(T* __restrict__ out, const T* __restrict
     const long long b_step = 128ll * row_bytes;
     int b_kt = 0;  // the k-tile b_src points at
     const unsigned b_dst = b_r0 * 32 + ((b_blk ^ ((b_r0 >> 2) & 1)) << 4);
-    // Scale index of the row's group 0 and the distance of rows 128 apart.
+    // Scale index of the row's group 0 (rows 128 apart: 128 groups entries in either order).
     const long long s_row = tmk::q4_scale_row(n0 + b_r0, groups, tiled);
-    const long long s_128 = tmk::q4_scale_rows_apart(128, groups, tiled);
+    const int s_gstride = tmk::q4_scale_group_stride(tiled);
     const unsigned s_dst = b_r0 * 16 + b_blk * 8;
 
     const unsigned sA0 = smem_u32(sA), sB0 = smem_u32(sB);
@@ -214,7 +214,7 @@ __device__ __forceinline__ void q4_gemm(T* __restrict__ out, const T* __restrict
 #pragma unroll
         for (int i = 0; i < S::B_PER_THREAD; ++i) {
             if (n0 + b_r0 + 128 * i < rows) {
-                const long long gi = s_row + i * s_128 + tmk::q4_scale_goff(g, tiled);
+                const long long gi = s_row + (long long)i * 128 * groups + (long long)g * s_gstride;
                 sv[i] = __ldg(scales + gi);
                 mv[i] = __ldg(mins + gi);
             } else {
@@ -613,6 +613,7 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, float* __rest
         const int r = w0 + r0 + 8 * h;
         s_idx[h] = tmk::q4_scale_row(r < rows ? r : 0, groups, tiled);
     }
+    const int s_gstride = tmk::q4_scale_group_stride(tiled);
     // Per row h and 32-column block of a k-tile (SUBS = 2: one group for the whole k-tile, so
     // one pair per row): the f16 bits in the low half of a register (as __half values the
     // compiler packed two per register and spent ~30 PRMT per tile on moving them).
@@ -620,19 +621,12 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, float* __rest
     typedef unsigned ScaleSet[2][SB];
     const unsigned short* const scale_bits = reinterpret_cast<const unsigned short*>(scales);
     const unsigned short* const min_bits = reinterpret_cast<const unsigned short*>(mins);
-    // The next k-tile load_scales reads: its first column's group s_g, as the offsets of that
-    // group's entries and the next group's (`q4_scale_goff`), and its offset in that group (kept
-    // incrementally, the offsets computed once per group: a division per tile cost about 30
-    // instructions of the loop's 290, a multiplication by the stride ~40).
-    int s_g = k0 / group, s_col = k0 % group;
-    int s_goff = tmk::q4_scale_goff(s_g, tiled), s_goff1 = tmk::q4_scale_goff(s_g + 1, tiled);
-    auto next_group = [&] {
-        ++s_g;
-        s_goff = s_goff1;
-        s_goff1 = tmk::q4_scale_goff(s_g + 1, tiled);
-    };
+    // The next k-tile load_scales reads: its first column's group, as the offset of that group's
+    // entries (group * s_gstride), and its offset in that group (kept incrementally: a division
+    // per tile cost about 30 instructions of the loop's 290, a multiplication by the stride ~40).
+    int s_goff = k0 / group * s_gstride, s_col = k0 % group;
     auto load_scales = [&](ScaleSet& sc, ScaleSet& mn) {
-        const int gi[2] = {s_goff, s_col + 32 >= group ? s_goff1 : s_goff};
+        const int gi[2] = {s_goff, s_goff + (s_col + 32 >= group ? s_gstride : 0)};
 #pragma unroll
         for (int blk = 0; blk < SB; ++blk) {
 #pragma unroll
@@ -645,10 +639,10 @@ __device__ __forceinline__ void q4_gemm_wgmma(T* __restrict__ out, float* __rest
         s_col += KT;  // SUBS = 1: group >= 32, at most two groups end within a tile; SUBS = 2: group % 128 == 0
         if (s_col >= group) {
             s_col -= group;
-            next_group();
+            s_goff += s_gstride;
             if (SUBS == 1 && s_col >= group) {
                 s_col -= group;
-                next_group();
+                s_goff += s_gstride;
             }
         }
     };

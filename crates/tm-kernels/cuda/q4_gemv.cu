@@ -62,11 +62,6 @@
 //   per lane are one 32-bit load of each instead of two 16-bit loads over eight rows' sectors):
 //   AWQ 8B batch-1 replay on the H200 1942.7-1949.7 us against 1951.9-1962.2 with row-major
 //   scales (five alternations; scripts/gpu/q4_decode_chain.cu mode `smi`).
-// - `q4_gemv_silu_lntp_T`: the same for gate and up weights whose scales and mins are one tensor
-//   (`Int4Layout::TilesAndScalePairs16x128`, `tiled` = 3): one 8-byte load per lane, tile and step
-//   gives both rows' scale and min (two 32-bit loads in `silu_lnts`). H100 AWQ 8B batch-1 replay
-//   2282.4-2282.6 us against 2276.1-2278.2 for `silu_lnts`: not the CUDA backend's default
-//   (scripts/gpu/q4_decode_chain.cu, "Session 26").
 // - `q4_gemv_*_join_T` (deferred RMSNorm, below): the plain kernel of the same name's
 //   configuration followed by the residual join, except that `ln4t_join` (a layer's o and down
 //   at batch 1) keeps two steps in flight per warp, not four (still two CTAs per SM): AWQ 8B
@@ -97,8 +92,7 @@
 // TM_Q4_ABLATE_SMLOAD only the scale and min loads (a loop-invariant scale and min instead: the
 // epilogue's FFMAs stay, its conversions leave the loop; 2: in the NT = 2 loops only),
 // TM_Q4_ABLATE_ODD_E the epilogue's updates of batch columns 2t + 1 (what a batch-1
-// specialisation would save); TM_Q4_ABLATE_SMHIT and TM_Q4_ABLATE_SMFUSED (below) parts of the
-// scale and min loads.
+// specialisation would save); TM_Q4_ABLATE_SMHIT (below) a part of the scale and min loads.
 // Measured in scripts/gpu/q4_decode_chain.cu's header (sessions 23 to 25); build them with
 // scripts/gpu_kernel_variants.sh.
 #ifndef TM_Q4_ABLATE_XSUM
@@ -121,17 +115,6 @@
 // DRAM requests and latency.
 #ifndef TM_Q4_ABLATE_SMHIT
 #define TM_Q4_ABLATE_SMHIT 0
-#endif
-// TM_Q4_ABLATE_SMFUSED (timing only, the tile-major NT = 2 loops): one 16-byte load per lane and
-// step gives both tiles' scales and mins (what a layout with gate and up interleaved per row pair
-// would load), read from the first tile's scales at a quarter of the real offset (so a quarter of
-// the bytes, the rest L2 hits): the loads' instruction count without the four per step.
-// TM_Q4_ABLATE_SMFUSED=2: the same load in gate/up's SMI = 2 loop only, at full bytes: the 16-byte
-// units of gate's and up's scales and mins, (row tile / 4 * groups + group) * 8 + g in the tensor
-// row tile % 4 picks, each read once per step as an interleaved tensor's would be (H100: no gain,
-// so sf's was its quarter of the bytes; scripts/gpu/q4_decode_chain.cu, "Session 27").
-#ifndef TM_Q4_ABLATE_SMFUSED
-#define TM_Q4_ABLATE_SMFUSED 0
 #endif
 // TM_Q4_ABLATE_XLOAD (timing only, the lean loops): no ones-mma; X of the lane's batch columns
 // 2t, 2t + 1 comes from one 8-byte load a step instead (from x itself, an L1 hit as a per-step
@@ -574,14 +557,9 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         }
     }
     const unsigned wo = (unsigned)(64 * warp + lane) * 16u;  // TILED
-    // SMI: the lane's entries at step 0 (SMI = 3, in halves: the scale and min of rows g and g + 8
-    // for steps 0 and 1 are the 8 at row0 / 16 * 32 groups + 64 warp + 8 g; steps 2 k and 2 k + 1
-    // are k * 512 on)
-    unsigned smo[NT];
+    unsigned smo[NT];                                         // SMI: the lane's word pair at step 0
 #pragma unroll
-    for (int i = 0; i < NT; ++i)
-        smo[i] = SMI == 3 ? (unsigned)(tiles[i].row0 >> 4) * 32u * (unsigned)groups + 64u * warp + 8u * g
-                          : ((unsigned)(tiles[i].row0 >> 4) * groups + warp) * 16u + 2u * g;
+    for (int i = 0; i < NT; ++i) smo[i] = ((unsigned)(tiles[i].row0 >> 4) * groups + warp) * 16u + 2u * g;
     const uint4* xp = lean_x_lane(x, n, cols);
     // TM_Q4_ABLATE_SMLOAD's scale and min (opaque to the compiler, loop-invariant)
     const __half sm_const[2] = {__ushort_as_half((unsigned short)(0x2000u + (tiles[0].row0 & 7))),
@@ -593,41 +571,10 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
         uint4 x[4];
         float2 xl;  // TM_Q4_ABLATE_XLOAD
     };
-    // TM_Q4_ABLATE_SMFUSED=2's 16-byte units of this lane at step 0
-    const uint4* sf2 = nullptr;
-    if (TM_Q4_ABLATE_SMFUSED == 2 && SMI == 2 && NT == 2) {
-        const int k = (tiles[0].row0 >> 4) & 3;
-        const __half* base = k == 0 ? tiles[0].scales : k == 1 ? tiles[0].mins : k == 2 ? tiles[1].scales : tiles[1].mins;
-        sf2 = reinterpret_cast<const uint4*>(base) + ((tiles[0].row0 >> 6) * groups + warp) * 8 + g;
-    }
     // The scale and min loads of tile i, row half h (h = 0 loads both rows' where one word holds
     // them) of step j into s, m.
     auto load_sm = [&](__half (&sd)[NT][2], __half (&md)[NT][2], int i, int h, int j) {
-        if (TM_Q4_ABLATE_SMFUSED && TILED && NT == 2 && (TM_Q4_ABLATE_SMFUSED == 1 || SMI == 2)) {
-            if (i == 0 && h == 0) {
-                const uint4 v = TM_Q4_ABLATE_SMFUSED == 2
-                                    ? sf2[64 * j]
-                                    : reinterpret_cast<const uint4*>(tiles[0].scales)[(smo[0] / 2 + 64u * (unsigned)j) >> 2];
-                const unsigned wv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int k = 0; k < NT; ++k) {
-                    split_halves(wv[2 * k], sd[k][0], sd[k][1]);
-                    split_halves(wv[2 * k + 1], md[k][0], md[k][1]);
-                }
-            }
-        } else if (TILED && SMI == 3) {
-            // scales and mins in one tensor (`tiled` = 3): the 8 bytes of step j hold the scales of
-            // rows g and g + 8, then their mins (a 16-byte load of two steps, kept in registers for
-            // the odd one, spills at silu_lntp's 80 registers)
-            if (h == 0) {
-                // tmk::q4_scale_row + q4_scale_goff(warp + 8 j), kept incremental for this loop's
-                // fixed warp and lane: group warp + 8 j is 16-group block j / 2, half j % 2
-                const unsigned si = smo[i] + 512u * (unsigned)(j >> 1) + 4u * (unsigned)(j & 1);
-                const uint2 v = *reinterpret_cast<const uint2*>(tiles[i].scales + si);
-                split_halves(v.x, sd[i][0], sd[i][1]);
-                split_halves(v.y, md[i][0], md[i][1]);
-            }
-        } else if (TILED && SMI == 2) {
+        if (TILED && SMI == 2) {
             // scales and mins each in tile-major order: half ((row / 16 * groups + group) * 8 +
             // row % 8) * 2 + row / 8 % 2, so rows g and g + 8 are one 32-bit word
             if (h == 0) {
@@ -803,9 +750,9 @@ __device__ __forceinline__ void silu_store(T* out, float v, float* upv, int row0
 }
 
 // Which tile loop a kernel runs: `q4_tiles`, `q4_tiles_lean`, or `q4_tiles_lean` on tile-major
-// weights, with row-major scales and mins, (LEAN_TILED_TS, `tiled` = 2) scales and mins in tile
-// order (SMI = 2), or (LEAN_TILED_SP, `tiled` = 3) scales and mins in one tensor (SMI = 3).
-enum Path { GENERIC = 0, LEAN = 1, LEAN_TILED = 2, LEAN_TILED_TS = 3, LEAN_TILED_SP = 4 };
+// weights, with row-major scales and mins or (LEAN_TILED_TS, `tiled` = 2) scales and mins in tile
+// order (SMI = 2).
+enum Path { GENERIC = 0, LEAN = 1, LEAN_TILED = 2, LEAN_TILED_TS = 3 };
 
 // The plain products with NT 16-row tiles (16 NT consecutive rows of one weight) per CTA.
 template <class T, int U, int NT, int PATH, class Wait>
@@ -907,9 +854,7 @@ __device__ __forceinline__ void q4_gemv_silu(T* out, const T* __restrict__ x, in
     const Tile tiles[2] = {Tile{gate.packed, gate.scales, gate.mins, row0, rows},
                            Tile{up.packed, up.scales, up.mins, row0, rows}};
     float acc[2][4];
-    if constexpr (PATH == LEAN_TILED_SP)
-        q4_tiles_lean<T, U, 2, XPRE, true, 3>(tiles, x, n, cols, acc, wait_sum);
-    else if constexpr (PATH == LEAN_TILED_TS)
+    if constexpr (PATH == LEAN_TILED_TS)
         q4_tiles_lean<T, U, 2, XPRE, true, 2>(tiles, x, n, cols, acc, wait_sum);
     else if constexpr (PATH == LEAN_TILED)
         q4_tiles_lean<T, U, 2, XPRE, true>(tiles, x, n, cols, acc, wait_sum);
@@ -1160,7 +1105,6 @@ __device__ __forceinline__ void q4_gemv_rope_tiled(const T* __restrict__ x, int 
     TM_Q4_GEMV_SILU(q4_gemv_silu_ln4_##SUF, T, 4, 1, LEAN)                                                              \
     TM_Q4_GEMV_SILU_X(q4_gemv_silu_lnt_##SUF, T, 1, 3, LEAN_TILED, true)                                                \
     TM_Q4_GEMV_SILU_X(q4_gemv_silu_lnts_##SUF, T, 1, 3, LEAN_TILED_TS, true)                                            \
-    TM_Q4_GEMV_SILU_X(q4_gemv_silu_lntp_##SUF, T, 1, 3, LEAN_TILED_SP, true)                                            \
     TM_Q4_GEMV_SILU(q4_gemv_silu_ln4t_##SUF, T, 4, 1, LEAN_TILED)                                                        \
     TM_Q4_GEMV_JOIN(q4_gemv_n16_join_##SUF, T, 2, 3, GENERIC)                                                           \
     TM_Q4_GEMV_JOIN(q4_gemv_ln_join_##SUF, T, 2, 2, LEAN)                                                               \

@@ -117,19 +117,6 @@ static std::vector<__half> tile_order(const std::vector<__half>& v, int rows, in
     return t;
 }
 
-// Row-major scales and mins [rows][groups] as one tensor (tm-core `Int4Layout::TilesAndScalePairs16x128`,
-// what `silu_lntp` reads, its mins 2 entries after its scales), via `tmk::q4_scale_index`.
-static std::vector<__half> pair_order(const std::vector<__half>& s, const std::vector<__half>& m, int rows, int groups) {
-    std::vector<__half> t(2 * s.size());
-    for (int r = 0; r < rows; ++r)
-        for (int g = 0; g < groups; ++g) {
-            const long long i = tmk::q4_scale_index(r, g, groups, 3);
-            t[i] = s[(size_t)r * groups + g];
-            t[i + 2] = m[(size_t)r * groups + g];
-        }
-    return t;
-}
-
 // x . W^T in double from the dequantized weights: [n][rows] for x [n][cols].
 static std::vector<double> product(const Q& q, const std::vector<double>& xd, int n) {
     std::vector<double> y((size_t)n * q.rows);
@@ -143,7 +130,7 @@ static std::vector<double> product(const Q& q, const std::vector<double>& xd, in
 }
 
 // The kernel form a case code U names (the cases' U): 2 u2, 16 n16, 7 / 67 ln, 8 / 68 ln4,
-// 17 / 77 lnt, 18 / 78 ln4t (SiLU / plain and join), 19 lnts, 20 lntp.
+// 17 / 77 lnt, 18 / 78 ln4t (SiLU / plain and join), 19 lnts.
 static const char* form_name(int U) {
     switch (U) {
     case 16: return "n16";
@@ -152,7 +139,6 @@ static const char* form_name(int U) {
     case 17: case 77: return "lnt";
     case 18: case 78: return "ln4t";
     case 19: return "lnts";
-    case 20: return "lntp";
     default: return "u2";
     }
 }
@@ -235,21 +221,17 @@ static void case_silu(const char* dt, int U, int n, int rows, int cols, int grou
     std::vector<T> x((size_t)n * cols); std::vector<double> xd(x.size());
     for (size_t i = 0; i < x.size(); ++i) { x[i] = to_t<T>(nd(rng)); xd[i] = from_t(x[i]); }
     std::vector<T> out((size_t)n * rows, to_t<T>(NAN));
-    const bool tl = U == 17 || U == 18 || U == 19 || U == 20;  // the tile-major forms, on tiled copies of the weights
+    const bool tl = U == 17 || U == 18 || U == 19;  // the tile-major forms, on tiled copies of the weights
     const std::vector<uint8_t> gp = tl ? tiled(g) : g.packed, up = tl ? tiled(u) : u.packed;
-    // 19, silu_lnts: scales and mins in tile order too; 20, silu_lntp: in one tensor each (the
-    // mins pointer 2 entries on, as the launcher passes it)
+    // 19, silu_lnts: scales and mins in tile order too
     auto order = [&](const std::vector<__half>& v) { return U == 19 ? tile_order(v, rows, cols / group) : v; };
-    const std::vector<__half> gs = U == 20 ? pair_order(g.s, g.m, rows, cols / group) : order(g.s), gm = order(g.m);
-    const std::vector<__half> us = U == 20 ? pair_order(u.s, u.m, rows, cols / group) : order(u.s), um = order(u.m);
-    const __half* gmp = U == 20 ? gs.data() + 2 : gm.data();
-    const __half* ump = U == 20 ? us.data() + 2 : um.data();
+    const std::vector<__half> gs = order(g.s), gm = order(g.m), us = order(u.s), um = order(u.m);
     run_grid((rows + 15) / 16, [&] {
         // no deferred norm (null sums)
         if constexpr (std::is_same_v<T, __half>) {
-            (U == 2 ? q4_gemv_silu_u2_f16 : U == 7 ? q4_gemv_silu_ln_f16 : U == 8 ? q4_gemv_silu_ln4_f16 : U == 17 ? q4_gemv_silu_lnt_f16 : U == 19 ? q4_gemv_silu_lnts_f16 : U == 20 ? q4_gemv_silu_lntp_f16 : q4_gemv_silu_ln4t_f16)(out.data(), x.data(), n, cols, group, gp.data(), gs.data(), gmp, up.data(), us.data(), ump, rows, nullptr, 0.f);
+            (U == 2 ? q4_gemv_silu_u2_f16 : U == 7 ? q4_gemv_silu_ln_f16 : U == 8 ? q4_gemv_silu_ln4_f16 : U == 17 ? q4_gemv_silu_lnt_f16 : U == 19 ? q4_gemv_silu_lnts_f16 : q4_gemv_silu_ln4t_f16)(out.data(), x.data(), n, cols, group, gp.data(), gs.data(), gm.data(), up.data(), us.data(), um.data(), rows, nullptr, 0.f);
         } else {
-            (U == 2 ? q4_gemv_silu_u2_bf16 : U == 7 ? q4_gemv_silu_ln_bf16 : U == 8 ? q4_gemv_silu_ln4_bf16 : U == 17 ? q4_gemv_silu_lnt_bf16 : U == 19 ? q4_gemv_silu_lnts_bf16 : U == 20 ? q4_gemv_silu_lntp_bf16 : q4_gemv_silu_ln4t_bf16)(out.data(), x.data(), n, cols, group, gp.data(), gs.data(), gmp, up.data(), us.data(), ump, rows, nullptr, 0.f);
+            (U == 2 ? q4_gemv_silu_u2_bf16 : U == 7 ? q4_gemv_silu_ln_bf16 : U == 8 ? q4_gemv_silu_ln4_bf16 : U == 17 ? q4_gemv_silu_lnt_bf16 : U == 19 ? q4_gemv_silu_lnts_bf16 : q4_gemv_silu_ln4t_bf16)(out.data(), x.data(), n, cols, group, gp.data(), gs.data(), gm.data(), up.data(), us.data(), um.data(), rows, nullptr, 0.f);
         }
     });
     std::vector<double> want = product(g, xd, n);
@@ -362,17 +344,12 @@ int main() {
         case_silu<__nv_bfloat16>("bf16", U, 4, 32, 5120, 128);
         case_silu<__half>("f16", U, 8, 16, 4096, 128);
     }
-    // silu_lntp needs groups % 16 == 0 (cols % 2048 == 0 at group 128)
-    case_silu<__half>("f16", 20, 1, 48, 2048, 128);
-    case_silu<__nv_bfloat16>("bf16", 20, 4, 32, 6144, 128);
-    case_silu<__half>("f16", 20, 8, 16, 4096, 128);
-    case_silu<__nv_bfloat16>("bf16", 20, 1, 16, 14336, 128);
     amp = 3 * std::sqrt(3.f / 4096);
     for (int U : {67, 68, 77, 78}) {
         case_plain<__nv_bfloat16>("bf16 centred", U, 1, {64, 16, 16}, 4096, 128, false);
         case_plain<__half>("f16 centred", U, 2, {32}, 14336, 128, true);
     }
-    for (int U : {7, 8, 17, 18, 19, 20}) {
+    for (int U : {7, 8, 17, 18, 19}) {
         case_silu<__nv_bfloat16>("bf16 centred", U, 8, 32, 4096, 128);
         case_silu<__half>("f16 centred", U, 1, 64, 4096, 128);
     }

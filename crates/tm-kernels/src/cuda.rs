@@ -194,7 +194,6 @@ mod tests {
                 "q4_gemv_silu_ln4",
                 "q4_gemv_silu_lnt",
                 "q4_gemv_silu_lnts",
-                "q4_gemv_silu_lntp",
                 "q4_gemv_silu_ln4t",
                 "q4_gemv_ln_rope",
                 "q4_gemv_lnt_rope",

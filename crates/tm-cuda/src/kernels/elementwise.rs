@@ -146,7 +146,7 @@ pub fn embedding_q4(
 ) -> Result<()> {
     let op = "embedding_q4";
     let (n32, h32, g32) = (int(op, "n", n)?, int(op, "hidden", hidden)?, int(op, "group", group)?);
-    if matches!(layout.0, Int4Layout::TilesAndScales16x128 | Int4Layout::TilesAndScalePairs16x128) {
+    if layout.0 == Int4Layout::TilesAndScales16x128 {
         // Only gate and up weights are stored so (Ops::prepare_gate_up), never a table.
         return Err(Error::invalid(format!("{op}: a table with tile-ordered scales is not supported")));
     }

@@ -14,20 +14,16 @@ use tm_core::quant::{int4_tiles_fit, Int4Layout};
 use tm_core::{DType, Error, Result};
 
 /// The `int tiled` argument every int4 kernel takes last (0 row-major, 1 tile-major, 2 tile-major
-/// with tile-ordered scales and mins, 3 tile-major with scales and mins in one tensor: ABI.md "int4
-/// layouts"), after checking that a `[rows, cols]`
+/// with tile-ordered scales and mins: ABI.md "int4 layouts"), after checking that a `[rows, cols]`
 /// weight can be in that layout.
 pub fn layout_arg(op: &str, layout: Int4Layout, rows: usize, cols: usize) -> Result<crate::runtime::KernelArg> {
     match layout {
         Int4Layout::RowMajor => Ok(crate::runtime::KernelArg::I32(0)),
         Int4Layout::Tiles16x128 if int4_tiles_fit(rows, cols) => Ok(crate::runtime::KernelArg::I32(1)),
         Int4Layout::TilesAndScales16x128 if int4_tiles_fit(rows, cols) => Ok(crate::runtime::KernelArg::I32(2)),
-        Int4Layout::TilesAndScalePairs16x128 if int4_tiles_fit(rows, cols) => Ok(crate::runtime::KernelArg::I32(3)),
-        Int4Layout::Tiles16x128 | Int4Layout::TilesAndScales16x128 | Int4Layout::TilesAndScalePairs16x128 => {
-            Err(Error::invalid(format!(
-                "{op}: a {rows} x {cols} int4 weight cannot be tile-major (rows % 16 and cols % 128 must be 0)"
-            )))
-        }
+        Int4Layout::Tiles16x128 | Int4Layout::TilesAndScales16x128 => Err(Error::invalid(format!(
+            "{op}: a {rows} x {cols} int4 weight cannot be tile-major (rows % 16 and cols % 128 must be 0)"
+        ))),
     }
 }
 

@@ -310,9 +310,8 @@ pub struct Q4Slot {
     /// The order of `packed`, `scales` and `mins`: tile-major weights are read only by the lean
     /// kernels' tile-major forms (`lnt`, `ln4t`, `silu_lnt`, `silu_ln4t`), and only in
     /// [`lean_fits`] shapes; tile-ordered scales
-    /// ([`tm_core::quant::Int4Layout::TilesAndScales16x128`] and `TilesAndScalePairs16x128`, a
-    /// layer's gate and up weights) only by [`q4_gemv_silu`]'s `silu_lnts` and `silu_lntp` ([`fits`]
-    /// refuses them for the others).
+    /// ([`tm_core::quant::Int4Layout::TilesAndScales16x128`], a layer's gate and up weights) only
+    /// by [`q4_gemv_silu`]'s `silu_lnts` ([`fits`] refuses them for the others).
     pub layout: Int4Layout,
 }
 
@@ -322,10 +321,9 @@ impl Q4Slot {
         self.layout.is_tiled()
     }
 
-    /// Whether `scales` and `mins` are in tile order (two tensors, or one:
-    /// [`Int4Layout::TilesAndScalePairs16x128`]).
+    /// Whether `scales` and `mins` are in tile order.
     pub fn tiled_scales(&self) -> bool {
-        matches!(self.layout, Int4Layout::TilesAndScales16x128 | Int4Layout::TilesAndScalePairs16x128)
+        self.layout == Int4Layout::TilesAndScales16x128
     }
 }
 
@@ -628,8 +626,7 @@ pub fn q4_gemv_silu(
         if gate.layout != up.layout {
             return Err(Error::invalid("q4_gemv_silu: gate and up must both have tile-ordered scales, tile-major"));
         }
-        let form = if gate.layout.pairs_scales() { "p" } else { "s" };
-        format!("q4_gemv_silu_lnt{form}_{}", suffix(dt)?)
+        format!("q4_gemv_silu_lnts_{}", suffix(dt)?)
     } else {
         let u = unroll.resolve_silu_with(forced(), lean);
         let (u, t) = tiled_variant(u, Unroll::Lean, tiled);

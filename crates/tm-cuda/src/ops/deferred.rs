@@ -11,7 +11,7 @@ use tm_core::ops::{deferred_norm_slot, DeferredNorm, DEFERRED_NORM_ROWS};
 use tm_core::quant::Weight;
 use tm_core::{Error, Result, Tensor};
 
-use super::{int4_mins, ptr, CudaBackend};
+use super::{ptr, CudaBackend};
 use crate::kernels::elementwise as ew;
 use crate::kernels::q4_gemv::{self, NormArgs, Q4Slot};
 
@@ -59,10 +59,11 @@ impl CudaBackend {
         if out.numel() != n * rows {
             return Err(Error::shape("deferred join output", [n, rows], out.shape()));
         }
+        let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
         let weight = Q4Slot {
             packed: ptr(&q.packed),
             scales: ptr(&q.scales),
-            mins: int4_mins(q)?,
+            mins: ptr(mins),
             bias: 0,
             out: ptr(out),
             rows,

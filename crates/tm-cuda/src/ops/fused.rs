@@ -12,7 +12,7 @@ use tm_core::checks::rows_of;
 use tm_core::quant::{Int4Layout, QuantWeight, Weight};
 use tm_core::{Error, Result, Tensor};
 
-use super::{int4_mins, ptr, CudaBackend};
+use super::{ptr, CudaBackend};
 use crate::kernels::elementwise as ew;
 use crate::kernels::gemv::{self, GemvSlot};
 use crate::kernels::q4_gemv::{self, NormArgs, Q4Slot, Unroll};
@@ -33,10 +33,11 @@ fn int4(w: &Weight) -> Option<&QuantWeight> {
 
 /// The device addresses of an int4 weight (its output and bias left 0).
 fn q4_slot(q: &QuantWeight) -> Result<Q4Slot> {
+    let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
     Ok(Q4Slot {
         packed: ptr(&q.packed),
         scales: ptr(&q.scales),
-        mins: int4_mins(q)?,
+        mins: ptr(mins),
         bias: 0,
         out: 0,
         rows: q.rows,
@@ -52,59 +53,12 @@ fn dense(w: &Weight) -> Option<&Tensor> {
     }
 }
 
-/// How tile-major int4 gate and up weights keep their scales and mins
-/// ([`CudaBackend::tile_gate_up_scales`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum GateUpScales {
-    /// Row-major, as loaded (`TM_GATE_UP_TILED_SCALES=0`, for comparisons).
-    Rows,
-    /// In tile order, two tensors ([`Int4Layout::TilesAndScales16x128`], the default).
-    Tiles,
-    /// In tile order, one tensor of both ([`Int4Layout::TilesAndScalePairs16x128`],
-    /// `TM_GATE_UP_SCALE_PAIRS=1`; where its shapes fit, else `Tiles`).
-    Pairs,
-}
-
-thread_local! {
-    /// [`set_gate_up_scale_pairs`]'s override: 0 none, 1 off, 2 on.
-    static PAIRS: std::cell::Cell<u8> = const { std::cell::Cell::new(0) };
-}
-
-/// Makes `prepare_gate_up` on the calling thread give tile-major gate and up weights their scales
-/// and mins as one tensor ([`Int4Layout::TilesAndScalePairs16x128`], `Some(true)`), as two in tile
-/// order (`Some(false)`), or as the environment says (`None`): for tests and benchmarks that
-/// compare the layouts.
-pub fn set_gate_up_scale_pairs(on: Option<bool>) {
-    PAIRS.with(|p| p.set(on.map_or(0, |b| 1 + u8::from(b))));
-}
-
-/// The [`GateUpScales`] the calling thread's override or the environment asks for.
-fn gate_up_scales() -> GateUpScales {
-    match PAIRS.with(std::cell::Cell::get) {
-        1 => return GateUpScales::Tiles,
-        2 => return GateUpScales::Pairs,
-        _ => {}
-    }
-    static ON: OnceLock<GateUpScales> = OnceLock::new();
-    *ON.get_or_init(|| {
-        let off = |k: &str| std::env::var(k).is_ok_and(|v| v.trim() == "0");
-        let on = |k: &str| std::env::var(k).is_ok_and(|v| v.trim() == "1");
-        if off("TM_GATE_UP_TILED_SCALES") {
-            GateUpScales::Rows
-        } else if on("TM_GATE_UP_SCALE_PAIRS") {
-            GateUpScales::Pairs
-        } else {
-            GateUpScales::Tiles
-        }
-    })
-}
-
-/// An f16 tensor's values as they are on the device.
-fn download_halves(be: &CudaBackend, t: &Tensor) -> Result<Vec<[u8; 2]>> {
-    use tm_core::Ops;
-    let mut host = vec![0u8; t.desc().bytes()];
-    be.download(t, &mut host)?;
-    Ok(host.chunks_exact(2).map(|b| [b[0], b[1]]).collect())
+/// Whether tile-major int4 gate and up weights get tile-ordered scales and mins
+/// ([`CudaBackend::tile_gate_up_scales`]; `TM_GATE_UP_TILED_SCALES=0` keeps them row-major, for
+/// comparisons).
+fn tiled_gate_up_scales() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("TM_GATE_UP_TILED_SCALES").map_or(true, |v| v.trim() != "0"))
 }
 
 /// Reorders an int4 weight's scales and mins into tile order (a download, a host reorder and an
@@ -115,27 +69,14 @@ fn reorder_scales(be: &CudaBackend, q: &mut QuantWeight) -> Result<()> {
     let QuantWeight { scales, mins, rows, .. } = q;
     let mins = mins.as_mut().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
     for t in [scales, mins] {
-        let tiled = tm_core::quant::tile_scales(&download_halves(be, t)?, *rows, groups)?;
+        let mut host = vec![0u8; t.desc().bytes()];
+        be.download(t, &mut host)?;
+        let vals: Vec<[u8; 2]> = host.chunks_exact(2).map(|b| [b[0], b[1]]).collect();
+        let tiled = tm_core::quant::tile_scales(&vals, *rows, groups)?;
         be.upload(t, tiled.as_flattened())?;
     }
     q.layout = Int4Layout::TilesAndScales16x128;
     Ok(())
-}
-
-/// Interleaves an int4 weight's scales and mins into one new tensor
-/// ([`Int4Layout::TilesAndScalePairs16x128`]); the two old ones are freed once it holds them.
-fn pair_gate_up_scales(be: &CudaBackend, q: &mut QuantWeight) -> Result<()> {
-    use tm_core::Ops;
-    let groups = q.cols / q.group_size;
-    let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
-    let paired =
-        tm_core::quant::pair_scales(&download_halves(be, &q.scales)?, &download_halves(be, mins)?, q.rows, groups)?;
-    let mut t = be.zeros(tm_core::TensorDesc::new(tm_core::DType::F16, &[q.rows, 2 * groups]), "weights")?;
-    be.upload(&mut t, paired.as_flattened())?;
-    q.scales = t;
-    q.mins = None;
-    q.layout = Int4Layout::TilesAndScalePairs16x128;
-    q.validate(true)
 }
 
 impl CudaBackend {
@@ -144,24 +85,16 @@ impl CudaBackend {
     /// gate/up/SiLU decode kernel `silu_lnts` reads with one 32-bit load per lane, tile and step
     /// instead of two 16-bit loads over eight rows' sectors: AWQ Llama-3-8B batch-1 replay on the
     /// H200 1942.7-1949.7 us against 1951.9-1962.2 (`TM_GATE_UP_TILED_SCALES=0`, five
-    /// alternations). Every other int4 kernel reads the order too (`tmk::q4_scale_index`). With
-    /// `TM_GATE_UP_SCALE_PAIRS=1` (or [`set_gate_up_scale_pairs`]) and `cols / group % 16 == 0`,
-    /// scales and mins become one tensor instead ([`Int4Layout::TilesAndScalePairs16x128`]), read
-    /// by `silu_lntp` with one 8-byte load per lane, tile and step.
+    /// alternations). Every other int4 kernel reads the order too (`tmk::q4_scale_index`).
     pub(super) fn tile_gate_up_scales(&self, gate: &mut Weight, up: &mut Weight) -> Result<()> {
         let (Weight::Int4(g), Weight::Int4(u)) = (gate, up) else { return Ok(()) };
-        let form = gate_up_scales();
-        if form == GateUpScales::Rows
+        if !tiled_gate_up_scales()
             || g.layout != Int4Layout::Tiles16x128
             || u.layout != Int4Layout::Tiles16x128
             || (g.rows, g.cols, g.group_size) != (u.rows, u.cols, u.group_size)
             || !q4_gemv::lean_fits(g.cols, g.group_size, &[q4_slot(g)?, q4_slot(u)?])
         {
             return Ok(());
-        }
-        if form == GateUpScales::Pairs && tm_core::quant::int4_scale_pairs_fit(g.rows, g.cols, g.group_size) {
-            pair_gate_up_scales(self, g)?;
-            return pair_gate_up_scales(self, u);
         }
         reorder_scales(self, g)?;
         reorder_scales(self, u)

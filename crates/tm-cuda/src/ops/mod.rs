@@ -13,7 +13,6 @@ mod meta;
 mod q4_slab;
 mod rope_kv;
 
-pub use fused::set_gate_up_scale_pairs;
 pub use q4_slab::{set_slab_policy, slab_products};
 
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -85,18 +84,6 @@ pub struct CudaBackend {
 
 fn ptr(t: &Tensor) -> u64 {
     t.buffer().addr()
-}
-
-/// The device address of an int4 weight's mins: its `mins` tensor, or 2 entries (4 bytes) after
-/// its scales where the layout keeps them in one tensor
-/// ([`tm_core::quant::Int4Layout::TilesAndScalePairs16x128`]: a kernel then reads the min of an
-/// entry at the scale's index from this address).
-fn int4_mins(q: &QuantWeight) -> Result<u64> {
-    match &q.mins {
-        Some(m) if !q.layout.pairs_scales() => Ok(ptr(m)),
-        None if q.layout.pairs_scales() => Ok(ptr(&q.scales) + 4),
-        _ => Err(Error::invalid("int4 weight without mins, or with mins its layout keeps in its scales")),
-    }
 }
 
 fn as_bytes<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
@@ -247,11 +234,12 @@ impl CudaBackend {
                 return Err(Error::shape("matmul output", [n, q.rows], out.shape()));
             }
             self.check(out, "matmul output")?;
+            let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
             parts.push(q4_gemm::Part {
                 out: ptr(out),
                 packed: ptr(&q.packed),
                 scales: ptr(&q.scales),
-                mins: int4_mins(q)?,
+                mins: ptr(mins),
                 rows: q.rows,
                 layout: q.layout,
             });
@@ -266,7 +254,7 @@ impl CudaBackend {
             if self.try_q4_gemv(x, q, n, out)? || self.try_q4_slab(x, q, n, out)? {
                 return Ok(());
             }
-            let mins = int4_mins(q)?;
+            let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
             // Below the slab path's batch size the slab buffer is free for the prefill GEMM's
             // split-K partial sums; a split product queues its GEMM and its sum under the state
             // lock, as a slab product does, so that threads sharing the backend cannot interleave
@@ -281,7 +269,7 @@ impl CudaBackend {
                 ptr(x),
                 ptr(&q.packed),
                 ptr(&q.scales),
-                mins,
+                ptr(mins),
                 n,
                 q.rows,
                 q.cols,
@@ -440,14 +428,14 @@ impl Ops for CudaBackend {
                 ew::embedding_q8(g, dt, ptr(out), ptr(&q.packed), ptr(&q.scales), ids_dev, n, hidden, q.group_size)
             }
             Weight::Int4(q) => {
-                let mins = int4_mins(q)?;
+                let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
                 ew::embedding_q4(
                     g,
                     dt,
                     ptr(out),
                     ptr(&q.packed),
                     ptr(&q.scales),
-                    mins,
+                    ptr(mins),
                     ids_dev,
                     n,
                     hidden,

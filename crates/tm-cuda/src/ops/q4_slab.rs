@@ -17,7 +17,7 @@ use tm_core::q4_slab::{SlabPolicy, SLAB_BYTES};
 use tm_core::quant::QuantWeight;
 use tm_core::{Buffer, DType, Error, Result, Tensor};
 
-use super::{int4_mins, ptr, CudaBackend};
+use super::{ptr, CudaBackend};
 use crate::kernels::q4_gemm;
 use crate::kernels::q4_slab::{self, Int4Matrix};
 
@@ -94,11 +94,11 @@ impl CudaBackend {
             return Ok(false);
         }
         let Some(slab) = self.slab.get() else { return Ok(false) };
-        let Ok(mins) = int4_mins(q) else { return Ok(false) };
+        let Some(mins) = q.mins.as_ref() else { return Ok(false) };
         let w = Int4Matrix {
             packed: ptr(&q.packed),
             scales: ptr(&q.scales),
-            mins,
+            mins: ptr(mins),
             rows: q.rows,
             cols: q.cols,
             group: q.group_size,

@@ -3,7 +3,7 @@
 
 use crate::error::{ModelError, Result};
 use crate::weights::{Encoding, TensorRef};
-use tm_core::quant::{pair_scales, tile_int4, tile_scales, Int4Layout, QuantWeight, Weight};
+use tm_core::quant::{tile_int4, tile_scales, Int4Layout, QuantWeight, Weight};
 use tm_core::{DType, Ops, TensorDesc};
 use tm_quant::gguf::{import_gguf, GgufType};
 use tm_quant::HostQuant;
@@ -39,7 +39,7 @@ pub fn upload_quant(ops: &dyn Ops, q: &HostQuant) -> Result<Weight> {
     let mut packed = ops.zeros(packed_desc, "weights")?;
     match layout {
         Int4Layout::RowMajor => ops.upload(&mut packed, &q.packed)?,
-        Int4Layout::Tiles16x128 | Int4Layout::TilesAndScales16x128 | Int4Layout::TilesAndScalePairs16x128 => {
+        Int4Layout::Tiles16x128 | Int4Layout::TilesAndScales16x128 => {
             ops.upload(&mut packed, &tile_int4(&q.packed, q.rows, q.cols)?)?
         }
     }
@@ -52,15 +52,8 @@ pub fn upload_quant(ops: &dyn Ops, q: &HostQuant) -> Result<Weight> {
         }
         Ok(t)
     };
-    let (scales, mins) = match (layout, q.mins.as_deref()) {
-        // One tensor of scales and mins interleaved.
-        (Int4Layout::TilesAndScalePairs16x128, Some(m)) => {
-            let mut t = ops.zeros(TensorDesc::new(DType::F16, &[q.rows, 2 * groups]), "weights")?;
-            ops.upload(&mut t, bytemuck::cast_slice(&pair_scales(&q.scales, m, q.rows, groups)?))?;
-            (t, None)
-        }
-        _ => (f16_tensor(&q.scales)?, q.mins.as_deref().map(f16_tensor).transpose()?),
-    };
+    let scales = f16_tensor(&q.scales)?;
+    let mins = q.mins.as_deref().map(f16_tensor).transpose()?;
     let w = QuantWeight { rows: q.rows, cols: q.cols, group_size: q.group_size, packed, scales, mins, layout };
     w.validate(int4)?;
     Ok(if int4 { Weight::Int4(w) } else { Weight::Int8(w) })
