@@ -485,7 +485,7 @@
 //   `silu_lntp` (with their conformance and host-emulation cases; default cubins must stay
 //   byte-identical, `cmp`). What the stand-in says is left: nl (-0.5 / -0.4 / -0.4 / -1.0 a
 //   product hot, the per-step scale and min loads and conversions) and nxe's epilogue.
-// Session 29 (2026-12-06; no H200: nine asks, one H100 80GB HBM3 at 3.034 TB/s). The pairs layout,
+// Session 29 (2026-12-06; no H200: ten asks, one H100 80GB HBM3 at 3.034 TB/s). The pairs layout,
 // `silu_lntp`, TM_GATE_UP_SCALE_PAIRS and TM_Q4_ABLATE_SMFUSED removed (commit 4c8040e; every sm_90
 // cubin byte-identical to the build before 2609660; H100 GPU suite 82 / 29 / 15 passed on it).
 // - `q4_gemv_bench --hot`, f16, n = 1, --iters 300 --variants ln, three rounds (us, ops / ln graph):
