@@ -11,7 +11,7 @@ use tm_core::ops::{deferred_norm_slot, DeferredNorm, DEFERRED_NORM_ROWS};
 use tm_core::quant::Weight;
 use tm_core::{Error, Result, Tensor};
 
-use super::{ptr, CudaBackend};
+use super::{fused, ptr, CudaBackend};
 use crate::kernels::elementwise as ew;
 use crate::kernels::q4_gemv::{self, NormArgs, Q4Slot};
 
@@ -59,16 +59,7 @@ impl CudaBackend {
         if out.numel() != n * rows {
             return Err(Error::shape("deferred join output", [n, rows], out.shape()));
         }
-        let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
-        let weight = Q4Slot {
-            packed: ptr(&q.packed),
-            scales: ptr(&q.scales),
-            mins: ptr(mins),
-            bias: 0,
-            out: ptr(out),
-            rows,
-            layout: q.layout,
-        };
+        let weight = Q4Slot { out: ptr(out), ..fused::q4_slot(q)? };
         if !q4_gemv::fits(self.dtype, n, cols, group, ptr(x), &[weight]) {
             return Ok(false);
         }

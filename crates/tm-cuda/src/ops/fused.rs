@@ -12,7 +12,7 @@ use tm_core::checks::rows_of;
 use tm_core::quant::{Int4Layout, QuantWeight, Weight};
 use tm_core::{Error, Result, Tensor};
 
-use super::{ptr, CudaBackend};
+use super::{int4_mins, ptr, CudaBackend};
 use crate::kernels::elementwise as ew;
 use crate::kernels::gemv::{self, GemvSlot};
 use crate::kernels::q4_gemv::{self, NormArgs, Q4Slot, Unroll};
@@ -32,12 +32,11 @@ fn int4(w: &Weight) -> Option<&QuantWeight> {
 }
 
 /// The device addresses of an int4 weight (its output and bias left 0).
-fn q4_slot(q: &QuantWeight) -> Result<Q4Slot> {
-    let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
+pub(super) fn q4_slot(q: &QuantWeight) -> Result<Q4Slot> {
     Ok(Q4Slot {
         packed: ptr(&q.packed),
         scales: ptr(&q.scales),
-        mins: ptr(mins),
+        mins: int4_mins(q)?,
         bias: 0,
         out: 0,
         rows: q.rows,

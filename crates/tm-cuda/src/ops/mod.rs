@@ -86,6 +86,11 @@ fn ptr(t: &Tensor) -> u64 {
     t.buffer().addr()
 }
 
+/// The device address of an int4 weight's mins (an error for an int4 weight without them).
+fn int4_mins(q: &QuantWeight) -> Result<u64> {
+    q.mins.as_ref().map(ptr).ok_or_else(|| Error::invalid("int4 weight without mins"))
+}
+
 fn as_bytes<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
     bytemuck::cast_slice(v)
 }
@@ -234,12 +239,12 @@ impl CudaBackend {
                 return Err(Error::shape("matmul output", [n, q.rows], out.shape()));
             }
             self.check(out, "matmul output")?;
-            let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
+            let mins = int4_mins(q)?;
             parts.push(q4_gemm::Part {
                 out: ptr(out),
                 packed: ptr(&q.packed),
                 scales: ptr(&q.scales),
-                mins: ptr(mins),
+                mins,
                 rows: q.rows,
                 layout: q.layout,
             });
@@ -254,7 +259,7 @@ impl CudaBackend {
             if self.try_q4_gemv(x, q, n, out)? || self.try_q4_slab(x, q, n, out)? {
                 return Ok(());
             }
-            let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
+            let mins = int4_mins(q)?;
             // Below the slab path's batch size the slab buffer is free for the prefill GEMM's
             // split-K partial sums; a split product queues its GEMM and its sum under the state
             // lock, as a slab product does, so that threads sharing the backend cannot interleave
@@ -269,7 +274,7 @@ impl CudaBackend {
                 ptr(x),
                 ptr(&q.packed),
                 ptr(&q.scales),
-                ptr(mins),
+                mins,
                 n,
                 q.rows,
                 q.cols,
@@ -428,14 +433,14 @@ impl Ops for CudaBackend {
                 ew::embedding_q8(g, dt, ptr(out), ptr(&q.packed), ptr(&q.scales), ids_dev, n, hidden, q.group_size)
             }
             Weight::Int4(q) => {
-                let mins = q.mins.as_ref().ok_or_else(|| Error::invalid("int4 weight without mins"))?;
+                let mins = int4_mins(q)?;
                 ew::embedding_q4(
                     g,
                     dt,
                     ptr(out),
                     ptr(&q.packed),
                     ptr(&q.scales),
-                    ptr(mins),
+                    mins,
                     ids_dev,
                     n,
                     hidden,
