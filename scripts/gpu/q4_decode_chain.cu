@@ -485,19 +485,23 @@
 //   `silu_lntp` (with their conformance and host-emulation cases; default cubins must stay
 //   byte-identical, `cmp`). What the stand-in says is left: nl (-0.5 / -0.4 / -0.4 / -1.0 a
 //   product hot, the per-step scale and min loads and conversions) and nxe's epilogue.
-// Session 29 (2026-12-06; no H200: ten asks, one H100 80GB HBM3 at 3.034 TB/s). The pairs layout,
-// `silu_lntp`, TM_GATE_UP_SCALE_PAIRS and TM_Q4_ABLATE_SMFUSED removed (commit 4c8040e; every sm_90
-// cubin byte-identical to the build before 2609660; H100 GPU suite 82 / 29 / 15 passed on it).
+// Session 29 (2026-12-06; no H200: one H100 80GB HBM3, 3.034 TB/s). The pairs layout, `silu_lntp`,
+// TM_GATE_UP_SCALE_PAIRS and TM_Q4_ABLATE_SMFUSED removed (commit 4c8040e; every sm_90 cubin
+// byte-identical to the build of 2609660^, checked with a kernels build of each source tree).
 // - `q4_gemv_bench --hot`, f16, n = 1, --iters 300 --variants ln, three rounds (us, ops / ln graph):
 //       cubin   q/k/v                   o                       gate/up (half) ops   down
 //       base    7.1-7.4 / 6.2-6.3       5.9-6.1 / 4.7-4.8       13.4-13.7            11.7-11.9 / 11.2
 //       no      7.1-7.3 / 6.2           5.8-6.0 / 4.7-4.8       13.3-13.5            11.7-11.8 / 11.4-11.5
 //       nl      6.5 / 5.7               5.5 / 4.3-4.5           12.8                 10.6 / 9.8-9.9
-//   This host's absolute figures are not session 28's (its base 5.7 / 5.6, 4.5 / 4.7, 12.5, 10.3 /
-//   13.3), and its nl savings are ~1.5 times those (-0.8 / -0.5 / -0.7 / -1.2 ops): compare only
-//   within a call, and read the stand-in's savings as +-50%. `no` (TM_Q4_ABLATE_ODD_E, what a
-//   batch-1 epilogue would save) is -0.1..-0.2 us a product, ~-0.7 us a layer: as on the H100
-//   engine in session 24 (-4 us a step), not worth a kernel.
+//   PDL was off in these runs: the kernels directory came from a build of 2609660^'s sources
+//   (cubins identical, manifest digest not), so the bench's manifest check launched without
+//   programmatic dependent launch; that is why the figures are above session 28's (base 5.7 / 5.6,
+//   4.5 / 4.7, 12.5, 10.3 / 13.3). Within the call the variants compare alike: `no`
+//   (TM_Q4_ABLATE_ODD_E, what a batch-1 epilogue would save) is -0.1..-0.2 us a product, ~-0.7 us
+//   a layer, as on the H100 engine in session 24 (-4 us a step): not worth a kernel. (Cause of the
+//   stale build: `cargo xtask` run in a worktree with the main checkout's target dir bakes the
+//   worktree's source path into the xtask binary, which the main checkout then reuses; give a
+//   worktree its own target dir.)
 // - A lead not built (needs an H200 to judge): the scale and the min of a row and group stored
 //   as the f32 pair (s, m - OFF s) the lean epilogue computes (bitwise the same sums), one 16-byte
 //   load a tile and step for rows g and g + 8, no conversions and no FMA for the min: about 7 of
