@@ -21,7 +21,9 @@
 //! products on an H100 are bound by bytes and hide changes that cut instructions, which the H200
 //! rewards. Checked in session 28: the timing-only ablations (q4_gemv.cu's TM_Q4_ABLATE_*) save
 //! the same microseconds per product hot on an H100 as cold on the H200, within ~0.1-0.3 us
-//! (figures in that file, "Session 28").
+//! (figures in that file, "Session 28"). Compare only runs with PDL on: the header line says where
+//! the kernels came from, and a `TM_KERNELS_DIR` whose manifest names other sources loses PDL
+//! (session 29's runs, ~1 us a product slower).
 //!
 //! What is timed (CUDA events around `--iters` calls, after warm-up):
 //! - `ops`: what the model calls (`Ops::matmul_many`, `Ops::gate_up_silu`, the latter on gate
@@ -279,6 +281,13 @@ fn bench(o: &Opts) -> Result<(), String> {
         o.iters,
         if o.hot { "hot in L2 (one copy)" } else { "cycled through copies past L2" },
         copy_bw / 1e12
+    );
+    // Where the kernels came from and whether they get PDL: a `TM_KERNELS_DIR` built from other
+    // sources loses it, which moves every figure (session 29's --hot runs).
+    println!(
+        "kernels from {}; PDL {} on this device",
+        b.gpu().kernel_source(),
+        if b.gpu().pdl() { "on" } else { "off" }
     );
     let e = |e: tm_core::Error| e.to_string();
     for shape in [Shape::Qkv, Shape::O, Shape::GateUp, Shape::Down] {

@@ -138,7 +138,9 @@ impl Gpu {
             let module = src.name.trim_end_matches(".cu");
             let (image, how, entries, current) = pick_image(module, sm)?;
             let loaded = ctx.load_module(image).map_err(driver_err("cuModuleLoadData"))?;
-            sources.push(format!("{module} ({how})"));
+            // Say so where the cubins would otherwise get PDL: `q4_gemv_bench` and the logs show it.
+            let stale = if pdl && !current { "; not built from this binary's sources: no PDL" } else { "" };
+            sources.push(format!("{module} ({how}{stale})"));
             for name in &entries {
                 index.insert(name.clone(), modules.len());
             }
