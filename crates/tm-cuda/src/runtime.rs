@@ -138,9 +138,7 @@ impl Gpu {
             let module = src.name.trim_end_matches(".cu");
             let (image, how, entries, current) = pick_image(module, sm)?;
             let loaded = ctx.load_module(image).map_err(driver_err("cuModuleLoadData"))?;
-            // Say so where the cubins would otherwise get PDL: `q4_gemv_bench` and the logs show it.
-            let stale = if pdl && !current { "; not built from this binary's sources: no PDL" } else { "" };
-            sources.push(format!("{module} ({how}{stale})"));
+            sources.push(source_label(module, &how, pdl, current));
             for name in &entries {
                 index.insert(name.clone(), modules.len());
             }
@@ -459,6 +457,14 @@ fn pick_image(module: &str, sm: u32) -> Result<(Ptx, String, Vec<String>, bool)>
     Ok((image, "nvrtc".to_string(), Vec::new(), true))
 }
 
+/// How [`Gpu::kernel_source`] names one module's image: `module (how)`, and where the device
+/// would launch with PDL but the image was not built from this binary's sources, says that its
+/// kernels lose it (so that `q4_gemv_bench`'s header and the logs show why figures moved).
+fn source_label(module: &str, how: &str, pdl: bool, current: bool) -> String {
+    let stale = if pdl && !current { "; not built from this binary's sources: no PDL" } else { "" };
+    format!("{module} ({how}{stale})")
+}
+
 /// Whether `dir/manifest.txt` (written by `cargo xtask build-kernels`) records the sources
 /// embedded in this binary (its `sources <sha256>` line).
 fn manifest_matches(dir: &std::path::Path) -> bool {
@@ -469,6 +475,16 @@ fn manifest_matches(dir: &std::path::Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn source_label_says_when_pdl_is_lost() {
+        let stale = source_label("q4_gemv", "cubin k/q4_gemv.sm_90.cubin", true, false);
+        assert!(stale.starts_with("q4_gemv (cubin k/q4_gemv.sm_90.cubin; "), "{stale}");
+        assert!(stale.ends_with("no PDL)"), "{stale}");
+        // current sources, or a device without PDL: nothing to say
+        assert_eq!(source_label("gemv", "embedded cubin sm_90", true, true), "gemv (embedded cubin sm_90)");
+        assert_eq!(source_label("gemv", "nvrtc", false, false), "gemv (nvrtc)");
+    }
 
     #[test]
     fn manifest_must_name_the_embedded_sources() {
