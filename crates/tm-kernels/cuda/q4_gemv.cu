@@ -283,6 +283,25 @@ template <class T> __device__ __forceinline__ void raw4(unsigned w, unsigned p[4
     p[3] = and_or(w >> 12, 0x000F000Fu, M);
 }
 
+// TM_Q4_LEAN_B1: batch 1 takes `q4_tiles_lean_loop`'s B1 loop (one ones-mma a step instead of
+// eight); 2: that loop with f16's high nibbles as `raw4_hi4` leaves them. Off, or n > 1: the
+// general loop.
+#ifndef TM_Q4_LEAN_B1
+#define TM_Q4_LEAN_B1 0
+#endif
+template <class T> constexpr bool is_f16 = false;
+template <> constexpr bool is_f16<__half> = true;
+// f16 only: `raw4`'s four pairs with one shift per word instead of three. The high nibbles stay
+// at bits 4..7 of each half under the magic 64.0 (0x5400: exponent 2^6, so those mantissa bits
+// count ones), i.e. p[2] and p[3] are 64 + q exactly where `raw4` gives 1024 + q.
+__device__ __forceinline__ void raw4_hi4(unsigned w, unsigned p[4]) {
+    const unsigned w8 = w >> 8;
+    p[0] = and_or(w, 0x000F000Fu, 0x64006400u);   // 1024 + q
+    p[1] = and_or(w8, 0x000F000Fu, 0x64006400u);  // 1024 + q
+    p[2] = and_or(w, 0x00F000F0u, 0x54005400u);   // 64 + q
+    p[3] = and_or(w8, 0x00F000F0u, 0x54005400u);  // 64 + q
+}
+
 // `step_math` for the lean kernels, whose 128-column steps each lie inside one group (group 128):
 // the mma multiplies x by OFF + q as `raw4` leaves them (no subtraction, no per-weight scale) into
 // sums of the step alone, t = sum(q x) + OFF X with X = sum(x) over the step's columns (one more
@@ -290,10 +309,16 @@ template <class T> __device__ __forceinline__ void raw4(unsigned w, unsigned p[4
 // acc += s t + (m - OFF s) X = s sum(q x) + m X, which is sum((q s + m) x). The products
 // (OFF + q) x are exact in f32 and the f32 sums lose about 2^-24 OFF |X| per step: far below a
 // rounding of the weights to T, which this path never makes.
-template <class T, int NT>
+template <class T, int NT, bool B1 = false>
 __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __half (&sh)[NT][2],
                                                const __half (&mh)[NT][2], const uint4 (&xv)[4], float (*acc)[4],
                                                float2 xl = make_float2(0.f, 0.f)) {
+    // B1 with TM_Q4_LEAN_B1 = 2 (f16): the high nibbles as `raw4_hi4` leaves them (64 + q), which
+    // costs the epilogue nothing: t = sum(q x) + 1024 X_lo + 64 X_hi (X_lo, X_hi: x summed over
+    // the low- and high-nibble columns), and the lanes t = 0, 1 hold the ones-mma's columns 0..3,
+    // fed by lanes g < 4 with x of the low nibbles' columns (words 0..7), lanes t = 2, 3 those of
+    // the high ones', so each lane's share of the offsets' sum is its share of X times 1024 or 64.
+    constexpr bool HI4 = B1 && TM_Q4_LEAN_B1 >= 2 && is_f16<T>;
     const unsigned ones[4] = {Raw4<T>::ONES, Raw4<T>::ONES, Raw4<T>::ONES, Raw4<T>::ONES};
     // X of batch columns 2t, 2t + 1 (rows g and g + 8 alike)
     float xs[4] = {xl.x, xl.y, xl.x, xl.y};
@@ -302,10 +327,20 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
     for (int i = 0; i < NT; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) t[i][e] = 0.f;
+    // B1 (batch 1, `q4_tiles_lean`'s B1 loop): one ones-mma sums the step's 128 x values, lane
+    // (g, t) feeding words 2g, 2g + 1 of its 32 columns (xv[0] holds them: the loop loads it from
+    // 16-byte block g / 2); this lane's share of X is its fragment's column sums c0 + c1.
+    float xpart = 0.f;
+    if constexpr (B1) {
+        const bool odd = (threadIdx.x >> 2) & 1;  // g odd: words 2, 3 of the block
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        mma(d, ones, odd ? xv[0].z : xv[0].x, odd ? xv[0].w : xv[0].y, T());
+        xpart = d[0] + d[1];
+    }
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         const XPairs x = x_pairs(xv, k);
-        if (!TM_Q4_ABLATE_XSUM && !TM_Q4_ABLATE_XLOAD) {
+        if (!B1 && !TM_Q4_ABLATE_XSUM && !TM_Q4_ABLATE_XLOAD) {
             mma(xs, ones, x.l02, x.l13, T());
             mma(xs, ones, x.h02, x.h13, T());
         }
@@ -315,6 +350,9 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
             if (TM_Q4_ABLATE_RAW) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) pl[e] = word_of(w[i][0], k), ph[e] = word_of(w[i][1], k);
+            } else if (HI4) {
+                raw4_hi4(word_of(w[i][0], k), pl);
+                raw4_hi4(word_of(w[i][1], k), ph);
             } else {
                 raw4<T>(word_of(w[i][0], k), pl);
                 raw4<T>(word_of(w[i][1], k), ph);
@@ -324,6 +362,22 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
             mma(t[i], alo, x.l02, x.l13, T());
             mma(t[i], ahi, x.h02, x.h13, T());
         }
+    }
+    if constexpr (B1) {
+        // Batch column 0 only (rows g, g + 8): acc[i][2h] += s t, which only lanes t = 0 keep
+        // (columns 2t > 0 hold other lanes' x), and acc[i][2h + 1] (column 1, unused) += (m - OFF
+        // s) times the lane's share of X, which `quad_sum_b1` sums over the quad after the loop.
+        const float off = HI4 && (threadIdx.x & 2) ? 64.f : Raw4<T>::OFF;
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float sf = __half2float(sh[i][h]);
+                const float mf = fmaf(-off, sf, __half2float(mh[i][h]));
+                acc[i][2 * h] = fmaf(sf, t[i][2 * h], acc[i][2 * h]);
+                acc[i][2 * h + 1] = fmaf(mf, xpart, acc[i][2 * h + 1]);
+            }
+        return;
     }
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
@@ -337,6 +391,21 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
                     acc[i][e] = TM_Q4_ABLATE_EPI ? acc[i][e] + t[i][e] : fmaf(sf, t[i][e], fmaf(mf, xs[e], acc[i][e]));
         }
     }
+}
+
+// B1's end: lane t = 0's rows g, g + 8 of batch column 0 (e = 0, 2) plus the min terms (e = 1, 3)
+// of its quad's four lanes, as the general loop would hold them (the other lanes' columns 2t are
+// never stored, nor column 1 at batch 1).
+template <int NT> __device__ __forceinline__ void quad_sum_b1(float (*acc)[4]) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+            float m = acc[i][e + 1];
+            m += __shfl_xor_sync(0xffffffffu, m, 1);
+            m += __shfl_xor_sync(0xffffffffu, m, 2);
+            acc[i][e] += m;
+        }
 }
 
 // acc = 0: the NT tiles' m16n8 C fragments.
@@ -523,9 +592,15 @@ __device__ __forceinline__ void q4_tiles(const Tile* tiles, const T* __restrict_
 // 16 lane and 512 + 16 lane, so a warp's step reads 1 KiB in two fully used 512-byte loads instead
 // of 64 bytes from each of 16 rows (the tile is then rows row0 .. row0 + 15: gs = 1, hs = 8).
 // SMI (with TILED): the scales and mins come from `Tile::smi` instead of `scales` and `mins`.
-template <class T, int U, int NT, bool XPRE, bool TILED = false, int SMI = 0, class Wait>
-__device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __restrict__ x, int n, int cols,
-                                              float acc[NT][4], Wait wait) {
+//
+// B1 (batch 1; `q4_tiles_lean` takes this loop when TM_Q4_LEAN_B1 is on and n = 1): batch
+// columns 1..7 of the mmas are discarded, so lanes g >= 2 may feed them anything. Each lane loads
+// its x chunk 0 from 16-byte block g / 2 (lanes g = 0, 1: block 0, as always), and `step_math_lean`
+// sums the step's x with one ones-mma instead of eight; the quads' partial sums meet in
+// `quad_sum_b1` after the loop.
+template <class T, int U, int NT, bool XPRE, bool TILED, int SMI, bool B1, class Wait>
+__device__ __forceinline__ void q4_tiles_lean_loop(const Tile* tiles, const T* __restrict__ x, int n, int cols,
+                                                   float acc[NT][4], Wait wait) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int J = cols >> 10;      // steps per warp
@@ -619,8 +694,10 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
                 load_sm(B.s, B.m, i, h, j * sm_zero);
             }
     };
+    const int xb0 = B1 ? (lane >> 3) : 0;  // B1: x chunk 0's block, g / 2
     auto loadx = [&](Buf& B, int j) {
         load_step_x(B.x, xp, j);
+        if (B1) B.x[0] = __ldca(xp + 128 * j + xb0);
         if (TM_Q4_ABLATE_XLOAD) B.xl = __ldca(reinterpret_cast<const float2*>(xp) + 2 * j);
     };
 
@@ -642,13 +719,23 @@ __device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __rest
             const int j = j0 + u;
             if (j >= J) break;  // the whole warp
             if (!XPRE) loadx(buf[u], j);
-            step_math_lean<T, NT>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc, TM_Q4_ABLATE_XLOAD ? buf[u].xl : make_float2(0.f, 0.f));
+            step_math_lean<T, NT, B1>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc, TM_Q4_ABLATE_XLOAD ? buf[u].xl : make_float2(0.f, 0.f));
             if (j + U < J) {
                 loadw(buf[u], j + U);
                 if (XPRE) loadx(buf[u], j + U);
             }
         }
     }
+    if constexpr (B1) quad_sum_b1<NT>(acc);
+}
+
+template <class T, int U, int NT, bool XPRE, bool TILED = false, int SMI = 0, class Wait>
+__device__ __forceinline__ void q4_tiles_lean(const Tile* tiles, const T* __restrict__ x, int n, int cols,
+                                              float acc[NT][4], Wait wait) {
+    if (TM_Q4_LEAN_B1 && n == 1)
+        q4_tiles_lean_loop<T, U, NT, XPRE, TILED, SMI, true>(tiles, x, n, cols, acc, wait);
+    else
+        q4_tiles_lean_loop<T, U, NT, XPRE, TILED, SMI, false>(tiles, x, n, cols, acc, wait);
 }
 
 // Called once a CTA's weight loads are all issued and consumed: lets the next kernel's blocks be
