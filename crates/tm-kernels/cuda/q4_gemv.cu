@@ -284,10 +284,17 @@ template <class T> __device__ __forceinline__ void raw4(unsigned w, unsigned p[4
 }
 
 // TM_Q4_LEAN_B1: batch 1 takes `q4_tiles_lean_loop`'s B1 loop (one ones-mma a step instead of
-// eight); 2: that loop with f16's high nibbles as `raw4_hi4` leaves them. Off, or n > 1: the
-// general loop.
+// eight); 2: that loop with f16's high nibbles as `raw4_hi4` leaves them; 0, or n > 1: the general
+// loop. Default 2 on sm_90 (H100, 2026-12-07, q4_gemv_bench --hot, f16, n = 1, us per product
+// against 0: q/k/v 5.2-5.3 / 5.7-5.8, o 4.1 / 4.5, half of gate/up 12.1 / 12.5, down 9.5 / 10.4;
+// 1: 5.4, 4.3, 12.2, 9.9-10.0; scripts/gpu/q4_decode_chain.cu, session 31), 0 below: sm_80 and
+// sm_87 spill 8-80 bytes in the B1 loops of several kernels, and no GPU of theirs was at hand.
 #ifndef TM_Q4_LEAN_B1
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define TM_Q4_LEAN_B1 2
+#else
 #define TM_Q4_LEAN_B1 0
+#endif
 #endif
 template <class T> constexpr bool is_f16 = false;
 template <> constexpr bool is_f16<__half> = true;
