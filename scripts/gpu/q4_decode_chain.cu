@@ -508,6 +508,28 @@
 //   nl's 8 instructions a tile and step, for twice the scale-and-min bytes (+6.25% of the weight
 //   bytes, ~+218 MB a step for the 8B, up to ~+50 us at the H200's bandwidth). Against nl's -111
 //   us (session 25) that nets roughly -45..-70 us: short of the -110 that 2.4x needs on its own.
+// Session 31 (2026-12-07): the batch-1 loop (q4_gemv.cu's TM_Q4_LEAN_B1, `q4_tiles_lean_loop`'s
+// B1). At n = 1 the mmas' batch columns 1..7 are discarded, so the lanes g >= 1 that feed them
+// may feed anything: each lane loads its x chunk 0 from 16-byte block g / 2, and ONE ones-mma with
+// B = words 2g, 2g + 1 of every lane's 32 columns sums all 128 x of the step (eight before); each
+// lane's share of X is its fragment's c0 + c1, and its min term (m - OFF s) times that share goes
+// into the unused column-1 element, summed over the quad once after the loop. With that, f16's
+// high nibbles need no shift (`raw4_hi4`: 64 + q under the magic 0x5400): lanes t = 0, 1 hold the
+// ones-mma columns fed with the low nibbles' x, t = 2, 3 the high ones', so the offset is a lane
+// constant (1024 or 64) at no cost (=2). In the general loop the same trick needs X and X' in rows
+// g and g + 8 of the ones-mma, two A tuples: the 80-register silu_lnts then rematerialises them
+// and spills (252 -> 255 SASS instructions a step): not kept. SASS per loop iteration, base / =1
+// / =2: silu_lnts 252 / 231 / 198, ln4t_join (two steps) 287 / 278 / 248, lnt_rope 482 / 451 /
+// 386; no spills on sm_90 (sm_80/87 spill 8-80 B in several kernels: the default stays 0 there).
+// Host emulation (both loops) and the GPU suite with the =2 cubin (H100: 82/29/15 passed).
+// q4_gemv_bench --hot, f16, n = 1, --iters 300 --variants ln, H100 80GB HBM3, PDL on, two rounds
+// (us, ops / ln graph / ln chain):
+//       cubin   q/k/v                    o                    gate/up (half) ops   down
+//       base    5.7-5.8 / 5.6 / 5.1-5.2  4.5 / 4.7 / 4.1      12.5                 10.4 / 13.3 / 10.4-10.5
+//       =1      5.4 / 5.2 / 4.7          4.3 / 4.1 / 3.3-3.5  12.2                 9.9-10.0 / 11.9 / 9.4
+//       =2      5.2-5.3 / 5.1 / 4.4      4.1 / 4.1 / 3.4      12.1                 9.5 / 10.9-11.0 / 9.0-9.2
+// =2 saves ~2.6 us a layer (ops), about session 28's `nl` (2.9), which saved 111 us a step on the
+// H200 engine (session 25). Shipped as the sm_90 default.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

@@ -69,10 +69,17 @@
 //   U = 2 against 2000-2012 at U = 3 (U = 6 / 7: 2113 / 2141; U = 2 at three CTAs per SM
 //   2172-2183; U = 1 at four 2307-2312; o alone at U = 1: 2055; more in scripts/gpu/
 //   q4_decode_chain.cu, "Session 15").
+// - Every lean kernel at batch 1 on sm_90 (TM_Q4_LEAN_B1 = 2, `q4_tiles_lean_loop`'s B1): the
+//   mmas' batch columns 1..7 are discarded, so the lanes that feed them (g >= 1) are free to feed
+//   the ones-mma other words of x, and one ones-mma sums a step's x instead of eight; f16's high
+//   nibbles then need no shift (`raw4_hi4`). silu_lnts' loop 198 SASS instructions per step
+//   against 252, ln4t_join's 248 per two steps against 287, lnt_rope's 386 against 482; H100
+//   q4_gemv_bench --hot 2.6 us a layer less (TM_Q4_LEAN_B1 above).
 //
 // Tuning knobs (macros; scripts/gpu_kernel_variants.sh builds kernels with other values for an
 // A/B): TM_Q4_JOIN_TILED_U, the steps in flight of `ln4t_join` (2); TM_Q4_ROPE_TILED_U, of
-// `lnt_rope` (2); TM_Q4_ABLATE_* (below), timing-only ablations of the lean step.
+// `lnt_rope` (2); TM_Q4_LEAN_B1, the batch-1 loop (2 on sm_90, else 0); TM_Q4_ABLATE_* (below),
+// timing-only ablations of the lean step.
 //
 // Requirements checked by the launcher: 1 <= n <= 8, cols % 32 == 0, group % 32 == 0,
 // cols % group == 0, packed weights and x 16-byte aligned, scales and mins 2-byte aligned.
@@ -384,18 +391,18 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
                 acc[i][2 * h] = fmaf(sf, t[i][2 * h], acc[i][2 * h]);
                 acc[i][2 * h + 1] = fmaf(mf, xpart, acc[i][2 * h + 1]);
             }
-        return;
-    }
+    } else {
 #pragma unroll
-    for (int i = 0; i < NT; ++i) {
+        for (int i = 0; i < NT; ++i) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float sf = __half2float(sh[i][h]);
-            const float mf = fmaf(-Raw4<T>::OFF, sf, __half2float(mh[i][h]));
+            for (int h = 0; h < 2; ++h) {
+                const float sf = __half2float(sh[i][h]);
+                const float mf = fmaf(-Raw4<T>::OFF, sf, __half2float(mh[i][h]));
 #pragma unroll
-            for (int e = 2 * h; e < 2 * h + 2; ++e)
-                if (!(TM_Q4_ABLATE_ODD_E && (e & 1)))
-                    acc[i][e] = TM_Q4_ABLATE_EPI ? acc[i][e] + t[i][e] : fmaf(sf, t[i][e], fmaf(mf, xs[e], acc[i][e]));
+                for (int e = 2 * h; e < 2 * h + 2; ++e)
+                    if (!(TM_Q4_ABLATE_ODD_E && (e & 1)))
+                        acc[i][e] = TM_Q4_ABLATE_EPI ? acc[i][e] + t[i][e] : fmaf(sf, t[i][e], fmaf(mf, xs[e], acc[i][e]));
+            }
         }
     }
 }
