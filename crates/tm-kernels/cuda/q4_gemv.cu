@@ -101,7 +101,8 @@
 // TM_Q4_ABLATE_ODD_E the epilogue's updates of batch columns 2t + 1 (what a batch-1
 // specialisation would save); TM_Q4_ABLATE_SMHIT (below) a part of the scale and min loads.
 // Measured in scripts/gpu/q4_decode_chain.cu's header (sessions 23 to 25); build them with
-// scripts/gpu_kernel_variants.sh.
+// scripts/gpu_kernel_variants.sh. They act on the general loop: at batch 1 on sm_90, where the B1
+// loop runs (TM_Q4_LEAN_B1), add -DTM_Q4_LEAN_B1=0 to compare with those figures.
 #ifndef TM_Q4_ABLATE_XSUM
 #define TM_Q4_ABLATE_XSUM 0
 #endif
