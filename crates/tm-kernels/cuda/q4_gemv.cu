@@ -277,11 +277,13 @@ template <> struct Raw4<__half> {
     static constexpr unsigned MAGIC = 0x64006400u;  // 1024.0 in each half
     static constexpr unsigned ONES = 0x3C003C00u;   // 1.0 in each half
     static constexpr float OFF = 1024.f;
+    static constexpr bool HI4 = true;  // `raw4_hi4` applies
 };
 template <> struct Raw4<__nv_bfloat16> {
     static constexpr unsigned MAGIC = 0x43004300u;  // 128.0 in each bf16
     static constexpr unsigned ONES = 0x3F803F80u;   // 1.0 in each bf16
     static constexpr float OFF = 128.f;
+    static constexpr bool HI4 = false;  // bit 7 of a bf16 is its exponent's
 };
 template <class T> __device__ __forceinline__ void raw4(unsigned w, unsigned p[4]) {
     const unsigned M = Raw4<T>::MAGIC;
@@ -304,8 +306,6 @@ template <class T> __device__ __forceinline__ void raw4(unsigned w, unsigned p[4
 #define TM_Q4_LEAN_B1 0
 #endif
 #endif
-template <class T> constexpr bool is_f16 = false;
-template <> constexpr bool is_f16<__half> = true;
 // f16 only: `raw4`'s four pairs with one shift per word instead of three. The high nibbles stay
 // at bits 4..7 of each half under the magic 64.0 (0x5400: exponent 2^6, so those mantissa bits
 // count ones), i.e. p[2] and p[3] are 64 + q exactly where `raw4` gives 1024 + q.
@@ -333,7 +333,7 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
     // the low- and high-nibble columns), and the lanes t = 0, 1 hold the ones-mma's columns 0..3,
     // fed by lanes g < 4 with x of the low nibbles' columns (words 0..7), lanes t = 2, 3 those of
     // the high ones', so each lane's share of the offsets' sum is its share of X times 1024 or 64.
-    constexpr bool HI4 = B1 && TM_Q4_LEAN_B1 >= 2 && is_f16<T>;
+    constexpr bool HI4 = B1 && TM_Q4_LEAN_B1 >= 2 && Raw4<T>::HI4;
     const unsigned ones[4] = {Raw4<T>::ONES, Raw4<T>::ONES, Raw4<T>::ONES, Raw4<T>::ONES};
     // X of batch columns 2t, 2t + 1 (rows g and g + 8 alike)
     float xs[4] = {xl.x, xl.y, xl.x, xl.y};
@@ -712,7 +712,7 @@ __device__ __forceinline__ void q4_tiles_lean_loop(const Tile* tiles, const T* _
     const int xb0 = B1 ? (lane >> 3) : 0;  // B1: x chunk 0's block, g / 2
     auto loadx = [&](Buf& B, int j) {
         load_step_x(B.x, xp, j);
-        if (B1) B.x[0] = __ldca(xp + 128 * j + xb0);
+        if (B1) B.x[0] = __ldca(xp + 128 * j + xb0);  // replaces chunk 0 (the load above is dead)
         if (TM_Q4_ABLATE_XLOAD) B.xl = __ldca(reinterpret_cast<const float2*>(xp) + 2 * j);
     };
 
