@@ -75,10 +75,14 @@
 //   nibbles then need no shift (`raw4_hi4`). silu_lnts' loop 198 SASS instructions per step
 //   against 252, ln4t_join's 248 per two steps against 287, lnt_rope's 386 against 482; H100
 //   q4_gemv_bench --hot 2.6 us a layer less (TM_Q4_LEAN_B1 above).
+// - The tile-major NT = 1 lean kernels (o and down) pair the nibbles by column instead of the x
+//   values (TM_Q4_LEAN_WSWAP): no shifts, x words used as loaded; ln4t_join 233 instructions per
+//   two steps against 248 at batch 1 on sm_90.
 //
 // Tuning knobs (macros; scripts/gpu_kernel_variants.sh builds kernels with other values for an
 // A/B): TM_Q4_JOIN_TILED_U, the steps in flight of `ln4t_join` (2); TM_Q4_ROPE_TILED_U, of
-// `lnt_rope` (2); TM_Q4_LEAN_B1, the batch-1 loop (2 on sm_90, else 0); TM_Q4_ABLATE_* (below),
+// `lnt_rope` (2); TM_Q4_LEAN_B1, the batch-1 loop (2 on sm_90, else 0); TM_Q4_LEAN_WSWAP, the
+// NT = 1 nibble pairing (1); TM_Q4_ABLATE_* (below),
 // timing-only ablations of the lean step.
 //
 // Requirements checked by the launcher: 1 <= n <= 8, cols % 32 == 0, group % 32 == 0,
@@ -317,6 +321,50 @@ __device__ __forceinline__ void raw4_hi4(unsigned w, unsigned p[4]) {
     p[3] = and_or(w8, 0x00F000F0u, 0x54005400u);  // 64 + q
 }
 
+// TM_Q4_LEAN_WSWAP: the tile-major NT = 1 lean loops (`lnt`, `ln4t`, their joins: a layer's o and
+// down) pair each packed word's nibbles by column, (4k, 4k + 1) and (4k + 2, 4k + 3), with two
+// PRMTs per word (`raw4_swap`, `raw4_hi4_swap`) instead of picking the x pairs with four PRMTs per
+// k (`x_pairs`): the same PRMTs at NT = 1 (two words a k), but the x operands are then the loaded
+// x words as they are (`x_words`) and the words need no shift (`raw4_hi4`'s one, `raw4`'s three
+// become two). ln4t_join's loop (two steps): 248 SASS instructions against 233 at batch 1 on
+// sm_90 (f16), 284 / 268 in the general loop, 316 / 300 on sm_80. Not at NT = 2 (two tiles' words
+// a k against one x: more PRMTs), nor row-major (`ln`, `ln_rope` spill more with it).
+#ifndef TM_Q4_LEAN_WSWAP
+#define TM_Q4_LEAN_WSWAP 1
+#endif
+// The mma B operands of word k when the weights' nibbles are paired by column (`raw4_swap`): x
+// words 2k, 2k + 1 (low nibbles' columns 4k..4k+3) and 8 + 2k, 9 + 2k (high), no PRMT.
+__device__ __forceinline__ XPairs x_words(const uint4 (&xv)[4], int k) {
+    return {word_of(xv[k / 2], (2 * k) % 4), word_of(xv[k / 2], (2 * k + 1) % 4), word_of(xv[2 + k / 2], (2 * k) % 4),
+            word_of(xv[2 + k / 2], (2 * k + 1) % 4)};
+}
+// A packed word's bytes (b0, b1, b2, b3) as (b0, b0, b1, b1) and (b2, b2, b3, b3): bytes 0 and 2 of
+// `a` hold columns 4k, 4k + 1 (+ 16 in the high nibbles), of `b` columns 4k + 2, 4k + 3.
+__device__ __forceinline__ void pair_by_column(unsigned w, unsigned& a, unsigned& b) {
+    a = __byte_perm(w, 0u, 0x1100u);
+    b = __byte_perm(w, 0u, 0x3322u);
+}
+// `raw4` paired by column: p[0] = columns (4k, 4k + 1), p[1] = (4k + 2, 4k + 3), p[2], p[3] the
+// same + 16 (high nibbles), each OFF + q.
+template <class T> __device__ __forceinline__ void raw4_swap(unsigned w, unsigned p[4]) {
+    const unsigned M = Raw4<T>::MAGIC;
+    unsigned a, b;
+    pair_by_column(w, a, b);
+    p[0] = and_or(a, 0x000F000Fu, M);
+    p[1] = and_or(b, 0x000F000Fu, M);
+    p[2] = and_or(a >> 4, 0x000F000Fu, M);
+    p[3] = and_or(b >> 4, 0x000F000Fu, M);
+}
+// `raw4_hi4` paired by column (p[2], p[3]: 64 + q).
+__device__ __forceinline__ void raw4_hi4_swap(unsigned w, unsigned p[4]) {
+    unsigned a, b;
+    pair_by_column(w, a, b);
+    p[0] = and_or(a, 0x000F000Fu, 0x64006400u);
+    p[1] = and_or(b, 0x000F000Fu, 0x64006400u);
+    p[2] = and_or(a, 0x00F000F0u, 0x54005400u);
+    p[3] = and_or(b, 0x00F000F0u, 0x54005400u);
+}
+
 // `step_math` for the lean kernels, whose 128-column steps each lie inside one group (group 128):
 // the mma multiplies x by OFF + q as `raw4` leaves them (no subtraction, no per-weight scale) into
 // sums of the step alone, t = sum(q x) + OFF X with X = sum(x) over the step's columns (one more
@@ -324,7 +372,7 @@ __device__ __forceinline__ void raw4_hi4(unsigned w, unsigned p[4]) {
 // acc += s t + (m - OFF s) X = s sum(q x) + m X, which is sum((q s + m) x). The products
 // (OFF + q) x are exact in f32 and the f32 sums lose about 2^-24 OFF |X| per step: far below a
 // rounding of the weights to T, which this path never makes.
-template <class T, int NT, bool B1 = false>
+template <class T, int NT, bool B1 = false, bool WSWAP = false>
 __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __half (&sh)[NT][2],
                                                const __half (&mh)[NT][2], const uint4 (&xv)[4], float (*acc)[4],
                                                float2 xl = make_float2(0.f, 0.f)) {
@@ -354,7 +402,7 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        const XPairs x = x_pairs(xv, k);
+        const XPairs x = WSWAP ? x_words(xv, k) : x_pairs(xv, k);
         if (!B1 && !TM_Q4_ABLATE_XSUM && !TM_Q4_ABLATE_XLOAD) {
             mma(xs, ones, x.l02, x.l13, T());
             mma(xs, ones, x.h02, x.h13, T());
@@ -365,9 +413,15 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
             if (TM_Q4_ABLATE_RAW) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) pl[e] = word_of(w[i][0], k), ph[e] = word_of(w[i][1], k);
+            } else if (HI4 && WSWAP) {
+                raw4_hi4_swap(word_of(w[i][0], k), pl);
+                raw4_hi4_swap(word_of(w[i][1], k), ph);
             } else if (HI4) {
                 raw4_hi4(word_of(w[i][0], k), pl);
                 raw4_hi4(word_of(w[i][1], k), ph);
+            } else if (WSWAP) {
+                raw4_swap<T>(word_of(w[i][0], k), pl);
+                raw4_swap<T>(word_of(w[i][1], k), ph);
             } else {
                 raw4<T>(word_of(w[i][0], k), pl);
                 raw4<T>(word_of(w[i][1], k), ph);
@@ -734,7 +788,7 @@ __device__ __forceinline__ void q4_tiles_lean_loop(const Tile* tiles, const T* _
             const int j = j0 + u;
             if (j >= J) break;  // the whole warp
             if (!XPRE) loadx(buf[u], j);
-            step_math_lean<T, NT, B1>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc, TM_Q4_ABLATE_XLOAD ? buf[u].xl : make_float2(0.f, 0.f));
+            step_math_lean<T, NT, B1, NT == 1 && TILED && TM_Q4_LEAN_WSWAP>(buf[u].w, buf[u].s, buf[u].m, buf[u].x, acc, TM_Q4_ABLATE_XLOAD ? buf[u].xl : make_float2(0.f, 0.f));
             if (j + U < J) {
                 loadw(buf[u], j + U);
                 if (XPRE) loadx(buf[u], j + U);
