@@ -530,6 +530,22 @@
 //       =2      5.2-5.3 / 5.1 / 4.4      4.1 / 4.1 / 3.4      12.1                 9.5 / 10.9-11.0 / 9.0-9.2
 // =2 saves ~2.6 us a layer (ops), about session 28's `nl` (2.9), which saved 111 us a step on the
 // H200 engine (session 25). Shipped as the sm_90 default.
+// Session 32 (2026-12-07; one H100 80GB HBM3, 3.023 TB/s, PDL on; no H200 came in eight asks).
+// TM_Q4_LEAN_WSWAP (q4_gemv.cu): the tile-major NT = 1 lean loops (o, down) pair each packed
+// word's nibbles by column with two PRMTs (bytes (b0, b0, b1, b1) and (b2, b2, b3, b3)) and take
+// the x words as loaded, instead of four PRMTs a k picking the x pairs: the PRMT count is the
+// same at NT = 1 (two words a k), the shifts go (`raw4_hi4`'s one a word, `raw4`'s three become
+// two). ln4t_join's loop (two steps) 248 -> 233 SASS instructions at batch 1 on sm_90, 284 -> 268
+// in the general loop, 316 -> 300 on sm_80; not at NT = 2 (more PRMTs) nor row-major (`ln`,
+// `ln_rope` spill more). One call (target/carry/go11.sh: gpu_b1_ab.sh with VARIANTS="ws b2",
+// BF16=1, GEMV_BENCH = q4_gemv_bench --dtype f16 --n 1 --iters 300 --variants ln --hot, one run
+// each): us, ops / ln graph / ln chain
+//       cubin   q/k/v              o                  gate/up (half) ops   down
+//       b2      5.3 / 5.1 / 4.4    4.1 / 4.2 / 3.6    12.2                 9.5 / 11.0 / 9.1
+//       ws      5.2 / 5.0 / 4.5    4.0 / 4.1 / 3.5    12.1                 9.3 / 10.6 / 9.0
+// Engine AWQ 8B b1 replay, alternated: ws 2247.0 / 2249.4, b2 2249.5 / 2249.6 (within noise);
+// bf16 5700.4 / 5701.9 in the same call: 2.54x, 85.5% of the 1921.8 us roofline (5809.6 MB at
+// 3.023 TB/s). GPU suite with the ws cubin: 82 / 29 / 15 passed. Shipped (default 1).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

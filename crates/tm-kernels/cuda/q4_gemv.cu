@@ -328,7 +328,9 @@ __device__ __forceinline__ void raw4_hi4(unsigned w, unsigned p[4]) {
 // x words as they are (`x_words`) and the words need no shift (`raw4_hi4`'s one, `raw4`'s three
 // become two). ln4t_join's loop (two steps): 248 SASS instructions against 233 at batch 1 on
 // sm_90 (f16), 284 / 268 in the general loop, 316 / 300 on sm_80. Not at NT = 2 (two tiles' words
-// a k against one x: more PRMTs), nor row-major (`ln`, `ln_rope` spill more with it).
+// a k against one x: more PRMTs), nor row-major (`ln`, `ln_rope` spill more with it). H100,
+// q4_gemv_bench --hot, f16, n = 1: down 9.3 us against 9.5 (ln graph 10.6 / 11.0), o 4.0 / 4.1;
+// the AWQ 8B batch-1 replay within noise (2247.0-2249.4 us against 2249.5-2249.6).
 #ifndef TM_Q4_LEAN_WSWAP
 #define TM_Q4_LEAN_WSWAP 1
 #endif
