@@ -514,9 +514,10 @@
 // B = words 2g, 2g + 1 of every lane's 32 columns sums all 128 x of the step (eight before); each
 // lane's share of X is its fragment's c0 + c1, and its min term (m - OFF s) times that share goes
 // into the unused column-1 element, summed over the quad once after the loop. With that, f16's
-// high nibbles need no shift (`raw4_hi4`: 64 + q under the magic 0x5400): lanes t = 0, 1 hold the
-// ones-mma columns fed with the low nibbles' x, t = 2, 3 the high ones', so the offset is a lane
-// constant (1024 or 64) at no cost (=2). In the general loop the same trick needs X and X' in rows
+// high nibbles need no shift (q4_gemv.cu `raw4`'s HI4: 64 + q under the magic 0x5400): lanes
+// t = 0, 1 hold the ones-mma columns fed with the low nibbles' x, t = 2, 3 the high ones', so the
+// offset is a lane constant (1024 or 64) at no cost (=2). In the general loop the same trick
+// needs X and X' in rows
 // g and g + 8 of the ones-mma, two A tuples: the 80-register silu_lnts then rematerialises them
 // and spills (252 -> 255 SASS instructions a step): not kept. SASS per loop iteration, base / =1
 // / =2: silu_lnts 252 / 231 / 198, ln4t_join (two steps) 287 / 278 / 248, lnt_rope 482 / 451 /
@@ -534,7 +535,7 @@
 // TM_Q4_LEAN_WSWAP (q4_gemv.cu): the tile-major NT = 1 lean loops (o, down) pair each packed
 // word's nibbles by column with two PRMTs (bytes (b0, b0, b1, b1) and (b2, b2, b3, b3)) and take
 // the x words as loaded, instead of four PRMTs a k picking the x pairs: the PRMT count is the
-// same at NT = 1 (two words a k), the shifts go (`raw4_hi4`'s one a word, `raw4`'s three become
+// same at NT = 1 (two words a k), the shifts go (HI4's one a word; otherwise three become
 // two). ln4t_join's loop (two steps) 248 -> 233 SASS instructions at batch 1 on sm_90, 284 -> 268
 // in the general loop, 316 -> 300 on sm_80; not at NT = 2 (more PRMTs) nor row-major (`ln`,
 // `ln_rope` spill more). One call (target/carry/go11.sh: gpu_b1_ab.sh with VARIANTS="ws b2",

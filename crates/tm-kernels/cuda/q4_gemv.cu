@@ -72,7 +72,7 @@
 // - Every lean kernel at batch 1 on sm_90 (TM_Q4_LEAN_B1 = 2, `q4_tiles_lean_loop`'s B1): the
 //   mmas' batch columns 1..7 are discarded, so the lanes that feed them (g >= 1) are free to feed
 //   the ones-mma other words of x, and one ones-mma sums a step's x instead of eight; f16's high
-//   nibbles then need no shift (`raw4_hi4`). silu_lnts' loop 198 SASS instructions per step
+//   nibbles then need no shift (`raw4`'s HI4). silu_lnts' loop 198 SASS instructions per step
 //   against 252, ln4t_join's 248 per two steps against 287, lnt_rope's 386 against 482; H100
 //   q4_gemv_bench --hot 2.6 us a layer less (TM_Q4_LEAN_B1 above).
 // - The tile-major NT = 1 lean kernels (o and down) pair the nibbles by column instead of the x
@@ -82,8 +82,7 @@
 // Tuning knobs (macros; scripts/gpu_kernel_variants.sh builds kernels with other values for an
 // A/B): TM_Q4_JOIN_TILED_U, the steps in flight of `ln4t_join` (2); TM_Q4_ROPE_TILED_U, of
 // `lnt_rope` (2); TM_Q4_LEAN_B1, the batch-1 loop (2 on sm_90, else 0); TM_Q4_LEAN_WSWAP, the
-// NT = 1 nibble pairing (1); TM_Q4_ABLATE_* (below),
-// timing-only ablations of the lean step.
+// NT = 1 nibble pairing (1); TM_Q4_ABLATE_* (below), timing-only ablations of the lean step.
 //
 // Requirements checked by the launcher: 1 <= n <= 8, cols % 32 == 0, group % 32 == 0,
 // cols % group == 0, packed weights and x 16-byte aligned, scales and mins 2-byte aligned.
@@ -281,7 +280,7 @@ template <> struct Raw4<__half> {
     static constexpr unsigned MAGIC = 0x64006400u;  // 1024.0 in each half
     static constexpr unsigned ONES = 0x3C003C00u;   // 1.0 in each half
     static constexpr float OFF = 1024.f;
-    static constexpr bool HI4 = true;  // `raw4_hi4` applies
+    static constexpr bool HI4 = true;  // `raw4`'s HI4 applies
 };
 template <> struct Raw4<__nv_bfloat16> {
     static constexpr unsigned MAGIC = 0x43004300u;  // 128.0 in each bf16
@@ -289,16 +288,9 @@ template <> struct Raw4<__nv_bfloat16> {
     static constexpr float OFF = 128.f;
     static constexpr bool HI4 = false;  // bit 7 of a bf16 is its exponent's
 };
-template <class T> __device__ __forceinline__ void raw4(unsigned w, unsigned p[4]) {
-    const unsigned M = Raw4<T>::MAGIC;
-    p[0] = and_or(w, 0x000F000Fu, M);
-    p[1] = and_or(w >> 8, 0x000F000Fu, M);
-    p[2] = and_or(w >> 4, 0x000F000Fu, M);
-    p[3] = and_or(w >> 12, 0x000F000Fu, M);
-}
 
 // TM_Q4_LEAN_B1: batch 1 takes `q4_tiles_lean_loop`'s B1 loop (one ones-mma a step instead of
-// eight); 2: that loop with f16's high nibbles as `raw4_hi4` leaves them; 0, or n > 1: the general
+// eight); 2: that loop with f16's high nibbles as `raw4`'s HI4 leaves them; 0, or n > 1: the general
 // loop. Default 2 on sm_90 (H100, 2026-12-07, q4_gemv_bench --hot, f16, n = 1, us per product
 // against 0: q/k/v 5.2-5.3 / 5.7-5.8, o 4.1 / 4.5, half of gate/up 12.1 / 12.5, down 9.5 / 10.4;
 // 1: 5.4, 4.3, 12.2, 9.9-10.0; scripts/gpu/q4_decode_chain.cu, session 31), 0 below: sm_80 and
@@ -310,23 +302,12 @@ template <class T> __device__ __forceinline__ void raw4(unsigned w, unsigned p[4
 #define TM_Q4_LEAN_B1 0
 #endif
 #endif
-// f16 only: `raw4`'s four pairs with one shift per word instead of three. The high nibbles stay
-// at bits 4..7 of each half under the magic 64.0 (0x5400: exponent 2^6, so those mantissa bits
-// count ones), i.e. p[2] and p[3] are 64 + q exactly where `raw4` gives 1024 + q.
-__device__ __forceinline__ void raw4_hi4(unsigned w, unsigned p[4]) {
-    const unsigned w8 = w >> 8;
-    p[0] = and_or(w, 0x000F000Fu, 0x64006400u);   // 1024 + q
-    p[1] = and_or(w8, 0x000F000Fu, 0x64006400u);  // 1024 + q
-    p[2] = and_or(w, 0x00F000F0u, 0x54005400u);   // 64 + q
-    p[3] = and_or(w8, 0x00F000F0u, 0x54005400u);  // 64 + q
-}
-
 // TM_Q4_LEAN_WSWAP: the tile-major NT = 1 lean loops (`lnt`, `ln4t`, their joins: a layer's o and
 // down) pair each packed word's nibbles by column, (4k, 4k + 1) and (4k + 2, 4k + 3), with two
-// PRMTs per word (`raw4_swap`, `raw4_hi4_swap`) instead of picking the x pairs with four PRMTs per
-// k (`x_pairs`): the same PRMTs at NT = 1 (two words a k), but the x operands are then the loaded
-// x words as they are (`x_words`) and the words need no shift (`raw4_hi4`'s one, `raw4`'s three
-// become two). ln4t_join's loop (two steps): 248 SASS instructions against 233 at batch 1 on
+// PRMTs per word (`raw4`'s WSWAP) instead of picking the x pairs with four PRMTs per k
+// (`x_pairs`): the same PRMTs at NT = 1 (two words a k), but the x operands are then the loaded x
+// words as they are (`x_words`) and the words need no shift (HI4's one; otherwise three become
+// two). ln4t_join's loop (two steps): 248 SASS instructions against 233 at batch 1 on
 // sm_90 (f16), 284 / 268 in the general loop, 316 / 300 on sm_80. Not at NT = 2 (two tiles' words
 // a k against one x: more PRMTs), nor row-major (`ln`, `ln_rope` spill more with it). H100,
 // q4_gemv_bench --hot, f16, n = 1: down 9.3 us against 9.5 (ln graph 10.6 / 11.0), o 4.0 / 4.1;
@@ -334,37 +315,31 @@ __device__ __forceinline__ void raw4_hi4(unsigned w, unsigned p[4]) {
 #ifndef TM_Q4_LEAN_WSWAP
 #define TM_Q4_LEAN_WSWAP 1
 #endif
-// The mma B operands of word k when the weights' nibbles are paired by column (`raw4_swap`): x
+// The mma B operands of word k when the weights' nibbles are paired by column (`raw4`'s WSWAP): x
 // words 2k, 2k + 1 (low nibbles' columns 4k..4k+3) and 8 + 2k, 9 + 2k (high), no PRMT.
 __device__ __forceinline__ XPairs x_words(const uint4 (&xv)[4], int k) {
     return {word_of(xv[k / 2], (2 * k) % 4), word_of(xv[k / 2], (2 * k + 1) % 4), word_of(xv[2 + k / 2], (2 * k) % 4),
             word_of(xv[2 + k / 2], (2 * k + 1) % 4)};
 }
-// A packed word's bytes (b0, b1, b2, b3) as (b0, b0, b1, b1) and (b2, b2, b3, b3): bytes 0 and 2 of
-// `a` hold columns 4k, 4k + 1 (+ 16 in the high nibbles), of `b` columns 4k + 2, 4k + 3.
-__device__ __forceinline__ void pair_by_column(unsigned w, unsigned& a, unsigned& b) {
-    a = __byte_perm(w, 0u, 0x1100u);
-    b = __byte_perm(w, 0u, 0x3322u);
-}
-// `raw4` paired by column: p[0] = columns (4k, 4k + 1), p[1] = (4k + 2, 4k + 3), p[2], p[3] the
-// same + 16 (high nibbles), each OFF + q.
-template <class T> __device__ __forceinline__ void raw4_swap(unsigned w, unsigned p[4]) {
+
+// The nibbles of one packed word as mma operands without dequantizing them, each element OFF + q
+// exactly (OFF = 1024 in f16, 128 in bf16), from two source words `a` and `b` whose bytes 0 and 2
+// hold the pairs: `Q4<T>::dequant`'s pairs (a = w, b = w >> 8: p[0] = (b0.lo, b2.lo), p[1] =
+// (b1.lo, b3.lo), p[2] = (b0.hi, b2.hi), p[3] = (b1.hi, b3.hi); three shifts and four LOP3s), or
+// with WSWAP the pairs by column (a = (b0, b0, b1, b1), b = (b2, b2, b3, b3), two PRMTs: p[0] =
+// columns (4k, 4k + 1), p[1] = (4k + 2, 4k + 3), p[2], p[3] the same + 16). HI4 (f16 only):
+// the high nibbles left at bits 4..7 of each half under the magic 64.0 (0x5400: exponent 2^6, so
+// those mantissa bits count ones), i.e. p[2] and p[3] are 64 + q instead of 1024 + q, with no
+// shift for them.
+template <class T, bool HI4 = false, bool WSWAP = false> __device__ __forceinline__ void raw4(unsigned w, unsigned p[4]) {
+    static_assert(!HI4 || Raw4<T>::HI4, "HI4 needs f16");
     const unsigned M = Raw4<T>::MAGIC;
-    unsigned a, b;
-    pair_by_column(w, a, b);
+    const unsigned a = WSWAP ? __byte_perm(w, 0u, 0x1100u) : w;
+    const unsigned b = WSWAP ? __byte_perm(w, 0u, 0x3322u) : w >> 8;
     p[0] = and_or(a, 0x000F000Fu, M);
     p[1] = and_or(b, 0x000F000Fu, M);
-    p[2] = and_or(a >> 4, 0x000F000Fu, M);
-    p[3] = and_or(b >> 4, 0x000F000Fu, M);
-}
-// `raw4_hi4` paired by column (p[2], p[3]: 64 + q).
-__device__ __forceinline__ void raw4_hi4_swap(unsigned w, unsigned p[4]) {
-    unsigned a, b;
-    pair_by_column(w, a, b);
-    p[0] = and_or(a, 0x000F000Fu, 0x64006400u);
-    p[1] = and_or(b, 0x000F000Fu, 0x64006400u);
-    p[2] = and_or(a, 0x00F000F0u, 0x54005400u);
-    p[3] = and_or(b, 0x00F000F0u, 0x54005400u);
+    p[2] = HI4 ? and_or(a, 0x00F000F0u, 0x54005400u) : and_or(a >> 4, 0x000F000Fu, M);
+    p[3] = HI4 ? and_or(b, 0x00F000F0u, 0x54005400u) : and_or(b >> 4, 0x000F000Fu, M);
 }
 
 // `step_math` for the lean kernels, whose 128-column steps each lie inside one group (group 128):
@@ -378,7 +353,7 @@ template <class T, int NT, bool B1 = false, bool WSWAP = false>
 __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __half (&sh)[NT][2],
                                                const __half (&mh)[NT][2], const uint4 (&xv)[4], float (*acc)[4],
                                                float2 xl = make_float2(0.f, 0.f)) {
-    // B1 with TM_Q4_LEAN_B1 = 2 (f16): the high nibbles as `raw4_hi4` leaves them (64 + q), which
+    // B1 with TM_Q4_LEAN_B1 = 2 (f16): the high nibbles as `raw4`'s HI4 leaves them (64 + q), which
     // costs the epilogue nothing: t = sum(q x) + 1024 X_lo + 64 X_hi (X_lo, X_hi: x summed over
     // the low- and high-nibble columns), and the lanes t = 0, 1 hold the ones-mma's columns 0..3,
     // fed by lanes g < 4 with x of the low nibbles' columns (words 0..7), lanes t = 2, 3 those of
@@ -415,18 +390,9 @@ __device__ __forceinline__ void step_math_lean(const uint4 (&w)[NT][2], const __
             if (TM_Q4_ABLATE_RAW) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) pl[e] = word_of(w[i][0], k), ph[e] = word_of(w[i][1], k);
-            } else if (HI4 && WSWAP) {
-                raw4_hi4_swap(word_of(w[i][0], k), pl);
-                raw4_hi4_swap(word_of(w[i][1], k), ph);
-            } else if (HI4) {
-                raw4_hi4(word_of(w[i][0], k), pl);
-                raw4_hi4(word_of(w[i][1], k), ph);
-            } else if (WSWAP) {
-                raw4_swap<T>(word_of(w[i][0], k), pl);
-                raw4_swap<T>(word_of(w[i][1], k), ph);
             } else {
-                raw4<T>(word_of(w[i][0], k), pl);
-                raw4<T>(word_of(w[i][1], k), ph);
+                raw4<T, HI4, WSWAP>(word_of(w[i][0], k), pl);
+                raw4<T, HI4, WSWAP>(word_of(w[i][1], k), ph);
             }
             const unsigned alo[4] = {pl[0], ph[0], pl[1], ph[1]};
             const unsigned ahi[4] = {pl[2], ph[2], pl[3], ph[3]};
