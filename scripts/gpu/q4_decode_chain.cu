@@ -547,6 +547,31 @@
 // Engine AWQ 8B b1 replay, alternated: ws 2247.0 / 2249.4, b2 2249.5 / 2249.6 (within noise);
 // bf16 5700.4 / 5701.9 in the same call: 2.54x, 85.5% of the 1921.8 us roofline (5809.6 MB at
 // 3.023 TB/s). GPU suite with the ws cubin: 82 / 29 / 15 passed. Shipped (default 1).
+// Session 33 (2026-12-07; five calls that asked for an H200 got H100 80GB HBM3s). Session 32's lead
+// (a), o and down with tile-ordered scales and mins like gate/up, built and measured, not landed:
+// `lnts`/`ln4ts` and their `_join` forms (q4_gemv.cu's LEAN_TILED_TS for NT = 1, SMI = 2), a tm-core
+// hook `Ops::prepare_residual_product` for o and down (the CUDA backend reordering their scales as
+// `tile_gate_up_scales` does; TM_O_DOWN_TILED_SCALES=0 to compare), host emulation 430 cases with 0
+// failures (the scales passed in row-major order: 30), conformance bit-identical to the tile-major
+// kernels (products, residual, join output, sums), GPU suite 84 / 30 / 15 passed. Under the joins'
+// two-CTA launch bounds ptxas gave ln4ts_join 116 registers (ln4t_join 95); capped at 96
+// (`__maxnreg__`, so a CTA fits beside two of silu_lnts' under PDL) it spills nothing and its batch-1
+// loop is 209 SASS instructions per two steps against 233. Engine, AWQ 8B b1 replay (us, us / us
+// alternated; bf16 in the same call):
+//   3.038 TB/s: ts (116 registers) 2264.4 / 2262.8, off 2210.4 / 2212.6, b0 (B1 = 0, WSWAP = 0, ts
+//     on) 2282.4 / 2291.3; bf16 5577.9 / 5581.0
+//   3.037 TB/s: ts (capped at 96) 2259.6 / 2259.2 / 2262.2, off 2217.9 / 2210.9 / 2210.8; bf16
+//     5584.7 / 5581.1 (off is the shipped configuration: 2.52x, 86% of the 1913 us roofline)
+//   3.038 TB/s: off 2214.4 / 2214.4 / 2217.8, gate/up row-major too (TM_GATE_UP_TILED_SCALES=0)
+//     2238.4 / 2240.6 / 2238.8
+// So tile-ordered scales help gate/up on the H100 as on the H200 (-24 us; -8..-12 there) but cost
+// o and down +45..+52 us, registers or not. q4_gemv_bench misjudged it hot (L2-resident: o ln graph
+// 4.1 -> ts 3.8 us, chain 3.6 -> 3.1; down 11.5 -> 10.8, chain 10.9 -> 9.1) and shows it cold
+// (o 5.2 / 5.2 graph, 4.2-4.3 chain either way; down graph 12.9 -> 13.3, chain 12.5 -> 13.1): a
+// cost of the order in which DRAM sees the scale and min requests (o's and down's tiles read the
+// same contiguous 1 / 3.5 KiB of scales either way), which an L2-resident bench cannot see. The
+// --hot stand-in of session 28 predicts instruction savings, not access-pattern changes: check
+// those cold and in the engine. B1 + WSWAP against the session-30 loops on the engine: -20..-28 us.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
