@@ -572,6 +572,10 @@
 // same contiguous 1 / 3.5 KiB of scales either way), which an L2-resident bench cannot see. The
 // --hot stand-in of session 28 predicts instruction savings, not access-pattern changes: check
 // those cold and in the engine. B1 + WSWAP against the session-30 loops on the engine: -20..-28 us.
+// - o's join with all four of its steps a warp in flight (`ln4t_join` at U = 4 for cols <= 4096,
+//   128 registers, no spills; down kept at U = 2; an env-gated launcher branch, not kept): H100
+//   (3.043 TB/s) 2227.2 / 2234.6 / 2228.6 us against 2213.7 / 2213.6 / 2210.1 (+14..+21), as U = 3
+//   and 4 lost for both joins on the H200 in session 15.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
