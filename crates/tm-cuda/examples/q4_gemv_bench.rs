@@ -21,9 +21,12 @@
 //! products on an H100 are bound by bytes and hide changes that cut instructions, which the H200
 //! rewards. Checked in session 28: the timing-only ablations (q4_gemv.cu's TM_Q4_ABLATE_*) save
 //! the same microseconds per product hot on an H100 as cold on the H200, within ~0.1-0.3 us
-//! (figures in that file, "Session 28"). Compare only runs with PDL on: the header line says where
-//! the kernels came from, and a `TM_KERNELS_DIR` whose manifest names other sources loses PDL
-//! (session 29's runs, ~1 us a product slower).
+//! (figures in that file, "Session 28"). It does not predict changes of the order in which a
+//! kernel reads DRAM: session 33's tile-ordered scales for o and down saved 0.3-1.8 us a product
+//! hot, cost 0.4-0.6 us cold (down) and 45-52 us a step in the engine (H100; that file, "Session
+//! 33"), so time such changes cold and in the engine. Compare only runs with PDL on: the header
+//! line says where the kernels came from, and a `TM_KERNELS_DIR` whose manifest names other
+//! sources loses PDL (session 29's runs, ~1 us a product slower).
 //!
 //! What is timed (CUDA events around `--iters` calls, after warm-up):
 //! - `ops`: what the model calls (`Ops::matmul_many`, `Ops::gate_up_silu`, the latter on gate
