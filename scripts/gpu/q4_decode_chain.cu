@@ -547,7 +547,7 @@
 // Engine AWQ 8B b1 replay, alternated: ws 2247.0 / 2249.4, b2 2249.5 / 2249.6 (within noise);
 // bf16 5700.4 / 5701.9 in the same call: 2.54x, 85.5% of the 1921.8 us roofline (5809.6 MB at
 // 3.023 TB/s). GPU suite with the ws cubin: 82 / 29 / 15 passed. Shipped (default 1).
-// Session 33 (2026-12-07; five calls that asked for an H200 got H100 80GB HBM3s). Session 32's lead
+// Session 33 (2026-12-07; eleven device calls, every one an H100 80GB HBM3). Session 32's lead
 // (a), o and down with tile-ordered scales and mins like gate/up, built and measured, not landed:
 // `lnts`/`ln4ts` and their `_join` forms (q4_gemv.cu's LEAN_TILED_TS for NT = 1, SMI = 2), a tm-core
 // hook `Ops::prepare_residual_product` for o and down (the CUDA backend reordering their scales as
