@@ -5,9 +5,9 @@
 #
 # Here (no GPU; a fresh checkout has no target/, so build everything first, ~10 min on 2 cores):
 #   bash scripts/gpu_b1_ratio.sh build
-# installs the pinned nvcc wheels (as .ci/run does) when missing, builds the sm_90 kernels, the
-# bundle with the kernels shipped separately (scripts/gpu_bundle.sh, TM_BUNDLE_KERNELS=separate)
-# and a stripped examples/q4_gemv_bench into target/gpu-bundle/bin/. Then a device call from the
+# installs the pinned nvcc wheels when missing (scripts/cuda_wheels.sh, as .ci/run does), builds
+# the sm_90 kernels and the bundle with them shipped separately (scripts/gpu_bundle.sh,
+# TM_BUNDLE_KERNELS=separate), and a stripped examples/q4_gemv_bench into target/gpu-bundle/bin/. Then a device call from the
 # repository root, carry ["target/gpu-bundle"], kind nvidia-h200:
 #   OUT=$OUT bash scripts/gpu_b1_ratio.sh
 # It exits 3 within a second when the GPU's name lacks $REQUIRE_GPU (default H200; empty: any
@@ -22,17 +22,9 @@ cd "$ROOT"
 
 if [ "${1:-}" = build ]; then
     set -e
-    home="${TM_NVCC_HOME:-$HOME/.cache/tm/nvcc-13.0.88}"
-    nv=$(ls "$home"/lib/python3*/site-packages/nvidia/cu13/bin/nvcc "$home"/site/nvidia/cu13/bin/nvcc 2>/dev/null | head -n 1 || true)
-    if [ -z "$nv" ]; then
-        rm -rf "$home"
-        python3 -m venv "$home"
-        "$home/bin/pip" install -q --disable-pip-version-check "nvidia-cuda-nvcc==13.0.88" "nvidia-nvvm==13.0.88" \
-            "nvidia-cuda-crt==13.0.88" "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-cccl==13.0.85"
-        nv=$(ls "$home"/lib/python3*/site-packages/nvidia/cu13/bin/nvcc | head -n 1)
-    fi
-    NVCC="$nv" cargo xtask build-kernels --arch sm_90
-    TM_SKIP_KERNELS=1 TM_BUNDLE_KERNELS=separate bash scripts/gpu_bundle.sh
+    . scripts/cuda_wheels.sh
+    ensure_nvcc
+    NVCC="$NVCC_BIN" TM_KERNEL_ARCH=sm_90 TM_BUNDLE_KERNELS=separate bash scripts/gpu_bundle.sh
     # The bundle's build embeds no kernels; the bench must match it (same TM_KERNELS_DIR at build
     # time), or its manifest check would launch without programmatic dependent launch.
     TM_KERNELS_DIR="$ROOT/target/gpu-bundle-no-kernels" cargo build --release -p tm-cuda --example q4_gemv_bench
