@@ -37,6 +37,9 @@ pub struct BenchArgs {
     json: bool,
 }
 
+/// The most requests `bench` keeps in flight (each from its own thread).
+const MAX_CONCURRENCY: usize = 4096;
+
 /// Timing of one request.
 #[derive(Clone, Copy, Debug)]
 struct Timing {
@@ -50,10 +53,21 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.num_prompts == 0 || args.input_len == 0 || args.output_len == 0 || args.concurrency == 0 {
         bail!("--num-prompts, --input-len, --output-len and --concurrency must be at least 1");
     }
+    if args.concurrency > MAX_CONCURRENCY {
+        bail!("--concurrency {} is more than {MAX_CONCURRENCY} (one thread per request in flight)", args.concurrency);
+    }
     let bs = args.model.block_size;
-    let seq_len = args.input_len + args.output_len;
+    let seq_len = match args.input_len.checked_add(args.output_len) {
+        Some(n) if n <= args.model.max_len => n,
+        _ => bail!(
+            "--input-len {} + --output-len {} is more than --max-len {} tokens",
+            args.input_len,
+            args.output_len,
+            args.model.max_len
+        ),
+    };
     let started = start_engine(&args.model, &args.engine, args.num_prompts, |_, _| {
-        args.concurrency.min(args.num_prompts) * seq_len.div_ceil(bs.max(1))
+        args.concurrency.min(args.num_prompts).saturating_mul(seq_len.div_ceil(bs.max(1)))
     })?;
     let (engine, num_blocks, cfg) = (started.engine, started.num_blocks, &started.config);
     if seq_len > engine.max_model_len() {
@@ -65,20 +79,27 @@ pub fn run(args: BenchArgs) -> Result<()> {
             cfg.context_length()
         );
     }
-    let mut rng = Rng::new(args.seed);
     let vocab = cfg.vocab_size as u64;
-    let prompts: Vec<Vec<u32>> =
-        (0..args.num_prompts).map(|_| (0..args.input_len).map(|_| (rng.next_u64() % vocab) as u32).collect()).collect();
+    // Prompt i is made when a worker takes it (any --num-prompts fits in memory), from its own
+    // stream: the seed and i hashed, so the prompts do not depend on which worker takes which.
+    let prompt = |i: usize| -> Vec<u32> {
+        let mut rng = Rng::new(Rng::new(args.seed ^ i as u64).next_u64());
+        (0..args.input_len).map(|_| (rng.next_u64() % vocab) as u32).collect()
+    };
 
     let next = AtomicUsize::new(0);
-    let timings = Mutex::new(Vec::with_capacity(args.num_prompts));
+    let timings = Mutex::new(Vec::with_capacity(args.num_prompts.min(1 << 16)));
     let start = Instant::now();
     std::thread::scope(|s| -> Result<()> {
         let workers: Vec<_> = (0..args.concurrency.min(args.num_prompts))
             .map(|_| {
                 s.spawn(|| -> Result<()> {
-                    while let Some(p) = prompts.get(next.fetch_add(1, Ordering::Relaxed)) {
-                        let t = one_request(&engine, p, args.output_len)?;
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= args.num_prompts {
+                            break;
+                        }
+                        let t = one_request(&engine, prompt(i), args.output_len)?;
                         timings.lock().map_err(|_| anyhow::anyhow!("a bench thread panicked"))?.push(t);
                     }
                     Ok(())
@@ -110,8 +131,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
 }
 
 /// Submits one request and times its tokens.
-fn one_request(engine: &Engine, prompt: &[u32], output_len: usize) -> Result<Timing> {
-    let mut req = Request::tokens(prompt.to_vec()).with_max_tokens(output_len).with_sampling(SamplingParams::greedy());
+fn one_request(engine: &Engine, prompt: Vec<u32>, output_len: usize) -> Result<Timing> {
+    let mut req = Request::tokens(prompt).with_max_tokens(output_len).with_sampling(SamplingParams::greedy());
     req.ignore_eos = true;
     let t0 = Instant::now();
     let mut first = None;

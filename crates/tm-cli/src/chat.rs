@@ -38,6 +38,8 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();
     let mut out = std::io::stdout();
+    // Turns answered and turns that failed (piped input: any failure makes the exit status 1).
+    let (mut turns, mut failed) = (0usize, 0usize);
     loop {
         if interactive {
             eprint!("> ");
@@ -54,6 +56,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
             continue;
         }
         messages.push(ChatMessage::new("user", text));
+        turns += 1;
         let rendered =
             template.render(&messages, true, tok.bos_token().unwrap_or(""), tok.eos_token().unwrap_or(""))?;
         let mut ids = tok.encode(&rendered, false)?;
@@ -84,15 +87,20 @@ pub fn run(args: ChatArgs) -> Result<()> {
             // A failed turn is reported and dropped; the conversation goes on.
             eprintln!("error: {e}");
             messages.pop();
+            failed += 1;
             continue;
         }
         if let Some(e) = failure {
             eprintln!("error: {e}");
+            failed += 1;
         }
         let rest = decoder.finish(tok).unwrap_or_default();
         reply.push_str(&rest);
         writeln!(out, "{rest}")?;
         messages.push(ChatMessage::new("assistant", reply.trim()));
+    }
+    if failed > 0 && !interactive {
+        anyhow::bail!("{failed} of {turns} turns failed (see the errors above)");
     }
     Ok(())
 }

@@ -99,7 +99,7 @@ pub struct ModelArgs {
     pub kv_cache_dtype: KvCacheDtypeChoice,
     /// Tensor-parallel ranks: the model is split over this many ranks, one thread each (CUDA:
     /// GPUs --device .. --device+N-1, exchanging activations through NCCL; CPU: in memory).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = parse_tp)]
     pub tp: usize,
     /// Seconds any collective between tensor-parallel ranks may wait before the run fails with an
     /// error naming the rank and step that stalled.
@@ -127,6 +127,33 @@ pub enum MemoryModelChoice {
     Discrete,
 }
 
+/// The most tensor-parallel ranks `--tp` accepts: far more than one host has GPUs, and few
+/// enough that the ranks' bookkeeping, made before the model's heads are checked, stays small.
+pub const MAX_TP: usize = 256;
+
+/// Parses `--tp`: a whole number from 1 to [`MAX_TP`].
+pub fn parse_tp(s: &str) -> std::result::Result<usize, String> {
+    let n: usize = s.trim().parse().map_err(|_| format!("`{s}` is not a whole number of ranks"))?;
+    match n {
+        0 => Err("--tp must be at least 1".into()),
+        n if n > MAX_TP => Err(format!("--tp {n} is more ranks than tm runs (at most {MAX_TP})")),
+        n => Ok(n),
+    }
+}
+
+/// The longest wait, in seconds, a timeout flag accepts (a day).
+pub const MAX_TIMEOUT_S: f64 = 86_400.0;
+
+/// Parses a timeout in seconds that may be zero (`serve --shutdown-timeout`): finite, from 0 to
+/// [`MAX_TIMEOUT_S`].
+pub fn parse_seconds(s: &str) -> std::result::Result<f64, String> {
+    let v: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !(0.0..=MAX_TIMEOUT_S).contains(&v) {
+        return Err(format!("{s} seconds is out of range (0 to {MAX_TIMEOUT_S})"));
+    }
+    Ok(v)
+}
+
 /// The CUDA backend options the flags ask for.
 pub fn cuda_options(args: &ModelArgs) -> tm_cuda::CudaOptions {
     let dtype = match args.dtype {
@@ -151,9 +178,13 @@ pub fn cuda_options(args: &ModelArgs) -> tm_cuda::CudaOptions {
 impl ModelArgs {
     /// `--comm-timeout` as a duration, checked.
     pub fn comm_timeout(&self) -> Result<std::time::Duration> {
-        match std::time::Duration::try_from_secs_f64(self.comm_timeout) {
+        let secs = self.comm_timeout;
+        if secs.is_finite() && secs > MAX_TIMEOUT_S {
+            bail!("--comm-timeout {secs} is too long: at most {MAX_TIMEOUT_S} seconds");
+        }
+        match std::time::Duration::try_from_secs_f64(secs) {
             Ok(d) if !d.is_zero() => Ok(d),
-            _ => bail!("--comm-timeout must be a positive number of seconds, got {}", self.comm_timeout),
+            _ => bail!("--comm-timeout must be a positive number of seconds, got {secs}"),
         }
     }
 
@@ -218,6 +249,22 @@ impl EngineArgs {
         }
     }
 
+    /// Fails, naming the flag, for a zero `--max-batch-size`, `--max-batched-tokens` or
+    /// `--num-blocks` (before they are combined into the plan's request, whose own checks would
+    /// name another flag).
+    pub fn check(&self) -> Result<()> {
+        for (flag, v) in [
+            ("--max-batch-size", self.max_batch_size),
+            ("--max-batched-tokens", self.max_batched_tokens),
+            ("--num-blocks", self.num_blocks.unwrap_or(1)),
+        ] {
+            if v == 0 {
+                bail!("{flag} must be at least 1");
+            }
+        }
+        Ok(())
+    }
+
     /// Plans memory before anything is loaded and returns the KV blocks to allocate: the blocks
     /// asked for (`--num-blocks`, `--kv-cache-bytes`, else `default_blocks`) must fit next to the
     /// weights and the workspace in the device's usable memory, or this fails with the numbers and
@@ -240,6 +287,7 @@ impl EngineArgs {
         tp: usize,
         default_blocks: impl FnOnce(&ModelConfig) -> usize,
     ) -> Result<usize> {
+        self.check()?;
         let path = resolve_model(model)?;
         let ckpt = Checkpoint::open(&path).with_context(|| format!("opening {}", path.display()))?;
         let cfg = &ckpt.config;

@@ -46,6 +46,9 @@ pub struct MeasureArgs {
     pub measure_output_len: usize,
 }
 
+/// The most requests `--measure` serves (each from its own thread, all at once).
+const MAX_MEASURE_REQUESTS: usize = 1024;
+
 /// Memory figures at one point, in bytes.
 #[derive(Clone, Copy, Debug, Default, serde::Serialize)]
 struct Snapshot {
@@ -123,6 +126,9 @@ pub fn run(model: &ModelArgs, args: &MeasureArgs, ckpt: Checkpoint, request: &Pl
     if args.measure_requests == 0 || args.measure_input_len == 0 || args.measure_output_len == 0 {
         bail!("--measure-requests, --measure-input-len and --measure-output-len must be at least 1");
     }
+    if args.measure_requests > MAX_MEASURE_REQUESTS {
+        bail!("--measure-requests {} is more than {MAX_MEASURE_REQUESTS} (one thread each)", args.measure_requests);
+    }
     if !(args.tolerance > 0.0 && args.tolerance < 1.0) {
         bail!("--tolerance must be in (0, 1), got {}", args.tolerance);
     }
@@ -135,9 +141,14 @@ pub fn run(model: &ModelArgs, args: &MeasureArgs, ckpt: Checkpoint, request: &Pl
     if !json {
         print!("{}", p.table());
     }
-    let seq = args.measure_input_len + args.measure_output_len;
-    if seq > p.max_len {
-        bail!("--measure-input-len + --measure-output-len = {seq} tokens, more than the planned max_len {}", p.max_len);
+    match args.measure_input_len.checked_add(args.measure_output_len) {
+        Some(seq) if seq <= p.max_len => {}
+        _ => bail!(
+            "--measure-input-len {} + --measure-output-len {} is more than the planned max_len {} tokens",
+            args.measure_input_len,
+            args.measure_output_len,
+            p.max_len
+        ),
     }
 
     let sampler = RssSampler::start(Duration::from_millis(2));

@@ -311,6 +311,19 @@ fn bad_requests_get_openai_errors() {
         let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path} {body}: {e}: {text}"));
         assert_error(status, &v, want);
     }
+    // Messages that say what was wrong, not serde's internals or a full queue.
+    let named: [(&str, Value, &str); 4] = [
+        ("/v1/completions", json!({"prompt": [-1]}), "`prompt` must be"),
+        ("/v1/completions", json!({"prompt": "x", "stop": 5}), "`stop` must be"),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": 5}]}), "`content` must be"),
+        ("/v1/completions", json!({"prompt": vec!["x"; 9], "n": 128, "max_tokens": 1}), "1152 completions"),
+    ];
+    for (path, body, needle) in named {
+        let (status, v) = s.post(path, &body);
+        assert_error(status, &v, 400);
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(needle), "{body}: {message}");
+    }
     let (status, text) = s.request(
         "POST",
         "/v1/chat/completions",

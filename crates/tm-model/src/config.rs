@@ -111,6 +111,9 @@ impl ModelConfig {
         };
         let opt_usize = |name: &str| j.get(name).and_then(Value::as_u64).map(|v| v as usize);
         let hidden_size = usize_field("hidden_size")?;
+        if hidden_size == 0 {
+            return Err(field_err("hidden_size", "must be positive"));
+        }
         let num_heads = usize_field("num_attention_heads")?;
         let num_kv_heads = opt_usize("num_key_value_heads").unwrap_or(num_heads);
         if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
@@ -126,6 +129,9 @@ impl ModelConfig {
                 return Err(field_err("head_dim", "missing and hidden_size is not divisible by num_attention_heads"))
             }
         };
+        if let Some(why) = bad_head_dim(head_dim) {
+            return Err(field_err("head_dim", &why));
+        }
         let max_position_embeddings = opt_usize("max_position_embeddings").unwrap_or(4096);
         let rope = parse_rope(j, head_dim, max_position_embeddings).map_err(|m| field_err("rope_scaling", &m))?;
         rope.validate().map_err(|e| field_err("rope_scaling", &e.to_string()))?;
@@ -163,10 +169,32 @@ impl ModelConfig {
             qk_norm: arch == Arch::Qwen3,
             sliding_window,
         };
-        if cfg.hidden_size == 0 || cfg.num_layers == 0 || cfg.vocab_size == 0 || cfg.intermediate_size == 0 {
-            return Err(field_err("hidden_size", "sizes must be positive"));
+        if let Some((field, why)) = cfg.implausible_field() {
+            return Err(field_err(field, &why));
         }
         Ok(cfg)
+    }
+
+    /// The first size or constant no model can run with, as (its Hugging Face config field, why),
+    /// or `None`; both checkpoint formats check it (GGUF naming its own keys).
+    pub fn implausible_field(&self) -> Option<(&'static str, String)> {
+        let sizes = [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_layers),
+            ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        if let Some((field, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+            return Some((field, "must be positive".into()));
+        }
+        if let Some(why) = bad_head_dim(self.head_dim) {
+            return Some(("head_dim", why));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return Some(("rms_norm_eps", format!("{} is not a finite non-negative number", self.rms_norm_eps)));
+        }
+        None
     }
 
     /// Longest sequence the model handles: `max_position_embeddings`, times the factor for
@@ -236,6 +264,11 @@ fn parse_rope(j: &Value, head_dim: usize, max_pos: usize) -> std::result::Result
     Ok(RopeConfig { dim, base, scaling, style: RopeStyle::Half })
 }
 
+/// Why `head_dim` cannot be a head's size (zero or odd: rotary embeddings pair its elements).
+fn bad_head_dim(head_dim: usize) -> Option<String> {
+    (head_dim == 0 || !head_dim.is_multiple_of(2)).then(|| format!("{head_dim} must be even and positive"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -266,6 +299,27 @@ mod tests {
         assert_eq!(a.rope, b.rope);
         assert_eq!(a.rope.base, 500000.0);
         assert_eq!(a.head_dim, 16);
+    }
+
+    #[test]
+    fn impossible_sizes_name_their_field() {
+        let cases = [
+            ("hidden_size", json!(0), "hidden_size"),
+            ("num_hidden_layers", json!(0), "num_hidden_layers"),
+            ("vocab_size", json!(0), "vocab_size"),
+            ("intermediate_size", json!(0), "intermediate_size"),
+            ("max_position_embeddings", json!(0), "max_position_embeddings"),
+            ("head_dim", json!(0), "head_dim"),
+            ("head_dim", json!(7), "head_dim"),
+            ("rms_norm_eps", json!(-1.0), "rms_norm_eps"),
+        ];
+        for (key, value, field) in cases {
+            let mut j = base();
+            j[key] = value.clone();
+            let e = ModelConfig::from_json(&j, Path::new("c")).unwrap_err().to_string();
+            assert!(e.contains(&format!("field `{field}`")), "{key} = {value}: {e}");
+        }
+        assert!(ModelConfig::from_json(&base(), Path::new("c")).is_ok());
     }
 
     #[test]

@@ -278,8 +278,13 @@ impl<'m> Session<'m> {
             return Err(ModelError::InvalidInput("empty prompt".into()));
         }
         if prompt.len() >= self.max_len {
+            let cure = if self.max_len < self.context_length {
+                format!("raise --max-len, up to the model's {}, or shorten the prompt", self.context_length)
+            } else {
+                format!("the model's context length is {}: shorten the prompt", self.context_length)
+            };
             return Err(ModelError::InvalidInput(format!(
-                "the prompt has {} tokens but the context holds {} (raise --max-len or shorten the prompt)",
+                "the prompt has {} tokens but the context holds {} ({cure})",
                 prompt.len(),
                 self.max_len
             )));

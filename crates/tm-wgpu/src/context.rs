@@ -51,8 +51,15 @@ impl WgpuOptions {
             }
             parsed
         };
+        let adapter = var("TM_WGPU_ADAPTER").and_then(|v| {
+            let parsed = v.parse().ok();
+            if parsed.is_none() {
+                tracing::warn!("ignoring TM_WGPU_ADAPTER={v}: not an adapter index");
+            }
+            parsed
+        });
         WgpuOptions {
-            adapter: var("TM_WGPU_ADAPTER").and_then(|v| v.parse().ok()),
+            adapter,
             allow_cpu_adapter: flag("TM_WGPU_ALLOW_CPU"),
             memory_cap: bytes("TM_WGPU_MEMORY_CAP"),
             f16_weights: flag("TM_WGPU_F16"),

@@ -75,6 +75,9 @@ fn check_inputs(args: &QuantizeArgs) -> Result<ModelConfig> {
     if g == 0 || !g.is_multiple_of(32) {
         bail!("--group-size {g}: must be a positive multiple of 32 (32, 64, 128, ...)");
     }
+    if let Err(e) = std::fs::metadata(&args.model) {
+        bail!("--model {}: {e}", args.model.display());
+    }
     if !args.model.is_dir() {
         bail!(
             "--model {}: not a directory; quantize reads Hugging Face safetensors model directories (not GGUF)",
@@ -117,8 +120,18 @@ fn check_inputs(args: &QuantizeArgs) -> Result<ModelConfig> {
             bail!("the {what} of {n} is not a multiple of 8, which AutoAWQ's packing needs");
         }
     }
+    if args.out.exists() && !args.out.is_dir() {
+        bail!("--out {}: exists and is not a directory", args.out.display());
+    }
     if args.out.exists() && std::fs::read_dir(&args.out).map(|mut d| d.next().is_some()).unwrap_or(true) {
         bail!("--out {}: exists and is not empty (nothing is overwritten)", args.out.display());
+    }
+    // The folder is made only once the quantized weights are ready; fail now, not after the
+    // work, where it cannot be made under its nearest existing ancestor.
+    if let Some(a) = args.out.ancestors().skip(1).find(|a| !a.as_os_str().is_empty() && a.exists()) {
+        if !a.is_dir() {
+            bail!("--out {}: cannot be created, {} is not a directory", args.out.display(), a.display());
+        }
     }
     Ok(config)
 }

@@ -387,6 +387,21 @@ async fn completions_inner(st: Arc<AppState>, body: Result<Bytes, BytesRejection
     } else {
         vec![String::new(); prompts.len()]
     };
+    // Every prompt's n choices are engine requests that queue together: more than the queue holds
+    // could never be accepted (the engine would answer 429 as if others were waiting).
+    let wanted = prompts.len().saturating_mul(plan.n);
+    if wanted > st.engine.max_queue() {
+        return Err(ApiError::bad_param(
+            "prompt",
+            format!(
+                "the request asks for {wanted} completions ({} prompts, n = {}), more than the server queues at once \
+                 ({}, --max-queue)",
+                prompts.len(),
+                plan.n,
+                st.engine.max_queue()
+            ),
+        ));
+    }
     let requests: Vec<Request> = prompts.into_iter().flat_map(|p| requests_for(&plan, p, logprobs)).collect();
     let total = requests.len();
     let rx = submit_all(&st.engine, &st.metrics, requests, "prompt").await?;

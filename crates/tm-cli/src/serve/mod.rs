@@ -51,7 +51,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 1024)]
     max_queue: usize,
     /// Seconds to let requests in flight finish after SIGINT/SIGTERM.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = 30.0, value_parser = crate::common::parse_seconds)]
     shutdown_timeout: f64,
 }
 
@@ -90,7 +90,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         api_key: args.api_key.clone(),
         created: handlers::unix_now(),
     });
-    let grace = Duration::from_secs_f64(args.shutdown_timeout.clamp(0.0, 86_400.0));
+    let grace = Duration::try_from_secs_f64(args.shutdown_timeout)
+        .with_context(|| format!("--shutdown-timeout {}", args.shutdown_timeout))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .max_blocking_threads(4096)

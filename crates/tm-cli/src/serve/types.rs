@@ -5,7 +5,7 @@ use serde::Deserialize;
 
 /// `stop`: one string or a list.
 #[derive(Deserialize, Debug, Clone)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "`stop` must be a string or an array of strings")]
 pub enum StopField {
     /// One stop string.
     One(String),
@@ -86,7 +86,7 @@ pub struct CommonFields {
 
 /// A message's content: a string or a list of parts.
 #[derive(Deserialize, Debug, Clone)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a message's `content` must be a string or an array of content parts")]
 pub enum Content {
     /// Plain text.
     Text(String),
@@ -136,7 +136,11 @@ pub struct ChatRequest {
 
 /// `prompt` of a completion: text, texts, token ids, or lists of token ids.
 #[derive(Deserialize, Debug, Clone)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "`prompt` must be a string, an array of strings, an array of token ids (integers from 0 to \
+                 4294967295) or an array of such arrays"
+)]
 pub enum PromptField {
     /// One text.
     Text(String),

@@ -152,6 +152,11 @@ impl Engine {
         self.limits.max_model_len
     }
 
+    /// The most requests that may wait for their first step at once (`max_queue`).
+    pub fn max_queue(&self) -> usize {
+        self.limits.max_queue
+    }
+
     /// Validates `request` and queues it. Errors (bad parameters, a prompt that can never fit,
     /// a full queue, a stopped engine) concern this request only.
     pub fn submit(&self, request: Request) -> Result<RequestStream> {

@@ -125,6 +125,18 @@ impl GgufSource {
         if cfg.num_heads == 0 || cfg.num_kv_heads == 0 || !cfg.num_heads.is_multiple_of(cfg.num_kv_heads) {
             return Err(ModelError::format(f.path(), "head counts in the metadata cannot be grouped"));
         }
+        if let Some((field, why)) = cfg.implausible_field() {
+            let gguf_key = match field {
+                "hidden_size" => "embedding_length",
+                "intermediate_size" => "feed_forward_length",
+                "num_hidden_layers" => "block_count",
+                "vocab_size" => "vocab_size (or the tokenizer's tokens)",
+                "max_position_embeddings" => "context_length",
+                "head_dim" => "attention.key_length (or embedding_length / attention.head_count)",
+                _ => "attention.layer_norm_rms_epsilon",
+            };
+            return Err(ModelError::Config { path: f.path().to_path_buf(), field: key(gguf_key), message: why });
+        }
         cfg.rope.validate()?;
         Ok(cfg)
     }

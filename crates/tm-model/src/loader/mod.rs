@@ -30,13 +30,22 @@ pub struct Checkpoint {
 impl Checkpoint {
     /// Opens a model directory or `.gguf` file without loading weights.
     pub fn open(path: &Path) -> Result<Checkpoint> {
-        if !path.exists() {
-            return Err(ModelError::io(
-                path,
-                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
-            ));
+        // Follows symlinks; a loop or a missing target is the OS's own error, with the path.
+        let meta = std::fs::metadata(path).map_err(|e| ModelError::io(path, e))?;
+        if !meta.is_dir() && !meta.is_file() {
+            // A FIFO would block the read; a device has no size or an endless one.
+            return Err(ModelError::InvalidInput(format!(
+                "{} is neither a regular file (a GGUF model) nor a folder (a Hugging Face checkpoint)",
+                path.display()
+            )));
         }
-        if path.is_dir() {
+        if meta.is_file() && path.extension().is_some_and(|e| e.eq_ignore_ascii_case("safetensors")) {
+            return Err(ModelError::InvalidInput(format!(
+                "{} is a safetensors file: pass the folder that holds it with its config.json and tokenizer files",
+                path.display()
+            )));
+        }
+        if meta.is_dir() {
             let config = ModelConfig::from_dir(path)?;
             let source = Box::new(SafetensorsCheckpoint::open(path)?);
             Ok(Checkpoint { path: path.to_path_buf(), config, source })
