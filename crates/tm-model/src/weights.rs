@@ -131,8 +131,22 @@ fn open_shard(path: &Path) -> Result<Shard> {
     // SAFETY: the file is opened read-only; tm never writes to it. Like every mmap reader we
     // rely on other processes not truncating it while it is loaded.
     let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
-    let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap)
-        .map_err(|e| ModelError::format(path, format!("not a valid safetensors file: {e}")))?;
+    let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| {
+        use safetensors::SafeTensorError as E;
+        let why = match e {
+            E::MetadataIncompleteBuffer => format!(
+                "the tensors in its header do not end where its {} bytes do: the file is truncated, or has \
+                 data its header does not list",
+                mmap.len()
+            ),
+            E::InvalidOffset(name) => format!(
+                "tensor `{name}` does not start where the tensor before it in the file ends (a tensor missing \
+                 from the header, or a corrupt offset)"
+            ),
+            e => e.to_string(),
+        };
+        ModelError::format(path, format!("not a valid safetensors file: {why}"))
+    })?;
     let data_start = 8 + header_len;
     let mut tensors = HashMap::new();
     for (name, info) in meta.tensors() {
