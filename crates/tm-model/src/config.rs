@@ -152,6 +152,9 @@ impl ModelConfig {
             Arch::Qwen2 | Arch::Qwen3 if flag("use_sliding_window") == Some(true) => opt_usize("sliding_window"),
             _ => None,
         };
+        if sliding_window == Some(0) {
+            return Err(field_err("sliding_window", "0 is no window: leave it out or null for full attention"));
+        }
         let cfg = ModelConfig {
             arch,
             hidden_size,
@@ -320,6 +323,13 @@ mod tests {
             assert!(e.contains(&format!("field `{field}`")), "{key} = {value}: {e}");
         }
         assert!(ModelConfig::from_json(&base(), Path::new("c")).is_ok());
+        let mut j = base();
+        j["architectures"] = json!(["MistralForCausalLM"]);
+        j["sliding_window"] = json!(0);
+        let e = ModelConfig::from_json(&j, Path::new("c")).unwrap_err().to_string();
+        assert!(e.contains("field `sliding_window`"), "{e}");
+        j["sliding_window"] = json!(null);
+        assert_eq!(ModelConfig::from_json(&j, Path::new("c")).unwrap().sliding_window, None);
     }
 
     #[test]

@@ -137,6 +137,14 @@ impl GgufSource {
             };
             return Err(ModelError::Config { path: f.path().to_path_buf(), field: key(gguf_key), message: why });
         }
+        // tm rotates whole heads; a model rotating part of each head would run, wrongly.
+        if let Some(d) = opt_u("rope.dimension_count").filter(|&d| d != head_dim) {
+            return Err(ModelError::Config {
+                path: f.path().to_path_buf(),
+                field: key("rope.dimension_count"),
+                message: format!("{d} rotary dimensions of {head_dim}-element heads: partial rotary is not supported"),
+            });
+        }
         cfg.rope.validate()?;
         Ok(cfg)
     }
