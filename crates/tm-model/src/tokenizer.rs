@@ -168,6 +168,13 @@ impl Tokenizer {
         if eos_ids.is_empty() {
             tracing::warn!("{}: no end-of-sequence token found", dir.display());
         }
+        let vocab = inner.get_vocab_size(true);
+        for id in eos_ids.iter().filter(|&&id| id as usize >= vocab) {
+            tracing::warn!(
+                "{}: eos_token_id {id} is outside the tokenizer's {vocab} tokens: generation may never stop on it",
+                dir.display()
+            );
+        }
 
         // The token strings come back from the ids (the configured `eos_token` is the first
         // EOS id when it is in the vocabulary).
