@@ -71,8 +71,9 @@ fn device_profiles() {
 
 #[test]
 fn bad_flags_are_named() {
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 5] = [
         (&["--kv-cache-bytes", "lots"], "lots"),
+        (&["--kv-cache-bytes", "1"], "a KV cache of 1 bytes holds no block"),
         (&["--max-batched-tokens", "8", "--max-batch-size", "16"], "--max-batched-tokens"),
         (&["--memory-fraction", "1.5"], "--memory-fraction"),
         (&["--block-size", "0"], "--block-size"),

@@ -557,19 +557,31 @@ impl Sizer<'_> {
         let bpb = plan.kv_bytes_per_block;
         let budget = plan.budget;
         let need = (plan.peak - plan.kv_bytes).saturating_add(plan.kv_bytes.max(bpb));
-        let mut out = vec![format!(
-            "{} does not fit on {}: it needs {}{} but the budget is {} ({} × {} usable{}): short by {} ({} bytes)",
-            plan.model,
-            plan.target,
-            human(need),
-            if plan.tp > 1 { format!(" per rank of {}", plan.tp) } else { String::new() },
-            human(budget),
-            req.memory_fraction,
-            human(plan.usable_memory),
-            if plan.ranks_per_memory > 1 { format!(" / {} ranks", plan.ranks_per_memory) } else { String::new() },
-            human(need.saturating_sub(budget)),
-            need.saturating_sub(budget),
-        )];
+        let too_small = req.kv_cache_bytes.filter(|&n| n < bpb);
+        let mut out = vec![if let (Some(n), true) = (too_small, need <= budget) {
+            // Memory is not the problem: the cache asked for holds no block.
+            format!(
+                "{} on {}: a KV cache of {n} bytes holds no block (one is {} bytes); the rest fits in the budget of {}",
+                plan.model,
+                plan.target,
+                bpb,
+                human(budget)
+            )
+        } else {
+            format!(
+                "{} does not fit on {}: it needs {}{} but the budget is {} ({} × {} usable{}): short by {} ({} bytes)",
+                plan.model,
+                plan.target,
+                human(need),
+                if plan.tp > 1 { format!(" per rank of {}", plan.tp) } else { String::new() },
+                human(budget),
+                req.memory_fraction,
+                human(plan.usable_memory),
+                if plan.ranks_per_memory > 1 { format!(" / {} ranks", plan.ranks_per_memory) } else { String::new() },
+                human(need.saturating_sub(budget)),
+                need.saturating_sub(budget),
+            )
+        }];
         let mut parts = vec![
             format!("weights {}", human(plan.weights_total)),
             format!(
