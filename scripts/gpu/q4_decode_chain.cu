@@ -576,6 +576,13 @@
 //   128 registers, no spills; down kept at U = 2; an env-gated launcher branch, not kept): H100
 //   (3.043 TB/s) 2227.2 / 2234.6 / 2228.6 us against 2213.7 / 2213.6 / 2210.1 (+14..+21), as U = 3
 //   and 4 lost for both joins on the H200 in session 15.
+// Session 34 (2026-12-07): no H200 again. Sixteen asks for one (gpu_b1_ratio.sh): one got an H100
+// (exit 3 in 0.2 s), twelve found no machine (90-180 s of device time each: two kinds tried, or
+// the start failed), two came inside the refusal window (15 s each), and the last was refused
+// with 389 s left (too little to start one). Where the shipped loops stand on the H200 is an
+// estimate only: session 25's base 1946-1951 us (2.27x), less what B1 and WSWAP save there (the
+// H100 engine: -20..-28 us; the H200 has shown about twice the H100's saving per instruction cut,
+// and =2's cut is about session 28's `nl`, -111 us on the H200 engine): ~1840-1900 us, 2.33-2.40x.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
