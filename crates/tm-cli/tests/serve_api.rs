@@ -312,17 +312,24 @@ fn bad_requests_get_openai_errors() {
         assert_error(status, &v, want);
     }
     // Messages that say what was wrong, not serde's internals or a full queue.
-    let named: [(&str, Value, &str); 4] = [
-        ("/v1/completions", json!({"prompt": [-1]}), "`prompt` must be"),
-        ("/v1/completions", json!({"prompt": "x", "stop": 5}), "`stop` must be"),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": 5}]}), "`content` must be"),
-        ("/v1/completions", json!({"prompt": vec!["x"; 9], "n": 128, "max_tokens": 1}), "1152 completions"),
+    let named: [(&str, Value, &str, &str); 5] = [
+        ("/v1/completions", json!({"prompt": [-1]}), "`prompt` must be", "prompt"),
+        ("/v1/completions", json!({"prompt": "x", "stop": 5}), "`stop` must be", "stop"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": 5}]}),
+            "`content` must be",
+            "messages[0].content",
+        ),
+        ("/v1/completions", json!({"prompt": "x", "max_tokens": 1e21}), "`max_tokens`", "max_tokens"),
+        ("/v1/completions", json!({"prompt": vec!["x"; 9], "n": 128, "max_tokens": 1}), "1152 completions", "prompt"),
     ];
-    for (path, body, needle) in named {
+    for (path, body, needle, param) in named {
         let (status, v) = s.post(path, &body);
         assert_error(status, &v, 400);
         let message = v["error"]["message"].as_str().unwrap_or_default();
         assert!(message.contains(needle), "{body}: {message}");
+        assert_eq!(v["error"]["param"], param, "{body}: {v}");
     }
     let (status, text) = s.request(
         "POST",

@@ -47,7 +47,25 @@ fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, 
     if !value.is_object() {
         return Err(ApiError::bad_request("the body must be a JSON object"));
     }
-    serde_json::from_value(value).map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))
+    // The error names the field it is about (OpenAI's `param`), e.g. `messages[0].content`. The
+    // shared fields are flattened into both requests, which hides their path; read alone, they
+    // give it back.
+    let named = |path: String, inner: &serde_json::Error| {
+        ApiError::bad_param(&path, format!("invalid request: `{path}`: {inner}"))
+    };
+    serde_path_to_error::deserialize::<_, T>(&value).map_err(|e| {
+        let path = e.path().to_string();
+        if path != "." {
+            return named(path, e.inner());
+        }
+        if let Err(c) = serde_path_to_error::deserialize::<_, CommonFields>(&value) {
+            let path = c.path().to_string();
+            if path != "." {
+                return named(path, c.inner());
+            }
+        }
+        ApiError::bad_request(format!("invalid request: {}", e.inner()))
+    })
 }
 
 /// What the shared fields ask for, checked.
