@@ -660,9 +660,6 @@ fn cuda_ranks(args: &ModelArgs, stall: Option<(usize, u64)>) -> Result<Ranks> {
 /// Loads the model for `generate` and `chat`: on the chosen backend, or with `--tp N` on N ranks
 /// ([`tp_ranks`]), every exchange between them with `--comm-timeout`.
 pub fn load_runnable(args: &ModelArgs) -> Result<Runnable> {
-    if args.tp == 0 {
-        bail!("--tp must be at least 1");
-    }
     let timeout = args.comm_timeout()?;
     if args.tp == 1 {
         let ops = backend(args)?;

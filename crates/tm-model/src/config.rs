@@ -111,9 +111,6 @@ impl ModelConfig {
         };
         let opt_usize = |name: &str| j.get(name).and_then(Value::as_u64).map(|v| v as usize);
         let hidden_size = usize_field("hidden_size")?;
-        if hidden_size == 0 {
-            return Err(field_err("hidden_size", "must be positive"));
-        }
         let num_heads = usize_field("num_attention_heads")?;
         let num_kv_heads = opt_usize("num_key_value_heads").unwrap_or(num_heads);
         if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
@@ -129,12 +126,8 @@ impl ModelConfig {
                 return Err(field_err("head_dim", "missing and hidden_size is not divisible by num_attention_heads"))
             }
         };
-        if let Some(why) = bad_head_dim(head_dim) {
-            return Err(field_err("head_dim", &why));
-        }
         let max_position_embeddings = opt_usize("max_position_embeddings").unwrap_or(4096);
         let rope = parse_rope(j, head_dim, max_position_embeddings).map_err(|m| field_err("rope_scaling", &m))?;
-        rope.validate().map_err(|e| field_err("rope_scaling", &e.to_string()))?;
         let flag = |name: &str| j.get(name).and_then(Value::as_bool);
         if flag("mlp_bias") == Some(true) {
             return Err(field_err("mlp_bias", "MLP biases are not supported"));
@@ -172,9 +165,11 @@ impl ModelConfig {
             qk_norm: arch == Arch::Qwen3,
             sliding_window,
         };
+        // Before the rotary settings, whose check would blame `rope_scaling` for a bad head_dim.
         if let Some((field, why)) = cfg.implausible_field() {
             return Err(field_err(field, &why));
         }
+        cfg.rope.validate().map_err(|e| field_err("rope_scaling", &e.to_string()))?;
         Ok(cfg)
     }
 
