@@ -1,7 +1,7 @@
-//! Matrix products `out = x W^T`: faer for dense f32 weights, dequantize-on-the-fly kernels for
+//! Matrix products `out = x W^T`: faer for dense f32 weights (through tm-quant's `f32_products`), dequantize-on-the-fly kernels for
 //! int4/int8 groups.
 
-use faer::{Accum, MatMut, MatRef, Par};
+use faer::{Accum, MatMut, MatRef};
 use half::f16;
 use tm_core::quant::{int4_position, Int4Layout, QuantWeight, Weight};
 use tm_core::{DType, Error, Result};
@@ -17,7 +17,7 @@ pub fn matmul(x: &[f32], n: usize, w: &Weight, out: &mut [f32]) -> Result<()> {
             let lhs = MatRef::from_row_major_slice(x, n, cols);
             let rhs = MatRef::from_row_major_slice(wd, rows, cols).transpose();
             let dst = MatMut::from_row_major_slice_mut(out, n, rows);
-            faer::linalg::matmul::matmul(dst, Accum::Replace, lhs, rhs, 1.0f32, Par::rayon(0));
+            tm_quant::f32_products::matmul_pooled(dst, Accum::Replace, lhs, rhs);
             Ok(())
         }
         Weight::Int4(q) => {

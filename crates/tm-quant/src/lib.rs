@@ -15,6 +15,8 @@
 //!   nibble orders.
 //! - [`awq_quantizer`]: the AWQ algorithm (scale and clipping searches from calibration
 //!   statistics) writing AutoAWQ GEMM tensors.
+//! - [`f32_products`]: faer's f32 products, followed by clearing the SIMD state they leave
+//!   behind (every faer product in tm goes through it).
 //!
 //! # Which layout a weight uses
 //! An int4 weight always has `mins` (the layout is `w = q * scale + min`); an int8 weight never
@@ -23,6 +25,7 @@
 
 pub mod awq;
 pub mod awq_quantizer;
+pub mod f32_products;
 pub mod gguf;
 pub mod gptq;
 pub mod quantize;

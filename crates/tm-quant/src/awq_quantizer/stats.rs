@@ -1,7 +1,7 @@
 //! Calibration statistics of one linear layer's input: what the AWQ searches need of it.
 
 use super::Matrix;
-use faer::{Accum, MatMut, MatRef, Par};
+use faer::{Accum, MatMut, MatRef};
 use tm_core::{Error, Result};
 
 /// The statistics of the inputs `x_t` (`t` over calibration tokens) of a linear layer with
@@ -54,7 +54,7 @@ impl InputStats {
         }
         let xm = MatRef::from_row_major_slice(x, rows, c);
         let g = MatMut::from_row_major_slice_mut(&mut self.gram, c, c);
-        faer::linalg::matmul::matmul(g, Accum::Add, xm.transpose(), xm, 1.0f32, Par::rayon(0));
+        crate::f32_products::matmul_pooled(g, Accum::Add, xm.transpose(), xm);
         self.tokens += rows as u64;
         Ok(())
     }
@@ -85,7 +85,7 @@ impl InputStats {
         let em = MatRef::from_row_major_slice(&e.data, e.rows, c);
         let gm = MatRef::from_row_major_slice(&self.gram, c, c);
         let dst = MatMut::from_row_major_slice_mut(&mut eg, e.rows, c);
-        faer::linalg::matmul::matmul(dst, Accum::Replace, em, gm, 1.0f32, Par::rayon(0));
+        crate::f32_products::matmul_pooled(dst, Accum::Replace, em, gm);
         let total: f64 = eg.iter().zip(&e.data).map(|(a, b)| *a as f64 * *b as f64).sum();
         total / self.tokens.max(1) as f64
     }
