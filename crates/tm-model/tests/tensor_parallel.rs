@@ -71,11 +71,16 @@ fn run(session: &mut Session<'_>, prompt: &[u32]) -> (Vec<f32>, Vec<u32>) {
 }
 
 fn assert_close(name: &str, tp: usize, got: &[f32], want: &[f32]) {
+    assert_close_within(name, tp, got, want, 1e-4);
+}
+
+/// `got` within `rel` of `want`'s logit range (at least 1) everywhere.
+fn assert_close_within(name: &str, tp: usize, got: &[f32], want: &[f32], rel: f32) {
     assert_eq!(got.len(), want.len(), "{name} tp={tp}");
     let lo = want.iter().copied().fold(f32::MAX, f32::min);
     let hi = want.iter().copied().fold(f32::MIN, f32::max);
     let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-    assert!(diff <= 1e-4 * (hi - lo).max(1.0), "{name} tp={tp}: max |logit diff| {diff} (range {})", hi - lo);
+    assert!(diff <= rel * (hi - lo).max(1.0), "{name} tp={tp}: max |logit diff| {diff} (range {})", hi - lo);
 }
 
 /// tp=1 on one backend against tp ranks on CPU threads, for every prompt of a checkpoint.
@@ -295,7 +300,10 @@ fn default_model_q4_1_on_three_ranks() {
     let mut group = TpGroup::start_cpu(source, config, 3, opts(64, 16)).unwrap();
     let mut three = Session::tensor_parallel(&mut group, 64).unwrap();
     let got = three.prompt_logits(&prompt).unwrap();
-    assert_close("SmolLM2 Q4_1", 3, &got, &want);
+    // 30 layers move these logits by ~0.004 of a range of 47 under any change of f32 summation
+    // order: tp=3 against tp=1 differed by 0.0039 with attention summed one query head at a time
+    // and 0.0056 with tm-cpu's tiled attention, which itself moved tp=1's logits by 0.0039.
+    assert_close_within("SmolLM2 Q4_1", 3, &got, &want, 2e-4);
     let greedy = |s: &mut Session<'_>| {
         let mut last = s.append(&prompt).unwrap();
         (0..6)
