@@ -139,6 +139,11 @@ impl Partial {
         for r in 0..rows {
             let max = parts.iter().map(|p| p.max[r]).fold(f32::NEG_INFINITY, f32::max);
             let row = &mut out[r * head_dim..(r + 1) * head_dim];
+            if max == f32::NEG_INFINITY {
+                // no key at all (a window of 0 positions): zeros, as an empty sum
+                row.fill(0.0);
+                continue;
+            }
             let first = (parts[0].max[r] - max).exp();
             let mut sum = parts[0].sum[r] * first;
             row.iter_mut().for_each(|x| *x *= first);
@@ -500,7 +505,8 @@ mod tests {
     #[test]
     fn sliding_windows_cut_the_tiles_keys() {
         let batch = Batch::new(5, dims(4, 1, 16), 16, &[(100, 130), (3, 40), (20, 20)]);
-        for w in [1, 5, K_TILE, 70, 1000] {
+        // 0: no key at all, zeros as the definition's empty sum
+        for w in [0, 1, 5, K_TILE, 70, 1000] {
             batch.check(Some(w), false);
         }
     }
