@@ -307,23 +307,8 @@ impl<'a, 'm, E: KvElem> Cache<'a, 'm, E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant_matmul::tests::Rng;
     use tm_core::fp8::E4M3;
-
-    /// xorshift64*: uniform values without a dependency.
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-        /// Uniform in [-1, 1).
-        fn unit(&mut self) -> f32 {
-            (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        }
-    }
 
     /// One batch: `seqs` as (query_len, context_len), the cache's blocks handed out shuffled.
     struct Batch {
@@ -344,15 +329,15 @@ mod tests {
             let blocks = needed + 3;
             let mut order: Vec<u32> = (0..blocks as u32).collect();
             for i in (1..order.len()).rev() {
-                order.swap(i, rng.next() as usize % (i + 1));
+                order.swap(i, ((rng.next() + 1.0) * 0.5 * (i + 1) as f32) as usize % (i + 1));
             }
             let mut free = order.into_iter();
             let tables = seqs.iter().map(|s| free.by_ref().take(s.1.div_ceil(block_size)).collect()).collect();
             let width = dims.kv_heads * dims.head_dim;
             // queries three times the keys' size, so that the softmax is far from uniform
-            let q = (0..tokens * dims.heads * dims.head_dim).map(|_| 3.0 * rng.unit()).collect();
-            let k = (0..blocks * block_size * width).map(|_| rng.unit()).collect();
-            let v = (0..blocks * block_size * width).map(|_| rng.unit()).collect();
+            let q = (0..tokens * dims.heads * dims.head_dim).map(|_| 3.0 * rng.next()).collect();
+            let k = (0..blocks * block_size * width).map(|_| rng.next()).collect();
+            let v = (0..blocks * block_size * width).map(|_| rng.next()).collect();
             Batch { q, k, v, tables, seqs: seqs.to_vec(), dims, block_size }
         }
 

@@ -88,7 +88,7 @@ mod q8;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 /// Bound on the error of [`matmul_int4`] / [`matmul_int8`] (int16 activations) relative to
 /// dequantize-then-f32-matmul, per output element, as a multiple of `‖x_row‖₂ · ‖w_row‖₂`:

@@ -2,10 +2,10 @@ use super::*;
 use half::f16;
 use tm_quant::{dequantize, quantize_int4, quantize_int8, HostQuant};
 
-/// xorshift64* in `[-1, 1)`.
-struct Rng(u64);
+/// xorshift64* in `[-1, 1)` (the attention tests use it too).
+pub(crate) struct Rng(pub(crate) u64);
 impl Rng {
-    fn next(&mut self) -> f32 {
+    pub(crate) fn next(&mut self) -> f32 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
