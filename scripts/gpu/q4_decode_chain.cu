@@ -583,6 +583,22 @@
 // estimate only: session 25's base 1946-1951 us (2.27x), less what B1 and WSWAP save there (the
 // H100 engine: -20..-28 us; the H200 has shown about twice the H100's saving per instruction cut,
 // and =2's cut is about session 28's `nl`, -111 us on the H200 engine): ~1840-1900 us, 2.33-2.40x.
+// Session 35 (2026-12-07): no H200 again. Twelve asks (gpu_b1_ratio.sh, kind nvidia-h200): eight
+// found no machine (180 s each), three fell inside the refusal window (15 s each), and the last
+// got an H100 80GB HBM3 (exit 3), on which the same bundle then ran with REQUIRE_GPU= ROUNDS=2
+// (3.033 TB/s): AWQ b1 replay 2224.2 / 2222.3 us, bf16 5591.7 / 5591.0: 2.51x, 86.2% of the
+// 1915.5 us roofline (session 33: 2.52x). q4_gemv_bench cold, n = 1 (ops / ln graph / ln chain):
+// q/k/v 6.4 / 6.2 / 5.4 us, o 5.6 / 5.2 / 4.3, gate/up 24.2 / 24.2 / 23.6, down 12.9 / 12.8 /
+// 12.5. Session 29's lead (b), judged on paper
+// and not built: in the B1 loop f16's HI4 makes the min's offset a lane constant (1024 on lanes
+// t = 0, 1, 64 on t = 2, 3), so stored f32 pairs (s, m - 1024 s) would still need one FMA per row
+// half on every lane (m - off s = stored + (1024 - off) s); they would save the four f16 -> f32
+// conversions per tile and step (and one of SMI = 2's two 32-bit loads), for 8 bytes a row and
+// group of scale and min instead of 4 (+5.9% of the bytes: 72 against 68 per 64 bytes of
+// weights). Session 28's sf2 (fewer scale loads, same bytes) saved nothing on the --hot stand-in,
+// so of `nl`'s -111 us on the H200 the instruction part (~70% by session 25's SMHIT split, ~-78)
+// is the conversions and the m - OFF s FMAs, of which (b) removes the conversions (4 of 6), while
+// its bytes cost about what SMHIT's saved (~+30): roughly -20 us net. Not worth a layout.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
