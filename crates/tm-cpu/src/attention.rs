@@ -215,19 +215,21 @@ impl<'a, 'm, E: KvElem> Cache<'a, 'm, E> {
             return units;
         }
         let split = wanted.div_ceil(units.len());
-        units
-            .into_iter()
-            .flat_map(|unit| {
-                let len = unit.keys.len().div_ceil(split).next_multiple_of(K_TILE).max(MIN_SEGMENT);
-                let Tile { seq, kvh, queries, keys } = unit;
-                (keys.start..keys.end).step_by(len).map(move |k0| Tile {
-                    seq,
-                    kvh,
-                    queries: queries.clone(),
-                    keys: k0..(k0 + len).min(keys.end),
-                })
-            })
-            .collect()
+        let mut tiles = Vec::with_capacity(units.len() * split);
+        for unit in units {
+            // at least one tile per unit, even one without keys (its rows come out zero)
+            let len = unit.keys.len().div_ceil(split).next_multiple_of(K_TILE).max(MIN_SEGMENT);
+            let mut k0 = unit.keys.start;
+            loop {
+                let k1 = (k0 + len).min(unit.keys.end);
+                tiles.push(Tile { seq: unit.seq, kvh: unit.kvh, queries: unit.queries.clone(), keys: k0..k1 });
+                k0 = k1;
+                if k0 >= unit.keys.end {
+                    break;
+                }
+            }
+        }
+        tiles
     }
 
     /// A tile's partial softmax, rows as in [`TileScratch::q`].
@@ -483,6 +485,8 @@ mod tests {
         for threads in [1, 16, 64] {
             batch.check_for(None, false, threads);
             batch.check_for(Some(300), false, threads);
+            // the decode token of a 0-position window has no keys; its rows are still written
+            batch.check_for(Some(0), false, threads);
         }
         batch.check_for(None, true, 16);
     }
