@@ -72,24 +72,11 @@ pub fn paged_attention<E: KvElem>(
     dims: AttnDims,
     out: &mut [f32],
 ) {
-    attend_split_for(q, k_cache, v_cache, meta, dims, out, rayon::current_num_threads());
-}
-
-/// [`paged_attention`] with its tiles cut for `threads` threads.
-fn attend_split_for<E: KvElem>(
-    q: &[f32],
-    k_cache: &[E],
-    v_cache: &[E],
-    meta: &AttentionMeta<'_>,
-    dims: AttnDims,
-    out: &mut [f32],
-    threads: usize,
-) {
     let AttnDims { heads, kv_heads, head_dim } = dims;
     let group = heads / kv_heads;
     let cache = Cache { k: k_cache, v: v_cache, meta, dims };
-    let tiles = cache.tiles(threads);
-    let parts: Vec<Partial> =
+    let tiles = cache.tiles(rayon::current_num_threads());
+    let mut parts: Vec<Partial> =
         tiles.par_iter().map_init(TileScratch::default, |scratch, tile| cache.attend_tile(q, tile, scratch)).collect();
     // a unit's tiles (its key segments) are consecutive; its rows of one token are its kv head's
     // query group: consecutive heads of `out`
@@ -98,7 +85,7 @@ fn attend_split_for<E: KvElem>(
     while at < tiles.len() {
         let unit = &tiles[at];
         let segments = tiles[at..].iter().take_while(|t| t.same_unit(unit)).count();
-        let merged = Partial::merge(&parts[at..at + segments], head_dim);
+        let merged = Partial::merge(&mut parts[at..at + segments], head_dim);
         for (i, rows) in unit.queries.clone().zip(merged.chunks_exact(width)) {
             let o = (unit.seq.query_start + i) * heads * head_dim + unit.kvh * width;
             out[o..o + width].copy_from_slice(rows);
@@ -132,29 +119,28 @@ struct Partial {
 }
 
 impl Partial {
-    /// The softmax-weighted values of the rows the key segments `parts` share.
-    fn merge(parts: &[Partial], head_dim: usize) -> Vec<f32> {
-        let rows = parts[0].max.len();
-        let mut out = parts[0].o.clone();
-        for r in 0..rows {
-            let max = parts.iter().map(|p| p.max[r]).fold(f32::NEG_INFINITY, f32::max);
-            let row = &mut out[r * head_dim..(r + 1) * head_dim];
+    /// The softmax-weighted values of the rows the key segments `parts` share, made in the first
+    /// part's `o`.
+    fn merge(parts: &mut [Partial], head_dim: usize) -> &[f32] {
+        let (first, rest) = parts.split_first_mut().expect("a unit has at least one tile");
+        for (r, row) in first.o.chunks_exact_mut(head_dim).enumerate() {
+            let max = rest.iter().map(|p| p.max[r]).fold(first.max[r], f32::max);
             if max == f32::NEG_INFINITY {
                 // no key at all (a window of 0 positions): zeros, as an empty sum
                 row.fill(0.0);
                 continue;
             }
-            let first = (parts[0].max[r] - max).exp();
-            let mut sum = parts[0].sum[r] * first;
-            row.iter_mut().for_each(|x| *x *= first);
-            for p in &parts[1..] {
+            let w = (first.max[r] - max).exp();
+            let mut sum = first.sum[r] * w;
+            row.iter_mut().for_each(|x| *x *= w);
+            for p in rest.iter() {
                 let w = (p.max[r] - max).exp();
                 sum += p.sum[r] * w;
                 row.iter_mut().zip(&p.o[r * head_dim..(r + 1) * head_dim]).for_each(|(x, y)| *x += w * y);
             }
             row.iter_mut().for_each(|x| *x /= sum);
         }
-        out
+        &first.o
     }
 }
 
@@ -196,36 +182,29 @@ impl<'a, 'm, E: KvElem> Cache<'a, 'm, E> {
     /// thread.
     fn tiles(&self, threads: usize) -> Vec<Tile<'a, 'm>> {
         let meta: &'a AttentionMeta<'m> = self.meta;
-        let units: Vec<Tile<'a, 'm>> = meta
-            .seqs
-            .iter()
-            .flat_map(|seq| {
-                let first_pos = seq.context_len - seq.query_len;
-                (0..self.dims.kv_heads).flat_map(move |kvh| {
-                    (0..seq.query_len).step_by(Q_TILE).map(move |i0| {
-                        let queries = i0..(i0 + Q_TILE).min(seq.query_len);
-                        let keys = self.window_start(first_pos + i0)..first_pos + queries.end;
-                        Tile { seq, kvh, queries, keys }
-                    })
-                })
-            })
-            .collect();
+        let kv_heads = self.dims.kv_heads;
+        let units: usize = meta.seqs.iter().map(|s| kv_heads * s.query_len.div_ceil(Q_TILE)).sum();
         let wanted = threads * TILES_PER_THREAD;
-        if units.len() >= wanted || units.is_empty() {
-            return units;
-        }
-        let split = wanted.div_ceil(units.len());
-        let mut tiles = Vec::with_capacity(units.len() * split);
-        for unit in units {
-            // at least one tile per unit, even one without keys (its rows come out zero)
-            let len = unit.keys.len().div_ceil(split).next_multiple_of(K_TILE).max(MIN_SEGMENT);
-            let mut k0 = unit.keys.start;
-            loop {
-                let k1 = (k0 + len).min(unit.keys.end);
-                tiles.push(Tile { seq: unit.seq, kvh: unit.kvh, queries: unit.queries.clone(), keys: k0..k1 });
-                k0 = k1;
-                if k0 >= unit.keys.end {
-                    break;
+        let split = if units >= wanted { 1 } else { wanted.div_ceil(units.max(1)) };
+        let mut tiles = Vec::with_capacity(units * split);
+        for seq in meta.seqs {
+            let first_pos = seq.context_len - seq.query_len;
+            for kvh in 0..kv_heads {
+                for i0 in (0..seq.query_len).step_by(Q_TILE) {
+                    let queries = i0..(i0 + Q_TILE).min(seq.query_len);
+                    let (start, end) = (self.window_start(first_pos + i0), first_pos + queries.end);
+                    // one segment unless split; at least one tile, even without keys (its rows
+                    // come out zero)
+                    let len = (end - start).div_ceil(split).next_multiple_of(K_TILE).max(MIN_SEGMENT);
+                    let mut k0 = start;
+                    loop {
+                        let k1 = (k0 + len).min(end);
+                        tiles.push(Tile { seq, kvh, queries: queries.clone(), keys: k0..k1 });
+                        k0 = k1;
+                        if k0 >= end {
+                            break;
+                        }
+                    }
                 }
             }
         }
@@ -411,6 +390,8 @@ mod tests {
             let seqs = self.seq_attention();
             let meta = self.meta(&seqs, window);
             let mut out = vec![f32::NAN; self.q.len()];
+            // the tiles are cut for the pool's thread count
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
             let (k, v) = if e4m3 {
                 let encode = |x: &[f32]| {
                     let mut codes = vec![0u8; x.len()];
@@ -418,11 +399,11 @@ mod tests {
                     codes.into_iter().map(E4M3).collect::<Vec<_>>()
                 };
                 let (ke, ve) = (encode(&self.k), encode(&self.v));
-                attend_split_for(&self.q, &ke, &ve, &meta, self.dims, &mut out, threads);
+                pool.install(|| paged_attention(&self.q, &ke, &ve, &meta, self.dims, &mut out));
                 let decode = |e: &[E4M3]| e.iter().map(|x| x.value()).collect::<Vec<f32>>();
                 (decode(&ke), decode(&ve))
             } else {
-                attend_split_for(&self.q, &self.k, &self.v, &meta, self.dims, &mut out, threads);
+                pool.install(|| paged_attention(&self.q, &self.k, &self.v, &meta, self.dims, &mut out));
                 (self.k.clone(), self.v.clone())
             };
             let want = self.reference(&k, &v, window);
