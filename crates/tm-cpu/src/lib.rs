@@ -2,14 +2,16 @@
 //!
 //! Implements tm-core's `Device`, `Allocator` and `Ops` on the host: rayon for parallelism,
 //! faer for f32 matrix products, dequantize-on-the-fly kernels for int4/int8 weights. Every
-//! other backend is tested op by op against it. Activations and dense weights are f32 (f16/bf16
-//! weights are widened once, at load). The KV cache is f32 or FP8 E4M3 (`write_kv` encodes,
-//! `attention` decodes exactly).
+//! other backend is tested op by op against it. Activations are f32; dense weights are held as
+//! stored (f32, f16 or bf16: a bf16 checkpoint takes its own size in memory, not twice it) and
+//! widened to f32 as the kernels read them ([`matmul_16bit`]). The KV cache is f32 or FP8 E4M3
+//! (`write_kv` encodes, `attention` decodes exactly).
 
 pub mod allocator;
 pub mod attention;
 pub mod device;
 pub mod matmul;
+pub mod matmul_16bit;
 pub mod norm;
 pub mod quant_matmul;
 pub mod rope;
@@ -20,9 +22,7 @@ pub use device::CpuDevice;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use tm_core::fp8::{self, E4M3};
-use tm_core::ops::{
-    deferred_norm_slot, sample_rows, to_f32, AttentionMeta, DeferredNorm, SampleRequest, DEFERRED_NORM_ROWS,
-};
+use tm_core::ops::{deferred_norm_slot, sample_rows, AttentionMeta, DeferredNorm, SampleRequest, DEFERRED_NORM_ROWS};
 use tm_core::quant::Weight;
 use tm_core::rope::RopeFreqs;
 
@@ -123,11 +123,8 @@ impl Ops for CpuBackend {
         DType::F32
     }
     fn weight_dtype(&self, src: DType) -> DType {
-        if src.is_float() {
-            DType::F32
-        } else {
-            src
-        }
+        // every float dtype as stored (f32, f16, bf16); the kernels widen as they read
+        src
     }
     fn supports_kv_cache_dtype(&self, dtype: DType) -> bool {
         matches!(dtype, DType::F32 | DType::F8E4M3)
@@ -188,14 +185,8 @@ impl Ops for CpuBackend {
                 src.len(),
             ));
         }
-        let target = self.weight_dtype(src_dtype);
-        let mut t = self.zeros(tm_core::TensorDesc::new(target, shape), phase)?;
-        if target == src_dtype {
-            self.upload(&mut t, src)?;
-        } else {
-            let v = to_f32(src_dtype, src)?;
-            t.host_mut::<f32>()?.copy_from_slice(&v);
-        }
+        let mut t = self.zeros(desc, phase)?;
+        self.upload(&mut t, src)?;
         Ok(t)
     }
 
@@ -213,7 +204,7 @@ impl Ops for CpuBackend {
         rows_of("rms_norm", x, weight.numel())?;
         norm::rms_norm(
             f32s(x, "rms_norm input")?,
-            f32s(weight, "rms_norm weight")?,
+            &matmul::vector_f32(weight, "rms_norm weight")?,
             eps,
             f32s_mut(out, "rms_norm output")?,
         );
@@ -234,7 +225,7 @@ impl Ops for CpuBackend {
         norm::add_rms_norm(
             f32s(x, "add_rms_norm input")?,
             f32s_mut(residual, "residual")?,
-            f32s(weight, "rms_norm weight")?,
+            &matmul::vector_f32(weight, "rms_norm weight")?,
             eps,
             f32s_mut(out, "add_rms_norm output")?,
         );
@@ -273,11 +264,12 @@ impl Ops for CpuBackend {
         // out = x W^T, then the join's elementwise part in place: residual += out, out = residual
         // * norm, and the rows' sums of squares of the new residual added into the slot.
         self.matmul(x, w, None, out)?;
-        let (r, o, g) = (f32s_mut(residual, "residual")?, f32s_mut(out, "join output")?, f32s(norm, "norm weight")?);
+        let g = matmul::vector_f32(norm, "norm weight")?;
+        let (r, o) = (f32s_mut(residual, "residual")?, f32s_mut(out, "join output")?);
         let slot_sums = &mut sums.host_mut::<f64>()?[range];
         for ((rr, or), sum) in r.chunks_mut(rows).zip(o.chunks_mut(rows)).zip(slot_sums) {
             let mut ss = 0f64;
-            for ((ri, oi), gi) in rr.iter_mut().zip(or.iter_mut()).zip(g) {
+            for ((ri, oi), gi) in rr.iter_mut().zip(or.iter_mut()).zip(g.iter()) {
                 *ri += *oi;
                 *oi = *ri * gi;
                 ss += f64::from(*ri) * f64::from(*ri);
@@ -315,12 +307,12 @@ impl Ops for CpuBackend {
         let os = f32s_mut(out, "matmul output")?;
         matmul::matmul(xs, n, w, os)?;
         if let Some(b) = bias {
-            let b = f32s(b, "bias")?;
+            let b = matmul::vector_f32(b, "bias")?;
             if b.len() != rows {
                 return Err(Error::shape("bias", [rows], [b.len()]));
             }
             for row in os.chunks_mut(rows) {
-                for (o, bi) in row.iter_mut().zip(b) {
+                for (o, bi) in row.iter_mut().zip(b.iter()) {
                     *o += bi;
                 }
             }

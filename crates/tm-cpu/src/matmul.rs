@@ -1,18 +1,24 @@
-//! Matrix products `out = x W^T`: faer for dense f32 weights (through tm-quant's `f32_products`), dequantize-on-the-fly kernels for
-//! int4/int8 groups.
+//! Matrix products `out = x W^T`: faer for dense f32 weights (through tm-quant's `f32_products`),
+//! [`crate::matmul_16bit`] for f16/bf16 ones, dequantize-on-the-fly kernels for int4/int8 groups.
 
+use crate::matmul_16bit::Half16;
 use faer::{Accum, MatMut, MatRef};
-use half::f16;
+use half::{bf16, f16};
+use std::borrow::Cow;
 use tm_core::quant::{int4_position, Int4Layout, QuantWeight, Weight};
-use tm_core::{DType, Error, Result};
+use tm_core::{DType, Error, Result, Tensor};
 use tm_quant::HostQuantView;
 
 /// `out[n, rows] = x[n, cols] · W^T`.
 pub fn matmul(x: &[f32], n: usize, w: &Weight, out: &mut [f32]) -> Result<()> {
     match w {
         Weight::Dense(t) => {
-            t.expect_dtype("dense weight", DType::F32)?;
             let (rows, cols) = w.dims();
+            if let Some(h) = half16(t)? {
+                crate::matmul_16bit::matmul(x, n, h, rows, cols, out);
+                return Ok(());
+            }
+            t.expect_dtype("dense weight", DType::F32)?;
             let wd = t.host::<f32>()?;
             let lhs = MatRef::from_row_major_slice(x, n, cols);
             let rhs = MatRef::from_row_major_slice(wd, rows, cols).transpose();
@@ -35,9 +41,10 @@ pub fn matmul(x: &[f32], n: usize, w: &Weight, out: &mut [f32]) -> Result<()> {
 pub fn weight_row(w: &Weight, r: usize, out: &mut [f32]) -> Result<()> {
     let (_, cols) = w.dims();
     match w {
-        Weight::Dense(t) => {
-            out.copy_from_slice(&t.host::<f32>()?[r * cols..(r + 1) * cols]);
-        }
+        Weight::Dense(t) => match half16(t)? {
+            Some(h) => h.widen_into(r * cols, out),
+            None => out.copy_from_slice(&f32_values(t, "dense weight")?[r * cols..(r + 1) * cols]),
+        },
         Weight::Int4(q) => {
             let v = quant_view(q)?;
             let (packed, scales) = (v.packed, v.scales);
@@ -62,6 +69,35 @@ pub fn weight_row(w: &Weight, r: usize, out: &mut [f32]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A dense f16 or bf16 tensor's host values; `None` for other dtypes.
+pub fn half16(t: &Tensor) -> Result<Option<Half16<'_>>> {
+    Ok(match t.dtype() {
+        DType::F16 => Some(Half16::F16(t.host::<f16>()?)),
+        DType::BF16 => Some(Half16::Bf16(t.host::<bf16>()?)),
+        _ => None,
+    })
+}
+
+/// An f32 tensor's host values (its dtype checked; `what` names it in the error).
+fn f32_values<'a>(t: &'a Tensor, what: &str) -> Result<&'a [f32]> {
+    t.expect_dtype(what, DType::F32)?;
+    t.host::<f32>()
+}
+
+/// A float vector (norm weight, bias) as f32: borrowed when it is f32, widened when it is
+/// f16/bf16 (the backend holds dense weights as stored; vectors are small next to the rows
+/// they scale).
+pub fn vector_f32<'a>(t: &'a Tensor, what: &str) -> Result<Cow<'a, [f32]>> {
+    Ok(match half16(t)? {
+        Some(h) => {
+            let mut v = vec![0f32; h.len()];
+            h.widen_into(0, &mut v);
+            Cow::Owned(v)
+        }
+        None => Cow::Borrowed(f32_values(t, what)?),
+    })
 }
 
 /// A validated host view of a quantized weight.

@@ -43,6 +43,9 @@ pub(super) struct WeightSummary {
     pub staging: u64,
     /// Whether any matrix is int4/int8 (the CPU kernels then quantize activations to int8).
     pub any_quantized: bool,
+    /// The most columns of a dense matrix held as f16/bf16 (the CPU backend widens panels of
+    /// its rows as it multiplies); zero when there is none.
+    pub half_matrix_cols: usize,
     /// Like `staging`, over the tensors that are not held exactly as stored (what a zero-copy
     /// backend still converts through host memory).
     pub staging_copied: u64,
@@ -165,6 +168,12 @@ impl Walker<'_> {
         let (stored, held, bytes, staging) = self.size(&t, kind)?;
         self.out.any_quantized |= !matches!(t.encoding, Encoding::Plain(_));
         let cut = self.layout.cut_for(hf, self.cfg);
+        if let (Kind::Matrix, Encoding::Plain(d)) = (kind, t.encoding) {
+            if matches!(self.policy.dense(d), DType::F16 | DType::BF16) {
+                let cols = cut.shape(&t.shape).last().copied().unwrap_or(0);
+                self.out.half_matrix_cols = self.out.half_matrix_cols.max(cols);
+            }
+        }
         // Held as stored and not cut: the bytes of the file are the bytes the kernels read.
         let in_place = matches!(t.encoding, Encoding::Plain(_)) && stored == held && matches!(cut, Cut::Whole);
         if in_place {

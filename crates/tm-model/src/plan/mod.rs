@@ -8,8 +8,8 @@
 //! - the budget is [`MemoryInfo::usable`] (what the device really has free: on the CPU,
 //!   `MemAvailable` capped by the cgroup) times `memory_fraction`, and the KV cache gets what is
 //!   left after everything else, in whole blocks, or exactly `kv_cache_bytes`;
-//! - weights are counted once, in the layout the *backend* holds them (the CPU backend widens
-//!   f16/bf16 to f32, so they count double their file size there);
+//! - weights are counted once, in the layout the *backend* holds them (the CPU backend holds
+//!   f32, f16 and bf16 weights as stored and widens them as it multiplies);
 //! - when it does not fit, [`plan`] fails before a byte is loaded, naming every component in
 //!   bytes and the flag to lower; when the cache cannot hold one full `max_len` sequence,
 //!   `max_len` is capped and the plan says so in numbers.
@@ -30,7 +30,8 @@
 //!   hidden states and logits, in the backend's activation dtype.
 //! - **kernel scratch**: an allowance, not a measurement: the f32 copy of the logits the sampler
 //!   reads (`max_batch_size × vocab × 4`), on the CPU the int8 activation buffer of the quantized
-//!   matmuls and attention's token table, on CUDA with f16/bf16 activations and quantized weights
+//!   matmuls, attention's token table and the per-thread panels of f16/bf16 weight rows widened
+//!   for products of more than a few rows, on CUDA with f16/bf16 activations and quantized weights
 //!   the int4 slab buffer ([`tm_core::q4_slab::SLAB_BYTES`], when `max_batched_tokens` reaches
 //!   the slab path's batch size), plus [`SCRATCH_ALLOWANCE`] ([`CPU_SCRATCH_ALLOWANCE`] on the CPU) for matmul
 //!   packing buffers, thread stacks and allocator slack.
@@ -270,6 +271,9 @@ pub struct ScratchPlan {
     pub activation_quant: u64,
     /// CPU attention: a (sequence, position) pair per token.
     pub attention: u64,
+    /// CPU products with f16/bf16 dense weights of more rows than the fused kernel takes: a
+    /// panel of widened weight rows per thread ([`tm_cpu::matmul_16bit::panel_scratch_bytes`]).
+    pub dense_panels: u64,
     /// CUDA: the int4 slab buffer of large-batch int4 products ([`tm_core::q4_slab`]), reserved
     /// with the workspace of a model with int4 weights when its steps reach the slab path's
     /// batch size.
@@ -387,6 +391,7 @@ pub fn estimate(ckpt: &Checkpoint, target: &PlanTarget, req: &PlanRequest) -> Re
         layout: &layout,
         target,
         any_quantized: weights.any_quantized,
+        half_matrix_cols: weights.half_matrix_cols,
         weights: weights.held,
         staging: if target.zero_copy { weights.staging_copied } else { weights.staging },
     };
@@ -520,6 +525,7 @@ struct Sizer<'a> {
     layout: &'a ShardLayout,
     target: &'a PlanTarget,
     any_quantized: bool,
+    half_matrix_cols: usize,
     weights: u64,
     staging: u64,
 }
@@ -543,8 +549,8 @@ impl Sizer<'_> {
 
     fn fixed(&self, tokens: usize, rows: usize) -> Fixed {
         let workspace = workspace_bytes_shard(self.layout, self.target.activation_dtype, tokens, rows);
-        let scratch =
-            scratch_bytes(self.cfg, self.target.kind, self.target.activation_dtype, tokens, rows, self.any_quantized);
+        let weights = WeightKinds { quantized: self.any_quantized, half_matrix_cols: self.half_matrix_cols };
+        let scratch = scratch_bytes(self.cfg, self.target.kind, self.target.activation_dtype, tokens, rows, weights);
         let total = self.weights
             + self.target.reserve_bytes
             + self.host_buffers_counted()
@@ -730,6 +736,15 @@ fn workspace_parts(layout: &ShardLayout, dt: DType, tokens: usize, rows: usize) 
     (per_token as u64, per_row as u64)
 }
 
+/// What of the weights the kernel scratch depends on.
+#[derive(Clone, Copy, Debug)]
+struct WeightKinds {
+    /// Any matrix is int4/int8.
+    quantized: bool,
+    /// The most columns of a dense matrix held as f16/bf16 (zero: none).
+    half_matrix_cols: usize,
+}
+
 /// The kernel scratch allowance (see the module docs).
 fn scratch_bytes(
     cfg: &ModelConfig,
@@ -737,16 +752,22 @@ fn scratch_bytes(
     dt: DType,
     tokens: usize,
     rows: usize,
-    quantized: bool,
+    weights: WeightKinds,
 ) -> ScratchPlan {
     let sampler = (rows * cfg.vocab_size * 4) as u64;
-    let (activation_quant, attention) = if kind == DeviceKind::Cpu {
+    let quantized = weights.quantized;
+    let (activation_quant, attention, dense_panels) = if kind == DeviceKind::Cpu {
         let cols = cfg.hidden_size.max(cfg.intermediate_size).max(cfg.q_dim());
         // int8 values, plus two f32 per 32-block with the block count rounded up to 8.
         let quant = if quantized { (tokens * (cols + 8 * cols.div_ceil(32).div_ceil(8) * 8)) as u64 } else { 0 };
-        (quant, (tokens * 16) as u64)
+        let panels = if weights.half_matrix_cols > 0 && tokens > tm_cpu::matmul_16bit::FUSED_MAX_ROWS {
+            tm_cpu::matmul_16bit::panel_scratch_bytes(weights.half_matrix_cols)
+        } else {
+            0
+        };
+        (quant, (tokens * 16) as u64, panels)
     } else {
-        (0, 0)
+        (0, 0, 0)
     };
     // The CUDA backend reserves it for f16/bf16 models with int4 weights (charged here for any
     // quantized model: the manifest does not tell int4 from int8; int8 models are rare).
@@ -765,9 +786,10 @@ fn scratch_bytes(
         sampler,
         activation_quant,
         attention,
+        dense_panels,
         q4_slab,
         allowance,
-        total: sampler + activation_quant + attention + q4_slab + allowance,
+        total: sampler + activation_quant + attention + dense_panels + q4_slab + allowance,
     }
 }
 
@@ -903,6 +925,9 @@ impl MemoryPlan {
         }
         if k.attention > 0 {
             let _ = write!(detail, ", attention {}", human(k.attention));
+        }
+        if k.dense_panels > 0 {
+            let _ = write!(detail, ", 16-bit weight panels {}", human(k.dense_panels));
         }
         if k.q4_slab > 0 {
             let _ = write!(detail, ", int4 slab {}", human(k.q4_slab));

@@ -45,8 +45,9 @@ pub fn write_checkpoint(dir: &Path, config: &serde_json::Value, tensors: &[Spec]
     if fill {
         let mut state = 0x9E37_79B9_7F4A_7C15u64;
         for (_, dtype, shape) in tensors {
+            // Written through the 8 KiB BufWriter, not a tensor-sized buffer: freed heap that
+            // stays resident would be reused by the loads plan_rss measures and hide them.
             let n = shape.iter().product::<usize>();
-            let mut buf = Vec::with_capacity(n * dtype_bytes(dtype));
             for _ in 0..n {
                 state ^= state << 13;
                 state ^= state >> 7;
@@ -57,13 +58,12 @@ pub fn write_checkpoint(dir: &Path, config: &serde_json::Value, tensors: &[Spec]
                         let v = half::f16::from_f32(((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1);
                         let bits =
                             if *dtype == "BF16" { half::bf16::from_f32(v.to_f32()).to_bits() } else { v.to_bits() };
-                        buf.extend_from_slice(&bits.to_le_bytes());
+                        f.write_all(&bits.to_le_bytes()).unwrap();
                     }
-                    "F32" => buf.extend_from_slice(&(((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5).to_le_bytes()),
-                    _ => buf.extend_from_slice(&(state as u32).to_le_bytes()),
+                    "F32" => f.write_all(&(((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5).to_le_bytes()).unwrap(),
+                    _ => f.write_all(&(state as u32).to_le_bytes()).unwrap(),
                 }
             }
-            f.write_all(&buf).unwrap();
         }
         f.flush().unwrap();
     } else {
