@@ -154,6 +154,7 @@ fn panels(lhs: MatRef<'_, f32>, w: Half16<'_>, first: usize, cols: usize, mut d:
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{Half16, FUSED_MAX_ROWS};
+    use crate::quant_matmul::simd::hsum;
     use std::arch::x86_64::*;
 
     /// How far ahead of each row's loads the kernel prefetches, in values (2 KiB): the hardware
@@ -169,14 +170,6 @@ mod avx2 {
         } else {
             _mm256_cvtph_ps(raw)
         }
-    }
-
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
     }
 
     /// [`super::dots`] in AVX2: 16 weights a step, two accumulators per input row, the row

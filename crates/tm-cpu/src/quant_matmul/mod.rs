@@ -86,7 +86,7 @@ mod exact;
 mod q16;
 mod q8;
 #[cfg(target_arch = "x86_64")]
-mod simd;
+pub(crate) mod simd;
 #[cfg(test)]
 pub(crate) mod tests;
 

@@ -7,8 +7,9 @@ use super::{HostQuantView, OutPtr};
 /// `-1` lanes then `0` lanes: `LANE_MASK[8 - k..]` keeps the first `k` lanes.
 pub(super) static LANE_MASK: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
 
+/// The sum of the eight lanes.
 #[inline(always)]
-pub(super) unsafe fn hsum(v: __m256) -> f32 {
+pub(crate) unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
