@@ -390,8 +390,7 @@ pub fn estimate(ckpt: &Checkpoint, target: &PlanTarget, req: &PlanRequest) -> Re
         cfg,
         layout: &layout,
         target,
-        any_quantized: weights.any_quantized,
-        half_matrix_cols: weights.half_matrix_cols,
+        kinds: WeightKinds { quantized: weights.any_quantized, half_matrix_cols: weights.half_matrix_cols },
         weights: weights.held,
         staging: if target.zero_copy { weights.staging_copied } else { weights.staging },
     };
@@ -524,8 +523,7 @@ struct Sizer<'a> {
     cfg: &'a ModelConfig,
     layout: &'a ShardLayout,
     target: &'a PlanTarget,
-    any_quantized: bool,
-    half_matrix_cols: usize,
+    kinds: WeightKinds,
     weights: u64,
     staging: u64,
 }
@@ -549,8 +547,7 @@ impl Sizer<'_> {
 
     fn fixed(&self, tokens: usize, rows: usize) -> Fixed {
         let workspace = workspace_bytes_shard(self.layout, self.target.activation_dtype, tokens, rows);
-        let weights = WeightKinds { quantized: self.any_quantized, half_matrix_cols: self.half_matrix_cols };
-        let scratch = scratch_bytes(self.cfg, self.target.kind, self.target.activation_dtype, tokens, rows, weights);
+        let scratch = scratch_bytes(self.cfg, self.target.kind, self.target.activation_dtype, tokens, rows, self.kinds);
         let total = self.weights
             + self.target.reserve_bytes
             + self.host_buffers_counted()
