@@ -15,6 +15,7 @@ pub mod matmul_16bit;
 pub mod norm;
 pub mod quant_matmul;
 pub mod rope;
+pub mod softmax_exp;
 
 pub use allocator::CpuAllocator;
 pub use device::CpuDevice;
