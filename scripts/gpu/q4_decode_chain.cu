@@ -599,9 +599,9 @@
 // so of `nl`'s -111 us on the H200 the instruction part (~70% by session 25's SMHIT split, ~-78)
 // is the conversions and the m - OFF s FMAs, of which (b) removes the conversions (4 of 6), while
 // its bytes cost about what SMHIT's saved (~+30): roughly -20 us net. Not worth a layout.
-// Session 36 (2026-12-07): no H200 again. Nine asks (gpu_b1_ratio.sh, kind nvidia-h200, 17:41-19:12
-// UTC): seven found no machine or fell in the refusal window (15-180 s each), the last two got an
-// H100 80GB HBM3 (exit 3). The second H100 ran the bundle of 575956f (kernels unchanged since
+// Session 36 (2026-12-07): no H200 again. Sixteen asks (gpu_b1_ratio.sh, kind nvidia-h200,
+// 17:41-19:12 UTC): fourteen found no machine or fell in the refusal window (15-180 s each), the
+// last two got an H100 80GB HBM3 (exit 3). The second H100 ran the bundle of 575956f (kernels unchanged since
 // session 32) with REQUIRE_GPU= ROUNDS=1 (3.039 TB/s): AWQ b1 replay 2224.5 us, bf16 5590.5 / 5587.5:
 // 2.51x, 85.9% of the 1911.7 us roofline. q4_gemv_bench cold, n = 1 (ops / ln graph / ln chain):
 // q/k/v 6.4 / 6.2 / 5.5 us, o 5.8 / 5.2 / 4.2, gate/up 24.1 / 24.1 / 23.8, down 12.9 / 12.8 / 12.5.
