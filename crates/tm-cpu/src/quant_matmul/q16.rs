@@ -20,6 +20,11 @@
 //!
 //! Each `madd` then sums two adjacent products; lanes 0..4 of the sum of the four `madd`s are
 //! block A's partial sums, lanes 4..8 block B's.
+//!
+//! The AVX-512 path ([`Isa::Avx512Vnni`], `q16_avx512.rs`) takes two pairs at a time, so it stores
+//! them as quads of four blocks (128 values at `128 u` for pairs `2u`, `2u + 1`): vector `Xm` of
+//! pair `2u` then that of pair `2u + 1`, 32 values each ([`quad_pos`]), rows padded to a multiple
+//! of four blocks. 64 int4 weight bytes then decode into the four 512-bit partners at once.
 
 use super::{drive, with_scratch, Acts, HostQuantView, Isa, Kernel, OutPtr, Shape, BLOCK};
 use std::ops::Range;
@@ -46,17 +51,32 @@ pub(super) fn pair_pos(h: usize, c: usize) -> usize {
     m * 16 + h * 8 + (c % 16) / 2
 }
 
-/// Quantizes every row of `x` (scalar: plain layout, AVX2: pair layout), rows padded to an even
-/// number of blocks.
+/// Position of column `c` of the `k`-th block (`k < 4`) of a quad within the quad's 128 values in
+/// the AVX-512 layout.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(super) fn quad_pos(k: usize, c: usize) -> usize {
+    let m = usize::from(c >= 16) + 2 * (c & 1);
+    m * 32 + (k / 2) * 16 + (k % 2) * 8 + (c % 16) / 2
+}
+
+/// Quantizes every row of `x` (scalar: plain layout; AVX2: pair layout, rows padded to an even
+/// number of blocks; AVX-512: quad layout, padded to a multiple of four blocks).
 pub(super) fn quantize(isa: Isa, x: &[f32], sh: &Shape, acts: &mut Acts<i16>) {
-    let stride = sh.nb.next_multiple_of(2) * BLOCK;
+    let quads = isa == Isa::Avx512Vnni;
+    let stride = sh.nb.next_multiple_of(if quads { 4 } else { 2 }) * BLOCK;
     acts.fill(x, sh, stride, |(((xr, qr), dr), sr)| {
         #[cfg(target_arch = "x86_64")]
         if isa.avx2() {
             // SAFETY: the AVX2 instruction sets are only used after `check` confirmed that the CPU
-            // has AVX2/FMA/F16C; `qr` holds `nb` rounded up to even blocks, `dr` and `sr` at least
-            // `nb` values.
-            unsafe { avx2::quantize_row(xr, qr, dr, sr) };
+            // has AVX2/FMA/F16C; `qr` holds `nb` rounded up to even blocks (to four for quads),
+            // `dr` and `sr` at least `nb` values.
+            unsafe {
+                if quads {
+                    avx2::quantize_row::<true>(xr, qr, dr, sr)
+                } else {
+                    avx2::quantize_row::<false>(xr, qr, dr, sr)
+                }
+            };
             return;
         }
         let _ = isa;
@@ -96,6 +116,19 @@ fn rows_dot(
     kernel: Kernel,
     out: OutPtr,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512Vnni {
+        // SAFETY: the CPU has AVX2/FMA/F16C and AVX-512 F/BW/VNNI (checked); `check` validated
+        // every length the kernels index with, the activations are in the quad layout, `rows` and
+        // `j..j + na` are in range and the output rows are this chunk's only.
+        unsafe {
+            match kernel {
+                Kernel::Int4 => super::q16_avx512::rows::<true>(sh, w, acts, rows, j, na, out),
+                Kernel::Int8 => super::q16_avx512::rows::<false>(sh, w, acts, rows, j, na, out),
+            }
+        }
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if isa.avx2() {
         // SAFETY: the CPU has AVX2/FMA/F16C, and AVX-VNNI for `Isa::AvxVnni` (checked), and
@@ -231,15 +264,17 @@ mod avx2 {
         _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
     }
 
-    /// Quantizes one activation row into the pair layout (see the module docs).
+    /// Quantizes one activation row into the pair layout, or the quad layout if `QUADS` (see the
+    /// module docs).
     ///
     /// # Safety
-    /// AVX2/FMA/F16C present; `q` holds at least `nb` rounded up to even blocks, `d` and `s` at
-    /// least `nb` values, where `nb = x.len() / 32`.
+    /// AVX2/FMA/F16C present; `q` holds at least `nb` rounded up to even blocks (to a multiple of
+    /// four if `QUADS`), `d` and `s` at least `nb` values, where `nb = x.len() / 32`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn quantize_row(x: &[f32], q: &mut [i16], d: &mut [f32], s: &mut [f32]) {
+    pub(super) unsafe fn quantize_row<const QUADS: bool>(x: &[f32], q: &mut [i16], d: &mut [f32], s: &mut [f32]) {
         let nb = x.len() / BLOCK;
-        debug_assert!(q.len() >= nb.next_multiple_of(2) * BLOCK && d.len() >= nb && s.len() >= nb);
+        debug_assert!(q.len() >= nb.next_multiple_of(if QUADS { 4 } else { 2 }) * BLOCK);
+        debug_assert!(d.len() >= nb && s.len() >= nb);
         let ones = _mm256_set1_epi16(1);
         let mut b = 0;
         while b < nb {
@@ -255,10 +290,16 @@ mod avx2 {
                 take::<0xDD>(a[0], a[1], c[0], c[1]),
                 take::<0xDD>(a[2], a[3], c[2], c[3]),
             ];
-            let dst = q.as_mut_ptr().add(b * BLOCK);
+            // Vector `m` of the pair: at `16 m` of the pair's 64 values, or at `32 m` of its quad's
+            // 128, after the other pair's if this is the quad's second.
+            let (dst, step) = if QUADS {
+                (q.as_mut_ptr().add((b & !3) * BLOCK + 16 * ((b / 2) & 1)), 32)
+            } else {
+                (q.as_mut_ptr().add(b * BLOCK), 16)
+            };
             let mut sum = _mm256_setzero_si256();
             for (m, v) in xs.iter().enumerate() {
-                _mm256_storeu_si256(dst.add(16 * m).cast(), *v);
+                _mm256_storeu_si256(dst.add(step * m).cast(), *v);
                 // Sum the stored (saturated) values so that the sums always match `q`.
                 sum = _mm256_add_epi32(sum, _mm256_madd_epi16(*v, ones));
             }

@@ -66,7 +66,7 @@ fn requantized8(x: &[f32]) -> Vec<f32> {
 }
 
 fn isas() -> Vec<Isa> {
-    [Isa::Scalar, Isa::Avx2, Isa::AvxVnni].into_iter().filter(|i| i.available()).collect()
+    [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni].into_iter().filter(|i| i.available()).collect()
 }
 
 type Mm = fn(Isa, &[f32], usize, &HostQuantView<'_>, &mut [f32]) -> Result<()>;
@@ -175,6 +175,7 @@ const SHAPES: &[(usize, usize, usize)] = &[
     (9, 224, 32),
     (13, 64, 64),
     (5, 544, 32),
+    (6, 416, 32),
 ];
 
 #[test]
@@ -341,6 +342,23 @@ fn int16_activation_quantizers_agree() {
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&avx.d), bits(&scalar.d));
         assert_eq!(bits(&avx.s), bits(&scalar.s));
+    }
+    if Isa::Avx512Vnni.available() {
+        // The quad layout: rows padded to a multiple of four blocks.
+        let mut avx = Acts::default();
+        q16::quantize(Isa::Avx512Vnni, &x, &sh, &mut avx);
+        assert_eq!(avx.stride, nb.next_multiple_of(4) * BLOCK);
+        for j in 0..2 {
+            for b in 0..nb.next_multiple_of(4) {
+                for c in 0..BLOCK {
+                    let want = if b < nb { scalar.qs[j * scalar.stride + b * BLOCK + c] } else { 0 };
+                    let got = avx.qs[j * avx.stride + (b & !3) * BLOCK + q16::quad_pos(b & 3, c)];
+                    assert_eq!(got, want, "quads: row {j} block {b} column {c}");
+                }
+            }
+        }
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!((bits(&avx.d), bits(&avx.s)), (bits(&scalar.d), bits(&scalar.s)));
     }
     let mut nan = vec![1.0f32; 3 * BLOCK];
     nan[BLOCK + 3] = f32::NAN;
@@ -544,18 +562,33 @@ fn bench_smollm2_135m() {
     let env_list = |var: &str, default: &str| std::env::var(var).unwrap_or_else(|_| default.to_string());
     let paths = env_list("TM_QBENCH_PATHS", "int16,int8,exact");
     let ns = env_list("TM_QBENCH_N", "1,16,64");
-    let mut cases: Vec<(&str, MmBest, MmBest, usize, bool)> = Vec::new();
+    // `TM_QBENCH_ISAS=AvxVnni,Avx512Vnni`: the int16 path on each of these instead of the paths.
+    let isas: Vec<Isa> = std::env::var("TM_QBENCH_ISAS")
+        .map(|v| isas().into_iter().filter(|i| v.split(',').any(|n| n.trim() == format!("{i:?}"))).collect())
+        .unwrap_or_default();
+    let mut cases: Vec<(String, Option<Isa>, MmBest, MmBest, usize, bool)> = Vec::new();
     for n in ns.split(',').map(|v| v.trim().parse::<usize>().expect("TM_QBENCH_N: numbers")) {
-        for &(name, f4, f8) in &all {
+        for &isa in &isas {
+            cases.push((format!("{isa:?}"), Some(isa), matmul_int4, matmul_int8, n, true));
+        }
+        for &(name, f4, f8) in all.iter().filter(|_| isas.is_empty()) {
             if paths.split(',').any(|p| name.starts_with(p.trim())) {
-                cases.push((name, f4, f8, n, true));
+                cases.push((name.into(), None, f4, f8, n, true));
                 if n == 1 && name == "int16-act" {
-                    cases.push((name, f4, f8, n, false));
+                    cases.push((name.into(), None, f4, f8, n, false));
                 }
             }
         }
     }
-    for (name, f4, f8, n, in_pool) in cases {
+    for (name, isa, f4, f8, n, in_pool) in cases {
+        let f4 = |x: &[f32], n, w: &HostQuantView<'_>, o: &mut [f32]| match isa {
+            Some(isa) => matmul_int4_with(isa, x, n, w, o),
+            None => f4(x, n, w, o),
+        };
+        let f8 = |x: &[f32], n, w: &HostQuantView<'_>, o: &mut [f32]| match isa {
+            Some(isa) => matmul_int8_with(isa, x, n, w, o),
+            None => f8(x, n, w, o),
+        };
         let x_h = rng.vec(n * inter, 0.0);
         let mut out_h = vec![0.0; n * inter];
         let mut logits = vec![0.0; n * vocab];
@@ -624,10 +657,25 @@ fn bench_hot_single_matrices() {
         let bytes = q.packed.len() + 2 * q.scales.len() + q.mins.as_ref().map_or(0, |m| 2 * m.len());
         let x = rng.vec(n * cols, 0.0);
         let mut out = vec![0.0; n * rows];
-        let paths: [(&str, MmBest); 2] = if int4 {
-            [("int16-act", matmul_int4), ("int8-act", matmul_int4_q8)]
+        // `TM_QBENCH_ISAS=AvxVnni,Avx512Vnni`: the int16 path on each of these, alternated.
+        let isas: Vec<Isa> = std::env::var("TM_QBENCH_ISAS")
+            .map(|v| isas().into_iter().filter(|i| v.split(',').any(|n| n.trim() == format!("{i:?}"))).collect())
+            .unwrap_or_default();
+        type Path = (String, Box<dyn Fn(&[f32], usize, &HostQuantView<'_>, &mut [f32]) -> Result<()> + Sync>);
+        let paths: Vec<Path> = if !isas.is_empty() {
+            let f: Mm = if int4 { matmul_int4_with } else { matmul_int8_with };
+            isas.iter()
+                .map(|&i| {
+                    (
+                        format!("{i:?}"),
+                        Box::new(move |x: &[f32], n, w: &HostQuantView<'_>, o: &mut [f32]| f(i, x, n, w, o)) as _,
+                    )
+                })
+                .collect()
+        } else if int4 {
+            vec![("int16-act".into(), Box::new(matmul_int4)), ("int8-act".into(), Box::new(matmul_int4_q8))]
         } else {
-            [("int16-act", matmul_int8), ("int8-act", matmul_int8_q8)]
+            vec![("int16-act".into(), Box::new(matmul_int8)), ("int8-act".into(), Box::new(matmul_int8_q8))]
         };
         for threads in [1usize, 2] {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
