@@ -8,7 +8,7 @@
 //! query token and head. When a batch has too few tiles to keep every thread busy (decoding one
 //! long sequence), the keys are split into segments of at least [`MIN_SEGMENT`] positions whose
 //! partial softmaxes are merged afterwards. The softmax's exponentials go eight at a time
-//! ([`crate::softmax_exp`]; libm's `expf` one call per score was ~9% of a 2048-token prefill).
+//! ([`crate::fast_exp`]; libm's `expf` one call per score was ~9% of a 2048-token prefill).
 //!
 //! faer pays even for a decode token's few rows: on 2 cores, the default model's batch-1 decode
 //! at 2048 positions took 18-19 ms a token so, ~21 ms with plain loops for small tiles, and
@@ -131,11 +131,11 @@ impl Partial {
                 row.fill(0.0);
                 continue;
             }
-            let w = (first.max[r] - max).exp();
+            let w = crate::fast_exp::exp(first.max[r] - max);
             let mut sum = first.sum[r] * w;
             row.iter_mut().for_each(|x| *x *= w);
             for p in rest.iter() {
-                let w = (p.max[r] - max).exp();
+                let w = crate::fast_exp::exp(p.max[r] - max);
                 sum += p.sum[r] * w;
                 row.iter_mut().zip(&p.o[r * head_dim..(r + 1) * head_dim]).for_each(|(x, y)| *x += w * y);
             }
@@ -250,10 +250,10 @@ impl<'a, 'm, E: KvElem> Cache<'a, 'm, E> {
                 }
                 let chunk_max = srow[a..b].iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
                 let max = part.max[r].max(chunk_max);
-                let rescale = (part.max[r] - max).exp();
+                let rescale = crate::fast_exp::exp(part.max[r] - max);
                 srow[..a].fill(0.0);
                 srow[b..].fill(0.0);
-                let added = crate::softmax_exp::exp_shifted_sum(&mut srow[a..b], max);
+                let added = crate::fast_exp::exp_shifted_sum(&mut srow[a..b], max);
                 part.sum[r] = part.sum[r] * rescale + added;
                 part.max[r] = max;
                 if rescale != 1.0 {

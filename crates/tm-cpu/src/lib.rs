@@ -10,12 +10,12 @@
 pub mod allocator;
 pub mod attention;
 pub mod device;
+pub mod fast_exp;
 pub mod matmul;
 pub mod matmul_16bit;
 pub mod norm;
 pub mod quant_matmul;
 pub mod rope;
-pub mod softmax_exp;
 
 pub use allocator::CpuAllocator;
 pub use device::CpuDevice;
@@ -336,9 +336,11 @@ impl Ops for CpuBackend {
         same_numel("silu_mul", gate, out)?;
         let (g, u) = (f32s(gate, "gate")?, f32s(up, "up")?);
         use rayon::prelude::*;
-        f32s_mut(out, "silu_mul output")?.par_iter_mut().zip(g.par_iter().zip(u)).for_each(|(o, (g, u))| {
-            *o = g / (1.0 + (-g).exp()) * u;
-        });
+        const PIECE: usize = 2048;
+        f32s_mut(out, "silu_mul output")?
+            .par_chunks_mut(PIECE)
+            .zip(g.par_chunks(PIECE).zip(u.par_chunks(PIECE)))
+            .for_each(|(o, (g, u))| fast_exp::silu_mul(g, u, o));
         Ok(())
     }
 

@@ -34,8 +34,9 @@
 //! `d_x = ∞`).
 //!
 //! # Implementation
-//! AVX2 (+FMA, F16C) kernels, with AVX-VNNI where the CPU has it, chosen at run time
-//! ([`Isa::best`]), and a portable scalar path that is also the reference the vector paths are
+//! AVX2 (+FMA, F16C) kernels, with AVX-VNNI where the CPU has it, 512-bit int16-activation
+//! kernels where it has AVX-512 VNNI (`q16_avx512.rs`), chosen at run time ([`Isa::best`]), and a
+//! portable scalar path that is also the reference the vector paths are
 //! tested against (all quantize the activations identically; they differ only in the order of
 //! the f32 sums).
 //!
@@ -43,7 +44,8 @@
 //!   outside the rayon pool pay a cross-thread hand-off each (about 7 µs here); running the whole
 //!   forward pass inside the pool (`rayon::scope(|_| ...)`) avoids it.
 //! - A chunk is computed in register tiles of `R` weight rows × `NA` activation rows (4×1 for
-//!   decode, 1×4 for prefill), so that one decoded weight block serves `NA` activation rows and
+//!   decode, 1×4 for prefill; 2×4 on AVX-512, which has the registers), so that one decoded
+//!   weight block serves `NA` activation rows and
 //!   there are several independent accumulators. For prefill the weight rows are also tiled so
 //!   that a tile stays in L1 while all activation rows pass over it.
 //! - Two 32-column blocks are processed per 32 weight bytes (int4) or 64 (int8), and the
@@ -72,6 +74,12 @@
 //!
 //! Without AVX-VNNI the int16 path's kernels take about 15% longer. The machine's memory
 //! bandwidth varies with its neighbours; the n = 1 numbers can double.
+//!
+//! The int16 path on AVX-512 against AVX-VNNI, alternated in one process
+//! (`TM_QBENCH_ISAS=AvxVnni,Avx512Vnni TM_QBENCH_N=1,16,64`, three runs, medians): n = 1 3.7-3.9
+//! vs 3.4-3.6 ms, n = 16 35.3-37.1 vs 27.8-30.1 ms, n = 64 137-162 vs 104-111 ms (about 1.3x for
+//! prefill; the 512-bit `vpdpwssd` has 1.5x the 256-bit one's throughput here, and the decode,
+//! factor and conversion work per multiply-add halves).
 
 use std::cell::Cell;
 use std::ops::Range;
