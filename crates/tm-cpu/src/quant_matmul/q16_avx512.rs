@@ -202,6 +202,8 @@ unsafe fn tile<const INT4: bool, const R: usize, const NA: usize, const G1: bool
         sx[t] = acts.s.as_ptr().add((j + t) * sh.nbp);
     }
     let mut acc = [[_mm512_setzero_ps(); NA]; R];
+    // The int4 min terms, eight blocks a step.
+    let mut macc = [[_mm256_setzero_ps(); NA]; R];
     // Opaque to the compiler, which would otherwise rebuild the constant indices in the loop.
     let qidx: [__m512i; 2] = std::hint::black_box([
         _mm512_loadu_si512(QUAD_IDX[0].as_ptr().cast()),
@@ -211,8 +213,8 @@ unsafe fn tile<const INT4: bool, const R: usize, const NA: usize, const G1: bool
     while b0 < nb {
         let kend = (nb - b0).min(8);
         let mask = _mm256_loadu_ps(LANE_MASK.as_ptr().add(8 - kend).cast());
-        // Per (row, activation row): the 8 block factors scale_w * d_x, and (int4) the min term
-        // min_w * s_x of the 8 blocks folded straight into the low accumulator lanes.
+        // Per (row, activation row): the 8 block factors scale_w * d_x, and (int4) the min terms
+        // min_w * s_x of the 8 blocks.
         let mut fac = [[_mm256_setzero_ps(); NA]; R];
         for i in 0..R {
             let sv = octet_f16::<G1>(sc, len, goff[i], b0, kend, sh.bpg, spread, mask);
@@ -222,8 +224,7 @@ unsafe fn tile<const INT4: bool, const R: usize, const NA: usize, const G1: bool
             if INT4 {
                 let mv = octet_f16::<G1>(mn, len, goff[i], b0, kend, sh.bpg, spread, mask);
                 for t in 0..NA {
-                    let m = _mm256_mul_ps(mv, _mm256_loadu_ps(sx[t].add(b0)));
-                    acc[i][t] = _mm512_add_ps(acc[i][t], _mm512_zextps256_ps512(m));
+                    macc[i][t] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx[t].add(b0)), macc[i][t]);
                 }
             }
         }
@@ -259,6 +260,13 @@ unsafe fn tile<const INT4: bool, const R: usize, const NA: usize, const G1: bool
             }
         }
         b0 += 8;
+    }
+    if INT4 {
+        for i in 0..R {
+            for t in 0..NA {
+                acc[i][t] = _mm512_add_ps(acc[i][t], _mm512_zextps256_ps512(macc[i][t]));
+            }
+        }
     }
     acc
 }
