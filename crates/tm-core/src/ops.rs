@@ -96,6 +96,12 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
     fn activation_dtype(&self) -> DType;
     /// The dtype this backend stores a dense weight of `src` dtype in.
     fn weight_dtype(&self, src: DType) -> DType;
+    /// The dtype this backend stores a 1-D float tensor (a norm weight, a bias) of `src` dtype in;
+    /// the default is [`Ops::weight_dtype`]. Backends whose kernels take vectors in f32 widen them
+    /// once at load instead of on every call.
+    fn vector_dtype(&self, src: DType) -> DType {
+        self.weight_dtype(src)
+    }
     /// Whether [`Ops::write_kv`] and [`Ops::attention`] take KV caches of `dtype`. Every backend
     /// takes its activation dtype (the default); backends with an 8-bit cache also take
     /// [`DType::F8E4M3`] (`write_kv` encodes, `attention` decodes; see [`crate::fp8`]).
@@ -155,7 +161,7 @@ pub trait Ops: Send + Sync + std::fmt::Debug {
         Ok(())
     }
     /// Makes a dense weight tensor from host bytes of dtype `src_dtype`, converting to
-    /// [`Ops::weight_dtype`].
+    /// [`Ops::weight_dtype`] (to [`Ops::vector_dtype`] for a 1-D `shape`).
     fn load_dense(&self, src_dtype: DType, shape: &[usize], src: &[u8], phase: &str) -> Result<Tensor>;
 
     /// `out[t] = table[ids[t]]`.

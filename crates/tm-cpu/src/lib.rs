@@ -2,9 +2,10 @@
 //!
 //! Implements tm-core's `Device`, `Allocator` and `Ops` on the host: rayon for parallelism,
 //! faer for f32 matrix products, dequantize-on-the-fly kernels for int4/int8 weights. Every
-//! other backend is tested op by op against it. Activations are f32; dense weights are held as
-//! stored (f32, f16 or bf16: a bf16 checkpoint takes its own size in memory, not twice it) and
-//! widened to f32 as the kernels read them ([`matmul_16bit`]). The KV cache is f32 or FP8 E4M3
+//! other backend is tested op by op against it. Activations are f32; dense weight matrices are
+//! held as stored (f32, f16 or bf16: a bf16 checkpoint takes its own size in memory, not twice it)
+//! and widened to f32 as the kernels read them ([`matmul_16bit`]); vectors (norm weights, biases)
+//! are widened to f32 once at load ([`Ops::vector_dtype`]). The KV cache is f32 or FP8 E4M3
 //! (`write_kv` encodes, `attention` decodes exactly).
 
 pub mod allocator;
@@ -127,6 +128,14 @@ impl Ops for CpuBackend {
         // every float dtype as stored (f32, f16, bf16); the kernels widen as they read
         src
     }
+    fn vector_dtype(&self, src: DType) -> DType {
+        // norm weights and biases in f32, as the kernels take them (a few KiB per layer)
+        if src.is_float() {
+            DType::F32
+        } else {
+            src
+        }
+    }
     fn supports_kv_cache_dtype(&self, dtype: DType) -> bool {
         matches!(dtype, DType::F32 | DType::F8E4M3)
     }
@@ -185,6 +194,13 @@ impl Ops for CpuBackend {
                 format!("{} bytes for {shape:?} {src_dtype}", desc.bytes()),
                 src.len(),
             ));
+        }
+        let target = if shape.len() == 1 { self.vector_dtype(src_dtype) } else { self.weight_dtype(src_dtype) };
+        if target != src_dtype {
+            let widened = tm_core::ops::to_f32(src_dtype, src)?;
+            let mut t = self.zeros(tm_core::TensorDesc::new(DType::F32, shape), phase)?;
+            self.upload(&mut t, bytemuck::cast_slice(&widened))?;
+            return Ok(t);
         }
         let mut t = self.zeros(desc, phase)?;
         self.upload(&mut t, src)?;

@@ -86,9 +86,9 @@ fn f32_values<'a>(t: &'a Tensor, what: &str) -> Result<&'a [f32]> {
     t.host::<f32>()
 }
 
-/// A float vector (norm weight, bias) as f32: borrowed when it is f32, widened when it is
-/// f16/bf16 (the backend holds dense weights as stored; vectors are small next to the rows
-/// they scale).
+/// A float vector (norm weight, bias) as f32: borrowed when it is f32 (as the backend loads
+/// vectors, [`tm_core::Ops::vector_dtype`]), widened into a new buffer when a caller made it
+/// f16/bf16.
 pub fn vector_f32<'a>(t: &'a Tensor, what: &str) -> Result<Cow<'a, [f32]>> {
     Ok(match half16(t)? {
         Some(h) => {

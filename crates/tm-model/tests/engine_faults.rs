@@ -35,6 +35,9 @@ impl Ops for Faulty {
     fn weight_dtype(&self, src: DType) -> DType {
         self.cpu.weight_dtype(src)
     }
+    fn vector_dtype(&self, src: DType) -> DType {
+        self.cpu.vector_dtype(src)
+    }
     fn upload(&self, dst: &mut Tensor, src: &[u8]) -> Result<()> {
         self.cpu.upload(dst, src)
     }

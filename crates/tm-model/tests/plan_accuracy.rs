@@ -123,21 +123,33 @@ fn default_model_weights_workspace_and_kv_match_allocations() {
 
 #[test]
 fn the_cpu_holds_float_weights_as_stored() {
-    // f16/bf16 (qwen2, llama3_rope) and f32 (llama) fixtures: held at their stored size, copied
-    // straight from the mapping (no widening buffer)
+    // f16/bf16 (qwen2, llama3_rope) and f32 (llama) fixtures: matrices held at their stored size,
+    // copied straight from the mapping; only the vectors (norm weights, biases) are widened to
+    // f32, through a buffer of the largest one
     for (f, dtype) in [("qwen2", "f16"), ("llama3_rope", "bf16"), ("llama", "f32")] {
         let ckpt = Checkpoint::open(&fixture(f)).unwrap();
-        let p = estimate(&ckpt, &PlanTarget::for_backend(&CpuBackend::new()).unwrap(), &request()).unwrap();
-        assert_eq!(p.weights_total, p.weights_stored, "{f}");
-        assert!(
-            p.weights_by_dtype.iter().all(|g| g.held == dtype && g.stored == dtype),
-            "{f}: {:?}",
-            p.weights_by_dtype
-        );
-        assert_eq!(p.load_staging, 0, "{f}: weights are copied straight from the mapping");
+        let target = PlanTarget::for_backend(&CpuBackend::new()).unwrap();
+        let p = estimate(&ckpt, &target, &request()).unwrap();
+        let c = &ckpt.config;
+        // per layer: two norms (qwen2: and the q/k/v biases); the final norm
+        let biases = if f == "qwen2" { c.q_dim() + 2 * c.kv_dim() } else { 0 };
+        let vector_values = (c.num_layers * (2 * c.hidden_size + biases) + c.hidden_size) as u64;
+        let (matrices, vectors): (Vec<_>, Vec<_>) = p.weights_by_dtype.iter().partition(|g| g.held == dtype);
+        assert!(matrices.iter().all(|g| g.stored == dtype), "{f}: {:?}", p.weights_by_dtype);
+        if dtype == "f32" {
+            assert!(vectors.is_empty(), "{f}: {:?}", p.weights_by_dtype);
+            assert_eq!(p.weights_total, p.weights_stored, "{f}");
+            assert_eq!(p.load_staging, 0, "{f}: weights are copied straight from the mapping");
+        } else {
+            let [v] = vectors.as_slice() else { panic!("{f}: {:?}", p.weights_by_dtype) };
+            assert_eq!((v.stored.as_str(), v.held.as_str()), (dtype, "f32"), "{f}");
+            assert_eq!((v.stored_bytes, v.held_bytes), (2 * vector_values, 4 * vector_values), "{f}");
+            assert_eq!(p.weights_total, p.weights_stored + 2 * vector_values, "{f}");
+            let widest_vector = c.hidden_size.max(c.q_dim()) as u64;
+            assert_eq!(p.load_staging, 4 * widest_vector, "{f}: the widening buffer of the widest vector");
+        }
         // 16-bit matrices are widened in per-thread panels for steps of more than a few tokens:
         // the widest matrix (down_proj's intermediate columns, or o_proj's query width) sizes them
-        let c = &ckpt.config;
         let widest = c.hidden_size.max(c.intermediate_size).max(c.q_dim());
         let panels = if dtype == "f32" { 0 } else { tm_cpu::matmul_16bit::panel_scratch_bytes(widest) };
         assert!(request().max_batched_tokens > tm_cpu::matmul_16bit::FUSED_MAX_ROWS);

@@ -293,6 +293,14 @@ impl Ops for WgpuBackend {
             (false, _) => src,
         }
     }
+    fn vector_dtype(&self, src: DType) -> DType {
+        // norm weights and biases in the activation dtype
+        if src.is_float() {
+            DType::F32
+        } else {
+            src
+        }
+    }
 
     fn upload(&self, dst: &mut Tensor, src: &[u8]) -> Result<()> {
         let n = dst.desc().bytes();
@@ -364,8 +372,7 @@ impl Ops for WgpuBackend {
                 src.len(),
             ));
         }
-        // Vectors (norm weights, biases) are kept in the activation dtype.
-        let target = if shape.len() == 1 && src_dtype.is_float() { DType::F32 } else { self.weight_dtype(src_dtype) };
+        let target = if shape.len() == 1 { self.vector_dtype(src_dtype) } else { self.weight_dtype(src_dtype) };
         let mut t = self.zeros(TensorDesc::new(target, shape), phase)?;
         if target == src_dtype {
             self.upload(&mut t, src)?;

@@ -170,6 +170,9 @@ impl Ops for Recorder<'_> {
     fn weight_dtype(&self, src: DType) -> DType {
         self.inner.weight_dtype(src)
     }
+    fn vector_dtype(&self, src: DType) -> DType {
+        self.inner.vector_dtype(src)
+    }
     fn run_step(&self, step: &mut (dyn FnMut() -> tm_core::Result<()> + Send)) -> tm_core::Result<()> {
         self.inner.run_step(step)
     }

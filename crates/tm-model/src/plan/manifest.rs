@@ -80,7 +80,10 @@ enum Kind {
 struct Walker<'a> {
     src: &'a dyn TensorSource,
     cfg: &'a ModelConfig,
+    /// How matrices are held.
     policy: WeightPolicy,
+    /// How vectors are held.
+    vectors: WeightPolicy,
     /// The tensor-parallel rank planned for (the whole model when not split).
     layout: &'a ShardLayout,
     out: WeightSummary,
@@ -112,7 +115,7 @@ impl Walker<'_> {
         let numel: usize = shape.iter().product();
         match encoding {
             Encoding::Plain(d) if d.is_float() => {
-                let held = self.policy.dense(d);
+                let held = if kind == Kind::Vector { self.vectors.dense(d) } else { self.policy.dense(d) };
                 let bytes = held.storage_bytes(numel) as u64;
                 let staging = if held == d { 0 } else { bytes };
                 Ok((d.to_string(), held.to_string(), bytes, staging))
@@ -258,10 +261,10 @@ impl Walker<'_> {
 pub(super) fn summarize(
     src: &dyn TensorSource,
     cfg: &ModelConfig,
-    policy: WeightPolicy,
+    (policy, vectors): (WeightPolicy, WeightPolicy),
     layout: &ShardLayout,
 ) -> Result<WeightSummary> {
-    let mut w = Walker { src, cfg, policy, layout, out: WeightSummary::default() };
+    let mut w = Walker { src, cfg, policy, vectors, layout, out: WeightSummary::default() };
     let (vocab, h) = (cfg.vocab_size, cfg.hidden_size);
     w.tensor("model.embed_tokens.weight", &[vocab, h], Kind::Matrix)?;
     for i in 0..cfg.num_layers {

@@ -101,12 +101,12 @@ pub const CPU_SCRATCH_ALLOWANCE: u64 = 16 << 20;
 /// Upper bound on the token and sequence counts of a [`PlanRequest`] (token positions are `u32`).
 pub const MAX_COUNT: usize = u32::MAX as usize;
 
-/// How a backend holds dense (float) weights.
+/// How a backend holds dense (float) weights, matrices or vectors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum WeightPolicy {
-    /// In their stored dtype (GPU backends).
+    /// In their stored dtype (GPU backends; the CPU's matrices).
     Stored,
-    /// Every float dtype converted to this one (the CPU backend: f32).
+    /// Every float dtype converted to this one (the CPU's and wgpu's vectors: f32).
     Widen(DType),
     /// Each stored float dtype mapped on its own.
     PerDtype {
@@ -120,10 +120,19 @@ pub enum WeightPolicy {
 }
 
 impl WeightPolicy {
-    /// The policy of a live backend, read from [`Ops::weight_dtype`].
+    /// The policy of a live backend for matrices, read from [`Ops::weight_dtype`].
     pub fn of_backend(ops: &dyn Ops) -> WeightPolicy {
+        Self::from_map(|d| ops.weight_dtype(d))
+    }
+
+    /// The policy of a live backend for 1-D tensors, read from [`Ops::vector_dtype`].
+    pub fn of_backend_vectors(ops: &dyn Ops) -> WeightPolicy {
+        Self::from_map(|d| ops.vector_dtype(d))
+    }
+
+    fn from_map(held_as: impl Fn(DType) -> DType) -> WeightPolicy {
         let floats = [DType::F32, DType::F16, DType::BF16];
-        let held = floats.map(|d| ops.weight_dtype(d));
+        let held = floats.map(held_as);
         if held == floats {
             WeightPolicy::Stored
         } else if held.iter().all(|&d| d == held[0]) {
@@ -149,8 +158,10 @@ pub struct PlanTarget {
     pub kind: DeviceKind,
     /// Memory facts; the budget is `usable × memory_fraction`.
     pub memory: MemoryInfo,
-    /// How dense weights are held.
+    /// How dense weights (matrices) are held.
     pub weights: WeightPolicy,
+    /// How 1-D float tensors (norm weights, biases) are held.
+    pub vectors: WeightPolicy,
     /// Dtype of activations and of the KV cache.
     pub activation_dtype: DType,
     /// Bytes the runtime holds outside tm's allocations, charged before anything else.
@@ -185,6 +196,7 @@ impl PlanTarget {
             kind: device.kind(),
             memory,
             weights: WeightPolicy::of_backend(ops),
+            vectors: WeightPolicy::of_backend_vectors(ops),
             activation_dtype: ops.activation_dtype(),
             reserve_bytes: 0,
             host_buffers: if cuda { CUDA_HOST_BUFFERS } else { 0 },
@@ -385,7 +397,7 @@ pub fn estimate(ckpt: &Checkpoint, target: &PlanTarget, req: &PlanRequest) -> Re
     let cfg = &ckpt.config;
     // Every rank holds as much as rank 0 (even splits; replicated KV heads count on each).
     let layout = ShardLayout::new(cfg, ShardSpec { rank: 0, world: req.tp })?;
-    let weights = manifest::summarize(ckpt.source.as_ref(), cfg, target.weights, &layout)?;
+    let weights = manifest::summarize(ckpt.source.as_ref(), cfg, (target.weights, target.vectors), &layout)?;
     let sizer = Sizer {
         cfg,
         layout: &layout,

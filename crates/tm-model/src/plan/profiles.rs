@@ -122,6 +122,7 @@ impl DeviceProfile {
             kind: DeviceKind::Cuda,
             memory: self.memory_info(host_reserve),
             weights: WeightPolicy::Stored,
+            vectors: WeightPolicy::Stored,
             activation_dtype: DType::F16,
             reserve_bytes: CUDA_RUNTIME_RESERVE,
             host_buffers: CUDA_HOST_BUFFERS,
