@@ -32,6 +32,8 @@ pub struct CheckEnvArgs {
 struct Report {
     cpu_model: Option<String>,
     cpu_threads: usize,
+    /// The instruction set of the CPU backend's quantized matrix kernels.
+    cpu_kernels: &'static str,
     host_total: u64,
     host_available: u64,
     cuda: Result<Cuda, ProbeError>,
@@ -148,6 +150,7 @@ fn gather(self_test_timeout: Option<std::time::Duration>) -> Report {
     Report {
         cpu_model: cpu_model(),
         cpu_threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        cpu_kernels: tm_cpu::quant_matmul::Isa::best().describe(),
         host_total: mem.total,
         host_available: mem.available,
         cuda,
@@ -241,7 +244,7 @@ pub fn run(args: CheckEnvArgs) -> Result<()> {
 fn to_text(r: &Report) -> String {
     let mut s = String::new();
     let model = r.cpu_model.as_deref().map(|m| format!(" ({m})")).unwrap_or_default();
-    s += &format!("CPU: {} threads{model}\n", r.cpu_threads);
+    s += &format!("CPU: {} threads{model}; matrix kernels: {}\n", r.cpu_threads, r.cpu_kernels);
     s += &format!("host memory: {} total, {} available\n", human(r.host_total), human(r.host_available));
     match &r.cuda {
         Err(e) => s += &format!("CUDA: not available ({e}); tm runs on the CPU\n"),
@@ -368,7 +371,7 @@ fn to_json(r: &Report) -> Value {
     };
     let (backend, why) = auto_backend(r);
     json!({
-        "cpu": { "threads": r.cpu_threads, "model": r.cpu_model },
+        "cpu": { "threads": r.cpu_threads, "model": r.cpu_model, "kernels": r.cpu_kernels },
         "host_memory": { "total": r.host_total, "available": r.host_available },
         "cuda": cuda,
         "nvidia_driver": r.nvidia_driver,
@@ -400,6 +403,7 @@ mod tests {
         Report {
             cpu_model: None,
             cpu_threads: 2,
+            cpu_kernels: "AVX2",
             host_total: 8 << 30,
             host_available: 4 << 30,
             cuda,
@@ -436,7 +440,7 @@ mod tests {
     #[test]
     fn text_without_cuda_says_why() {
         let t = to_text(&report(Err(ProbeError::LibraryNotFound)));
-        assert!(t.contains("CPU: 2 threads"), "{t}");
+        assert!(t.contains("CPU: 2 threads; matrix kernels: AVX2\n"), "{t}");
         assert!(t.contains("CUDA: not available (libcuda.so not found); tm runs on the CPU"), "{t}");
         let j = to_json(&report(Err(ProbeError::NoDevices)));
         assert_eq!(j["cuda"]["available"], false);

@@ -26,6 +26,8 @@ fn check_env_as_json() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_str(&stdout).expect("valid JSON");
     assert!(v["cpu"]["threads"].as_u64().is_some_and(|n| n > 0), "{v}");
+    // the instruction set the CPU backend's kernels picked on this machine
+    assert_eq!(v["cpu"]["kernels"], tm_cpu::quant_matmul::Isa::best().describe(), "{v}");
     assert!(v["host_memory"]["total"].as_u64().is_some_and(|n| n > 0), "{v}");
     let available = v["cuda"]["available"].as_bool().expect("cuda.available");
     if !available {

@@ -151,6 +151,16 @@ impl Isa {
         }
     }
 
+    /// What the instruction set is called, for people ("AVX-512 VNNI", "portable (no AVX2)").
+    pub fn describe(self) -> &'static str {
+        match self {
+            Isa::Scalar => "portable (no AVX2)",
+            Isa::Avx2 => "AVX2",
+            Isa::AvxVnni => "AVX-VNNI",
+            Isa::Avx512Vnni => "AVX-512 VNNI",
+        }
+    }
+
     /// Whether the AVX2 kernels run (AVX2, FMA and F16C are present).
     fn avx2(self) -> bool {
         matches!(self, Isa::Avx2 | Isa::AvxVnni | Isa::Avx512Vnni)
