@@ -32,8 +32,8 @@ pub struct CheckEnvArgs {
 struct Report {
     cpu_model: Option<String>,
     cpu_threads: usize,
-    /// The instruction set of the CPU backend's quantized matrix kernels.
-    cpu_kernels: &'static str,
+    /// The instruction set of the CPU backend's matrix kernels (and why, when not the fastest).
+    cpu_kernels: String,
     host_total: u64,
     host_available: u64,
     cuda: Result<Cuda, ProbeError>,
@@ -150,7 +150,7 @@ fn gather(self_test_timeout: Option<std::time::Duration>) -> Report {
     Report {
         cpu_model: cpu_model(),
         cpu_threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-        cpu_kernels: tm_cpu::quant_matmul::Isa::best().describe(),
+        cpu_kernels: cpu_kernels(),
         host_total: mem.total,
         host_available: mem.available,
         cuda,
@@ -220,6 +220,17 @@ fn library_lines(libs: &[LibraryStatus]) -> String {
 }
 
 /// The CPU's model name from /proc/cpuinfo, where there is one.
+/// The CPU backend's kernel instruction set, naming the override when one is in force.
+fn cpu_kernels() -> String {
+    use tm_cpu::quant_matmul::{Isa, ISA_ENV};
+    let (used, detected) = (Isa::best(), Isa::detected());
+    if used == detected {
+        used.describe().to_string()
+    } else {
+        format!("{} (set by {ISA_ENV}; this CPU has {})", used.describe(), detected.describe())
+    }
+}
+
 fn cpu_model() -> Option<String> {
     let text = std::fs::read_to_string("/proc/cpuinfo").ok()?;
     text.lines()
@@ -403,7 +414,7 @@ mod tests {
         Report {
             cpu_model: None,
             cpu_threads: 2,
-            cpu_kernels: "AVX2",
+            cpu_kernels: "AVX2".into(),
             host_total: 8 << 30,
             host_available: 4 << 30,
             cuda,

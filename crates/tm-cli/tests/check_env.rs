@@ -3,7 +3,11 @@
 use std::process::{Command, Output};
 
 fn tm(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tm-cli")).args(args).output().expect("run tm-cli")
+    Command::new(env!("CARGO_BIN_EXE_tm-cli"))
+        .args(args)
+        .env_remove(tm_cpu::quant_matmul::ISA_ENV)
+        .output()
+        .expect("run tm-cli")
 }
 
 #[test]
@@ -27,7 +31,25 @@ fn check_env_as_json() {
     let v: serde_json::Value = serde_json::from_str(&stdout).expect("valid JSON");
     assert!(v["cpu"]["threads"].as_u64().is_some_and(|n| n > 0), "{v}");
     // the instruction set the CPU backend's kernels picked on this machine
-    assert_eq!(v["cpu"]["kernels"], tm_cpu::quant_matmul::Isa::best().describe(), "{v}");
+    assert_eq!(v["cpu"]["kernels"], tm_cpu::quant_matmul::Isa::detected().describe(), "{v}");
+}
+
+#[test]
+fn check_env_names_an_isa_override() {
+    use tm_cpu::quant_matmul::{Isa, ISA_ENV};
+    let detected = Isa::detected();
+    let out = Command::new(env!("CARGO_BIN_EXE_tm-cli"))
+        .args(["check-env", "--json"])
+        .env(ISA_ENV, "portable")
+        .output()
+        .expect("run tm-cli");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
+    let want = if detected == Isa::Scalar {
+        detected.describe().to_string()
+    } else {
+        format!("portable (no AVX2) (set by {ISA_ENV}; this CPU has {})", detected.describe())
+    };
+    assert_eq!(v["cpu"]["kernels"], want.as_str(), "{v}");
     assert!(v["host_memory"]["total"].as_u64().is_some_and(|n| n > 0), "{v}");
     let available = v["cuda"]["available"].as_bool().expect("cuda.available");
     if !available {

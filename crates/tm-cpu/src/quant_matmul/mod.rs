@@ -135,10 +135,57 @@ pub enum Isa {
     Avx512Vnni,
 }
 
+/// Names the kernels' instruction set instead of the fastest one detected: `avx512-vnni`,
+/// `avx-vnni`, `avx2` or `portable` (for comparisons, or to step around a kernel on one CPU).
+pub const ISA_ENV: &str = "TM_CPU_ISA";
+
 impl Isa {
-    /// The fastest instruction set this CPU supports.
+    /// Every instruction set, fastest first.
+    pub const ALL: [Isa; 4] = [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2, Isa::Scalar];
+
+    /// The instruction set the kernels use: the fastest this CPU supports, unless [`ISA_ENV`]
+    /// names another it supports (a name it does not know or a set the CPU lacks is ignored
+    /// with a warning). Decided once per process.
     pub fn best() -> Isa {
-        [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2].into_iter().find(|i| i.available()).unwrap_or(Isa::Scalar)
+        use std::sync::OnceLock;
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            let detected = Isa::detected();
+            match std::env::var(ISA_ENV) {
+                Ok(name) => Isa::chosen(&name, detected).unwrap_or_else(|why| {
+                    tracing::warn!("{ISA_ENV}={name}: {why}; using {}", detected.describe());
+                    detected
+                }),
+                Err(_) => detected,
+            }
+        })
+    }
+
+    /// The fastest instruction set this CPU supports.
+    pub fn detected() -> Isa {
+        Isa::ALL.into_iter().find(|i| i.available()).unwrap_or(Isa::Scalar)
+    }
+
+    /// The instruction set [`ISA_ENV`]'s value `name` asks for, if this CPU has it.
+    fn chosen(name: &str, detected: Isa) -> std::result::Result<Isa, String> {
+        let isa = Isa::ALL.into_iter().find(|i| i.env_name() == name.trim().to_ascii_lowercase()).ok_or_else(|| {
+            let names: Vec<&str> = Isa::ALL.iter().map(|i| i.env_name()).collect();
+            format!("not one of {}", names.join(", "))
+        })?;
+        if !isa.available() {
+            return Err(format!("this CPU lacks {} (it has {})", isa.describe(), detected.describe()));
+        }
+        Ok(isa)
+    }
+
+    /// The name [`ISA_ENV`] takes for the instruction set.
+    pub fn env_name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avx-vnni",
+            Isa::Avx512Vnni => "avx512-vnni",
+        }
     }
 
     /// Whether this CPU can run the instruction set.

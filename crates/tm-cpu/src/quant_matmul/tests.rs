@@ -434,6 +434,23 @@ fn vnni_and_avx2_agree_bit_for_bit() {
 }
 
 #[test]
+fn the_isa_can_be_named() {
+    let detected = Isa::detected();
+    for isa in Isa::ALL {
+        let got = Isa::chosen(&format!(" {} ", isa.env_name().to_uppercase()), detected);
+        if isa.available() {
+            assert_eq!(got, Ok(isa));
+        } else {
+            let why = got.unwrap_err();
+            assert!(why.contains(isa.describe()) && why.contains(detected.describe()), "{why}");
+        }
+    }
+    assert_eq!(Isa::chosen("portable", detected), Ok(Isa::Scalar));
+    let why = Isa::chosen("avx1024", detected).unwrap_err();
+    assert!(why.contains("avx512-vnni, avx-vnni, avx2, portable"), "{why}");
+}
+
+#[test]
 fn empty_and_degenerate_shapes() {
     let q = quantize_int4(&[], 0, 64, 32).unwrap();
     let mut out = vec![];
