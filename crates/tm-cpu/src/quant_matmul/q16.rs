@@ -203,7 +203,9 @@ mod avx2 {
 
     use std::ops::Range;
 
-    use super::super::simd::{octet_f16, prefetch_rows_ahead, spread, write_tile, LANE_MASK, PAIR_IDX, PREFETCH_TILES};
+    use super::super::simd::{
+        octet_f16, prefetch_rows_ahead, spread, write_tile, TileRows, LANE_MASK, PAIR_IDX, PREFETCH_TILES,
+    };
     use super::{Acts, HostQuantView, OutPtr, Shape, BLOCK, LEVELS};
 
     /// `acc + madd(a, b)` in one instruction: AVX-VNNI's `vpdpwssd` (VEX-encoded; written as
@@ -417,20 +419,7 @@ mod avx2 {
         let mn = w.mins.unwrap_or_default().as_ptr().cast::<u16>();
         let len = w.scales.len();
         let spread = spread(sh.bpg);
-        let mut wrow = [std::ptr::null::<u8>(); R];
-        let mut goff = [0usize; R];
-        for i in 0..R {
-            wrow[i] = w.packed.as_ptr().add((r0 + i) * row_bytes);
-            goff[i] = (r0 + i) * sh.groups;
-        }
-        let mut qx = [std::ptr::null::<i16>(); NA];
-        let mut dx = [std::ptr::null::<f32>(); NA];
-        let mut sx = [std::ptr::null::<f32>(); NA];
-        for t in 0..NA {
-            qx[t] = acts.qs.as_ptr().add((j + t) * acts.stride);
-            dx[t] = acts.d.as_ptr().add((j + t) * sh.nbp);
-            sx[t] = acts.s.as_ptr().add((j + t) * sh.nbp);
-        }
+        let TileRows { wrow, goff, qx, dx, sx } = TileRows::<i16, R, NA>::new(sh, w, acts, r0, j, row_bytes);
         let mut acc = [[_mm256_setzero_ps(); NA]; R];
         // The factor spreads for the 4 pairs of an octet. Opaque to the compiler, which would
         // otherwise turn each `vpermps` with a constant index into two shuffles.

@@ -20,7 +20,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::simd::{octet_f16, prefetch_rows_ahead, spread, LANE_MASK, PREFETCH_TILES};
+use super::simd::{octet_f16, prefetch_rows_ahead, spread, TileRows, LANE_MASK, PREFETCH_TILES};
 use super::{Acts, HostQuantView, OutPtr, Shape, BLOCK};
 
 /// Index vectors that spread lanes `4q..4q + 4` of a factor octet over four lanes each (the four
@@ -187,20 +187,7 @@ unsafe fn tile<const INT4: bool, const R: usize, const NA: usize, const G1: bool
     let mn = w.mins.unwrap_or_default().as_ptr().cast::<u16>();
     let len = w.scales.len();
     let spread = spread(sh.bpg);
-    let mut wrow = [std::ptr::null::<u8>(); R];
-    let mut goff = [0usize; R];
-    for i in 0..R {
-        wrow[i] = w.packed.as_ptr().add((r0 + i) * row_bytes);
-        goff[i] = (r0 + i) * sh.groups;
-    }
-    let mut qx = [std::ptr::null::<i16>(); NA];
-    let mut dx = [std::ptr::null::<f32>(); NA];
-    let mut sx = [std::ptr::null::<f32>(); NA];
-    for t in 0..NA {
-        qx[t] = acts.qs.as_ptr().add((j + t) * acts.stride);
-        dx[t] = acts.d.as_ptr().add((j + t) * sh.nbp);
-        sx[t] = acts.s.as_ptr().add((j + t) * sh.nbp);
-    }
+    let TileRows { wrow, goff, qx, dx, sx } = TileRows::<i16, R, NA>::new(sh, w, acts, r0, j, row_bytes);
     let mut acc = [[_mm512_setzero_ps(); NA]; R];
     // The int4 min terms, eight blocks a step.
     let mut macc = [[_mm256_setzero_ps(); NA]; R];

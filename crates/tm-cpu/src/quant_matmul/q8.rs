@@ -161,7 +161,7 @@ mod avx2 {
     use std::ops::Range;
 
     use super::super::simd::{
-        octet_f16, prefetch_rows_ahead, spread, write_tile, LANE_IDX, LANE_MASK, PAIR_IDX, PREFETCH_TILES,
+        octet_f16, prefetch_rows_ahead, spread, write_tile, TileRows, LANE_IDX, LANE_MASK, PAIR_IDX, PREFETCH_TILES,
     };
     use super::{Acts, HostQuantView, OutPtr, Shape, BLOCK};
 
@@ -274,20 +274,7 @@ mod avx2 {
         let mn = w.mins.unwrap_or_default().as_ptr().cast::<u16>();
         let len = w.scales.len();
         let spread = spread(sh.bpg);
-        let mut wrow = [std::ptr::null::<u8>(); R];
-        let mut goff = [0usize; R];
-        for i in 0..R {
-            wrow[i] = w.packed.as_ptr().add((r0 + i) * sh.cols / 2);
-            goff[i] = (r0 + i) * sh.groups;
-        }
-        let mut qx = [std::ptr::null::<i8>(); NA];
-        let mut dx = [std::ptr::null::<f32>(); NA];
-        let mut sx = [std::ptr::null::<f32>(); NA];
-        for t in 0..NA {
-            qx[t] = acts.qs.as_ptr().add((j + t) * sh.cols);
-            dx[t] = acts.d.as_ptr().add((j + t) * sh.nbp);
-            sx[t] = acts.s.as_ptr().add((j + t) * sh.nbp);
-        }
+        let TileRows { wrow, goff, qx, dx, sx } = TileRows::<i8, R, NA>::new(sh, w, acts, r0, j, sh.cols / 2);
         let low = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); NA]; R];
@@ -425,18 +412,7 @@ mod avx2 {
         let sc = w.scales.as_ptr().cast::<u16>();
         let len = w.scales.len();
         let spread = spread(sh.bpg);
-        let mut wrow = [std::ptr::null::<u8>(); R];
-        let mut goff = [0usize; R];
-        for i in 0..R {
-            wrow[i] = w.packed.as_ptr().add((r0 + i) * sh.cols);
-            goff[i] = (r0 + i) * sh.groups;
-        }
-        let mut qx = [std::ptr::null::<i8>(); NA];
-        let mut dx = [std::ptr::null::<f32>(); NA];
-        for t in 0..NA {
-            qx[t] = acts.qs.as_ptr().add((j + t) * sh.cols);
-            dx[t] = acts.d.as_ptr().add((j + t) * sh.nbp);
-        }
+        let TileRows { wrow, goff, qx, dx, .. } = TileRows::<i8, R, NA>::new(sh, w, acts, r0, j, sh.cols);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); NA]; R];
         let mut b0 = 0;

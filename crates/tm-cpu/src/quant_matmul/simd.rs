@@ -2,7 +2,46 @@
 
 use std::arch::x86_64::*;
 
-use super::{HostQuantView, OutPtr};
+use super::{Acts, HostQuantView, OutPtr, Shape};
+
+/// Where the rows of an `R x NA` register tile start: weight rows `r0..r0 + R`, activation rows
+/// `j..j + NA`.
+pub(super) struct TileRows<T, const R: usize, const NA: usize> {
+    /// Each weight row's packed bytes.
+    pub wrow: [*const u8; R],
+    /// Each weight row's first group in the scales (and mins).
+    pub goff: [usize; R],
+    /// Each activation row's quantized values.
+    pub qx: [*const T; NA],
+    /// Each activation row's block scales `d_x`.
+    pub dx: [*const f32; NA],
+    /// Each activation row's `d_x · Σ q_x` per block.
+    pub sx: [*const f32; NA],
+}
+
+impl<T, const R: usize, const NA: usize> TileRows<T, R, NA> {
+    /// # Safety
+    /// `r0 + R <= sh.rows` with `row_bytes` bytes per packed weight row, `j + NA <= sh.n`, and
+    /// `acts` quantized for `sh`.
+    #[inline(always)]
+    pub(super) unsafe fn new(
+        sh: &Shape,
+        w: &HostQuantView<'_>,
+        acts: &Acts<T>,
+        r0: usize,
+        j: usize,
+        row_bytes: usize,
+    ) -> Self {
+        let at = |t: usize| (j + t) * sh.nbp;
+        TileRows {
+            wrow: std::array::from_fn(|i| w.packed.as_ptr().add((r0 + i) * row_bytes)),
+            goff: std::array::from_fn(|i| (r0 + i) * sh.groups),
+            qx: std::array::from_fn(|t| acts.qs.as_ptr().add((j + t) * acts.stride)),
+            dx: std::array::from_fn(|t| acts.d.as_ptr().add(at(t))),
+            sx: std::array::from_fn(|t| acts.s.as_ptr().add(at(t))),
+        }
+    }
+}
 
 /// `-1` lanes then `0` lanes: `LANE_MASK[8 - k..]` keeps the first `k` lanes.
 pub(super) static LANE_MASK: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
