@@ -204,7 +204,7 @@ mod avx2 {
     use std::ops::Range;
 
     use super::super::simd::{
-        octet_f16, prefetch_rows_ahead, spread, write_tile, TileRows, LANE_MASK, PAIR_IDX, PREFETCH_TILES,
+        octet_factors, prefetch_rows_ahead, spread, write_tile, TileRows, PAIR_IDX, PREFETCH_TILES,
     };
     use super::{Acts, HostQuantView, OutPtr, Shape, BLOCK, LEVELS};
 
@@ -415,11 +415,9 @@ mod avx2 {
     ) -> [[__m256; NA]; R] {
         let nb = sh.nb;
         let row_bytes = if INT4 { sh.cols / 2 } else { sh.cols };
-        let sc = w.scales.as_ptr().cast::<u16>();
-        let mn = w.mins.unwrap_or_default().as_ptr().cast::<u16>();
-        let len = w.scales.len();
         let spread = spread(sh.bpg);
-        let TileRows { wrow, goff, qx, dx, sx } = TileRows::<i16, R, NA>::new(sh, w, acts, r0, j, row_bytes);
+        let rows = TileRows::<i16, R, NA>::new(sh, w, acts, r0, j, row_bytes);
+        let TileRows { wrow, qx, .. } = rows;
         let mut acc = [[_mm256_setzero_ps(); NA]; R];
         // The factor spreads for the 4 pairs of an octet. Opaque to the compiler, which would
         // otherwise turn each `vpermps` with a constant index into two shuffles.
@@ -432,22 +430,9 @@ mod avx2 {
         let mut b0 = 0;
         while b0 < nb {
             let kend = (nb - b0).min(8);
-            let mask = _mm256_loadu_ps(LANE_MASK.as_ptr().add(8 - kend).cast());
-            // Per (row, activation row): the 8 block factors scale_w * d_x, and (int4) the min
-            // term min_w * s_x of the 8 blocks folded straight into the accumulator lanes.
-            let mut fac = [[_mm256_setzero_ps(); NA]; R];
-            for i in 0..R {
-                let sv = octet_f16::<G1>(sc, len, goff[i], b0, kend, sh.bpg, spread, mask);
-                for t in 0..NA {
-                    fac[i][t] = _mm256_mul_ps(sv, _mm256_loadu_ps(dx[t].add(b0)));
-                }
-                if INT4 {
-                    let mv = octet_f16::<G1>(mn, len, goff[i], b0, kend, sh.bpg, spread, mask);
-                    for t in 0..NA {
-                        acc[i][t] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx[t].add(b0)), acc[i][t]);
-                    }
-                }
-            }
+            // the 8 blocks' factors scale_w * d_x; (int4) their min terms min_w * s_x folded
+            // straight into the accumulator lanes
+            let fac = octet_factors::<_, G1, R, NA>(sh, w, &rows, b0, spread, if INT4 { Some(&mut acc) } else { None });
             let pair = |q: usize, full: bool, acc: &mut [[__m256; NA]; R]| {
                 let b = b0 + 2 * q;
                 let mut xv = [[_mm256_setzero_si256(); 4]; NA];

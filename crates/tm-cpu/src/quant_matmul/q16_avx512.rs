@@ -20,7 +20,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::simd::{octet_f16, prefetch_rows_ahead, spread, TileRows, LANE_MASK, PREFETCH_TILES};
+use super::simd::{octet_factors, prefetch_rows_ahead, spread, TileRows, PREFETCH_TILES};
 use super::{Acts, HostQuantView, OutPtr, Shape, BLOCK};
 
 /// Index vectors that spread lanes `4q..4q + 4` of a factor octet over four lanes each (the four
@@ -183,11 +183,9 @@ unsafe fn tile<const INT4: bool, const R: usize, const NA: usize, const G1: bool
 ) -> [[__m512; NA]; R] {
     let nb = sh.nb;
     let row_bytes = if INT4 { sh.cols / 2 } else { sh.cols };
-    let sc = w.scales.as_ptr().cast::<u16>();
-    let mn = w.mins.unwrap_or_default().as_ptr().cast::<u16>();
-    let len = w.scales.len();
     let spread = spread(sh.bpg);
-    let TileRows { wrow, goff, qx, dx, sx } = TileRows::<i16, R, NA>::new(sh, w, acts, r0, j, row_bytes);
+    let rows = TileRows::<i16, R, NA>::new(sh, w, acts, r0, j, row_bytes);
+    let TileRows { wrow, qx, .. } = rows;
     let mut acc = [[_mm512_setzero_ps(); NA]; R];
     // The int4 min terms, eight blocks a step.
     let mut macc = [[_mm256_setzero_ps(); NA]; R];
@@ -199,22 +197,8 @@ unsafe fn tile<const INT4: bool, const R: usize, const NA: usize, const G1: bool
     let mut b0 = 0;
     while b0 < nb {
         let kend = (nb - b0).min(8);
-        let mask = _mm256_loadu_ps(LANE_MASK.as_ptr().add(8 - kend).cast());
-        // Per (row, activation row): the 8 block factors scale_w * d_x, and (int4) the min terms
-        // min_w * s_x of the 8 blocks.
-        let mut fac = [[_mm256_setzero_ps(); NA]; R];
-        for i in 0..R {
-            let sv = octet_f16::<G1>(sc, len, goff[i], b0, kend, sh.bpg, spread, mask);
-            for t in 0..NA {
-                fac[i][t] = _mm256_mul_ps(sv, _mm256_loadu_ps(dx[t].add(b0)));
-            }
-            if INT4 {
-                let mv = octet_f16::<G1>(mn, len, goff[i], b0, kend, sh.bpg, spread, mask);
-                for t in 0..NA {
-                    macc[i][t] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx[t].add(b0)), macc[i][t]);
-                }
-            }
-        }
+        // the 8 blocks' factors scale_w * d_x; (int4) their min terms min_w * s_x into `macc`
+        let fac = octet_factors::<_, G1, R, NA>(sh, w, &rows, b0, spread, if INT4 { Some(&mut macc) } else { None });
         let quad = |q: usize, blocks: usize, acc: &mut [[__m512; NA]; R]| {
             let b = b0 + 4 * q;
             let mut e = [[_mm512_setzero_si512(); 4]; R];

@@ -161,7 +161,7 @@ mod avx2 {
     use std::ops::Range;
 
     use super::super::simd::{
-        octet_f16, prefetch_rows_ahead, spread, write_tile, TileRows, LANE_IDX, LANE_MASK, PAIR_IDX, PREFETCH_TILES,
+        octet_factors, prefetch_rows_ahead, spread, write_tile, TileRows, LANE_IDX, PAIR_IDX, PREFETCH_TILES,
     };
     use super::{Acts, HostQuantView, OutPtr, Shape, BLOCK};
 
@@ -270,29 +270,18 @@ mod avx2 {
         j: usize,
     ) -> [[__m256; NA]; R] {
         let nb = sh.nb;
-        let sc = w.scales.as_ptr().cast::<u16>();
-        let mn = w.mins.unwrap_or_default().as_ptr().cast::<u16>();
-        let len = w.scales.len();
         let spread = spread(sh.bpg);
-        let TileRows { wrow, goff, qx, dx, sx } = TileRows::<i8, R, NA>::new(sh, w, acts, r0, j, sh.cols / 2);
+        let rows = TileRows::<i8, R, NA>::new(sh, w, acts, r0, j, sh.cols / 2);
+        let TileRows { wrow, qx, .. } = rows;
         let low = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); NA]; R];
         let mut b0 = 0;
         while b0 < nb {
             let kend = (nb - b0).min(8);
-            let mask = _mm256_loadu_ps(LANE_MASK.as_ptr().add(8 - kend).cast());
-            // Per (row, activation row): the 8 block factors scale_w * d_x, and the min term
-            // min_w * s_x of the 8 blocks folded straight into the accumulator lanes.
-            let mut fac = [[_mm256_setzero_ps(); NA]; R];
-            for i in 0..R {
-                let sv = octet_f16::<G1>(sc, len, goff[i], b0, kend, sh.bpg, spread, mask);
-                let mv = octet_f16::<G1>(mn, len, goff[i], b0, kend, sh.bpg, spread, mask);
-                for t in 0..NA {
-                    fac[i][t] = _mm256_mul_ps(sv, _mm256_loadu_ps(dx[t].add(b0)));
-                    acc[i][t] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx[t].add(b0)), acc[i][t]);
-                }
-            }
+            // the 8 blocks' factors scale_w * d_x; their min terms min_w * s_x folded straight
+            // into the accumulator lanes
+            let fac = octet_factors::<_, G1, R, NA>(sh, w, &rows, b0, spread, Some(&mut acc));
             // Pairs of blocks: 32 weight bytes hold both blocks; low nibbles are the low 16
             // columns of each, high nibbles the high 16, matching the `Layout::Pairs` activations.
             // Pair sums of maddubs stay below 2 * 2 * 15 * 127 < i16::MAX.
@@ -409,23 +398,15 @@ mod avx2 {
         j: usize,
     ) -> [[__m256; NA]; R] {
         let nb = sh.nb;
-        let sc = w.scales.as_ptr().cast::<u16>();
-        let len = w.scales.len();
         let spread = spread(sh.bpg);
-        let TileRows { wrow, goff, qx, dx, .. } = TileRows::<i8, R, NA>::new(sh, w, acts, r0, j, sh.cols);
+        let rows = TileRows::<i8, R, NA>::new(sh, w, acts, r0, j, sh.cols);
+        let TileRows { wrow, qx, .. } = rows;
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); NA]; R];
         let mut b0 = 0;
         while b0 < nb {
             let kend = (nb - b0).min(8);
-            let mask = _mm256_loadu_ps(LANE_MASK.as_ptr().add(8 - kend).cast());
-            let mut fac = [[_mm256_setzero_ps(); NA]; R];
-            for i in 0..R {
-                let sv = octet_f16::<G1>(sc, len, goff[i], b0, kend, sh.bpg, spread, mask);
-                for t in 0..NA {
-                    fac[i][t] = _mm256_mul_ps(sv, _mm256_loadu_ps(dx[t].add(b0)));
-                }
-            }
+            let fac = octet_factors::<_, G1, R, NA>(sh, w, &rows, b0, spread, None);
             let block = |k: usize, acc: &mut [[__m256; NA]; R]| {
                 let b = b0 + k;
                 let idx = _mm256_loadu_si256(LANE_IDX[k].as_ptr().cast());

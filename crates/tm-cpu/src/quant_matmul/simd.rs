@@ -6,6 +6,7 @@ use super::{Acts, HostQuantView, OutPtr, Shape};
 
 /// Where the rows of an `R x NA` register tile start: weight rows `r0..r0 + R`, activation rows
 /// `j..j + NA`.
+#[derive(Clone, Copy)]
 pub(super) struct TileRows<T, const R: usize, const NA: usize> {
     /// Each weight row's packed bytes.
     pub wrow: [*const u8; R],
@@ -44,7 +45,7 @@ impl<T, const R: usize, const NA: usize> TileRows<T, R, NA> {
 }
 
 /// `-1` lanes then `0` lanes: `LANE_MASK[8 - k..]` keeps the first `k` lanes.
-pub(super) static LANE_MASK: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
+static LANE_MASK: [i32; 16] = [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
 
 /// The sum of the eight lanes.
 #[inline(always)]
@@ -77,7 +78,7 @@ pub(super) enum Spread {
 /// `p` is valid for `len` halves, `goff + (nb - 1) / bpg < len`, `b0 + kend <= nb`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn octet_f16<const G1: bool>(
+unsafe fn octet_f16<const G1: bool>(
     p: *const u16,
     len: usize,
     goff: usize,
@@ -128,6 +129,48 @@ pub(super) unsafe fn octet_f16<const G1: bool>(
         }
     }
     _mm256_loadu_ps(t.as_ptr())
+}
+
+/// The factors of the octet of blocks from `b0` (to `b0 + 8` or the row's end) of a tile: for
+/// each (weight row, activation row) the blocks' `scale_w · d_x`, returned (lanes past the row's
+/// end zero); with `mins` (int4 weights), the blocks' min terms `min_w · s_x` added into its
+/// lanes.
+///
+/// # Safety
+/// AVX2/FMA/F16C present; `rows` made for `sh`, `w` and activations quantized for `sh`;
+/// `b0 < sh.nb`.
+#[inline(always)]
+pub(super) unsafe fn octet_factors<T, const G1: bool, const R: usize, const NA: usize>(
+    sh: &Shape,
+    w: &HostQuantView<'_>,
+    rows: &TileRows<T, R, NA>,
+    b0: usize,
+    spread: Spread,
+    mut mins: Option<&mut [[__m256; NA]; R]>,
+) -> [[__m256; NA]; R] {
+    let kend = (sh.nb - b0).min(8);
+    let mask = _mm256_loadu_ps(LANE_MASK.as_ptr().add(8 - kend).cast());
+    let (sc, mn, len) =
+        (w.scales.as_ptr().cast::<u16>(), w.mins.unwrap_or_default().as_ptr().cast::<u16>(), w.scales.len());
+    let mut fac = [[_mm256_setzero_ps(); NA]; R];
+    for (i, fi) in fac.iter_mut().enumerate() {
+        let sv = octet_f16::<G1>(sc, len, rows.goff[i], b0, kend, sh.bpg, spread, mask);
+        match mins.as_deref_mut() {
+            Some(m) => {
+                let mv = octet_f16::<G1>(mn, len, rows.goff[i], b0, kend, sh.bpg, spread, mask);
+                for (t, (f, a)) in fi.iter_mut().zip(m[i].iter_mut()).enumerate() {
+                    *f = _mm256_mul_ps(sv, _mm256_loadu_ps(rows.dx[t].add(b0)));
+                    *a = _mm256_fmadd_ps(mv, _mm256_loadu_ps(rows.sx[t].add(b0)), *a);
+                }
+            }
+            None => {
+                for (f, dx) in fi.iter_mut().zip(&rows.dx) {
+                    *f = _mm256_mul_ps(sv, _mm256_loadu_ps(dx.add(b0)));
+                }
+            }
+        }
+    }
+    fac
 }
 
 pub(super) fn spread(bpg: usize) -> Spread {
