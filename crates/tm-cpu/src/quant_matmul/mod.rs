@@ -224,20 +224,10 @@ fn avx2_available() -> bool {
     false
 }
 
-/// AVX-VNNI, from CPUID leaf 7 sub-leaf 1 (EAX bit 4); the OS saves the YMM state it needs when
-/// AVX2 is usable. (`is_x86_feature_detected!("avxvnni")` needs a newer Rust than this crate's
-/// minimum.)
+/// AVX-VNNI (the VEX-encoded 256-bit form).
 #[cfg(target_arch = "x86_64")]
 fn avx_vnni_available() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    #[allow(unused_unsafe)] // `__cpuid_count` is a safe function in newer Rust versions.
-    fn leaf(leaf: u32, sub: u32) -> u32 {
-        // SAFETY: CPUID exists on every x86-64 CPU, and leaves past the maximum return zeros
-        // or the highest basic leaf's values, which the callers below rule out.
-        unsafe { std::arch::x86_64::__cpuid_count(leaf, sub) }.eax
-    }
-    *HAS.get_or_init(|| leaf(0, 0) >= 7 && leaf(7, 0) >= 1 && leaf(7, 1) & (1 << 4) != 0)
+    is_x86_feature_detected!("avxvnni")
 }
 
 #[cfg(not(target_arch = "x86_64"))]

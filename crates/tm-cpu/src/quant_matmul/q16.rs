@@ -209,7 +209,7 @@ mod avx2 {
     use super::{Acts, HostQuantView, OutPtr, Shape, BLOCK, LEVELS};
 
     /// `acc + madd(a, b)` in one instruction: AVX-VNNI's `vpdpwssd` (VEX-encoded; written as
-    /// assembly because the intrinsic needs a newer Rust than this crate's minimum).
+    /// assembly, as the compiler may split the intrinsic back into `vpmaddwd` and `vpaddd`).
     ///
     /// # Safety
     /// The CPU has AVX-VNNI.
