@@ -355,7 +355,7 @@ pub fn eligible(
 pub const WGMMA_SMALL_MAX_TOKENS: usize = 16;
 
 /// The tile with the least estimated time on `sms` multiprocessors: whole waves of blocks (one
-/// block per SM) times the work of a block over its [`Tile::efficiency`]. The wgmma shapes are
+/// block per SM) times the work of a block over its `Tile::efficiency`. The wgmma shapes are
 /// candidates only with `wgmma` ([`wgmma_available`]), [`Tile::WgmmaSmall`] only up to
 /// [`WGMMA_SMALL_MAX_TOKENS`]; tiles whose `n` grid would exceed the hardware limit are skipped
 /// (the small tile always fits an [`eligible`] call).

@@ -154,7 +154,7 @@ impl CudaBackend {
         Some((cache.counts[0], cache.counts[1], cache.counts[2]))
     }
 
-    /// Early replays so far ([`graphs`]: a predicted graph launched before its step finished
+    /// Early replays so far (`graphs`: a predicted graph launched before its step finished
     /// recording): (those that matched their step, those that did not, after which the step ran
     /// again eagerly); `None` when graphs are off.
     pub fn early_replay_stats(&self) -> Option<(u64, u64)> {
@@ -354,7 +354,7 @@ impl Ops for CudaBackend {
     }
 
     /// Tile-ordered scales and mins for tile-major int4 gate and up weights that the lean
-    /// gate/up/SiLU kernel takes ([`CudaBackend::tile_gate_up_scales`]).
+    /// gate/up/SiLU kernel takes (`CudaBackend::tile_gate_up_scales`).
     fn prepare_gate_up(&self, gate: &mut Weight, up: &mut Weight) -> Result<()> {
         self.tile_gate_up_scales(gate, up)
     }
