@@ -607,6 +607,9 @@
 // q/k/v 6.4 / 6.2 / 5.5 us, o 5.8 / 5.2 / 4.2, gate/up 24.1 / 24.1 / 23.8, down 12.9 / 12.8 / 12.5.
 // The suite's conformance (29) and end_to_end (15) passed; tm_cuda_unit ran out of the call's
 // limit while NVRTC compiled the embedded modules (60 tests ok, none failed).
+// Session 37 (2026-12-07): two asks (gpu_b1_ratio.sh, kind nvidia-h200, 20:31 and ~20:41 UTC):
+// the first found no machine (181 s of device time), the second was told no machine is lent for
+// the rest of the session. Kernels unchanged; the bundle of 8b42440 is built and waiting.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
