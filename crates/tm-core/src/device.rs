@@ -27,7 +27,7 @@ pub struct MemoryInfo {
 
 /// A compute device.
 pub trait Device: Send + Sync + Debug {
-    /// Human-readable name, e.g. `cpu (2 threads)` or `NVIDIA H200`.
+    /// Human-readable name, e.g. `cpu (2 threads, AVX-512 VNNI)` or `NVIDIA H200`.
     fn name(&self) -> String;
     /// The backend family.
     fn kind(&self) -> DeviceKind;
