@@ -20,7 +20,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::simd::{octet_factors, prefetch_rows_ahead, spread, TileRows, PREFETCH_TILES};
+use super::simd::{octet_factors, prefetch_rows_ahead, spread, write_tile, TileRows, PREFETCH_TILES};
 use super::{Acts, HostQuantView, OutPtr, Shape, BLOCK};
 
 /// Index vectors that spread lanes `4q..4q + 4` of a factor octet over four lanes each (the four
@@ -79,22 +79,6 @@ unsafe fn rows_tiled<const INT4: bool, const R: usize, const NA: usize>(
         let acc = tile::<INT4, 1, NA, false>(sh, w, acts, r, j);
         write_tile(&acc, out, sh.rows, r, j);
         r += 1;
-    }
-}
-
-/// Writes the `R x NA` results of a tile into `out[j + t][r0 + i]`.
-#[inline(always)]
-unsafe fn write_tile<const R: usize, const NA: usize>(
-    acc: &[[__m512; NA]; R],
-    out: OutPtr,
-    rows: usize,
-    r0: usize,
-    j: usize,
-) {
-    for (i, a) in acc.iter().enumerate() {
-        for (t, v) in a.iter().enumerate() {
-            out.write((j + t) * rows + r0 + i, _mm512_reduce_add_ps(*v));
-        }
     }
 }
 
@@ -171,7 +155,7 @@ unsafe fn decode_quad<const INT4: bool>(wrow: *const u8, b: usize, blocks: usize
 }
 
 /// Weight rows `r0..r0 + R` against activation rows `j..j + NA`: the per-lane partial sums
-/// (summed horizontally by the caller).
+/// (8 lanes each, summed horizontally by the caller).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
 #[inline]
 unsafe fn tile<const INT4: bool, const R: usize, const NA: usize, const G1: bool>(
@@ -180,7 +164,7 @@ unsafe fn tile<const INT4: bool, const R: usize, const NA: usize, const G1: bool
     acts: &Acts<i16>,
     r0: usize,
     j: usize,
-) -> [[__m512; NA]; R] {
+) -> [[__m256; NA]; R] {
     let nb = sh.nb;
     let row_bytes = if INT4 { sh.cols / 2 } else { sh.cols };
     let spread = spread(sh.bpg);
@@ -232,12 +216,13 @@ unsafe fn tile<const INT4: bool, const R: usize, const NA: usize, const G1: bool
         }
         b0 += 8;
     }
-    if INT4 {
-        for i in 0..R {
-            for t in 0..NA {
-                acc[i][t] = _mm512_add_ps(acc[i][t], _mm512_zextps256_ps512(macc[i][t]));
-            }
+    // Each 16-lane sum folded to 8 lanes, plus the min terms: the 256-bit tiles' result type.
+    let mut sums = [[_mm256_setzero_ps(); NA]; R];
+    for ((s_row, a_row), m_row) in sums.iter_mut().zip(&acc).zip(&macc) {
+        for ((s, a), m) in s_row.iter_mut().zip(a_row).zip(m_row) {
+            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*a)));
+            *s = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(*a), high), *m);
         }
     }
-    acc
+    sums
 }
