@@ -8,6 +8,7 @@
 //! distinct offsets of two staging buffers, written with `Queue::write_buffer` (applied at the
 //! next submission, before the recorded work), so no buffer is created per launch.
 
+use crate::profile::{ProfileStats, Profiler};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use tm_core::{Error, Result};
@@ -32,13 +33,18 @@ pub struct WgpuOptions {
     pub max_binding: Option<u64>,
     /// Do not use subgroup operations even where the adapter has them.
     pub no_subgroups: bool,
+    /// Time every kernel launch on the GPU with timestamp queries and print the totals per
+    /// kernel when the device is dropped (see [`crate::profile`]); ignored, with a warning,
+    /// where the adapter has no timestamp queries. Serialises the host and the GPU.
+    pub profile: bool,
 }
 
 impl WgpuOptions {
     /// Options from the environment: `TM_WGPU_ADAPTER` (an index into [`list_adapters`]),
     /// `TM_WGPU_ALLOW_CPU=1` (allow a software adapter), `TM_WGPU_MEMORY_CAP` (bytes, or with a
     /// `K`/`M`/`G` suffix, powers of 1024), `TM_WGPU_F16=1` (f16 weights),
-    /// `TM_WGPU_MAX_BINDING` (bytes, as the cap) and `TM_WGPU_NO_SUBGROUPS=1`. Unparsable values
+    /// `TM_WGPU_MAX_BINDING` (bytes, as the cap), `TM_WGPU_NO_SUBGROUPS=1` and
+    /// `TM_WGPU_PROFILE=1` (GPU time per kernel). Unparsable values
     /// are ignored with a warning.
     pub fn from_env() -> Self {
         let var = |name: &str| std::env::var(name).ok().map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
@@ -65,6 +71,7 @@ impl WgpuOptions {
             f16_weights: flag("TM_WGPU_F16"),
             max_binding: bytes("TM_WGPU_MAX_BINDING"),
             no_subgroups: flag("TM_WGPU_NO_SUBGROUPS"),
+            profile: flag("TM_WGPU_PROFILE"),
         }
     }
 }
@@ -170,15 +177,19 @@ struct Recorder {
     encoder: Option<wgpu::CommandEncoder>,
     params_used: u64,
     inputs_used: u64,
+    profiler: Option<Profiler>,
 }
 
 /// Where one launch's parameter block and host inputs were staged.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Staged {
     /// Offset of the parameter block in [`Gpu::params`].
     pub params: u32,
     /// Offset of the host inputs in [`Gpu::inputs`].
     pub inputs: u32,
+    /// When profiling: the query set and the index of the launch's start timestamp (its end
+    /// goes to the next index).
+    pub timestamps: Option<(wgpu::QuerySet, u32)>,
 }
 
 /// An opened wgpu device and queue, with the adapter's facts and the errors wgpu reported.
@@ -256,7 +267,13 @@ impl Gpu {
         let summary = summary(index, adapter);
         let limits = adapter.limits();
         let subgroups = !opts.no_subgroups && adapter.features().contains(wgpu::Features::SUBGROUP);
-        let features = if subgroups { wgpu::Features::SUBGROUP } else { wgpu::Features::empty() };
+        let mut features = if subgroups { wgpu::Features::SUBGROUP } else { wgpu::Features::empty() };
+        let profile = opts.profile && adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
+        if profile {
+            features |= wgpu::Features::TIMESTAMP_QUERY;
+        } else if opts.profile {
+            tracing::warn!("TM_WGPU_PROFILE: {} has no timestamp queries; not profiling", summary.name);
+        }
         let desc = wgpu::DeviceDescriptor {
             label: Some("tm"),
             required_features: features,
@@ -287,6 +304,7 @@ impl Gpu {
         let storage_align = u64::from(limits.min_storage_buffer_offset_alignment).max(4);
         // At least a few aligned rows must fit a window.
         let max_binding = opts.max_binding.map_or(adapter_max, |m| m.min(adapter_max)).max(16 * storage_align);
+        let profiler = profile.then(|| Profiler::new(&device, &queue));
         Ok(Gpu {
             device,
             queue,
@@ -298,7 +316,7 @@ impl Gpu {
             params,
             inputs,
             max_binding,
-            recorder: Mutex::new(Recorder::default()),
+            recorder: Mutex::new(Recorder { profiler, ..Default::default() }),
             submissions: Default::default(),
             unsubmitted_writes: Default::default(),
             bind_groups: Mutex::new(HashMap::new()),
@@ -311,10 +329,16 @@ impl Gpu {
     }
 
     fn submit(&self, r: &mut Recorder) {
-        if let Some(enc) = r.encoder.take() {
+        if let Some(mut enc) = r.encoder.take() {
             self.unsubmitted_writes.store(0, std::sync::atomic::Ordering::Relaxed);
+            if let Some(p) = r.profiler.as_mut() {
+                p.resolve(&mut enc);
+            }
             self.queue.submit([enc.finish()]);
             self.submissions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if let Some(p) = r.profiler.as_mut() {
+                p.collect(&self.device);
+            }
         }
         r.params_used = 0;
         r.inputs_used = 0;
@@ -377,6 +401,9 @@ impl Gpu {
     /// Records `f`'s commands into the pending encoder.
     pub fn record<T>(&self, f: impl FnOnce(&mut wgpu::CommandEncoder) -> T) -> Result<T> {
         let mut r = self.recorder()?;
+        if let Some(p) = r.profiler.as_mut() {
+            p.recording();
+        }
         let device = &self.device;
         let enc = r.encoder.get_or_insert_with(|| {
             device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("tm step") })
@@ -384,21 +411,29 @@ impl Gpu {
         Ok(f(enc))
     }
 
-    /// Stages a launch's parameter block and host inputs (at most [`INPUT_WINDOW`] bytes, a
-    /// multiple of 4), then records `f` with their offsets. Submits the pending work first when
-    /// the staging buffers are full.
+    /// Stages launch `name`'s parameter block and host inputs (at most [`INPUT_WINDOW`] bytes,
+    /// a multiple of 4), then records `f` with their offsets. Submits the pending work first
+    /// when the staging buffers (or the profiler's queries) are full.
     pub fn record_launch<T>(
         &self,
+        name: &'static str,
         params: &[u32; 16],
         inputs: &[u8],
         f: impl FnOnce(&mut wgpu::CommandEncoder, Staged) -> T,
     ) -> Result<T> {
         let mut r = self.recorder()?;
         let input_bytes = (inputs.len() as u64).div_ceil(self.storage_align) * self.storage_align;
-        if r.params_used + self.uniform_align > PARAMS_BYTES || r.inputs_used + input_bytes > INPUTS_BYTES {
+        if r.params_used + self.uniform_align > PARAMS_BYTES
+            || r.inputs_used + input_bytes > INPUTS_BYTES
+            || r.profiler.as_ref().is_some_and(Profiler::full)
+        {
             self.submit(&mut r);
         }
-        let staged = Staged { params: r.params_used as u32, inputs: r.inputs_used as u32 };
+        let timestamps = r.profiler.as_mut().map(|p| {
+            p.recording();
+            p.next(name)
+        });
+        let staged = Staged { params: r.params_used as u32, inputs: r.inputs_used as u32, timestamps };
         self.queue.write_buffer(&self.params, r.params_used, bytemuck::cast_slice(params));
         if !inputs.is_empty() {
             self.queue.write_buffer(&self.inputs, r.inputs_used, inputs);
@@ -410,6 +445,12 @@ impl Gpu {
             device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("tm step") })
         });
         Ok(f(enc, staged))
+    }
+
+    /// GPU time per kernel so far, when profiling ([`WgpuOptions::profile`]); work still being
+    /// recorded is counted once it is submitted.
+    pub fn profile(&self) -> Option<ProfileStats> {
+        self.recorder.lock().ok()?.profiler.as_ref().map(|p| p.stats().clone())
     }
 
     /// Returns the first error wgpu reported since the last call, if any.
@@ -455,6 +496,16 @@ impl Gpu {
         match pollster::block_on(scope.pop()) {
             Some(e) => Err(backend_err(format!("{what}: {e}"))),
             None => Ok(out),
+        }
+    }
+}
+
+impl Drop for Gpu {
+    /// Prints the profile (when profiling) to stderr; a write error is ignored.
+    fn drop(&mut self) {
+        if let Some(stats) = self.profile().filter(|s| s.submissions > 0) {
+            use std::io::Write;
+            let _ = std::io::stderr().write_all(stats.report().as_bytes());
         }
     }
 }

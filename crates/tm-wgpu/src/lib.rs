@@ -13,11 +13,13 @@
 //! - [`context`]: adapter listing and selection, the device, the command recorder.
 //! - [`allocator`]: storage buffers behind tm-core's RAII `Buffer`s, with a cap and statistics.
 //! - [`ops`]: the kernels.
+//! - [`profile`]: GPU time per kernel (`TM_WGPU_PROFILE=1`).
 
 pub mod allocator;
 pub mod context;
 mod launch;
 pub mod ops;
+pub mod profile;
 
 pub use allocator::{WgpuAllocator, WgpuDevice};
 pub use context::{list_adapters, AdapterSummary, Gpu, WgpuOptions};

@@ -591,3 +591,41 @@ fn weight_over_the_adapter_binding_limit() {
         start.elapsed()
     );
 }
+
+/// `TM_WGPU_PROFILE`: every launch is timed under its kernel's name, once, and the results are
+/// the same as without profiling.
+#[test]
+fn profiling_times_every_launch_by_kernel() {
+    let Some(g) = own_gpu(|o| o.profile = true) else { return };
+    let Some(before) = g.gpu().profile() else {
+        println!("skipped: {} has no timestamp queries", g.gpu().summary.name);
+        return;
+    };
+    assert_eq!(before.submissions, 0);
+    let c = CpuBackend::new();
+    let mut rng = Rng(41);
+    let (rows, cols) = (64, 96);
+    let (gw, cw) = weights(&g, &c, "int4", rows, cols, &mut rng);
+    let (gx, cx) = pair(&g, &c, &[1, cols], &rng.floats(cols));
+    let (gn, cn) = pair(&g, &c, &[cols], &rng.floats(cols));
+    let (mut gy, mut cy) = pair(&g, &c, &[1, cols], &[0.0; 96]);
+    let (mut go, mut co) = pair(&g, &c, &[1, rows], &[0.0; 64]);
+    for _ in 0..3 {
+        g.rms_norm(&gx, &gn, 1e-5, &mut gy).unwrap();
+        g.matmul(&gy, &gw, None, &mut go).unwrap();
+    }
+    c.rms_norm(&cx, &cn, 1e-5, &mut cy).unwrap();
+    c.matmul(&cy, &cw, None, &mut co).unwrap();
+    close("profiled matmul", &g, &go, &c, &co);
+    let p = g.gpu().profile().unwrap();
+    assert!(p.submissions >= 1, "{p:?}");
+    let gemv = if g.uses_subgroups() { "gemv_q4_sg" } else { "gemv_q4" };
+    for (name, launches) in [("rms_norm", 3), (gemv, 3)] {
+        let k = p.kernels.get(name).unwrap_or_else(|| panic!("{name} missing from {p:?}"));
+        assert_eq!(k.launches, launches, "{name}");
+        assert!(k.ns > 0.0, "{name}: no GPU time");
+    }
+    assert_eq!(p.kernels.values().map(|k| k.launches).sum::<u64>(), 6, "{}", p.report());
+    assert!(p.gpu_span_ns >= p.kernel_ns() * 0.999, "{}", p.report());
+    println!("{}", p.report());
+}

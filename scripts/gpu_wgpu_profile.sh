@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The wgpu backend on the GPU machine's Vulkan driver: where a batch-1 decode step's time goes
+# (TM_WGPU_PROFILE=1: GPU time per kernel, time between passes, host recording), TPOT per
+# variant, and CUDA on the same checkpoint for scale. About 3-4 minutes.
+#
+# Here: build tm-cli (it embeds the sm_90 kernels of target/kernels when they match), then
+#   mkdir -p target/wgpu-ab && cp target/release/tm-cli target/wgpu-ab/ && strip target/wgpu-ab/tm-cli \
+#     && xz -T2 -6 -f target/wgpu-ab/tm-cli
+# and on the GPU machine (carry [".gl", "target/wgpu-ab"]), from the repository root:
+#   OUT=$OUT bash scripts/gpu_wgpu_profile.sh
+# Environment: VARIANTS (space-separated; `base` or NAME=VALUE[,NAME=VALUE] environment for
+# tm-cli; default `base`), LAYERS (of the Llama-3-8B-shaped random checkpoint, default 8: each
+# layer's products are those of the 8B model, lm_head and embeddings whole), CUDA=0 skips the
+# CUDA run, MODEL=path replaces the checkpoint. Results: $OUT/summary.txt, and $OUT/logs.tgz (profile-*.txt, bench-*.txt, ...).
+set -uo pipefail
+START=$SECONDS
+OUT="${OUT:-target/gpu-logs/wgpu}"
+mkdir -p "$OUT"
+: >"$OUT/summary.txt"
+log() { echo "[$((SECONDS - START))s] $*" | tee -a "$OUT/summary.txt"; }
+CLI=target/wgpu-ab/tm-cli
+if [ -f "$CLI.xz" ] && [ ! -x "$CLI" ]; then
+    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$CLI.xz" "$CLI" &&
+        chmod +x "$CLI"
+fi
+. scripts/vulkan_env.sh || exit 1
+export TM_WGPU_MEMORY_CAP="${TM_WGPU_MEMORY_CAP:-60G}"
+MODEL="${MODEL:-/tmp/l8b-${LAYERS:-8}}"
+if [ ! -e "$MODEL" ]; then
+    timeout 200 python3 scripts/make_llama8b.py "$MODEL" --layers "${LAYERS:-8}" >"$OUT/make.txt" 2>&1 ||
+        { log "make_llama8b failed: $(tail -2 "$OUT/make.txt")"; exit 1; }
+    log "checkpoint: $(tail -1 "$OUT/make.txt"), $(du -sh "$MODEL" | cut -f1)"
+fi
+run() { # name, timeout, extra arguments...
+    local name=$1 t=$2
+    shift 2
+    timeout "$t" "$CLI" bench --model "$MODEL" --num-prompts 1 --concurrency 1 --input-len 128 "$@" >"$OUT/$name.txt" 2>&1
+    log "$name: exit $? $(grep -E 'TPOT' "$OUT/$name.txt" | head -1)"
+}
+for v in ${VARIANTS:-base}; do
+    envs=()
+    [ "$v" = base ] || IFS=, read -r -a envs <<<"$v"
+    tag=$(echo "$v" | tr -c 'A-Za-z0-9_.\n-' '_')
+    (
+        for e in "${envs[@]}"; do export "${e?}"; done
+        TM_WGPU_PROFILE=1 run "profile-$tag" 120 --backend wgpu --output-len 8
+        grep -A14 '^wgpu profile' "$OUT/profile-$tag.txt" | tee -a "$OUT/summary.txt"
+        run "bench-$tag" 120 --backend wgpu --output-len 32
+    )
+done
+[ "${CUDA:-1}" = 0 ] || run bench-cuda 120 --backend cuda --output-len 32
+log "done"
+(cd "$OUT" && tar czf logs.tgz --exclude=summary.txt --exclude=logs.tgz ./*.txt && find . -name '*.txt' ! -name summary.txt -delete)
