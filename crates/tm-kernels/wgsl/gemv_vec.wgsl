@@ -2,13 +2,17 @@
 // thread loads 8 weights (16 or 32 bytes) per step, so enough bytes are in flight to keep a
 // GPU's memory busy. The weight variant supplies `load_w8(row, k)` (weights 8k .. 8k + 8 of the
 // row); x is read as vec4s. Params as matmul_gemv.wgsl.
+// The token count when fixed at pipeline creation (1 ..= 8: the per-token loops unroll and the
+// sums stay in registers), else 0: read from the parameters.
+override TOKENS: u32 = 0u;
+
 @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> bias: array<f32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
-    let n = P(0u);
+    let n = select(P(0u), TOKENS, TOKENS != 0u);
     let rows = P(1u);
     let cols = P(2u);
     let r = wid.x + wid.y * P(5u);

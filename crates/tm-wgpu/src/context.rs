@@ -33,6 +33,9 @@ pub struct WgpuOptions {
     pub max_binding: Option<u64>,
     /// Do not use subgroup operations even where the adapter has them.
     pub no_subgroups: bool,
+    /// Read the matrix-vector kernels' token count from their parameters instead of compiling
+    /// a pipeline per count (1 ..= 8) with it fixed, which unrolls their loops over tokens.
+    pub dynamic_gemv_tokens: bool,
     /// Time every kernel launch on the GPU with timestamp queries and print the totals per
     /// kernel when the device is dropped (see [`crate::profile`]); ignored, with a warning,
     /// where the adapter has no timestamp queries. Serialises the host and the GPU.
@@ -44,7 +47,7 @@ impl WgpuOptions {
     /// `TM_WGPU_ALLOW_CPU=1` (allow a software adapter), `TM_WGPU_MEMORY_CAP` (bytes, or with a
     /// `K`/`M`/`G` suffix, powers of 1024), `TM_WGPU_F16=1` (f16 weights),
     /// `TM_WGPU_MAX_BINDING` (bytes, as the cap), `TM_WGPU_NO_SUBGROUPS=1` and
-    /// `TM_WGPU_PROFILE=1` (GPU time per kernel). Unparsable values
+    /// `TM_WGPU_PROFILE=1` (GPU time per kernel), `TM_WGPU_DYNAMIC_GEMV=1`. Unparsable values
     /// are ignored with a warning.
     pub fn from_env() -> Self {
         let var = |name: &str| std::env::var(name).ok().map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
@@ -72,6 +75,7 @@ impl WgpuOptions {
             max_binding: bytes("TM_WGPU_MAX_BINDING"),
             no_subgroups: flag("TM_WGPU_NO_SUBGROUPS"),
             profile: flag("TM_WGPU_PROFILE"),
+            dynamic_gemv_tokens: flag("TM_WGPU_DYNAMIC_GEMV"),
         }
     }
 }

@@ -40,8 +40,8 @@ pub(crate) struct Compiled {
     index: u64,
 }
 
-/// Compiled kernels by name.
-pub(crate) type PipelineCache = HashMap<&'static str, Arc<Compiled>>;
+/// Compiled kernels by name and fixed token count (0: none; see [`WgpuBackend::dispatch_fixed`]).
+pub(crate) type PipelineCache = HashMap<(&'static str, u32), Arc<Compiled>>;
 
 fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 {
@@ -88,10 +88,11 @@ pub(crate) fn grid(count: u64) -> (u32, u32) {
 }
 
 impl WgpuBackend {
-    /// The compiled kernel `name`, compiling it on first use.
-    pub(crate) fn compiled(&self, name: &'static str) -> Result<Arc<Compiled>> {
+    /// The compiled kernel `name` with its `TOKENS` override set to `tokens` (0: left at its
+    /// default), compiling it on first use.
+    pub(crate) fn compiled(&self, name: &'static str, tokens: u32) -> Result<Arc<Compiled>> {
         let mut cache = self.pipelines.lock().map_err(|_| Error::invalid("wgpu pipeline cache poisoned"))?;
-        if let Some(p) = cache.get(name) {
+        if let Some(p) = cache.get(&(name, tokens)) {
             return Ok(Arc::clone(p));
         }
         let kernel = tm_kernels::wgsl::kernel(name)
@@ -100,6 +101,10 @@ impl WgpuBackend {
             return Err(Error::Unsupported(format!("wgpu kernel {name} needs subgroups, which this device lacks")));
         }
         let source = kernel.source();
+        if tokens != 0 && !source.contains("override TOKENS") {
+            return Err(Error::invalid(format!("wgpu kernel {name} has no token count to fix")));
+        }
+        let constants = [("TOKENS", f64::from(tokens))];
         let bindings = tm_kernels::wgsl::bindings(&source);
         let kinds: Vec<BindingKind> = bindings.iter().map(|b| b.1).collect();
         let device = &self.gpu.device;
@@ -140,13 +145,16 @@ impl WgpuBackend {
                     layout: Some(&pipeline_layout),
                     module: &module,
                     entry_point: Some(kernel.entry),
-                    compilation_options: Default::default(),
+                    compilation_options: wgpu::PipelineCompilationOptions {
+                        constants: if tokens == 0 { &[] } else { &constants },
+                        ..Default::default()
+                    },
                     cache: None,
                 });
                 (pipeline, layout)
             })?;
         let compiled = Arc::new(Compiled { pipeline, layout, kinds, index: cache.len() as u64 });
-        cache.insert(name, Arc::clone(&compiled));
+        cache.insert((name, tokens), Arc::clone(&compiled));
         Ok(compiled)
     }
 
@@ -190,6 +198,21 @@ impl WgpuBackend {
         binds: &[Bind],
         groups: (u32, u32),
     ) -> Result<()> {
+        self.dispatch_fixed(name, 0, params, inputs, binds, groups)
+    }
+
+    /// [`WgpuBackend::dispatch`] of a pipeline whose `TOKENS` override is `tokens` (a kernel
+    /// that declares it, such as the matrix-vector ones; one pipeline per value, so loops over
+    /// tokens unroll), or left at its default when `tokens` is 0.
+    pub(crate) fn dispatch_fixed(
+        &self,
+        name: &'static str,
+        tokens: u32,
+        params: &[u32],
+        inputs: &[u8],
+        binds: &[Bind],
+        groups: (u32, u32),
+    ) -> Result<()> {
         let max = self.gpu.limits.max_compute_workgroups_per_dimension;
         if groups.0 > max || groups.1 > max {
             return Err(Error::Unsupported(format!(
@@ -199,7 +222,7 @@ impl WgpuBackend {
         if params.len() > 16 {
             return Err(Error::invalid(format!("kernel {name} got {} parameters; at most 16 fit", params.len())));
         }
-        let k = self.compiled(name)?;
+        let k = self.compiled(name, tokens)?;
         let mut words = [0u32; 16];
         words[..params.len()].copy_from_slice(params);
         let has_inputs = k.kinds.get(1) == Some(&BindingKind::Inputs);

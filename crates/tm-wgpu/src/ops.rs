@@ -32,6 +32,7 @@ pub struct WgpuBackend {
     pub(crate) pipelines: Mutex<PipelineCache>,
     pub(crate) dummy: wgpu::Buffer,
     f16_weights: bool,
+    dynamic_gemv_tokens: bool,
     /// Readback buffer, grown as needed.
     staging: Mutex<Option<wgpu::Buffer>>,
     /// Attention's partial states over a windowed cache: (buffer, cache id), grown as needed.
@@ -155,6 +156,7 @@ impl WgpuBackend {
             pipelines: Mutex::new(PipelineCache::new()),
             dummy,
             f16_weights: opts.f16_weights,
+            dynamic_gemv_tokens: opts.dynamic_gemv_tokens,
             staging: Mutex::new(None),
             scratch: Mutex::new(None),
             next_own_id: AtomicU64::new(OWN_IDS),
@@ -176,7 +178,7 @@ impl WgpuBackend {
     pub fn warm_up(&self) -> Result<()> {
         for k in tm_kernels::wgsl::KERNELS {
             if !k.subgroups || self.gpu.subgroups {
-                self.compiled(k.name)?;
+                self.compiled(k.name, 0)?;
             }
         }
         Ok(())
@@ -260,7 +262,8 @@ impl WgpuBackend {
                     r0 as u32,
                     rows as u32,
                 ];
-                self.dispatch(name, &params, &[], &b, groups)?;
+                let fixed = if gemv && !self.dynamic_gemv_tokens { tn as u32 } else { 0 };
+                self.dispatch_fixed(name, fixed, &params, &[], &b, groups)?;
             }
         }
         Ok(())

@@ -543,6 +543,29 @@ fn gemv_without_subgroups_matches_cpu() {
     }
 }
 
+/// The matrix-vector kernels with the token count fixed per pipeline (the default) and read
+/// from the parameters (`dynamic_gemv_tokens`), for every count they take.
+#[test]
+fn gemv_token_counts_fixed_and_dynamic_match_cpu() {
+    let Some(fixed) = gpu() else { return };
+    let Some(dynamic) = own_gpu(|o| o.dynamic_gemv_tokens = true) else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng(37);
+    for g in [fixed, &dynamic] {
+        for kind in ["dense", "int4", "int8"] {
+            let (rows, cols) = (40, 96);
+            let (gw, cw) = weights(g, &c, kind, rows, cols, &mut rng);
+            for n in 1..=tm_kernels::wgsl::GEMV_MAX_TOKENS {
+                let (gx, cx) = pair(g, &c, &[n, cols], &rng.floats(n * cols));
+                let (mut go, mut co) = pair(g, &c, &[n, rows], &vec![0.0; n * rows]);
+                g.matmul(&gx, &gw, None, &mut go).unwrap();
+                c.matmul(&cx, &cw, None, &mut co).unwrap();
+                close(&format!("gemv {kind} n={n}, dynamic {}", std::ptr::eq(g, &dynamic)), g, &go, &c, &co);
+            }
+        }
+    }
+}
+
 /// KV-cache copy-on-write as device copies, in order (a chunk copied earlier may be copied on).
 #[test]
 fn copy_chunks_matches_cpu() {
