@@ -42,6 +42,13 @@ pub const GEMV_VEC: &str = include_str!("../wgsl/gemv_vec.wgsl");
 pub const GEMV_VEC_F32: &str = include_str!("../wgsl/gemv_vec_f32.wgsl");
 /// Dense f16 `load_w8` for [`GEMV_VEC`].
 pub const GEMV_VEC_F16: &str = include_str!("../wgsl/gemv_vec_f16.wgsl");
+/// The matrix-vector body for group-quantized weights, a 32-column block per thread step; needs
+/// a `load_block` variant and a reduction's `wg_sum`.
+pub const GEMV_BLOCK: &str = include_str!("../wgsl/gemv_block.wgsl");
+/// int4 `load_block` for [`GEMV_BLOCK`].
+pub const GEMV_BLOCK_Q4: &str = include_str!("../wgsl/gemv_block_q4.wgsl");
+/// int8 `load_block` for [`GEMV_BLOCK`].
+pub const GEMV_BLOCK_Q8: &str = include_str!("../wgsl/gemv_block_q8.wgsl");
 /// Most tokens the `gemv_*` kernels take in one dispatch.
 pub const GEMV_MAX_TOKENS: usize = 8;
 /// Workgroup sum through shared memory.
@@ -113,16 +120,16 @@ pub const KERNELS: &[Kernel] = &[
     kernel!("matmul_q8", "main", MATMUL_Q8, MATMUL_TILED),
     kernel!("gemv_f32", "main", MATMUL_F32, REDUCE_SHARED, MATMUL_GEMV),
     kernel!("gemv_f16", "main", MATMUL_F16, REDUCE_SHARED, MATMUL_GEMV),
-    kernel!("gemv_q4", "main", MATMUL_Q4, REDUCE_SHARED, MATMUL_GEMV),
-    kernel!("gemv_q8", "main", MATMUL_Q8, REDUCE_SHARED, MATMUL_GEMV),
     subgroup_kernel!("gemv_f32_sg", "main", MATMUL_F32, REDUCE_SUBGROUP, MATMUL_GEMV),
     subgroup_kernel!("gemv_f16_sg", "main", MATMUL_F16, REDUCE_SUBGROUP, MATMUL_GEMV),
-    subgroup_kernel!("gemv_q4_sg", "main", MATMUL_Q4, REDUCE_SUBGROUP, MATMUL_GEMV),
-    subgroup_kernel!("gemv_q8_sg", "main", MATMUL_Q8, REDUCE_SUBGROUP, MATMUL_GEMV),
     kernel!("gemv_vec_f32", "main", GEMV_VEC_F32, REDUCE_SHARED, GEMV_VEC),
     kernel!("gemv_vec_f16", "main", GEMV_VEC_F16, REDUCE_SHARED, GEMV_VEC),
     subgroup_kernel!("gemv_vec_f32_sg", "main", GEMV_VEC_F32, REDUCE_SUBGROUP, GEMV_VEC),
     subgroup_kernel!("gemv_vec_f16_sg", "main", GEMV_VEC_F16, REDUCE_SUBGROUP, GEMV_VEC),
+    kernel!("gemv_vec_q4", "main", GEMV_BLOCK_Q4, REDUCE_SHARED, GEMV_BLOCK),
+    kernel!("gemv_vec_q8", "main", GEMV_BLOCK_Q8, REDUCE_SHARED, GEMV_BLOCK),
+    subgroup_kernel!("gemv_vec_q4_sg", "main", GEMV_BLOCK_Q4, REDUCE_SUBGROUP, GEMV_BLOCK),
+    subgroup_kernel!("gemv_vec_q8_sg", "main", GEMV_BLOCK_Q8, REDUCE_SUBGROUP, GEMV_BLOCK),
     kernel!("attention", "main", ATTENTION),
     kernel!("attention_combine", "main", ATTENTION_COMBINE),
 ];
@@ -195,6 +202,6 @@ mod tests {
             assert!(b.iter().enumerate().all(|(i, &(j, _))| i as u32 == j), "{}: bindings not dense", k.name);
             assert!(b.iter().skip(2).all(|&(_, kind)| kind != Inputs), "{}: inputs not at binding 1", k.name);
         }
-        assert!(kernel("gemv_q4_sg").is_some_and(|k| k.subgroups && k.source().contains("subgroupAdd")));
+        assert!(kernel("gemv_vec_q4_sg").is_some_and(|k| k.subgroups && k.source().contains("subgroupAdd")));
     }
 }

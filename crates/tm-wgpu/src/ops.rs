@@ -242,8 +242,9 @@ impl WgpuBackend {
                 for (t, &pb) in parts.tensors.iter().zip(&row_bytes(&parts, rows)) {
                     b.push(self.window(t, r0 as u64 * pb, rn as u64 * pb)?);
                 }
-                // Dense rows of a multiple of 8 columns: 16-byte loads.
-                let vec = matches!(parts.suffix, "f32" | "f16") && cols.is_multiple_of(8);
+                // Dense rows of a multiple of 8 columns: 16-byte loads; quantized rows: whole
+                // 32-column blocks (groups are multiples of 32 columns).
+                let vec = matches!(parts.suffix, "q4" | "q8") || cols.is_multiple_of(8);
                 let (name, groups) = if gemv {
                     (self.kernel_name(if vec { "gemv_vec" } else { "gemv" }, parts.suffix)?, grid(rn as u64))
                 } else {

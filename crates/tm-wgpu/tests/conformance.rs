@@ -96,7 +96,19 @@ fn close(what: &str, g: &WgpuBackend, gt: &Tensor, c: &CpuBackend, ct: &Tensor) 
 
 /// A weight on both backends: dense f32, int4 or int8 (random packed values and f16 scales).
 fn weights(g: &WgpuBackend, c: &CpuBackend, kind: &str, rows: usize, cols: usize, rng: &mut Rng) -> (Weight, Weight) {
-    let group = 32;
+    grouped_weights(g, c, kind, rows, cols, 32, rng)
+}
+
+/// [`weights`] with quantization groups of `group` columns.
+fn grouped_weights(
+    g: &WgpuBackend,
+    c: &CpuBackend,
+    kind: &str,
+    rows: usize,
+    cols: usize,
+    group: usize,
+    rng: &mut Rng,
+) -> (Weight, Weight) {
     let groups = rows * cols / group;
     let scales: Vec<f16> = (0..groups).map(|_| f16::from_f32(rng.f() * 0.1)).collect();
     let mins: Vec<f16> = (0..groups).map(|_| f16::from_f32(rng.f() * 0.1)).collect();
@@ -544,7 +556,8 @@ fn gemv_without_subgroups_matches_cpu() {
 }
 
 /// The matrix-vector kernels with the token count fixed per pipeline (the default) and read
-/// from the parameters (`dynamic_gemv_tokens`), for every count they take.
+/// from the parameters (`dynamic_gemv_tokens`), for every count they take; quantized weights in
+/// groups of 64 and 128 columns (the other tests use 32).
 #[test]
 fn gemv_token_counts_fixed_and_dynamic_match_cpu() {
     let Some(fixed) = gpu() else { return };
@@ -552,15 +565,16 @@ fn gemv_token_counts_fixed_and_dynamic_match_cpu() {
     let c = CpuBackend::new();
     let mut rng = Rng(37);
     for g in [fixed, &dynamic] {
-        for kind in ["dense", "int4", "int8"] {
-            let (rows, cols) = (40, 96);
-            let (gw, cw) = weights(g, &c, kind, rows, cols, &mut rng);
+        for (kind, group) in [("dense", 32), ("int4", 64), ("int8", 128), ("int4", 128)] {
+            let (rows, cols) = (40, 384);
+            let (gw, cw) = grouped_weights(g, &c, kind, rows, cols, group, &mut rng);
             for n in 1..=tm_kernels::wgsl::GEMV_MAX_TOKENS {
                 let (gx, cx) = pair(g, &c, &[n, cols], &rng.floats(n * cols));
                 let (mut go, mut co) = pair(g, &c, &[n, rows], &vec![0.0; n * rows]);
                 g.matmul(&gx, &gw, None, &mut go).unwrap();
                 c.matmul(&cx, &cw, None, &mut co).unwrap();
-                close(&format!("gemv {kind} n={n}, dynamic {}", std::ptr::eq(g, &dynamic)), g, &go, &c, &co);
+                let what = format!("gemv {kind}/{group} n={n}, dynamic {}", std::ptr::eq(g, &dynamic));
+                close(&what, g, &go, &c, &co);
             }
         }
     }
@@ -642,7 +656,7 @@ fn profiling_times_every_launch_by_kernel() {
     close("profiled matmul", &g, &go, &c, &co);
     let p = g.gpu().profile().unwrap();
     assert!(p.submissions >= 1, "{p:?}");
-    let gemv = if g.uses_subgroups() { "gemv_q4_sg" } else { "gemv_q4" };
+    let gemv = if g.uses_subgroups() { "gemv_vec_q4_sg" } else { "gemv_vec_q4" };
     for (name, launches) in [("rms_norm", 3), (gemv, 3)] {
         let k = p.kernels.get(name).unwrap_or_else(|| panic!("{name} missing from {p:?}"));
         assert_eq!(k.launches, launches, "{name}");
