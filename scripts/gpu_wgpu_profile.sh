@@ -9,7 +9,8 @@
 # and on the GPU machine (carry [".gl", "target/wgpu-ab"]), from the repository root:
 #   OUT=$OUT bash scripts/gpu_wgpu_profile.sh
 # Environment: VARIANTS (space-separated; `base` or NAME=VALUE[,NAME=VALUE] environment for
-# tm-cli; default `base`), LAYERS (of the Llama-3-8B-shaped random checkpoint, default 8: each
+# tm-cli, where bin=FILE runs target/wgpu-ab/FILE instead (other builds, carried as FILE.xz);
+# default `base`), LAYERS (of the Llama-3-8B-shaped random checkpoint, default 8: each
 # layer's products are those of the 8B model, lm_head and embeddings whole), CUDA=0 skips the
 # CUDA run, MODEL=path replaces the checkpoint. Results: $OUT/summary.txt, and $OUT/logs.tgz (profile-*.txt, bench-*.txt, ...).
 set -uo pipefail
@@ -18,11 +19,12 @@ OUT="${OUT:-target/gpu-logs/wgpu}"
 mkdir -p "$OUT"
 : >"$OUT/summary.txt"
 log() { echo "[$((SECONDS - START))s] $*" | tee -a "$OUT/summary.txt"; }
+for z in target/wgpu-ab/*.xz; do
+    [ -f "$z" ] && [ ! -x "${z%.xz}" ] || continue
+    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$z" "${z%.xz}" &&
+        chmod +x "${z%.xz}"
+done
 CLI=target/wgpu-ab/tm-cli
-if [ -f "$CLI.xz" ] && [ ! -x "$CLI" ]; then
-    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$CLI.xz" "$CLI" &&
-        chmod +x "$CLI"
-fi
 . scripts/vulkan_env.sh || exit 1
 export TM_WGPU_MEMORY_CAP="${TM_WGPU_MEMORY_CAP:-60G}"
 MODEL="${MODEL:-/tmp/l8b-${LAYERS:-8}}"
@@ -34,7 +36,7 @@ fi
 run() { # name, timeout, extra arguments...
     local name=$1 t=$2
     shift 2
-    timeout "$t" "$CLI" bench --model "$MODEL" --num-prompts 1 --concurrency 1 --input-len 128 "$@" >"$OUT/$name.txt" 2>&1
+    timeout "$t" "${VCLI:-$CLI}" bench --model "$MODEL" --num-prompts 1 --concurrency 1 --input-len 128 "$@" >"$OUT/$name.txt" 2>&1
     log "$name: exit $? $(grep -E 'TPOT' "$OUT/$name.txt" | head -1)"
 }
 for v in ${VARIANTS:-base}; do
@@ -42,7 +44,12 @@ for v in ${VARIANTS:-base}; do
     [ "$v" = base ] || IFS=, read -r -a envs <<<"$v"
     tag=$(echo "$v" | tr -c 'A-Za-z0-9_.\n-' '_')
     (
-        for e in "${envs[@]}"; do export "${e?}"; done
+        for e in "${envs[@]}"; do
+            case "$e" in
+            bin=*) VCLI="target/wgpu-ab/${e#bin=}" ;;
+            *) export "${e?}" ;;
+            esac
+        done
         TM_WGPU_PROFILE=1 run "profile-$tag" 120 --backend wgpu --output-len 8
         grep -A14 '^wgpu profile' "$OUT/profile-$tag.txt" | tee -a "$OUT/summary.txt"
         run "bench-$tag" 120 --backend wgpu --output-len 32
