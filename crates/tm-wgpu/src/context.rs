@@ -5,8 +5,9 @@
 //! its results on the host (a download), when host data is about to be written into a tensor
 //! (an upload), or when the staging buffers for parameters and host inputs are full: a decode
 //! step is one submission. The parameter blocks and host inputs of the recorded launches live at
-//! distinct offsets of two staging buffers, written with `Queue::write_buffer` (applied at the
-//! next submission, before the recorded work), so no buffer is created per launch.
+//! distinct offsets of two staging buffers, gathered on the host and written with one
+//! `Queue::write_buffer` each when the work is submitted (applied before the recorded work), so
+//! no buffer is created and no queue write made per launch.
 
 use crate::profile::{ProfileStats, Profiler};
 use std::collections::HashMap;
@@ -178,22 +179,26 @@ pub const INPUT_WINDOW: u64 = 1 << 20;
 /// The pending command encoder and how much of the staging buffers it has used.
 #[derive(Debug, Default)]
 struct Recorder {
+    /// The open compute pass the launches are recorded into (declared before the encoder, so it
+    /// ends first when dropped); closed before any other command, and before submission.
+    pass: Option<wgpu::ComputePass<'static>>,
     encoder: Option<wgpu::CommandEncoder>,
     params_used: u64,
     inputs_used: u64,
+    /// The recorded launches' parameter blocks and host inputs, written into the staging
+    /// buffers in one `write_buffer` each at submission.
+    params_host: Vec<u8>,
+    inputs_host: Vec<u8>,
     profiler: Option<Profiler>,
 }
 
 /// Where one launch's parameter block and host inputs were staged.
-#[derive(Clone, Debug)]
+#[derive(Clone, Copy, Debug)]
 pub struct Staged {
     /// Offset of the parameter block in [`Gpu::params`].
     pub params: u32,
     /// Offset of the host inputs in [`Gpu::inputs`].
     pub inputs: u32,
-    /// When profiling: the query set and the index of the launch's start timestamp (its end
-    /// goes to the next index).
-    pub timestamps: Option<(wgpu::QuerySet, u32)>,
 }
 
 /// An opened wgpu device and queue, with the adapter's facts and the errors wgpu reported.
@@ -333,8 +338,15 @@ impl Gpu {
     }
 
     fn submit(&self, r: &mut Recorder) {
+        r.pass = None;
         if let Some(mut enc) = r.encoder.take() {
             self.unsubmitted_writes.store(0, std::sync::atomic::Ordering::Relaxed);
+            if !r.params_host.is_empty() {
+                self.queue.write_buffer(&self.params, 0, &r.params_host);
+            }
+            if !r.inputs_host.is_empty() {
+                self.queue.write_buffer(&self.inputs, 0, &r.inputs_host);
+            }
             if let Some(p) = r.profiler.as_mut() {
                 p.resolve(&mut enc);
             }
@@ -346,6 +358,8 @@ impl Gpu {
         }
         r.params_used = 0;
         r.inputs_used = 0;
+        r.params_host.clear();
+        r.inputs_host.clear();
     }
 
     /// The cached bind group under `key` (a kernel id, then `(buffer id, offset, size)` per
@@ -405,6 +419,7 @@ impl Gpu {
     /// Records `f`'s commands into the pending encoder.
     pub fn record<T>(&self, f: impl FnOnce(&mut wgpu::CommandEncoder) -> T) -> Result<T> {
         let mut r = self.recorder()?;
+        r.pass = None;
         if let Some(p) = r.profiler.as_mut() {
             p.recording();
         }
@@ -416,31 +431,32 @@ impl Gpu {
     }
 
     /// Stages launch `name`'s parameter block and host inputs (at most [`INPUT_WINDOW`] bytes,
-    /// a multiple of 4), then records `f` with their offsets. Submits the pending work first
-    /// when the staging buffers (or the profiler's queries) are full.
+    /// a multiple of 4), then records `f` into the open compute pass (one pass holds all the
+    /// launches between other commands; when profiling, each launch has a pass of its own with
+    /// its timestamps). Submits the pending work first when the staging buffers (or the
+    /// profiler's queries) are full.
     pub fn record_launch<T>(
         &self,
         name: &'static str,
         params: &[u32; 16],
         inputs: &[u8],
-        f: impl FnOnce(&mut wgpu::CommandEncoder, Staged) -> T,
+        f: impl FnOnce(&mut wgpu::ComputePass<'_>, Staged) -> T,
     ) -> Result<T> {
-        let mut r = self.recorder()?;
+        let mut guard = self.recorder()?;
+        let r = &mut *guard;
         let input_bytes = (inputs.len() as u64).div_ceil(self.storage_align) * self.storage_align;
         if r.params_used + self.uniform_align > PARAMS_BYTES
             || r.inputs_used + input_bytes > INPUTS_BYTES
             || r.profiler.as_ref().is_some_and(Profiler::full)
         {
-            self.submit(&mut r);
+            self.submit(r);
         }
-        let timestamps = r.profiler.as_mut().map(|p| {
-            p.recording();
-            p.next(name)
-        });
-        let staged = Staged { params: r.params_used as u32, inputs: r.inputs_used as u32, timestamps };
-        self.queue.write_buffer(&self.params, r.params_used, bytemuck::cast_slice(params));
+        let staged = Staged { params: r.params_used as u32, inputs: r.inputs_used as u32 };
+        r.params_host.resize(r.params_used as usize, 0);
+        r.params_host.extend_from_slice(bytemuck::cast_slice(params));
         if !inputs.is_empty() {
-            self.queue.write_buffer(&self.inputs, r.inputs_used, inputs);
+            r.inputs_host.resize(r.inputs_used as usize, 0);
+            r.inputs_host.extend_from_slice(inputs);
         }
         r.params_used += self.uniform_align;
         r.inputs_used += input_bytes;
@@ -448,7 +464,22 @@ impl Gpu {
         let enc = r.encoder.get_or_insert_with(|| {
             device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("tm step") })
         });
-        Ok(f(enc, staged))
+        if let Some(p) = r.profiler.as_mut() {
+            p.recording();
+            let (set, i) = p.next(name);
+            let timestamp_writes = Some(wgpu::ComputePassTimestampWrites {
+                query_set: &set,
+                beginning_of_pass_write_index: Some(i),
+                end_of_pass_write_index: Some(i + 1),
+            });
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(name), timestamp_writes });
+            return Ok(f(&mut pass, staged));
+        }
+        let pass = r.pass.get_or_insert_with(|| {
+            enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("tm launches"), timestamp_writes: None })
+                .forget_lifetime()
+        });
+        Ok(f(pass, staged))
     }
 
     /// GPU time per kernel so far, when profiling ([`WgpuOptions::profile`]); work still being

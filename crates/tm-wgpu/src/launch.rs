@@ -285,13 +285,7 @@ impl WgpuBackend {
             self.gpu.bind_group(key, make)?
         };
         let staged_inputs = if has_inputs && own_inputs.is_none() { inputs } else { &[] };
-        self.gpu.record_launch(name, &words, staged_inputs, |enc, staged: Staged| {
-            let timestamp_writes = staged.timestamps.as_ref().map(|(set, i)| wgpu::ComputePassTimestampWrites {
-                query_set: set,
-                beginning_of_pass_write_index: Some(*i),
-                end_of_pass_write_index: Some(i + 1),
-            });
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(name), timestamp_writes });
+        self.gpu.record_launch(name, &words, staged_inputs, |pass, staged: Staged| {
             pass.set_pipeline(&k.pipeline);
             let offsets = [staged.params, if own_inputs.is_some() { 0 } else { staged.inputs }];
             pass.set_bind_group(0, &group, &offsets[..if has_inputs { 2 } else { 1 }]);
