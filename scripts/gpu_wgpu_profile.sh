@@ -12,7 +12,8 @@
 # tm-cli, where bin=FILE runs target/wgpu-ab/FILE instead (other builds, carried as FILE.xz);
 # default `base`), LAYERS (of the Llama-3-8B-shaped random checkpoint, default 8: each
 # layer's products are those of the 8B model, lm_head and embeddings whole), CUDA=0 skips the
-# CUDA run, MODEL=path replaces the checkpoint. Results: $OUT/summary.txt, and $OUT/logs.tgz (profile-*.txt, bench-*.txt, ...).
+# CUDA run, SUITES=0 the wgpu test suites (run when target/wgpu-ab holds wgpu_conformance and
+# wgpu_end_to_end, the tm-wgpu test binaries, as in gpu_vulkan.sh), MODEL=path replaces the checkpoint. Results: $OUT/summary.txt, and $OUT/logs.tgz (profile-*.txt, bench-*.txt, ...).
 set -uo pipefail
 START=$SECONDS
 OUT="${OUT:-target/gpu-logs/wgpu}"
@@ -56,5 +57,13 @@ for v in ${VARIANTS:-base}; do
     )
 done
 [ "${CUDA:-1}" = 0 ] || run bench-cuda 120 --backend cuda --output-len 32
+# The wgpu suites on this GPU, when their binaries were carried (as gpu_vulkan.sh runs them).
+for t in wgpu_conformance wgpu_end_to_end; do
+    [ "${SUITES:-1}" != 0 ] && [ -x "target/wgpu-ab/$t" ] || continue
+    TM_FIXTURES="$PWD/fixtures" TM_DEFAULT_MODEL=/nonexistent/default-model.gguf \
+        timeout 90 "target/wgpu-ab/$t" --test-threads=1 --nocapture >"$OUT/$t.txt" 2>&1
+    log "$t: exit $? $(grep -E '^test result' "$OUT/$t.txt" | tail -1)"
+    grep -E '^test .*FAILED|panicked' "$OUT/$t.txt" | head -5 | tee -a "$OUT/summary.txt"
+done
 log "done"
 (cd "$OUT" && tar czf logs.tgz --exclude=summary.txt --exclude=logs.tgz ./*.txt && find . -name '*.txt' ! -name summary.txt -delete)
