@@ -1,14 +1,18 @@
-// Causal paged attention, one workgroup of 64 per (token, query head), online softmax over
-// tiles of 64 cached positions read through the block table.
+// Causal paged attention, one workgroup of 64 per (token, query head, part), online softmax
+// over tiles of 64 cached positions read through the block table. With more than one part, a
+// token's positions are split into runs of `chunk` (a multiple of 64), one per workgroup, so that
+// a few decoding tokens still fill the GPU; each part writes a partial state (mode 1).
 //
 // The cache buffers may be a window of the cache: blocks block0 .. block0 + window_blocks, bound
 // from block0. Positions whose block lies outside the window are skipped. Mode 0 (the whole
 // cache in one window) writes the normalized output `[tokens, heads * head_dim]`; mode 1 writes
 // the window's partial state for attention_combine.wgsl: per (token, head), head_dim
-// unnormalized sums, then the running max and the softmax denominator, at slot `window_index`.
+// unnormalized sums, then the running max and the softmax denominator, at slot
+// `window_index * parts + part`.
 //
 // Params: tokens, heads, kv_heads, head_dim (<= 256), block_size, scale (f32 bits), sliding
-// window (0 = none), grid width, mode, block0, window_blocks, window_index, tables offset.
+// window (0 = none), grid width, mode, block0, window_blocks, window_index, tables offset,
+// parts (0 or 1: one), chunk.
 // Inputs: per token the offset of its block table and its position (2 words), then the block
 // tables from the tables offset.
 @group(0) @binding(1) var<storage, read> inputs: array<u32>;
@@ -30,7 +34,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     let kv_heads = P(2u);
     let hd = P(3u);
     let bs = P(4u);
-    let idx = wid.x + wid.y * P(7u);
+    let parts = max(P(13u), 1u);
+    let flat = wid.x + wid.y * P(7u);
+    let idx = flat / parts;
+    let part = flat % parts;
     if (idx >= P(0u) * heads) {
         return;
     }
@@ -47,7 +54,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     if (window > 0u && pos + 1u > window) {
         start = pos + 1u - window;
     }
-    let end = pos + 1u;
+    if (parts > 1u) {
+        start = start + part * P(14u);
+    }
+    var end = pos + 1u;
+    if (parts > 1u) {
+        end = min(end, start + P(14u));
+    }
     let scale = Pf(5u);
     for (var d = lid; d < hd; d = d + WG) {
         qs[d] = q[idx * hd + d] * scale;
@@ -113,7 +126,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
         }
         return;
     }
-    let base = (P(11u) * P(0u) * heads + idx) * (hd + 2u);
+    let base = ((P(11u) * parts + part) * P(0u) * heads + idx) * (hd + 2u);
     for (var k = 0u; k < 4u; k = k + 1u) {
         let d = lid + k * WG;
         if (d < hd) {

@@ -127,6 +127,26 @@ fn convert(from: DType, to: DType, src: &[u8]) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// Positions of one (token, head) that one attention workgroup takes at least.
+const PART_POSITIONS: usize = 256;
+/// Workgroups the attention aims for when it splits positions.
+const PART_TARGET: usize = 1024;
+
+/// How the attention splits each token's positions: `(parts, chunk)`, `chunk` positions (a
+/// multiple of 64) per workgroup. One part when `groups` (tokens x heads) already fill the GPU or
+/// the contexts are short; otherwise runs of at least [`PART_POSITIONS`], up to about
+/// [`PART_TARGET`] workgroups in all (decoding at long contexts).
+fn position_parts(meta: &AttentionMeta<'_>, groups: usize) -> (usize, usize) {
+    let span = meta.seqs.iter().map(|s| meta.sliding_window.map_or(s.context_len, |w| w.min(s.context_len))).max();
+    let span = span.unwrap_or(0);
+    if groups == 0 || groups >= PART_TARGET || span <= PART_POSITIONS {
+        return (1, 0);
+    }
+    let parts = span.div_ceil(PART_POSITIONS).min(PART_TARGET / groups).max(1);
+    let chunk = span.div_ceil(parts).div_ceil(64) * 64;
+    (span.div_ceil(chunk), chunk)
+}
+
 impl WgpuBackend {
     /// Chooses and opens an adapter (see [`WgpuOptions`]).
     pub fn open(opts: WgpuOptions) -> Result<WgpuBackend> {
@@ -620,15 +640,29 @@ impl Ops for WgpuBackend {
         let bs = meta.block_size;
         let block_bytes = (bs * kv_heads * head_dim * 4) as u64;
         let kv_windows = windows(blocks, &[block_bytes], self.gpu.max_binding(), self.gpu.storage_align(), "kv cache")?;
-        let g = grid((tokens * heads) as u64);
+        let (mut parts, mut chunk) = position_parts(meta, tokens * heads);
+        let state_bytes = (kv_windows.len() * tokens * heads * (head_dim + 2) * 4) as u64;
+        let fit = (self.gpu.max_binding() / state_bytes.max(1)).max(1) as usize;
+        if parts > fit {
+            // Fewer parts, so that their partial states fit one binding.
+            let covered = chunk * parts;
+            (parts, chunk) = if fit > 1 {
+                let chunk = covered.div_ceil(fit).div_ceil(64) * 64;
+                (covered.div_ceil(chunk), chunk)
+            } else {
+                (1, 0)
+            };
+        }
+        let g = grid((tokens * heads * parts) as u64);
         let (qb, ob) = (self.whole(q, "q")?, self.whole(out, "attention output")?);
-        let partial = kv_windows.len() > 1;
+        let states = kv_windows.len() * parts;
+        let partial = states > 1;
         let scratch = if partial {
-            let bytes = (kv_windows.len() * tokens * heads * (head_dim + 2) * 4) as u64;
+            let bytes = (states * tokens * heads * (head_dim + 2) * 4) as u64;
             if bytes > self.gpu.max_binding() {
                 return Err(Error::Unsupported(format!(
-                    "attention over {} kv-cache windows needs {bytes} bytes of partial states, over the binding \
-                     limit of {} bytes (lower the batch)",
+                    "attention over {} kv-cache windows in {parts} part(s) needs {bytes} bytes of partial states, \
+                     over the binding limit of {} bytes (lower the batch)",
                     kv_windows.len(),
                     self.gpu.max_binding()
                 )));
@@ -655,12 +689,16 @@ impl Ops for WgpuBackend {
                 nb as u32,
                 i as u32,
                 2 * tokens as u32,
+                parts as u32,
+                chunk as u32,
             ];
             self.dispatch("attention", &params, bytemuck::cast_slice(&inputs), &b, g)?;
         }
         if let Some(sb) = scratch {
-            let params = [(tokens * heads) as u32, head_dim as u32, kv_windows.len() as u32, g.0];
-            self.dispatch("attention_combine", &params, &[], &[sb, ob], g)?;
+            let count = tokens * heads;
+            let cg = grid(count as u64);
+            let params = [count as u32, head_dim as u32, states as u32, cg.0];
+            self.dispatch("attention_combine", &params, &[], &[sb, ob], cg)?;
         }
         Ok(())
     }

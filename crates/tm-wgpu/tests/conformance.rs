@@ -290,6 +290,59 @@ fn write_kv_and_paged_attention() {
     println!("write_kv_and_paged_attention: {:?}", start.elapsed());
 }
 
+/// Decoding at long contexts splits each token's positions over several workgroups whose
+/// partial states are merged (on one binding, and with the cache bound in windows too).
+#[test]
+fn long_context_attention_split_over_positions_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let Some(small) = own_gpu(|o| o.max_binding = Some(256 << 10)) else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng(43);
+    let (heads, kv_heads, head_dim, bs) = (4, 2, 64, 16);
+    let width = kv_heads * head_dim;
+    let blocks = 96;
+    // Sequence A decodes at position 1200 (76 blocks); B at 700 (44 blocks), C is a prefill
+    // chunk of 3 ending at position 530 (34 blocks): 20 (token, head) pairs.
+    let mut order: Vec<u32> = (0..blocks as u32).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    let (ta, tb, tc) = (order[..76].to_vec(), order[..44].to_vec(), order[20..54].to_vec());
+    let cache_k = rng.floats(blocks * bs * width);
+    let cache_v = rng.floats(blocks * bs * width);
+    for window in [None, Some(300)] {
+        let seqs = [
+            SeqAttention { query_start: 0, query_len: 1, context_len: 1201, block_table: &ta },
+            SeqAttention { query_start: 1, query_len: 1, context_len: 701, block_table: &tb },
+            SeqAttention { query_start: 2, query_len: 3, context_len: 531, block_table: &tc },
+        ];
+        let meta = AttentionMeta {
+            seqs: &seqs,
+            block_size: bs,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            sliding_window: window,
+        };
+        let tokens = 5;
+        let q = rng.floats(tokens * heads * head_dim);
+        let (ck, cv) = (
+            f32t(&c, &[blocks, bs, kv_heads, head_dim], &cache_k),
+            f32t(&c, &[blocks, bs, kv_heads, head_dim], &cache_v),
+        );
+        let cq = f32t(&c, &[tokens, heads * head_dim], &q);
+        let mut co = f32t(&c, &[tokens, heads * head_dim], &vec![0.0; q.len()]);
+        c.attention(&cq, &ck, &cv, &meta, &mut co).unwrap();
+        for b in [g, &small] {
+            let gk = f32t(b, &[blocks, bs, kv_heads, head_dim], &cache_k);
+            let gv = f32t(b, &[blocks, bs, kv_heads, head_dim], &cache_v);
+            let gq = f32t(b, &[tokens, heads * head_dim], &q);
+            let mut go = f32t(b, &[tokens, heads * head_dim], &vec![0.0; q.len()]);
+            b.attention(&gq, &gk, &gv, &meta, &mut go).unwrap();
+            let what = format!("long-context attention, window {window:?}, binding limit {}", b.gpu().max_binding());
+            close(&what, b, &go, &c, &co);
+        }
+    }
+}
+
 #[test]
 fn allocator_stats_limits_and_copy() {
     // Its own backend: the shared one's counters move with the other tests.
