@@ -266,7 +266,9 @@ impl WgpuBackend {
                 // 32-column blocks (groups are multiples of 32 columns).
                 let vec = matches!(parts.suffix, "q4" | "q8") || cols.is_multiple_of(8);
                 let (name, groups) = if gemv {
-                    (self.kernel_name(if vec { "gemv_vec" } else { "gemv" }, parts.suffix)?, grid(rn as u64))
+                    let per_group = if vec { tm_kernels::wgsl::GEMV_VEC_ROWS } else { 1 };
+                    let name = self.kernel_name(if vec { "gemv_vec" } else { "gemv" }, parts.suffix)?;
+                    (name, grid(rn.div_ceil(per_group) as u64))
                 } else {
                     (
                         self.kernel_name("matmul", parts.suffix)?,

@@ -619,13 +619,16 @@ fn gemv_token_counts_fixed_and_dynamic_match_cpu() {
     let mut rng = Rng(37);
     for g in [fixed, &dynamic] {
         for (kind, group) in [("dense", 32), ("int4", 64), ("int8", 128), ("int4", 128)] {
-            let (rows, cols) = (40, 384);
+            // Rows not a multiple of the kernels' four per workgroup; a bias on odd counts.
+            let (rows, cols) = (42, 384);
             let (gw, cw) = grouped_weights(g, &c, kind, rows, cols, group, &mut rng);
+            let (gb, cb) = pair(g, &c, &[rows], &rng.floats(rows));
             for n in 1..=tm_kernels::wgsl::GEMV_MAX_TOKENS {
                 let (gx, cx) = pair(g, &c, &[n, cols], &rng.floats(n * cols));
                 let (mut go, mut co) = pair(g, &c, &[n, rows], &vec![0.0; n * rows]);
-                g.matmul(&gx, &gw, None, &mut go).unwrap();
-                c.matmul(&cx, &cw, None, &mut co).unwrap();
+                let bias = n % 2 == 1;
+                g.matmul(&gx, &gw, bias.then_some(&gb), &mut go).unwrap();
+                c.matmul(&cx, &cw, bias.then_some(&cb), &mut co).unwrap();
                 let what = format!("gemv {kind}/{group} n={n}, dynamic {}", std::ptr::eq(g, &dynamic));
                 close(&what, g, &go, &c, &co);
             }
