@@ -69,6 +69,8 @@ pub const MATMUL_F16: &str = include_str!("../wgsl/matmul_f16.wgsl");
 pub const MATMUL_Q4: &str = include_str!("../wgsl/matmul_q4.wgsl");
 /// int8 (dequant-fused) weight variant of the matrix product.
 pub const MATMUL_Q8: &str = include_str!("../wgsl/matmul_q8.wgsl");
+/// RoPE on q and k and the KV-cache write in one launch.
+pub const ROPE_WRITE_KV: &str = include_str!("../wgsl/rope_write_kv.wgsl");
 /// Causal paged attention with an online softmax, over the whole cache or one window of it.
 pub const ATTENTION: &str = include_str!("../wgsl/attention.wgsl");
 /// Merges the per-window partial states of [`ATTENTION`].
@@ -120,6 +122,7 @@ pub const KERNELS: &[Kernel] = &[
     kernel!("add", "main", ADD),
     kernel!("gather_rows", "main", GATHER_ROWS),
     kernel!("write_kv", "main", WRITE_KV),
+    kernel!("rope_write_kv", "main", ROPE_WRITE_KV),
     kernel!("matmul_f32", "main", MATMUL_F32, MATMUL_TILED),
     kernel!("matmul_f16", "main", MATMUL_F16, MATMUL_TILED),
     kernel!("matmul_q4", "main", MATMUL_Q4, MATMUL_TILED),

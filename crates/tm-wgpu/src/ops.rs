@@ -599,6 +599,69 @@ impl Ops for WgpuBackend {
         Ok(())
     }
 
+    fn rope_write_kv(
+        &self,
+        q: &mut Tensor,
+        k: &mut Tensor,
+        v: &Tensor,
+        k_cache: &mut Tensor,
+        v_cache: &mut Tensor,
+        positions: &[u32],
+        freqs: &RopeFreqs,
+        slot_mapping: &[u32],
+    ) -> Result<()> {
+        let unfused = |q: &mut Tensor, k: &mut Tensor, kc: &mut Tensor, vc: &mut Tensor| {
+            tm_core::ops::rope_write_kv_unfused(self, q, k, v, kc, vc, positions, freqs, slot_mapping)
+        };
+        let width = checks::write_kv(k, v, k_cache, v_cache, slot_mapping)?;
+        let half = freqs.inv_freq.len();
+        let tokens = positions.len();
+        let cache_bytes = k_cache.desc().bytes() as u64;
+        // The fused kernel binds the caches whole; rope's own checks report bad shapes.
+        if tokens == 0
+            || half == 0
+            || tokens != slot_mapping.len()
+            || !width.is_multiple_of(2 * half)
+            || !q.numel().is_multiple_of(tokens * 2 * half)
+            || cache_bytes > self.gpu.max_binding()
+            || [&*q, &*k, v, &*k_cache, &*v_cache].iter().any(|t| t.dtype() != DType::F32)
+        {
+            return unfused(q, k, k_cache, v_cache);
+        }
+        let heads = q.numel() / (tokens * 2 * half);
+        let kv_heads = width / (2 * half);
+        let style = match freqs.style {
+            RopeStyle::Half => 0,
+            RopeStyle::Interleaved => 1,
+        };
+        let params = [
+            u32_of(tokens, "tokens")?,
+            u32_of(heads, "heads")?,
+            u32_of(kv_heads, "kv heads")?,
+            u32_of(half, "rope pairs")?,
+            style,
+            freqs.attention_factor.to_bits(),
+        ];
+        let mut inputs: Vec<u32> = Vec::with_capacity(2 * tokens + half);
+        inputs.extend_from_slice(positions);
+        inputs.extend(freqs.inv_freq.iter().map(|f| f.to_bits()));
+        inputs.extend_from_slice(slot_mapping);
+        let b = [
+            self.whole(q, "q")?,
+            self.whole(k, "k")?,
+            self.whole(v, "v")?,
+            self.whole(k_cache, "k cache")?,
+            self.whole(v_cache, "v cache")?,
+        ];
+        self.dispatch_1d(
+            "rope_write_kv",
+            &params,
+            bytemuck::cast_slice(&inputs),
+            &b,
+            tokens * (heads + kv_heads) * half,
+        )
+    }
+
     fn attention(
         &self,
         q: &Tensor,

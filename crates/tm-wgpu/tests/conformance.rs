@@ -343,6 +343,54 @@ fn long_context_attention_split_over_positions_matches_cpu() {
     }
 }
 
+/// The fused RoPE + KV-cache write gives the unfused ops' bytes (q, k and both caches) and the
+/// CPU's values, in both pair layouts, with GQA.
+#[test]
+fn fused_rope_write_kv_matches_unfused_and_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = CpuBackend::new();
+    let mut rng = Rng(47);
+    let (tokens, heads, kv_heads, head_dim, blocks, bs) = (5, 8, 2, 64, 6, 16);
+    let width = kv_heads * head_dim;
+    let shape = [blocks, bs, kv_heads, head_dim];
+    for style in [RopeStyle::Half, RopeStyle::Interleaved] {
+        let freqs = RopeFreqs {
+            inv_freq: (0..head_dim / 2).map(|i| 10000f32.powf(-((2 * i) as f32) / head_dim as f32)).collect(),
+            attention_factor: 1.0 + rng.f().abs() * 0.1,
+            style,
+        };
+        let positions: Vec<u32> = (0..tokens).map(|_| rng.below(300) as u32).collect();
+        let slots: Vec<u32> = [7u32, 40, 41, 90, 3].to_vec();
+        let (q, k, v) = (rng.floats(tokens * heads * head_dim), rng.floats(tokens * width), rng.floats(tokens * width));
+        let cache = rng.floats(blocks * bs * width);
+        let run = |ops: &dyn Ops, fused: bool| -> Vec<Vec<f32>> {
+            let (mut tq, mut tk, tv) = (
+                f32t(ops, &[tokens, heads * head_dim], &q),
+                f32t(ops, &[tokens, width], &k),
+                f32t(ops, &[tokens, width], &v),
+            );
+            let (mut kc, mut vc) = (f32t(ops, &shape, &cache), f32t(ops, &shape, &cache));
+            if fused {
+                ops.rope_write_kv(&mut tq, &mut tk, &tv, &mut kc, &mut vc, &positions, &freqs, &slots).unwrap();
+            } else {
+                tm_core::ops::rope_write_kv_unfused(
+                    ops, &mut tq, &mut tk, &tv, &mut kc, &mut vc, &positions, &freqs, &slots,
+                )
+                .unwrap();
+            }
+            [tq, tk, kc, vc].iter().map(|t| ops.download_f32(t).unwrap()).collect()
+        };
+        let (fused, unfused, cpu) = (run(g, true), run(g, false), run(&c, false));
+        for (i, what) in ["q", "k", "k cache", "v cache"].iter().enumerate() {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fused[i]), bits(&unfused[i]), "{what} ({style:?}): fused and unfused differ");
+            for (j, (a, b)) in fused[i].iter().zip(&cpu[i]).enumerate() {
+                assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{what} ({style:?}) element {j}: wgpu {a} vs cpu {b}");
+            }
+        }
+    }
+}
+
 #[test]
 fn allocator_stats_limits_and_copy() {
     // Its own backend: the shared one's counters move with the other tests.
