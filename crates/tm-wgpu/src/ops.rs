@@ -272,7 +272,7 @@ impl WgpuBackend {
                 } else {
                     (
                         self.kernel_name("matmul", parts.suffix)?,
-                        ((rn as u64).div_ceil(16) as u32, (tn as u64).div_ceil(16) as u32),
+                        ((rn as u64).div_ceil(64) as u32, (tn as u64).div_ceil(64) as u32),
                     )
                 };
                 let params = [

@@ -226,7 +226,8 @@ fn matmul_dense_and_quantized() {
     let mut rng = Rng(13);
     let start = Instant::now();
     for kind in ["dense", "int4", "int8"] {
-        for (n, rows, cols, bias) in [(1, 96, 64, false), (7, 352, 128, true), (17, 130, 96, false)] {
+        for (n, rows, cols, bias) in [(1, 96, 64, false), (7, 352, 128, true), (17, 130, 96, false), (70, 72, 64, true)]
+        {
             let (gw, cw) = weights(g, &c, kind, rows, cols, &mut rng);
             let x = rng.floats(n * cols);
             let (gx, cx) = pair(g, &c, &[n, cols], &x);
