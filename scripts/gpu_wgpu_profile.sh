@@ -12,7 +12,7 @@
 # tm-cli, where bin=FILE runs target/wgpu-ab/FILE instead (other builds, carried as FILE.xz);
 # default `base`), LAYERS (of the Llama-3-8B-shaped random checkpoint, default 8: each
 # layer's products are those of the 8B model, lm_head and embeddings whole), CUDA=0 skips the
-# CUDA run, LONG (default 2048; 0: none) the prompt length of a profiled run at long context, SUITES=0 the wgpu test suites (run when target/wgpu-ab holds wgpu_conformance and
+# CUDA run, LONG (default 2048; 0: none) the prompt length of a profiled run at long context (first variant only), SUITES=0 the wgpu test suites (run when target/wgpu-ab holds wgpu_conformance and
 # wgpu_end_to_end, the tm-wgpu test binaries, as in gpu_vulkan.sh), MODEL=path replaces the checkpoint. Results: $OUT/summary.txt, and $OUT/logs.tgz (profile-*.txt, bench-*.txt, ...).
 set -uo pipefail
 START=$SECONDS
@@ -34,13 +34,15 @@ if [ ! -e "$MODEL" ]; then
         { log "make_llama8b failed: $(tail -2 "$OUT/make.txt")"; exit 1; }
     log "checkpoint: $(tail -1 "$OUT/make.txt"), $(du -sh "$MODEL" | cut -f1)"
 fi
-run() { # name, timeout, extra arguments (after --input-len 128, so they may override it)...
+run() { # name, timeout, extra arguments; INPUT: the prompt length (default 128)
     local name=$1 t=$2
     shift 2
-    timeout "$t" "${VCLI:-$CLI}" bench --model "$MODEL" --num-prompts 1 --concurrency 1 --input-len 128 "$@" >"$OUT/$name.txt" 2>&1
+    timeout "$t" "${VCLI:-$CLI}" bench --model "$MODEL" --num-prompts 1 --concurrency 1 --input-len "${INPUT:-128}" "$@" \
+        >"$OUT/$name.txt" 2>&1
     log "$name: exit $? $(grep -E 'TPOT' "$OUT/$name.txt" | head -1)"
 }
-for v in ${VARIANTS:-base}; do
+VARIANTS="${VARIANTS:-base}"
+for v in $VARIANTS; do
     envs=()
     [ "$v" = base ] || IFS=, read -r -a envs <<<"$v"
     tag=$(echo "$v" | tr -c 'A-Za-z0-9_.\n-' '_')
@@ -54,8 +56,8 @@ for v in ${VARIANTS:-base}; do
         TM_WGPU_PROFILE=1 run "profile-$tag" 120 --backend wgpu --output-len 8
         grep -A14 '^wgpu profile' "$OUT/profile-$tag.txt" | tee -a "$OUT/summary.txt"
         run "bench-$tag" 120 --backend wgpu --output-len 32
-        if [ -n "${LONG:-2048}" ] && [ "${LONG:-2048}" != 0 ]; then
-            TM_WGPU_PROFILE=1 run "long-$tag" 150 --backend wgpu --input-len "${LONG:-2048}" --output-len 16
+        if [ "${LONG:-2048}" != 0 ] && [ "$v" = "${VARIANTS%% *}" ]; then
+            TM_WGPU_PROFILE=1 INPUT="${LONG:-2048}" run "long-$tag" 150 --backend wgpu --output-len 16
             grep -A14 '^wgpu profile' "$OUT/long-$tag.txt" | tee -a "$OUT/summary.txt"
         fi
     )

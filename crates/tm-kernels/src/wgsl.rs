@@ -37,10 +37,8 @@ pub const MATMUL_TILED: &str = include_str!("../wgsl/matmul_tiled.wgsl");
 pub const MATMUL_GEMV: &str = include_str!("../wgsl/matmul_gemv.wgsl");
 /// The bindings, overrides and row-sum writer of [`GEMV_VEC`] and [`GEMV_BLOCK`] (before them).
 pub const GEMV_ROWS: &str = include_str!("../wgsl/gemv_rows.wgsl");
-/// Weight rows per workgroup of the [`GEMV_VEC`] and [`GEMV_BLOCK`] kernels.
-pub const GEMV_VEC_ROWS: usize = 4;
 /// The matrix-vector body for dense weights with a column count divisible by 8 (16-byte loads),
-/// [`GEMV_VEC_ROWS`] rows per workgroup; needs a `load_w8` variant, a reduction's `wg_sum4` and
+/// several rows per workgroup (overrides `ROWS`, `WG`); needs a `load_w8` variant, a reduction's `wg_sum4` and
 /// [`GEMV_ROWS`].
 pub const GEMV_VEC: &str = include_str!("../wgsl/gemv_vec.wgsl");
 /// Dense f32 `load_w8` for [`GEMV_VEC`].
@@ -48,7 +46,7 @@ pub const GEMV_VEC_F32: &str = include_str!("../wgsl/gemv_vec_f32.wgsl");
 /// Dense f16 `load_w8` for [`GEMV_VEC`].
 pub const GEMV_VEC_F16: &str = include_str!("../wgsl/gemv_vec_f16.wgsl");
 /// The matrix-vector body for group-quantized weights, a 32-column block per thread step and
-/// [`GEMV_VEC_ROWS`] rows per workgroup; needs a `load_block`/`block_dot` variant, a reduction's
+/// several rows per workgroup (overrides `ROWS`, `WG`); needs a `load_block`/`block_dot` variant, a reduction's
 /// `wg_sum4` and [`GEMV_ROWS`].
 pub const GEMV_BLOCK: &str = include_str!("../wgsl/gemv_block.wgsl");
 /// int4 `load_block` for [`GEMV_BLOCK`].

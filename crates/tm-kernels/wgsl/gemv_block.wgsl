@@ -1,11 +1,11 @@
 // out[n, rows] = x[n, cols] W^T (+ bias) for n <= 8 (decoding) over group-quantized weights,
-// four weight rows per workgroup of 64: each thread takes whole 32-column blocks (one 16- or
-// 32-byte load of packed weights, one scale, one min per row), reads the block's activations once
-// for the four rows, and applies each row's scale and min to the block's sums (w = q * scale +
-// min, so a block adds scale * dot(q, x) + min * sum(x)). The weight variant supplies
-// `load_block(row, block)` and `block_dot(block, x)`. Params as matmul_gemv.wgsl, the workgroup
-// grid over groups of four rows.
-@compute @workgroup_size(64)
+// ROWS weight rows (default 4) per workgroup of WG (default 64): each thread takes whole
+// 32-column blocks (one 16- or 32-byte load of packed weights, one scale, one min per row), reads
+// the block's activations once for all the rows, and applies each row's scale and min to the
+// block's sums (w = q * scale + min, so a block adds scale * dot(q, x) + min * sum(x)). The weight
+// variant supplies `load_block(row, block)` and `block_dot(block, x)`. Params as
+// matmul_gemv.wgsl, the workgroup grid over groups of ROWS rows.
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid3: vec3<u32>) {
     let n = select(P(0u), TOKENS, TOKENS != 0u);
     let rows = P(1u);
@@ -18,7 +18,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid
     let quads = cols / 4u;
     // acc[t][i]: token t, row r0 + i.
     var acc: array<vec4<f32>, 8>;
-    for (var kb = lid; kb < cols / 32u; kb = kb + 64u) {
+    for (var kb = lid; kb < cols / 32u; kb = kb + WG) {
         var w: array<Block, 4>;
         for (var i = 0u; i < ROWS; i = i + 1u) {
             w[i] = load_block(min(r0 + i, rows - 1u), kb);

@@ -15,13 +15,14 @@ fn wg_sum(lid: u32, v: f32) -> f32 {
     return total;
 }
 
-// `wg_sum` of four values at once, valid in invocation 0 (the others get partial sums).
-var<workgroup> red4: array<vec4<f32>, 64>;
+// The sums of four values over a workgroup of `size` invocations (a power of two, at most 256),
+// valid in invocation 0 (the others get partial sums).
+var<workgroup> red4: array<vec4<f32>, 256>;
 
-fn wg_sum4(lid: u32, v: vec4<f32>) -> vec4<f32> {
+fn wg_sum4(lid: u32, v: vec4<f32>, size: u32) -> vec4<f32> {
     red4[lid] = v;
     workgroupBarrier();
-    for (var s = 32u; s > 0u; s = s / 2u) {
+    for (var s = size / 2u; s > 0u; s = s / 2u) {
         if (lid < s) {
             red4[lid] = red4[lid] + red4[lid + s];
         }

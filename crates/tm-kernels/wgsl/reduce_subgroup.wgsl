@@ -15,19 +15,20 @@ fn wg_sum(lid: u32, v: f32) -> f32 {
     return total / size;
 }
 
-// `wg_sum` of four values at once, valid in invocation 0 (the others get partial sums).
-var<workgroup> red4: array<vec4<f32>, 64>;
+// The sums of four values over a workgroup of `size` invocations (at most 256), valid in
+// invocation 0 (the others get partial sums).
+var<workgroup> red4: array<vec4<f32>, 256>;
 
-fn wg_sum4(lid: u32, v: vec4<f32>) -> vec4<f32> {
+fn wg_sum4(lid: u32, v: vec4<f32>, size: u32) -> vec4<f32> {
     red4[lid] = subgroupAdd(v);
-    let size = f32(subgroupAdd(1u));
+    let lanes = f32(subgroupAdd(1u));
     workgroupBarrier();
     var total = vec4<f32>(0.0);
     if (lid == 0u) {
-        for (var k = 0u; k < 64u; k = k + 1u) {
+        for (var k = 0u; k < size; k = k + 1u) {
             total = total + red4[k];
         }
     }
     workgroupBarrier();
-    return total / size;
+    return total / lanes;
 }

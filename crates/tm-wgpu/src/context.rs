@@ -37,6 +37,10 @@ pub struct WgpuOptions {
     /// Read the matrix-vector kernels' token count from their parameters instead of compiling
     /// a pipeline per count (1 ..= 8) with it fixed, which unrolls their loops over tokens.
     pub dynamic_gemv_tokens: bool,
+    /// Weight rows per workgroup of the matrix-vector kernels (1 ..= 4; default 4).
+    pub gemv_rows: Option<u32>,
+    /// Invocations per workgroup of the matrix-vector kernels (32, 64, 128 or 256; default 64).
+    pub gemv_workgroup: Option<u32>,
     /// Time every kernel launch on the GPU with timestamp queries and print the totals per
     /// kernel when the device is dropped (see [`crate::profile`]); ignored, with a warning,
     /// where the adapter has no timestamp queries. Serialises the host and the GPU.
@@ -48,7 +52,8 @@ impl WgpuOptions {
     /// `TM_WGPU_ALLOW_CPU=1` (allow a software adapter), `TM_WGPU_MEMORY_CAP` (bytes, or with a
     /// `K`/`M`/`G` suffix, powers of 1024), `TM_WGPU_F16=1` (f16 weights),
     /// `TM_WGPU_MAX_BINDING` (bytes, as the cap), `TM_WGPU_NO_SUBGROUPS=1` and
-    /// `TM_WGPU_PROFILE=1` (GPU time per kernel), `TM_WGPU_DYNAMIC_GEMV=1`. Unparsable values
+    /// `TM_WGPU_PROFILE=1` (GPU time per kernel), `TM_WGPU_DYNAMIC_GEMV=1`, `TM_WGPU_GEMV_ROWS`
+    /// and `TM_WGPU_GEMV_WG` (the matrix-vector kernels' shape). Unparsable or out-of-range values
     /// are ignored with a warning.
     pub fn from_env() -> Self {
         let var = |name: &str| std::env::var(name).ok().map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
@@ -58,6 +63,14 @@ impl WgpuOptions {
             let parsed = parse_bytes(&v);
             if parsed.is_none() {
                 tracing::warn!("ignoring {name}={v}: not a byte count");
+            }
+            parsed
+        };
+        let choice = |name: &str, allowed: &[u32]| {
+            let v = var(name)?;
+            let parsed = v.parse::<u32>().ok().filter(|n| allowed.contains(n));
+            if parsed.is_none() {
+                tracing::warn!("ignoring {name}={v}: not one of {allowed:?}");
             }
             parsed
         };
@@ -77,6 +90,8 @@ impl WgpuOptions {
             no_subgroups: flag("TM_WGPU_NO_SUBGROUPS"),
             profile: flag("TM_WGPU_PROFILE"),
             dynamic_gemv_tokens: flag("TM_WGPU_DYNAMIC_GEMV"),
+            gemv_rows: choice("TM_WGPU_GEMV_ROWS", &[1, 2, 3, 4]),
+            gemv_workgroup: choice("TM_WGPU_GEMV_WG", &[32, 64, 128, 256]),
         }
     }
 }
@@ -420,9 +435,6 @@ impl Gpu {
     pub fn record<T>(&self, f: impl FnOnce(&mut wgpu::CommandEncoder) -> T) -> Result<T> {
         let mut r = self.recorder()?;
         r.pass = None;
-        if let Some(p) = r.profiler.as_mut() {
-            p.recording();
-        }
         let device = &self.device;
         let enc = r.encoder.get_or_insert_with(|| {
             device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("tm step") })

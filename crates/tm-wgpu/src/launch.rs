@@ -104,7 +104,14 @@ impl WgpuBackend {
         if tokens != 0 && !source.contains("override TOKENS") {
             return Err(Error::invalid(format!("wgpu kernel {name} has no token count to fix")));
         }
-        let constants = [("TOKENS", f64::from(tokens))];
+        let mut constants = Vec::new();
+        if tokens != 0 {
+            constants.push(("TOKENS", f64::from(tokens)));
+        }
+        if source.contains("override ROWS") {
+            constants.push(("ROWS", f64::from(self.gemv_shape.0)));
+            constants.push(("WG", f64::from(self.gemv_shape.1)));
+        }
         let bindings = tm_kernels::wgsl::bindings(&source);
         let kinds: Vec<BindingKind> = bindings.iter().map(|b| b.1).collect();
         let device = &self.gpu.device;
@@ -146,7 +153,7 @@ impl WgpuBackend {
                     module: &module,
                     entry_point: Some(kernel.entry),
                     compilation_options: wgpu::PipelineCompilationOptions {
-                        constants: if tokens == 0 { &[] } else { &constants },
+                        constants: &constants,
                         ..Default::default()
                     },
                     cache: None,

@@ -33,6 +33,8 @@ pub struct WgpuBackend {
     pub(crate) dummy: wgpu::Buffer,
     f16_weights: bool,
     dynamic_gemv_tokens: bool,
+    /// Weight rows and invocations per workgroup of the matrix-vector kernels.
+    pub(crate) gemv_shape: (u32, u32),
     /// Readback buffer, grown as needed.
     staging: Mutex<Option<wgpu::Buffer>>,
     /// Attention's partial states over a windowed cache: (buffer, cache id), grown as needed.
@@ -177,6 +179,7 @@ impl WgpuBackend {
             dummy,
             f16_weights: opts.f16_weights,
             dynamic_gemv_tokens: opts.dynamic_gemv_tokens,
+            gemv_shape: (opts.gemv_rows.unwrap_or(4), opts.gemv_workgroup.unwrap_or(64)),
             staging: Mutex::new(None),
             scratch: Mutex::new(None),
             next_own_id: AtomicU64::new(OWN_IDS),
@@ -266,7 +269,7 @@ impl WgpuBackend {
                 // 32-column blocks (groups are multiples of 32 columns).
                 let vec = matches!(parts.suffix, "q4" | "q8") || cols.is_multiple_of(8);
                 let (name, groups) = if gemv {
-                    let per_group = if vec { tm_kernels::wgsl::GEMV_VEC_ROWS } else { 1 };
+                    let per_group = if vec { self.gemv_shape.0 as usize } else { 1 };
                     let name = self.kernel_name(if vec { "gemv_vec" } else { "gemv" }, parts.suffix)?;
                     (name, grid(rn.div_ceil(per_group) as u64))
                 } else {

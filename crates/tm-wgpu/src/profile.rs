@@ -4,8 +4,8 @@
 //! the recorded work is submitted, the timestamps are resolved, read back (the host waits for
 //! the GPU: profiling serialises the host and the device) and added to per-kernel totals. Next
 //! to them: each submission's GPU span (first pass start to last pass end, so the span minus the
-//! kernels' sum is the time between passes) and the host time spent recording it (first command
-//! to submission). [`Gpu::profile`](crate::Gpu::profile) returns the totals; the report is
+//! kernels' sum is the time between passes) and the host time spent recording it (first launch
+//! to submission; pipelines are compiled on first use, so the first steps include that). [`Gpu::profile`](crate::Gpu::profile) returns the totals; the report is
 //! printed to stderr when the device is dropped.
 //!
 //! [`WgpuOptions::profile`]: crate::WgpuOptions::profile
@@ -34,7 +34,7 @@ pub struct ProfileStats {
     pub submissions: u64,
     /// Sum over those submissions of the first pass start to the last pass end, in nanoseconds.
     pub gpu_span_ns: f64,
-    /// Host time from the first recorded command of a submission to the submission, summed.
+    /// Host time from the first launch of a submission to the submission, summed.
     pub host_record: Duration,
 }
 
@@ -121,7 +121,7 @@ impl Profiler {
         self.pending.len() as u32 >= MAX_TIMED_LAUNCHES
     }
 
-    /// Notes that a command is being recorded (starts the host clock of a new submission).
+    /// Notes that a launch is being recorded (starts the host clock of a new submission).
     pub(crate) fn recording(&mut self) {
         self.record_start.get_or_insert_with(Instant::now);
     }

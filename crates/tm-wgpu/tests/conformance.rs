@@ -685,6 +685,35 @@ fn gemv_token_counts_fixed_and_dynamic_match_cpu() {
     }
 }
 
+/// The matrix-vector kernels in other shapes (`gemv_rows`, `gemv_workgroup`), with and without
+/// subgroups, against the CPU.
+#[test]
+fn gemv_workgroup_shapes_match_cpu() {
+    let c = CpuBackend::new();
+    let mut rng = Rng(53);
+    for (rows_per, wg, no_sg) in [(1, 32, false), (3, 128, false), (2, 256, true), (4, 32, true)] {
+        let Some(g) = own_gpu(|o| {
+            o.gemv_rows = Some(rows_per);
+            o.gemv_workgroup = Some(wg);
+            o.no_subgroups = no_sg;
+        }) else {
+            return;
+        };
+        for kind in ["dense", "int4", "int8"] {
+            let (rows, cols) = (43, 512);
+            let (gw, cw) = weights(&g, &c, kind, rows, cols, &mut rng);
+            let (gb, cb) = pair(&g, &c, &[rows], &rng.floats(rows));
+            for n in [1, 3] {
+                let (gx, cx) = pair(&g, &c, &[n, cols], &rng.floats(n * cols));
+                let (mut go, mut co) = pair(&g, &c, &[n, rows], &vec![0.0; n * rows]);
+                g.matmul(&gx, &gw, Some(&gb), &mut go).unwrap();
+                c.matmul(&cx, &cw, Some(&cb), &mut co).unwrap();
+                close(&format!("gemv {kind} n={n}, {rows_per} rows x {wg}, subgroups {}", !no_sg), &g, &go, &c, &co);
+            }
+        }
+    }
+}
+
 /// KV-cache copy-on-write as device copies, in order (a chunk copied earlier may be copied on).
 #[test]
 fn copy_chunks_matches_cpu() {
