@@ -35,19 +35,18 @@ pub const MATMUL_TILED: &str = include_str!("../wgsl/matmul_tiled.wgsl");
 /// The matrix-vector body for up to [`GEMV_MAX_TOKENS`] tokens; needs a weight variant's
 /// `load_w` and a reduction's `wg_sum`.
 pub const MATMUL_GEMV: &str = include_str!("../wgsl/matmul_gemv.wgsl");
-/// The bindings, overrides and row-sum writer of [`GEMV_VEC`] and [`GEMV_BLOCK`] (before them).
+/// The bindings, overrides and row-sum writer of [`GEMV_BLOCK`] (before it).
 pub const GEMV_ROWS: &str = include_str!("../wgsl/gemv_rows.wgsl");
 /// The matrix-vector body for dense weights with a column count divisible by 8 (16-byte loads),
-/// several rows per workgroup (overrides `ROWS`, `WG`); needs a `load_w8` variant, a reduction's `wg_sum4` and
-/// [`GEMV_ROWS`].
+/// one row per workgroup; needs a `load_w8` variant and a reduction's `wg_sum`.
 pub const GEMV_VEC: &str = include_str!("../wgsl/gemv_vec.wgsl");
 /// Dense f32 `load_w8` for [`GEMV_VEC`].
 pub const GEMV_VEC_F32: &str = include_str!("../wgsl/gemv_vec_f32.wgsl");
 /// Dense f16 `load_w8` for [`GEMV_VEC`].
 pub const GEMV_VEC_F16: &str = include_str!("../wgsl/gemv_vec_f16.wgsl");
 /// The matrix-vector body for group-quantized weights, a 32-column block per thread step and
-/// several rows per workgroup (overrides `ROWS`, `WG`); needs a `load_block`/`block_dot` variant, a reduction's
-/// `wg_sum4` and [`GEMV_ROWS`].
+/// several rows per workgroup (overrides `ROWS`, `WG`); needs a `load_block`/`block_dot`
+/// variant, a reduction's `wg_sum4` and [`GEMV_ROWS`].
 pub const GEMV_BLOCK: &str = include_str!("../wgsl/gemv_block.wgsl");
 /// int4 `load_block` for [`GEMV_BLOCK`].
 pub const GEMV_BLOCK_Q4: &str = include_str!("../wgsl/gemv_block_q4.wgsl");
@@ -129,10 +128,10 @@ pub const KERNELS: &[Kernel] = &[
     kernel!("gemv_f16", "main", MATMUL_F16, REDUCE_SHARED, MATMUL_GEMV),
     subgroup_kernel!("gemv_f32_sg", "main", MATMUL_F32, REDUCE_SUBGROUP, MATMUL_GEMV),
     subgroup_kernel!("gemv_f16_sg", "main", MATMUL_F16, REDUCE_SUBGROUP, MATMUL_GEMV),
-    kernel!("gemv_vec_f32", "main", GEMV_VEC_F32, REDUCE_SHARED, GEMV_ROWS, GEMV_VEC),
-    kernel!("gemv_vec_f16", "main", GEMV_VEC_F16, REDUCE_SHARED, GEMV_ROWS, GEMV_VEC),
-    subgroup_kernel!("gemv_vec_f32_sg", "main", GEMV_VEC_F32, REDUCE_SUBGROUP, GEMV_ROWS, GEMV_VEC),
-    subgroup_kernel!("gemv_vec_f16_sg", "main", GEMV_VEC_F16, REDUCE_SUBGROUP, GEMV_ROWS, GEMV_VEC),
+    kernel!("gemv_vec_f32", "main", GEMV_VEC_F32, REDUCE_SHARED, GEMV_VEC),
+    kernel!("gemv_vec_f16", "main", GEMV_VEC_F16, REDUCE_SHARED, GEMV_VEC),
+    subgroup_kernel!("gemv_vec_f32_sg", "main", GEMV_VEC_F32, REDUCE_SUBGROUP, GEMV_VEC),
+    subgroup_kernel!("gemv_vec_f16_sg", "main", GEMV_VEC_F16, REDUCE_SUBGROUP, GEMV_VEC),
     kernel!("gemv_vec_q4", "main", GEMV_BLOCK_Q4, REDUCE_SHARED, GEMV_ROWS, GEMV_BLOCK),
     kernel!("gemv_vec_q8", "main", GEMV_BLOCK_Q8, REDUCE_SHARED, GEMV_ROWS, GEMV_BLOCK),
     subgroup_kernel!("gemv_vec_q4_sg", "main", GEMV_BLOCK_Q4, REDUCE_SUBGROUP, GEMV_ROWS, GEMV_BLOCK),

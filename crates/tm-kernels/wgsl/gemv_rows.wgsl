@@ -1,5 +1,5 @@
-// Shared by the matrix-vector bodies that take several weight rows per workgroup (gemv_vec.wgsl,
-// gemv_block.wgsl): their bindings, overrides and the reduction and write of the row sums.
+// For the matrix-vector body that takes several weight rows per workgroup (gemv_block.wgsl): its
+// bindings, overrides and the reduction and write of the row sums.
 
 // The token count when fixed at pipeline creation (1 ..= 8: the per-token loops unroll and the
 // sums stay in registers), else 0: read from the parameters.

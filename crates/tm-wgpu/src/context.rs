@@ -37,9 +37,10 @@ pub struct WgpuOptions {
     /// Read the matrix-vector kernels' token count from their parameters instead of compiling
     /// a pipeline per count (1 ..= 8) with it fixed, which unrolls their loops over tokens.
     pub dynamic_gemv_tokens: bool,
-    /// Weight rows per workgroup of the matrix-vector kernels (1 ..= 4; default 4).
+    /// Weight rows per workgroup of the int4/int8 matrix-vector kernels (1 ..= 4; default 4).
     pub gemv_rows: Option<u32>,
-    /// Invocations per workgroup of the matrix-vector kernels (32, 64, 128 or 256; default 64).
+    /// Invocations per workgroup of the int4/int8 matrix-vector kernels (32, 64, 128 or 256;
+    /// default 64).
     pub gemv_workgroup: Option<u32>,
     /// Time every kernel launch on the GPU with timestamp queries and print the totals per
     /// kernel when the device is dropped (see [`crate::profile`]); ignored, with a warning,
@@ -53,7 +54,7 @@ impl WgpuOptions {
     /// `K`/`M`/`G` suffix, powers of 1024), `TM_WGPU_F16=1` (f16 weights),
     /// `TM_WGPU_MAX_BINDING` (bytes, as the cap), `TM_WGPU_NO_SUBGROUPS=1` and
     /// `TM_WGPU_PROFILE=1` (GPU time per kernel), `TM_WGPU_DYNAMIC_GEMV=1`, `TM_WGPU_GEMV_ROWS`
-    /// and `TM_WGPU_GEMV_WG` (the matrix-vector kernels' shape). Unparsable or out-of-range values
+    /// and `TM_WGPU_GEMV_WG` (the int4/int8 matrix-vector kernels' shape). Unparsable or out-of-range values
     /// are ignored with a warning.
     pub fn from_env() -> Self {
         let var = |name: &str| std::env::var(name).ok().map(|v| v.trim().to_string()).filter(|v| !v.is_empty());

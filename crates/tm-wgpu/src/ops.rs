@@ -269,7 +269,9 @@ impl WgpuBackend {
                 // 32-column blocks (groups are multiples of 32 columns).
                 let vec = matches!(parts.suffix, "q4" | "q8") || cols.is_multiple_of(8);
                 let (name, groups) = if gemv {
-                    let per_group = if vec { self.gemv_shape.0 as usize } else { 1 };
+                    // The int4/int8 kernels take gemv_shape.0 rows per workgroup, the others one.
+                    let quant = matches!(parts.suffix, "q4" | "q8");
+                    let per_group = if quant { self.gemv_shape.0 as usize } else { 1 };
                     let name = self.kernel_name(if vec { "gemv_vec" } else { "gemv" }, parts.suffix)?;
                     (name, grid(rn.div_ceil(per_group) as u64))
                 } else {

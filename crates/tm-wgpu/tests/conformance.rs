@@ -668,7 +668,7 @@ fn gemv_token_counts_fixed_and_dynamic_match_cpu() {
     let mut rng = Rng(37);
     for g in [fixed, &dynamic] {
         for (kind, group) in [("dense", 32), ("int4", 64), ("int8", 128), ("int4", 128)] {
-            // Rows not a multiple of the kernels' four per workgroup; a bias on odd counts.
+            // Rows not a multiple of the int4/int8 kernels' four per workgroup; a bias on odd counts.
             let (rows, cols) = (42, 384);
             let (gw, cw) = grouped_weights(g, &c, kind, rows, cols, group, &mut rng);
             let (gb, cb) = pair(g, &c, &[rows], &rng.floats(rows));
@@ -685,8 +685,8 @@ fn gemv_token_counts_fixed_and_dynamic_match_cpu() {
     }
 }
 
-/// The matrix-vector kernels in other shapes (`gemv_rows`, `gemv_workgroup`), with and without
-/// subgroups, against the CPU.
+/// The int4/int8 matrix-vector kernels in other shapes (`gemv_rows`, `gemv_workgroup`; the dense
+/// ones keep theirs), with and without subgroups, against the CPU.
 #[test]
 fn gemv_workgroup_shapes_match_cpu() {
     let c = CpuBackend::new();
