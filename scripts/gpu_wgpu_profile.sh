@@ -8,6 +8,8 @@
 #     && xz -T2 -6 -f target/wgpu-ab/tm-cli
 # and on the GPU machine (carry [".gl", "target/wgpu-ab"]), from the repository root:
 #   OUT=$OUT bash scripts/gpu_wgpu_profile.sh
+# The profiled run's prompt is 8 tokens (PROFILE_INPUT), which the decode kernels take as well,
+# so its profile is that of decode steps; the timed run's is 128 tokens (INPUT).
 # Environment: VARIANTS (space-separated; `base` or NAME=VALUE[,NAME=VALUE] environment for
 # tm-cli, where bin=FILE runs target/wgpu-ab/FILE instead (other builds, carried as FILE.xz);
 # default `base`), LAYERS (of the Llama-3-8B-shaped random checkpoint, default 8: each
@@ -53,7 +55,8 @@ for v in $VARIANTS; do
             *) export "${e?}" ;;
             esac
         done
-        TM_WGPU_PROFILE=1 run "profile-$tag" 120 --backend wgpu --output-len 8
+        # A prompt of 8 tokens takes the decode kernels too, so the profile is of decode steps.
+        TM_WGPU_PROFILE=1 INPUT="${PROFILE_INPUT:-8}" run "profile-$tag" 120 --backend wgpu --output-len 16
         grep -A14 '^wgpu profile' "$OUT/profile-$tag.txt" | tee -a "$OUT/summary.txt"
         run "bench-$tag" 120 --backend wgpu --output-len 32
         if [ "${LONG:-2048}" != 0 ] && [ "$v" = "${VARIANTS%% *}" ]; then
