@@ -129,6 +129,19 @@ fn convert(from: DType, to: DType, src: &[u8]) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// The RoPE kernels' pair-layout code (0: halves, 1: interleaved) and host inputs: the positions,
+/// then the inverse frequencies' bits, with room for `extra` more words.
+fn rope_inputs(positions: &[u32], freqs: &RopeFreqs, extra: usize) -> (u32, Vec<u32>) {
+    let style = match freqs.style {
+        RopeStyle::Half => 0,
+        RopeStyle::Interleaved => 1,
+    };
+    let mut inputs = Vec::with_capacity(positions.len() + freqs.inv_freq.len() + extra);
+    inputs.extend_from_slice(positions);
+    inputs.extend(freqs.inv_freq.iter().map(|f| f.to_bits()));
+    (style, inputs)
+}
+
 /// Positions of one (token, head) that one attention workgroup takes at least.
 const PART_POSITIONS: usize = 256;
 /// Workgroups the attention aims for when it splits positions.
@@ -525,10 +538,7 @@ impl Ops for WgpuBackend {
         }
         f32_check(x, "rope input")?;
         let heads = x.numel() / (tokens * head_dim);
-        let style = match freqs.style {
-            RopeStyle::Half => 0,
-            RopeStyle::Interleaved => 1,
-        };
+        let (style, inputs) = rope_inputs(positions, freqs, 0);
         let params = [
             u32_of(tokens, "tokens")?,
             u32_of(heads, "heads")?,
@@ -536,9 +546,6 @@ impl Ops for WgpuBackend {
             style,
             freqs.attention_factor.to_bits(),
         ];
-        let mut inputs: Vec<u32> = Vec::with_capacity(tokens + half);
-        inputs.extend_from_slice(positions);
-        inputs.extend(freqs.inv_freq.iter().map(|f| f.to_bits()));
         let xb = self.whole(x, "rope input")?;
         self.dispatch_1d("rope", &params, bytemuck::cast_slice(&inputs), &[xb], tokens * heads * half)
     }
@@ -635,10 +642,8 @@ impl Ops for WgpuBackend {
         }
         let heads = q.numel() / (tokens * 2 * half);
         let kv_heads = width / (2 * half);
-        let style = match freqs.style {
-            RopeStyle::Half => 0,
-            RopeStyle::Interleaved => 1,
-        };
+        let (style, mut inputs) = rope_inputs(positions, freqs, tokens);
+        inputs.extend_from_slice(slot_mapping);
         let params = [
             u32_of(tokens, "tokens")?,
             u32_of(heads, "heads")?,
@@ -647,10 +652,6 @@ impl Ops for WgpuBackend {
             style,
             freqs.attention_factor.to_bits(),
         ];
-        let mut inputs: Vec<u32> = Vec::with_capacity(2 * tokens + half);
-        inputs.extend_from_slice(positions);
-        inputs.extend(freqs.inv_freq.iter().map(|f| f.to_bits()));
-        inputs.extend_from_slice(slot_mapping);
         let b = [
             self.whole(q, "q")?,
             self.whole(k, "k")?,
