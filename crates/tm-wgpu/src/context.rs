@@ -52,10 +52,10 @@ impl WgpuOptions {
     /// Options from the environment: `TM_WGPU_ADAPTER` (an index into [`list_adapters`]),
     /// `TM_WGPU_ALLOW_CPU=1` (allow a software adapter), `TM_WGPU_MEMORY_CAP` (bytes, or with a
     /// `K`/`M`/`G` suffix, powers of 1024), `TM_WGPU_F16=1` (f16 weights),
-    /// `TM_WGPU_MAX_BINDING` (bytes, as the cap), `TM_WGPU_NO_SUBGROUPS=1` and
-    /// `TM_WGPU_PROFILE=1` (GPU time per kernel), `TM_WGPU_DYNAMIC_GEMV=1`, `TM_WGPU_GEMV_ROWS`
-    /// and `TM_WGPU_GEMV_WG` (the int4/int8 matrix-vector kernels' shape). Unparsable or out-of-range values
-    /// are ignored with a warning.
+    /// `TM_WGPU_MAX_BINDING` (bytes, as the cap), `TM_WGPU_NO_SUBGROUPS=1`, `TM_WGPU_PROFILE=1`
+    /// (GPU time per kernel), `TM_WGPU_DYNAMIC_GEMV=1`, and `TM_WGPU_GEMV_ROWS` and
+    /// `TM_WGPU_GEMV_WG` (the int4/int8 matrix-vector kernels' shape). Unparsable or out-of-range
+    /// values are ignored with a warning.
     pub fn from_env() -> Self {
         let var = |name: &str| std::env::var(name).ok().map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
         let flag = |name: &str| var(name).is_some_and(|v| v == "1");
