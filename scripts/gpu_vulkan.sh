@@ -33,7 +33,7 @@ log() { echo "[$((SECONDS - START))s] $*" | tee -a "$OUT/summary.txt"; }
 # 1. Vulkan: the loader, NVIDIA's ICD and the adapter (scripts/vulkan_env.sh).
 . scripts/vulkan_env.sh || exit 1
 export TM_WGPU_MEMORY_CAP="${TM_WGPU_MEMORY_CAP:-100G}"
-export TM_FIXTURES="$PWD/fixtures" RUST_BACKTRACE=1 XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}"
+export TM_FIXTURES="$PWD/fixtures" RUST_BACKTRACE=1
 # The conformance suite's default-model test downloads nothing: without the file it skips.
 export TM_DEFAULT_MODEL="${TM_DEFAULT_MODEL:-/nonexistent/default-model.gguf}"
 

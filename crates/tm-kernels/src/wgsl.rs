@@ -22,6 +22,8 @@ pub const EMBEDDING_Q8: &str = include_str!("../wgsl/embedding_q8.wgsl");
 pub const RMS_NORM: &str = include_str!("../wgsl/rms_norm.wgsl");
 /// Rotary position embedding, both pair layouts.
 pub const ROPE: &str = include_str!("../wgsl/rope.wgsl");
+/// The rotary-embedding arithmetic shared by [`ROPE`] and [`ROPE_WRITE_KV`] (before them).
+pub const ROPE_MATH: &str = include_str!("../wgsl/rope_math.wgsl");
 /// `silu(gate) * up`.
 pub const SILU_MUL: &str = include_str!("../wgsl/silu_mul.wgsl");
 /// `x += y`.
@@ -114,12 +116,12 @@ pub const KERNELS: &[Kernel] = &[
     kernel!("embedding_q8", "main", EMBEDDING_Q8),
     kernel!("rms_norm", "rms_norm", RMS_NORM),
     kernel!("add_rms_norm", "add_rms_norm", RMS_NORM),
-    kernel!("rope", "main", ROPE),
+    kernel!("rope", "main", ROPE_MATH, ROPE),
     kernel!("silu_mul", "main", SILU_MUL),
     kernel!("add", "main", ADD),
     kernel!("gather_rows", "main", GATHER_ROWS),
     kernel!("write_kv", "main", WRITE_KV),
-    kernel!("rope_write_kv", "main", ROPE_WRITE_KV),
+    kernel!("rope_write_kv", "main", ROPE_MATH, ROPE_WRITE_KV),
     kernel!("matmul_f32", "main", MATMUL_F32, MATMUL_TILED),
     kernel!("matmul_f16", "main", MATMUL_F16, MATMUL_TILED),
     kernel!("matmul_q4", "main", MATMUL_Q4, MATMUL_TILED),

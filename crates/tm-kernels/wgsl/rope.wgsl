@@ -16,19 +16,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let pair = i % half;
     let head = (i / half) % heads;
     let t = i / (half * heads);
-    let angle = f32(inputs[t]) * bitcast<f32>(inputs[tokens + pair]);
-    let factor = Pf(4u);
-    let s = sin(angle) * factor;
-    let c = cos(angle) * factor;
-    let base = (t * heads + head) * 2u * half;
-    var a = base + pair;
-    var b = base + pair + half;
-    if (P(3u) == 1u) {
-        a = base + 2u * pair;
-        b = a + 1u;
-    }
-    let x1 = x[a];
-    let x2 = x[b];
-    x[a] = x1 * c - x2 * s;
-    x[b] = x2 * c + x1 * s;
+    let o = (t * heads + head) * 2u * half + rope_offsets(pair, half, P(3u));
+    let r = rope_rotate(x[o.x], x[o.y], inputs[t], bitcast<f32>(inputs[tokens + pair]), Pf(4u));
+    x[o.x] = r.x;
+    x[o.y] = r.y;
 }

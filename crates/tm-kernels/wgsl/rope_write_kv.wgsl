@@ -1,8 +1,8 @@
 // RoPE on q and k and the KV-cache write of one layer in one launch (rope.wgsl on q, on k, then
-// write_kv.wgsl, with the same arithmetic), one invocation per (token, head of q or k, pair); the
-// cache is bound whole. Params: tokens, heads, kv_heads, half (= head_dim / 2), style (0 = half,
-// 1 = interleaved), attention factor (f32 bits). Inputs: the positions (tokens words), inv_freq
-// (half f32 words), then the slot mapping (tokens words).
+// write_kv.wgsl; the arithmetic is rope_math.wgsl's, as rope.wgsl's), one invocation per (token,
+// head of q or k, pair); the cache is bound whole. Params: tokens, heads, kv_heads, half
+// (= head_dim / 2), style (0 = half, 1 = interleaved), attention factor (f32 bits). Inputs: the
+// positions (tokens words), inv_freq (half f32 words), then the slot mapping (tokens words).
 @group(0) @binding(1) var<storage, read> inputs: array<u32>;
 @group(0) @binding(2) var<storage, read_write> q: array<f32>;
 @group(0) @binding(3) var<storage, read_write> k: array<f32>;
@@ -24,36 +24,25 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     let pair = i % half;
     let head = (i / half) % all;
     let t = i / (half * all);
-    let angle = f32(inputs[t]) * bitcast<f32>(inputs[tokens + pair]);
-    let factor = Pf(5u);
-    let s = sin(angle) * factor;
-    let c = cos(angle) * factor;
-    var a = pair;
-    var b = pair + half;
-    if (P(4u) == 1u) {
-        a = 2u * pair;
-        b = a + 1u;
-    }
+    let position = inputs[t];
+    let inv_freq = bitcast<f32>(inputs[tokens + pair]);
+    let o = rope_offsets(pair, half, P(4u));
     if (head < heads) {
         let base = (t * heads + head) * 2u * half;
-        let x1 = q[base + a];
-        let x2 = q[base + b];
-        q[base + a] = x1 * c - x2 * s;
-        q[base + b] = x2 * c + x1 * s;
+        let r = rope_rotate(q[base + o.x], q[base + o.y], position, inv_freq, Pf(5u));
+        q[base + o.x] = r.x;
+        q[base + o.y] = r.y;
         return;
     }
     let kh = head - heads;
     let width = kv_heads * 2u * half;
     let base = t * width + kh * 2u * half;
-    let x1 = k[base + a];
-    let x2 = k[base + b];
-    let ra = x1 * c - x2 * s;
-    let rb = x2 * c + x1 * s;
-    k[base + a] = ra;
-    k[base + b] = rb;
+    let r = rope_rotate(k[base + o.x], k[base + o.y], position, inv_freq, Pf(5u));
+    k[base + o.x] = r.x;
+    k[base + o.y] = r.y;
     let dst = inputs[tokens + half + t] * width + kh * 2u * half;
-    k_cache[dst + a] = ra;
-    k_cache[dst + b] = rb;
-    v_cache[dst + a] = v[base + a];
-    v_cache[dst + b] = v[base + b];
+    k_cache[dst + o.x] = r.x;
+    k_cache[dst + o.y] = r.y;
+    v_cache[dst + o.x] = v[base + o.x];
+    v_cache[dst + o.y] = v[base + o.y];
 }

@@ -279,11 +279,11 @@ impl WgpuBackend {
                     b.push(self.window(t, r0 as u64 * pb, rn as u64 * pb)?);
                 }
                 // Dense rows of a multiple of 8 columns: 16-byte loads; quantized rows: whole
-                // 32-column blocks (groups are multiples of 32 columns).
-                let vec = matches!(parts.suffix, "q4" | "q8") || cols.is_multiple_of(8);
+                // 32-column blocks (groups are multiples of 32 columns), gemv_shape.0 rows per
+                // workgroup (one for the others).
+                let quant = matches!(parts.suffix, "q4" | "q8");
+                let vec = quant || cols.is_multiple_of(8);
                 let (name, groups) = if gemv {
-                    // The int4/int8 kernels take gemv_shape.0 rows per workgroup, the others one.
-                    let quant = matches!(parts.suffix, "q4" | "q8");
                     let per_group = if quant { self.gemv_shape.0 as usize } else { 1 };
                     let name = self.kernel_name(if vec { "gemv_vec" } else { "gemv" }, parts.suffix)?;
                     (name, grid(rn.div_ceil(per_group) as u64))
